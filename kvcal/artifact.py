@@ -1,0 +1,203 @@
+"""The artifact: one safetensors file per calibration result.
+
+Tensors are named `layers.{i}.{k|v|x}.{name}`. The safetensors metadata holds one JSON document under
+the key "kvcal" (the header): schema version, method, full config, model identity, calibration
+provenance, kvcal version, bits per element, and a content hash of the tensors. Files are written to
+a temporary name and renamed, so a failed run never leaves a half-written artifact. Loading checks
+the schema, the hash and (with `check_model`) that the artifact fits the model, naming the field
+that does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvcal import __version__
+from kvcal.errors import KvcalError
+
+SCHEMA_VERSION = 1
+HEADER_KEY = "kvcal"
+TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(k|v|x)\.[A-Za-z0-9_]+$")
+# Fields of the model identity that must match for an artifact to apply to a model.
+MODEL_FIELDS = ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "rope", "name", "source")
+
+
+@dataclass
+class Artifact:
+    header: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        return self.header["method"]
+
+    @property
+    def config(self) -> dict:
+        return self.header["config"]
+
+    def layer(self, i: int, kind: str) -> dict[str, torch.Tensor]:
+        """Tensors of one layer and kind ('k', 'v' or 'x'), keyed by their short name."""
+        prefix = f"layers.{i}.{kind}."
+        return {name[len(prefix) :]: t for name, t in self.tensors.items() if name.startswith(prefix)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def tensor_hash(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def check_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int) -> None:
+    for name in tensors:
+        match = TENSOR_NAME.match(name)
+        if not match:
+            raise ValueError(f"tensor name '{name}' does not follow layers.{{i}}.{{k|v|x}}.{{name}}")
+        if int(match.group(1)) >= num_layers:
+            raise ValueError(f"tensor '{name}' names a layer beyond the model's {num_layers}")
+
+
+def make_header(method, loaded, calibration: dict | None, bits, info: dict | None = None) -> dict:
+    """The header without its tensor hash, which `save_artifact` adds."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "method": method.name,
+        "config": method.config(),
+        "model": loaded.identity,
+        "calibration": calibration,
+        "kvcal_version": __version__,
+        "bits_per_element": round(bits.bits_per_element, 6),
+        "bits": bits.to_dict(),
+        "info": info or {},
+    }
+
+
+def save_artifact(path: str | Path, artifact: Artifact) -> Path:
+    """Write atomically: a temporary file in the same folder, renamed over the target at the end."""
+    path = Path(path)
+    check_tensor_names(artifact.tensors, artifact.header["model"]["num_layers"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in artifact.tensors.items()}
+    header = dict(artifact.header, tensor_hash=tensor_hash(tensors))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    artifact.header = header
+    return path
+
+
+def load_artifact(path: str | Path) -> Artifact:
+    path = Path(path)
+    if not path.is_file():
+        raise KvcalError(f"artifact {path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:
+        raise KvcalError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+    if HEADER_KEY not in metadata:
+        raise KvcalError(f"{path} is not a kvcal artifact (its metadata has no '{HEADER_KEY}' header)")
+    try:
+        header = json.loads(metadata[HEADER_KEY])
+    except json.JSONDecodeError:
+        raise KvcalError(f"{path} has a corrupt kvcal header (not JSON)") from None
+    version = header.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise KvcalError(
+            f"{path} has artifact schema version {version}; this kvcal reads version {SCHEMA_VERSION}: "
+            "re-run kvcal calibrate"
+        )
+    for key in ("method", "config", "model", "tensor_hash"):
+        if key not in header:
+            raise KvcalError(f"{path} has an incomplete kvcal header (no '{key}')")
+    if tensor_hash(tensors) != header["tensor_hash"]:
+        raise KvcalError(f"{path} is corrupt: its tensors do not match the content hash in its header")
+    return Artifact(header, tensors)
+
+
+def check_model(artifact: Artifact, loaded, path: str | Path = "artifact") -> None:
+    """Refuse an artifact made for another model, naming the first field that differs."""
+    expected = artifact.header["model"]
+    actual = loaded.identity
+    for key in MODEL_FIELDS:
+        if expected.get(key) != actual.get(key):
+            raise KvcalError(
+                f"{path} was calibrated for a model with {key}={_short(expected.get(key))}, "
+                f"but {loaded.name} has {key}={_short(actual.get(key))}"
+            )
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+@dataclass
+class Difference:
+    where: str  # "header" or a tensor name
+    what: str
+
+
+# Header fields that are expected to change between otherwise equal artifacts.
+IGNORED_IN_COMPARE = ("tensor_hash", "kvcal_version")
+
+
+def compare_artifacts(a: Artifact, b: Artifact, rtol: float = 0.0, atol: float = 0.0) -> list[Difference]:
+    diffs: list[Difference] = []
+    ha = {k: v for k, v in flatten(a.header).items() if k not in IGNORED_IN_COMPARE}
+    hb = {k: v for k, v in flatten(b.header).items() if k not in IGNORED_IN_COMPARE}
+    for key in sorted(set(ha) | set(hb)):
+        va, vb = ha.get(key, "<absent>"), hb.get(key, "<absent>")
+        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
+            if abs(va - vb) <= atol + rtol * abs(vb):
+                continue
+        elif va == vb:
+            continue
+        diffs.append(Difference("header", f"{key}: {_short(va)} != {_short(vb)}"))
+    for name in sorted(set(a.tensors) | set(b.tensors)):
+        ta, tb = a.tensors.get(name), b.tensors.get(name)
+        if ta is None or tb is None:
+            diffs.append(Difference(name, "only in " + ("B" if ta is None else "A")))
+        elif ta.shape != tb.shape or ta.dtype != tb.dtype:
+            diffs.append(Difference(name, f"{ta.dtype}{list(ta.shape)} != {tb.dtype}{list(tb.shape)}"))
+        elif ta.is_floating_point():
+            fa, fb = ta.double(), tb.double()
+            if not torch.allclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True):
+                diff = (fa - fb).abs()
+                diffs.append(Difference(name, f"max |A-B| = {diff.max().item():.3g} "
+                                              f"({(diff > atol + rtol * fb.abs()).sum().item()} of {ta.numel()} beyond tolerance)"))
+        elif not torch.equal(ta, tb):
+            diffs.append(Difference(name, f"{(ta != tb).sum().item()} of {ta.numel()} integer entries differ"))
+    return diffs

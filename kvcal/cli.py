@@ -1,0 +1,208 @@
+"""The kvcal command line (Typer). Bad input ends in one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvcal.errors import KvcalError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Calibrate, apply and evaluate KV-cache compression methods.")
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a method or an artifact.")
+app.add_typer(eval_app, name="eval")
+console = Console()
+
+ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Model alias (see `kvcal models`) or local HF directory.")
+DtypeOpt = typer.Option("float32", help="float32, bfloat16 or float16.")
+DeviceOpt = typer.Option("auto", help="cpu, cuda or auto.")
+DataDirOpt = typer.Option(None, "--data-dir", help="Folder with wiki.test.raw etc. (default: $KVCAL_DATA_DIR, else the Hub).")
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set bits=2 (repeatable).")
+
+
+@app.command("models")
+def models_command():
+    """List the model aliases."""
+    from kvcal.models import describe_models
+
+    table = Table("name", "kind", "source", "description")
+    for row in describe_models():
+        table.add_row(row["name"], row["kind"], row["source"], row["description"])
+    console.print(table)
+
+
+@app.command("methods")
+def methods_command():
+    """List the methods and their config keys with defaults."""
+    import dataclasses
+
+    from kvcal.methods import all_methods
+
+    table = Table("method", "learns", "config (defaults)", "what it does")
+    for name, cls in sorted(all_methods().items()):
+        defaults = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
+        table.add_row(name, "yes" if cls.learns else "no", defaults or "-", cls.summary)
+    console.print(table)
+
+
+@app.command("calibrate")
+def calibrate_command(
+    method: str | None = typer.Option(None, help="Method name (see `kvcal methods`)."),
+    recipe: str | None = typer.Option(None, help="Recipe YAML file or name under recipes/."),
+    model: str = ModelOpt,
+    dataset: str | None = typer.Option(None, help="wikitext2, shakespeare or a text file [recipe, else wikitext2]."),
+    data_dir: str | None = DataDirOpt,
+    nsamples: int | None = typer.Option(None, help="Calibration windows [recipe, else 16]."),
+    seqlen: int | None = typer.Option(None, help="Tokens per calibration window [recipe, else 2048]."),
+    seed: int | None = typer.Option(None, help="Seed of the window sampler [recipe, else 0]."),
+    sets: list[str] | None = SetOpt,
+    out: Path | None = typer.Option(None, help="Artifact path [artifacts/<model>/<method>-<tag>.safetensors]."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    capture_budget_gb: float = typer.Option(4.0, help="RAM for captured activations before spilling to disk."),
+    batch_size: int = typer.Option(1, help="Calibration windows per forward/backward pass."),
+):
+    """Calibrate a method on a model and write its artifact."""
+    import time
+
+    from kvcal.calib.run import default_artifact_path, run_calibration
+    from kvcal.models import load_model
+    from kvcal.recipes import resolve
+
+    instance, tag, calib = resolve(method, recipe, sets)
+    settings = {k: v for k, v in dict(dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed).items() if v is not None}
+    calib.update(settings)
+    _positive("--nsamples", calib["nsamples"])
+    _positive("--seqlen", calib["seqlen"])
+    loaded = load_model(model, dtype, device)
+    target = out or default_artifact_path(loaded.name, instance.name, tag)
+    started = time.perf_counter()
+    artifact = run_calibration(loaded, instance, target, calib["dataset"], calib["nsamples"], calib["seqlen"],
+                               calib["seed"], data_dir, int(capture_budget_gb * (1 << 30)), batch_size)
+    elapsed = time.perf_counter() - started
+    console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
+                  f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB, {elapsed:.1f} s)")
+
+
+@eval_app.command("ppl")
+def eval_ppl_command(
+    model: str | None = typer.Option(None, "--model", "-m", help="Model [the artifact's model, else smollm2-135m]."),
+    artifact: Path | None = typer.Option(None, help="Artifact from kvcal calibrate."),
+    method: str | None = typer.Option(None, help="Run a method that learns nothing (baselines) without a file."),
+    recipe: str | None = typer.Option(None, help="Like --method, from a recipe."),
+    sets: list[str] | None = SetOpt,
+    dataset: str = typer.Option("wikitext2", help="wikitext2, shakespeare or a text file."),
+    data_dir: str | None = DataDirOpt,
+    seqlen: int = typer.Option(2048, help="Tokens per evaluation window."),
+    nsamples: int | None = typer.Option(None, help="Number of windows [all]."),
+    protocol: str = typer.Option("gptq", help="gptq or prefill-decode."),
+    prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window [seqlen/2]."),
+    batch_size: int = typer.Option(1, help="Windows per forward pass."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON."),
+):
+    """Perplexity of a compressed model (DESIGN.md protocols)."""
+    from kvcal.eval.run import evaluate_ppl_command
+
+    record = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
+                                  protocol, prompt_len, batch_size, dtype, device)
+    table = Table("method", "setting", "model", "dataset", "protocol", "seqlen", "windows", "tokens", "PPL", "bits/elem")
+    table.add_row(record["method"], record["setting"], record["model"]["name"], record["dataset"]["dataset"],
+                  record["protocol"], str(record["seqlen"]), str(record["nsamples"]), str(record["tokens"]),
+                  f"{record['ppl']:.4f}", f"{record['bits_per_element']:.3f}")
+    console.print(table)
+    if json_out:
+        write_json_atomic(json_out, record)
+
+
+@app.command("inspect")
+def inspect_command(path: Path = typer.Argument(..., help="Artifact file.")):
+    """Print an artifact's header, tensors, sizes and bits per element."""
+    from kvcal.artifact import load_artifact
+
+    art = load_artifact(path)
+    h = art.header
+    m = h["model"]
+    console.print(f"[bold]{path}[/bold]")
+    console.print(f"method       {h['method']}  {json.dumps(h['config'], sort_keys=True)}")
+    console.print(f"model        {m['name']} ({m['family']}, {m['num_layers']} layers, {m['num_heads']} heads, "
+                  f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, rope {m['rope']['rope_type']} "
+                  f"theta {m['rope']['theta']:g})  source {json.dumps(m['source'], sort_keys=True)}")
+    cal = h.get("calibration")
+    console.print("calibration  " + (json.dumps(cal, sort_keys=True) if cal else "none (the method learns nothing)"))
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in h["bits"]["parts"].items())
+    console.print(f"bits/element {h['bits_per_element']:.4f} at {h['bits']['tokens']} tokens  ({parts})")
+    console.print(f"artifact     {len(art.tensors)} tensors, {art.nbytes()} bytes (static, not per token)")
+    console.print(f"kvcal        {h['kvcal_version']}, schema {h['schema_version']}, tensor sha256 {h['tensor_hash'][:16]}")
+    if h.get("info"):
+        console.print("info         " + json.dumps(h["info"], sort_keys=True))
+    if art.tensors:
+        table = Table("tensor", "dtype", "shape", "bytes")
+        for name in sorted(art.tensors, key=_natural):
+            t = art.tensors[name]
+            table.add_row(name, str(t.dtype).removeprefix("torch."), str(list(t.shape)), str(t.numel() * t.element_size()))
+        console.print(table)
+
+
+@app.command("compare")
+def compare_command(
+    a: Path = typer.Argument(..., help="First artifact."),
+    b: Path = typer.Argument(..., help="Second artifact."),
+    rtol: float = typer.Option(0.0, help="Relative tolerance for float tensors and numbers."),
+    atol: float = typer.Option(0.0, help="Absolute tolerance for float tensors and numbers."),
+):
+    """Diff two artifacts; exit 1 if they differ beyond tolerance, 0 otherwise."""
+    from kvcal.artifact import compare_artifacts, load_artifact
+
+    diffs = compare_artifacts(load_artifact(a), load_artifact(b), rtol, atol)
+    if not diffs:
+        console.print(f"identical within rtol={rtol:g} atol={atol:g}")
+        raise typer.Exit(0)
+    table = Table("where", "difference")
+    for d in diffs:
+        table.add_row(d.where, d.what)
+    console.print(table)
+    console.print(f"{len(diffs)} difference(s) beyond rtol={rtol:g} atol={atol:g}")
+    raise typer.Exit(1)
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.replace(".", " ").split()]
+
+
+def _positive(flag: str, value: int) -> None:
+    if value <= 0:
+        raise KvcalError(f"{flag} must be positive, got {value}")
+
+
+def write_json_atomic(path: Path, record: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    try:
+        app()
+    except KvcalError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[red]interrupted[/red]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

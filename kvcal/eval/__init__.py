@@ -1,0 +1,1 @@
+"""Evaluation: perplexity under both protocols, and the simulation handler it runs through."""

@@ -1,0 +1,59 @@
+"""Perplexity (DESIGN.md conventions): non-overlapping windows, PPL = exp(mean NLL) over counted tokens.
+
+Protocols:
+- gptq: every key/value is compressed as it enters the cache; query t sees key j as token-by-token
+  decoding would (full precision where the method keeps it so at step t). All seqlen-1 targets count.
+- prefill-decode: the first `prompt_len` tokens are a full-precision prefill, compressed in bulk
+  afterwards; the rest are decoded one by one. Only the predictions made by decode steps count
+  (targets prompt_len+1 .. seqlen-1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcal.eval.simulate import SimulatedAttention
+
+PROTOCOLS = ("gptq", "prefill-decode")
+
+
+@dataclass
+class NllSum:
+    nll: float = 0.0
+    tokens: int = 0
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
+
+
+def first_target(protocol: str, prompt_len: int) -> int:
+    """Index of the first target token that counts."""
+    return prompt_len + 1 if protocol == "prefill-decode" else 1
+
+
+def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Summed NLL of targets ids[:, start:] under logits[:, start-1:-1], computed in float32."""
+    pred = logits[:, start - 1 : -1].float()
+    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, start:].reshape(-1), reduction="sum")
+
+
+def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
+                  batch_size: int = 1, progress=None) -> NllSum:
+    """NLL of the windows through the gptq simulation of `codec` (whole-window forwards, no cache)."""
+    handler = SimulatedAttention(codec, prompt_len if protocol == "prefill-decode" else 0)
+    start = first_target(protocol, prompt_len)
+    total = NllSum()
+    with torch.inference_mode(), loaded.adapter.use(handler):
+        for i in range(0, windows.shape[0], batch_size):
+            batch = windows[i : i + batch_size].to(loaded.device)
+            logits = loaded.model(batch, use_cache=False).logits
+            total.nll += sequence_nll(logits, batch, start).item()
+            total.tokens += batch[:, start:].numel()
+            if progress is not None:
+                progress(batch.shape[0])
+    return total

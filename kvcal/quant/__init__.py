@@ -1,0 +1,1 @@
+"""Shared numerics: RoPE, uniform quantizers, bit packing, weighted k-means. Methods import from here."""

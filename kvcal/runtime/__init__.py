@@ -1,0 +1,1 @@
+"""Runtime: a transformers Cache that holds each layer's compressed state."""

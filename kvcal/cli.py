@@ -114,6 +114,7 @@ def eval_ppl_command(
 
     record = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                   protocol, prompt_len, batch_size, dtype, device)
+    record["command"] = invoked_command()
     table = Table("method", "setting", "model", "dataset", "protocol", "seqlen", "windows", "tokens", "PPL", "bits/elem")
     table.add_row(record["method"], record["setting"], record["model"]["name"], record["dataset"]["dataset"],
                   record["protocol"], str(record["seqlen"]), str(record["nsamples"]), str(record["tokens"]),
@@ -172,6 +173,13 @@ def compare_command(
     console.print(table)
     console.print(f"{len(diffs)} difference(s) beyond rtol={rtol:g} atol={atol:g}")
     raise typer.Exit(1)
+
+
+def invoked_command() -> str:
+    """The command line as the user typed it (recorded in result JSON for reproducibility)."""
+    import shlex
+
+    return "kvcal " + shlex.join(sys.argv[1:])
 
 
 def _natural(name: str):

@@ -109,7 +109,9 @@ class CaptureAttention(StandardAttention):
 
 def window_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Sum over windows of each window's mean next-token cross-entropy."""
-    pred = logits[:, :-1].float()
+    pred = logits[:, :-1]
+    if pred.dtype in (torch.float16, torch.bfloat16):
+        pred = pred.float()
     per_token = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
     return per_token.view(ids.shape[0], -1).mean(dim=1).sum()
 

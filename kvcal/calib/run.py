@@ -24,8 +24,9 @@ def run_calibration(loaded, method, out: str | Path, dataset: str = "wikitext2",
         text = load_text(dataset, "calib", data_dir)
         ids = tokenize(loaded.tokenizer, text.text)
         windows = calibration_windows(ids, nsamples, seqlen, seed)
-        with progress_bar(f"capturing {sorted(method.captures)}", windows.shape[0]) as advance:
-            store = capture(loaded, windows, method.captures, budget_bytes, batch_size, advance)
+        needs = method.capture_needs()
+        with progress_bar(f"capturing {', '.join(sorted(needs))}", windows.shape[0]) as advance:
+            store = capture(loaded, windows, needs, budget_bytes, batch_size, advance)
         with store:
             tensors, info = method.calibrate(loaded, store)
         calibration = {

@@ -125,6 +125,10 @@ class Method:
     def validate(self) -> None:
         """Raise KvcalError on impossible settings that do not depend on the model."""
 
+    def capture_needs(self) -> set[str]:
+        """What calibration must capture for this setting (defaults to the class's `captures`)."""
+        return set(self.captures)
+
     def check_model(self, dims) -> None:
         """Raise KvcalError if this config cannot run on a model with these dims."""
 

@@ -32,7 +32,7 @@ def all_methods() -> dict[str, type]:
 
 def _load_all() -> None:
     # Importing the modules registers their methods.
-    from kvcal.methods import baselines  # noqa: F401
+    from kvcal.methods import baselines, kvquant, skvq  # noqa: F401
 
 
 def codec_for_artifact(artifact, loaded, path="artifact"):

@@ -1,6 +1,6 @@
 """Reference attention math shared by the adapter, the gptq simulation and the torch runtime reference.
 
-Everything runs in float32 through PyTorch's SDPA with an additive mask (GQA mapped by SDPA, no repeat
+Everything runs in float32 (or float64 for float64 inputs) through PyTorch's SDPA with an additive mask (GQA mapped by SDPA, no repeat
 of K/V). Masked entries use float32's most negative finite number rather than -inf, so rows with no
 allowed key (left padding) stay finite, as in transformers' eager path.
 """
@@ -34,9 +34,10 @@ def additive_mask(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> 
 
 
 def _sdpa(q, k, v, bias, scale: float) -> torch.Tensor:
-    f32 = torch.float32
+    dtype = torch.promote_types(q.dtype, torch.float32)  # at least float32 (float64 stays float64)
     out = F.scaled_dot_product_attention(
-        q.to(f32), k.to(f32), v.to(f32), attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=None if bias is None else bias.to(dtype),
+        is_causal=bias is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.to(q.dtype)
 
@@ -44,11 +45,7 @@ def _sdpa(q, k, v, bias, scale: float) -> torch.Tensor:
 def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D] in q's dtype."""
     if mask is None and q.shape[2] == k.shape[2]:  # plain causal: let SDPA skip the mask entirely
-        f32 = torch.float32
-        out = F.scaled_dot_product_attention(
-            q.to(f32), k.to(f32), v.to(f32), is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        return out.to(q.dtype)
+        return _sdpa(q, k, v, None, scale)
     return _sdpa(q, k, v, additive_mask(mask, q.shape[2], k.shape[2], q.device), scale)
 
 

@@ -96,11 +96,11 @@ def llama31_8b_config():
     )
 
 
-def build_random_model(config, dtype: torch.dtype, device: str, seed: int = 0):
+def build_random_model(config, dtype: torch.dtype, device: str, seed: int = 0, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()

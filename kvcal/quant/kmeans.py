@@ -11,9 +11,13 @@ weight, mean and cost come from the prefix sums, so each Lloyd step costs O(k lo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+INIT_SAMPLE = 50_000  # points seen by k-means++ initialisation on large inputs
 
 
 @dataclass
@@ -49,18 +53,30 @@ def _weighted_choice(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, u.to(cdf.device)).clamp(max=probs.numel() - 1))
 
 
+def _sqdist(points: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
+    if points.shape[1] == 1:  # a reduction over a dimension of size 1 is needlessly slow
+        return (points[:, 0] - center[0]) ** 2
+    return ((points - center) ** 2).sum(1)
+
+
 def _kmeans_pp(points, weights, k, generator):
+    """Greedy k-means++ (as scikit-learn): each new center is the best of 2 + log(k) D^2-weighted draws."""
     n = points.shape[0]
+    trials = 2 + int(math.log(k))
     centers = torch.empty(k, points.shape[1], dtype=points.dtype, device=points.device)
     centers[0] = points[_weighted_choice(weights, generator)]
-    closest = ((points - centers[0]) ** 2).sum(1)
+    closest = _sqdist(points, centers[0])
     for i in range(1, k):
         score = weights * closest
-        if float(score.sum()) <= 0:  # fewer distinct points than clusters: reuse points
-            centers[i] = points[_weighted_choice(weights, generator) if n else 0]
-        else:
-            centers[i] = points[_weighted_choice(score, generator)]
-        closest = torch.minimum(closest, ((points - centers[i]) ** 2).sum(1))
+        best = None
+        for _ in range(trials):
+            idx = _weighted_choice(score if float(score.sum()) > 0 else weights, generator)
+            candidate = torch.minimum(closest, _sqdist(points, points[idx]))
+            potential = float((weights * candidate).sum())
+            if best is None or potential < best[0]:
+                best = (potential, idx, candidate)
+        _, idx, closest = best
+        centers[i] = points[idx]
     return centers
 
 
@@ -128,9 +144,8 @@ def _lloyd_1d(data: _Sorted1D, points, weights, centers, max_iter, tol):
         inertia = new_inertia
         if converged:
             break
-    centers = c.to(points.dtype)[:, None]
-    labels, d2 = _assign(points, centers)
-    return centers, labels, float((weights.to(torch.float64) * d2.to(torch.float64)).sum()), it
+    # Labels are computed once, for the best run (see weighted_kmeans); the cost comes from prefix sums.
+    return c.to(points.dtype)[:, None], None, float(data.stats(c)[2].sum()), it
 
 
 def weighted_kmeans(points: torch.Tensor, k: int, weights: torch.Tensor | None = None, seed: int = 0,
@@ -146,16 +161,18 @@ def weighted_kmeans(points: torch.Tensor, k: int, weights: torch.Tensor | None =
     sorted_1d = _Sorted1D(points[:, 0], weights) if points.shape[1] == 1 else None
     best = None
     for _ in range(n_init):
-        centers = _kmeans_pp(points, weights, k, generator)
+        if points.shape[0] > INIT_SAMPLE:
+            # k-means++ on a uniform subsample (its weights kept); Lloyd then runs on every point.
+            pick = torch.randint(points.shape[0], (INIT_SAMPLE,), generator=generator).to(points.device)
+            centers = _kmeans_pp(points[pick], weights[pick], k, generator)
+        else:
+            centers = _kmeans_pp(points, weights, k, generator)
         if sorted_1d is not None:
             centers, labels, inertia, iters = _lloyd_1d(sorted_1d, points, weights, centers, max_iter, tol)
         else:
             centers, labels, inertia, iters = _lloyd(points, weights, centers, max_iter, tol)
         if best is None or inertia < best.inertia:
             best = KMeansResult(centers, labels, inertia, iters)
-    if points.shape[1] == 1:  # sorted centroids, labels renumbered to match
-        order = torch.argsort(best.centers[:, 0])
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(k, device=order.device)
-        best = KMeansResult(best.centers[order], rank[best.labels], best.inertia, best.iterations)
+    if points.shape[1] == 1:  # sorted centroids (the 1-D path keeps them sorted), labels to match
+        best.labels = _assign(points, best.centers)[0]
     return best

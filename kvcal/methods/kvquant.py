@@ -1,0 +1,293 @@
+"""KVQuant (Hooper et al., 2024): non-uniform KV-cache quantization calibrated with Fisher information.
+
+- Keys are quantized per channel, before RoPE, with ranges calibrated offline (percentiles over the
+  calibration tokens); values per token with ranges computed online.
+- The datatype (nuqX) is one sorted table of 2^X levels per layer and tensor, in a domain where each
+  vector is normalized to [-1, 1]; it is learned by weighted k-means with the diagonal Fisher
+  information (squared gradient of the LM loss w.r.t. the key/value activations) as weights.
+- Dense-and-sparse: ~1% of elements per vector (0.5% each tail) stay exact; keys use the calibrated
+  per-channel thresholds, values the per-token top/bottom elements.
+- Attention sink: the first token stays in fp16 and is left out of calibration.
+- Q-Norm (optional, on by default at 2 bits): an affine correction of the decode table that restores
+  the mean and std of the normalized values (seed paper, section 3.5).
+
+Where the paper versions and the official code disagree we follow ../shared/papers/kvquant.md section 8:
+weights F*s^2 (NeurIPS version, App. E) by default rather than the code's F; the sink excluded from the
+thresholds as well (paper) and not only from k-means (code); per-token value ranges over the whole
+token vector across KV heads (paper and code); value outliers per side = floor(0.005*C) + 1 (the
+code's deployment rule; 1 per side on C = 192); our own seeded weighted k-means (k-means++, best of 3
+inits) instead of sklearn's single init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.accounting import FP16_BYTES, fp16_token_bytes
+from kvcal.errors import KvcalError
+from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.registry import register
+from kvcal.quant.kmeans import weighted_kmeans
+from kvcal.quant.nonuniform import nearest_level, outlier_bounds, quantile
+from kvcal.quant.rope import apply_rope, rope_cos_sin
+from kvcal.quant.uniform import round_params
+
+WEIGHTINGS = ("fisher_scale", "fisher", "none")
+DATATYPES = ("nuq", "int")
+GRANULARITIES = ("per_channel", "per_token")
+OUTLIER_ENTRY_BYTES = 4  # fp16 value + 16-bit index within the vector
+OUTLIER_POINTER_BYTES = 4  # 32-bit CSR/CSC pointer per token, for K and for V
+
+
+def per_side_outliers(fraction: float, channels: int) -> int:
+    """Outliers per side of a per-token vector: floor(fraction/2 * C) + 1 (0 when fraction is 0)."""
+    return 0 if fraction <= 0 else int(fraction / 2 * channels) + 1
+
+
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [B, T, H*D] (one row per token, channels in projection order)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+def from_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    b, t, c = rows.shape
+    return rows.reshape(b, t, heads, c // heads).transpose(1, 2)
+
+
+def lookup(xn: torch.Tensor, encode: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+    """Nearest level of the encode table (on values clamped to [-1, 1]), read back from the decode table."""
+    return decode[nearest_level(xn.clamp(-1, 1), encode)]
+
+
+def quantize_static(rows, lo, hi, encode, decode, sparse: bool) -> torch.Tensor:
+    """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
+    (kept exact) when `sparse`, else clamped to the extreme levels."""
+    x = rows.to(torch.float32)
+    zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+    out = lookup((x - zero) / scale, encode, decode) * scale + zero
+    if sparse:
+        out = torch.where((x > hi) | (x < lo), x, out)
+    return out.to(rows.dtype)
+
+
+def quantize_dynamic(rows, encode, decode, per_side: int) -> torch.Tensor:
+    """Per-token quantization: each row's range comes from its own values after setting aside its
+    `per_side` largest and smallest elements as exact outliers. Scale and zero are stored in fp16."""
+    x = rows.to(torch.float32)
+    lo, hi, outliers = outlier_bounds(x, per_side, dim=-1)
+    zero = round_params((hi + lo) / 2, torch.float16)
+    scale = round_params((hi - lo) / 2, torch.float16).clamp_min(1e-8)
+    out = lookup((x - zero) / scale, encode, decode) * scale + zero
+    return torch.where(outliers, x, out).to(rows.dtype)
+
+
+class KVQuantCodec(Codec):
+    def __init__(self, method: KVQuant, tensors: dict[str, torch.Tensor], dims):
+        self.method = method
+        self.heads = dims.num_kv_heads
+        self.keys_pre_rope = method.pre_rope
+        self.policy = FlushPolicy(sink=method.sink)
+        self.per_side = per_side_outliers(method.outliers, dims.kv_channels)
+        self.tables = []
+        for i in range(dims.num_layers):
+            layer = {}
+            for kind in ("k", "v"):
+                for name in ("encode", "decode", "lo", "hi"):
+                    key = f"layers.{i}.{kind}.{name}"
+                    if key in tensors:
+                        layer[f"{kind}_{name}"] = tensors[key].to(torch.float32)
+            self.tables.append(layer)
+        self._device = None
+
+    def _on(self, device):
+        if self._device != device:
+            self.tables = [{k: t.to(device) for k, t in layer.items()} for layer in self.tables]
+            self._device = device
+        return self.tables
+
+    def quantize_keys(self, layer, k):
+        t = self._on(k.device)[layer]
+        rows = to_rows(k)
+        if self.method.key_granularity == "per_channel":
+            out = quantize_static(rows, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.per_side > 0)
+        else:
+            out = quantize_dynamic(rows, t["k_encode"], t["k_decode"], self.per_side)
+        return from_rows(out, self.heads)
+
+    def quantize_values(self, layer, v):
+        t = self._on(v.device)[layer]
+        return from_rows(quantize_dynamic(to_rows(v), t["v_encode"], t["v_decode"], self.per_side), self.heads)
+
+
+@register
+@dataclass
+class KVQuant(Method):
+    """nuqX datatypes by Fisher-weighted k-means, pre-RoPE per-channel keys, dense-and-sparse outliers."""
+
+    name = "kvquant"
+    summary = "Fisher-weighted non-uniform datatypes, pre-RoPE per-channel keys, 1% outliers"
+    learns = True
+    captures = ("k", "v", "fisher")
+
+    bits: int = 4
+    outliers: float = 0.01  # fraction of each vector kept exact (half at each tail); 0 = dense only
+    sink: int = 1  # first tokens kept in fp16 and left out of calibration
+    weighting: str = "fisher_scale"  # k-means weights: F*s^2 (NeurIPS App. E), F (seed paper, code), none
+    datatype: str = "nuq"  # nuq: k-means levels; int: uniform levels (the ablation baseline)
+    qnorm: bool | None = None  # None: on at 2 bits only, as in the seed paper
+    key_granularity: str = "per_channel"  # per_channel (offline ranges) or per_token (online, ablation)
+    pre_rope: bool = True  # quantize keys before RoPE
+    kmeans_inits: int = 3
+    kmeans_iters: int = 100
+    seed: int = 0
+
+    def validate(self):
+        if self.bits not in (2, 3, 4):
+            raise KvcalError(f"kvquant bits must be 2, 3 or 4, got {self.bits}")
+        if not 0 <= self.outliers < 0.5:
+            raise KvcalError(f"kvquant outliers is a fraction in [0, 0.5), got {self.outliers}")
+        if self.sink < 0:
+            raise KvcalError("kvquant sink must be >= 0")
+        for key, value, allowed in (("weighting", self.weighting, WEIGHTINGS), ("datatype", self.datatype, DATATYPES),
+                                    ("key_granularity", self.key_granularity, GRANULARITIES)):
+            if value not in allowed:
+                raise KvcalError(f"kvquant {key} must be one of {', '.join(allowed)}, got '{value}'")
+        if self.kmeans_inits < 1 or self.kmeans_iters < 1:
+            raise KvcalError("kvquant kmeans_inits and kmeans_iters must be >= 1")
+
+    @property
+    def use_qnorm(self) -> bool:
+        return self.bits == 2 if self.qnorm is None else self.qnorm
+
+    def capture_needs(self) -> set[str]:
+        fisher = self.datatype == "nuq" and self.weighting != "none"
+        return {"k", "v"} | ({"fisher"} if fisher else set())
+
+    def tag(self) -> str:
+        name = f"{self.datatype}{self.bits}"
+        if self.outliers:
+            name += f"-{self.outliers * 100:g}pct"
+        return name
+
+    # ---- calibration -------------------------------------------------------------------------------
+    def calibrate(self, loaded, store):
+        from kvcal.progress import progress_bar
+
+        if self.datatype == "nuq" and self.weighting != "none" and not self.pre_rope:
+            raise KvcalError("kvquant: Fisher weights are taken before RoPE; use pre_rope=true or weighting=none")
+        dims = loaded.dims
+        per_side = per_side_outliers(self.outliers, dims.kv_channels)
+        positions = store.token_positions
+        keep_rows = positions >= self.sink  # the sink tokens never enter calibration
+        device = loaded.device
+        tensors, info = {}, {"key_outlier_rate": [], "fisher_err_k": [], "fisher_err_v": []}
+        with progress_bar("kvquant: fitting datatypes", dims.num_layers) as advance:
+            for i in range(dims.num_layers):
+                data = {name: t.to(device) for name, t in store.layer(i).items()}
+                k = data["k"]
+                if not self.pre_rope:
+                    k = rotate_rows(k, positions.to(device), loaded.adapter.inv_freq, dims)
+                k, v = k[keep_rows], data["v"][keep_rows]
+                fk = data["fisher_k"][keep_rows] if "fisher_k" in data else None
+                fv = data["fisher_v"][keep_rows] if "fisher_v" in data else None
+                key_tables, k_rate, k_err = self._fit_keys(k, fk, per_side)
+                value_tables, _, v_err = self._fit_dynamic(v, fv, per_side)
+                for name, t in {**key_tables, **{f"v.{n}": t for n, t in value_tables.items()}}.items():
+                    tensors[f"layers.{i}.{name}"] = t.cpu()
+                info["key_outlier_rate"].append(round(k_rate, 5))
+                info["fisher_err_k"].append(k_err)
+                info["fisher_err_v"].append(v_err)
+                advance()
+        return tensors, info
+
+    def _fit_keys(self, k, fisher, per_side):
+        if self.key_granularity == "per_token":
+            tables, rate, err = self._fit_dynamic(k, fisher, per_side)
+            return {f"k.{n}": t for n, t in tables.items()}, rate, err
+        tail = self.outliers / 2
+        lo = quantile(k, tail, dim=0) if self.outliers else k.amin(0)
+        hi = quantile(k, 1 - tail, dim=0) if self.outliers else k.amax(0)
+        zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+        xn = (k - zero) / scale
+        inside = xn.abs() <= 1
+        weights = self._weights(fisher, scale.expand_as(k))
+        encode, decode = self._datatype(xn[inside], None if weights is None else weights[inside])
+        tables = {"k.lo": lo, "k.hi": hi, "k.encode": encode, "k.decode": decode}
+        err = self._fisher_err(fisher, k, quantize_static(k, lo, hi, encode, decode, self.outliers > 0))
+        return tables, float((~inside).float().mean()), err
+
+    def _fit_dynamic(self, x, fisher, per_side):
+        lo, hi, outlier = outlier_bounds(x, per_side, dim=-1)
+        zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+        xn = (x - zero) / scale
+        inside = ~outlier
+        weights = self._weights(fisher, scale.expand_as(x))
+        encode, decode = self._datatype(xn[inside], None if weights is None else weights[inside])
+        err = self._fisher_err(fisher, x, quantize_dynamic(x, encode, decode, per_side))
+        return {"encode": encode, "decode": decode}, float(outlier.float().mean()), err
+
+    def _weights(self, fisher, scale):
+        if self.weighting == "none" or self.datatype != "nuq":
+            return None
+        if fisher is None:
+            raise KvcalError("kvquant: Fisher information was not captured")
+        return fisher * scale**2 if self.weighting == "fisher_scale" else fisher
+
+    def _datatype(self, values: torch.Tensor, weights: torch.Tensor | None):
+        """(encode, decode) tables [2^bits]: sorted levels, and the Q-Norm-corrected copy."""
+        levels = 1 << self.bits
+        if self.datatype == "int":
+            encode = torch.linspace(-1, 1, levels, device=values.device)
+        else:
+            encode = weighted_kmeans(values, levels, weights, seed=self.seed, n_init=self.kmeans_inits,
+                                     max_iter=self.kmeans_iters).centers[:, 0]
+        decode = encode.clone()
+        if self.use_qnorm:
+            # Match mean and std of the rounded values to the originals (per-matrix, unweighted, [S] eq. 3).
+            rounded = encode[nearest_level(values.clamp(-1, 1), encode)]
+            a = values.std() / rounded.std().clamp_min(1e-12)
+            decode = (encode - rounded.mean()) * a + values.mean()
+        return encode, decode
+
+    @staticmethod
+    def _fisher_err(fisher, x, x_hat) -> float:
+        """Sum of F * (x - Q(x))^2 over the calibration elements (per-layer sensitivity, for diagnostics)."""
+        if fisher is None:
+            return float(((x - x_hat) ** 2).sum())
+        return float((fisher * (x - x_hat) ** 2).sum())
+
+    # ---- runtime -------------------------------------------------------------------------------------
+    def build_codec(self, tensors, dims) -> Codec:
+        expected = {f"layers.{i}.{kind}.{name}" for i in range(dims.num_layers) for kind in "kv"
+                    for name in ("encode", "decode")}
+        missing = expected - set(tensors)
+        if missing:
+            raise KvcalError(f"kvquant artifact is missing {len(missing)} tables (e.g. {sorted(missing)[0]})")
+        return KVQuantCodec(self, tensors, dims)
+
+    def footprint(self, dims, tokens):
+        channels, layers = dims.kv_channels, dims.num_layers
+        sinks = min(self.sink, tokens)
+        stored = (tokens - sinks) * layers  # tokens x layers held as codes
+        per_side = per_side_outliers(self.outliers, channels)
+        dynamic = 1 + (self.key_granularity == "per_token")  # per-token (scale, zero) pairs: V, and K if per token
+        key_outliers = 2 * per_side if self.key_granularity == "per_token" else self.outliers * channels
+        parts = {
+            "codes": 2 * stored * channels * self.bits / 8,
+            "scales_zeros": dynamic * stored * 2 * FP16_BYTES,
+        }
+        if self.outliers:
+            parts["outliers"] = (key_outliers + 2 * per_side) * stored * OUTLIER_ENTRY_BYTES
+            parts["outlier_pointers"] = 2 * stored * OUTLIER_POINTER_BYTES
+        parts["fp16_sinks"] = fp16_token_bytes(dims, sinks)
+        return parts
+
+
+def rotate_rows(rows: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, dims) -> torch.Tensor:
+    """Apply RoPE to token rows [N, C] at their positions [N] (for the post-RoPE ablation)."""
+    cos, sin = rope_cos_sin(inv_freq, positions[None], torch.float32)
+    x = rows.view(1, -1, dims.num_kv_heads, dims.head_dim).transpose(1, 2)
+    return to_rows(apply_rope(x, cos, sin))[0]

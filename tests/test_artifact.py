@@ -1,0 +1,94 @@
+"""Artifact write/read, validation errors, and compare."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvcal.accounting import bits_per_element
+from kvcal.artifact import (
+    HEADER_KEY, Artifact, check_model, compare_artifacts, load_artifact, make_header, save_artifact,
+)
+from kvcal.errors import KvcalError
+from kvcal.methods import build_method
+from kvcal.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")
+
+
+def make(tiny, tensors=None, bits=2):
+    method = build_method("kivi", {"bits": bits, "group_size": 4, "residual": 8})
+    header = make_header(method, tiny, None, bits_per_element(method, tiny.dims))
+    return Artifact(header, tensors if tensors is not None else {"layers.0.k.scale": torch.arange(4.0)})
+
+
+def test_round_trip_and_determinism(tmp_path, tiny):
+    a = save_artifact(tmp_path / "a.safetensors", make(tiny))
+    b = save_artifact(tmp_path / "b.safetensors", make(tiny))
+    assert a.read_bytes() == b.read_bytes()  # same inputs, bit-identical file
+    loaded = load_artifact(a)
+    assert loaded.method == "kivi" and loaded.config["bits"] == 2
+    assert torch.equal(loaded.tensors["layers.0.k.scale"], torch.arange(4.0))
+    assert loaded.layer(0, "k") == {"scale": loaded.tensors["layers.0.k.scale"]}
+    assert loaded.header["model"]["num_layers"] == tiny.dims.num_layers
+    check_model(loaded, tiny)  # fits the model it was made for
+
+
+def test_no_partial_file_when_saving_fails(tmp_path, tiny):
+    bad = make(tiny, {"layers.0.k.scale": torch.ones(2), "not a valid name": torch.ones(2)})
+    with pytest.raises(ValueError):
+        save_artifact(tmp_path / "x.safetensors", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_and_foreign_files_are_clear_errors(tmp_path, tiny):
+    path = save_artifact(tmp_path / "a.safetensors", make(tiny))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # flip a bit of the last tensor
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(KvcalError, match="corrupt"):
+        load_artifact(corrupt)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    with pytest.raises(KvcalError, match="not a readable safetensors"):
+        load_artifact(garbage)
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.ones(1)}, str(foreign))
+    with pytest.raises(KvcalError, match="not a kvcal artifact"):
+        load_artifact(foreign)
+    with pytest.raises(KvcalError, match="not found"):
+        load_artifact(tmp_path / "missing.safetensors")
+
+
+def test_schema_version_mismatch(tmp_path, tiny):
+    art = make(tiny)
+    art.header["schema_version"] = 99
+    path = tmp_path / "v99.safetensors"
+    save_file({"layers.0.k.scale": torch.arange(4.0)}, str(path), metadata={HEADER_KEY: json.dumps(art.header)})
+    with pytest.raises(KvcalError, match="schema version 99"):
+        load_artifact(path)
+
+
+def test_model_mismatch_names_the_field(tmp_path, tiny):
+    path = save_artifact(tmp_path / "a.safetensors", make(tiny))
+    other = load_model("tiny-qwen3")
+    with pytest.raises(KvcalError, match="family=llama, but tiny-qwen3 has family=qwen3"):
+        check_model(load_artifact(path), other, path)
+
+
+def test_compare(tmp_path, tiny):
+    a = load_artifact(save_artifact(tmp_path / "a.safetensors", make(tiny)))
+    assert compare_artifacts(a, a) == []
+    b = load_artifact(save_artifact(tmp_path / "b.safetensors", make(tiny, {"layers.0.k.scale": torch.arange(4.0) + 1e-4})))
+    diffs = compare_artifacts(a, b)
+    assert [d.where for d in diffs] == ["layers.0.k.scale"]
+    assert compare_artifacts(a, b, atol=1e-3) == []
+    c = load_artifact(save_artifact(tmp_path / "c.safetensors", make(tiny, bits=3)))
+    where = {d.what.split(":")[0] for d in compare_artifacts(a, c)}
+    assert {"config.bits", "bits_per_element"} <= where

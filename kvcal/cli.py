@@ -57,17 +57,20 @@ def calibrate_command(
     method: str | None = typer.Option(None, help="Method name (see `kvcal methods`)."),
     recipe: str | None = typer.Option(None, help="Recipe YAML file or name under recipes/."),
     model: str = ModelOpt,
-    dataset: str | None = typer.Option(None, help="wikitext2, shakespeare or a text file [recipe, else wikitext2]."),
+    dataset: str | None = typer.Option(None, help="wikitext2, shakespeare or a text file (default: recipe, else wikitext2)."),
     data_dir: str | None = DataDirOpt,
-    nsamples: int | None = typer.Option(None, help="Calibration windows [recipe, else 16]."),
-    seqlen: int | None = typer.Option(None, help="Tokens per calibration window [recipe, else 2048]."),
-    seed: int | None = typer.Option(None, help="Seed of the window sampler [recipe, else 0]."),
+    nsamples: int | None = typer.Option(None, help="Calibration windows (default: recipe, else 16)."),
+    seqlen: int | None = typer.Option(None, help="Tokens per calibration window (default: recipe, else 2048)."),
+    seed: int | None = typer.Option(None, help="Seed of the window sampler (default: recipe, else 0)."),
     sets: list[str] | None = SetOpt,
-    out: Path | None = typer.Option(None, help="Artifact path [artifacts/<model>/<method>-<tag>.safetensors]."),
+    out: Path | None = typer.Option(None, help="Artifact path (default: artifacts/MODEL/METHOD-TAG.safetensors)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     capture_budget_gb: float = typer.Option(4.0, help="RAM for captured activations before spilling to disk."),
     batch_size: int = typer.Option(1, help="Calibration windows per forward/backward pass."),
+    capture_cache: Path | None = typer.Option(
+        None, help="Folder where captured activations are kept and reused by later runs with the same "
+        "model, dtype, windows and needs (several settings from one capture)."),
 ):
     """Calibrate a method on a model and write its artifact."""
     import time
@@ -85,7 +88,7 @@ def calibrate_command(
     target = out or default_artifact_path(loaded.name, instance.name, tag)
     started = time.perf_counter()
     artifact = run_calibration(loaded, instance, target, calib["dataset"], calib["nsamples"], calib["seqlen"],
-                               calib["seed"], data_dir, int(capture_budget_gb * (1 << 30)), batch_size)
+                               calib["seed"], data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache)
     elapsed = time.perf_counter() - started
     console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
                   f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB, {elapsed:.1f} s)")
@@ -93,7 +96,7 @@ def calibrate_command(
 
 @eval_app.command("ppl")
 def eval_ppl_command(
-    model: str | None = typer.Option(None, "--model", "-m", help="Model [the artifact's model, else smollm2-135m]."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the artifact model, else smollm2-135m)."),
     artifact: Path | None = typer.Option(None, help="Artifact from kvcal calibrate."),
     method: str | None = typer.Option(None, help="Run a method that learns nothing (baselines) without a file."),
     recipe: str | None = typer.Option(None, help="Like --method, from a recipe."),
@@ -101,9 +104,9 @@ def eval_ppl_command(
     dataset: str = typer.Option("wikitext2", help="wikitext2, shakespeare or a text file."),
     data_dir: str | None = DataDirOpt,
     seqlen: int = typer.Option(2048, help="Tokens per evaluation window."),
-    nsamples: int | None = typer.Option(None, help="Number of windows [all]."),
+    nsamples: int | None = typer.Option(None, help="Number of windows (default: all)."),
     protocol: str = typer.Option("gptq", help="gptq or prefill-decode."),
-    prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window [seqlen/2]."),
+    prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window (default: seqlen/2)."),
     batch_size: int = typer.Option(1, help="Windows per forward pass."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,

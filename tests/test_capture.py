@@ -87,3 +87,22 @@ def test_fisher_against_finite_differences():
     grad = (losses[0] - losses[1]) / (2 * eps)
     assert fisher[token, channel].item() == pytest.approx(grad**2, rel=2e-2)
     assert grad != 0
+
+
+def test_capture_cache_is_reused_and_extended(tmp_path):
+    from kvcal.calib.run import cached_capture
+
+    loaded = load_model("tiny-llama")
+    windows = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    first = cached_capture(loaded, windows, {"k"}, 1 << 30, 1, tmp_path)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    stamp = (folder / "positions.safetensors").stat().st_mtime_ns
+    again = cached_capture(loaded, windows, {"k"}, 1 << 30, 1, tmp_path)
+    assert (folder / "positions.safetensors").stat().st_mtime_ns == stamp  # read back, not recaptured
+    torch.testing.assert_close(again.layer(1)["k"], first.layer(1)["k"], rtol=0, atol=0)
+    assert torch.equal(again.token_positions, first.token_positions)
+    wider = cached_capture(loaded, windows, {"v"}, 1 << 30, 1, tmp_path)  # not cached yet: union captured
+    assert {"k", "v"} <= set(wider.layer(0))
+    assert set(cached_capture(loaded, windows, {"k", "v"}, 1 << 30, 1, tmp_path).layer(0)) == {"k", "v"}
+    other = cached_capture(loaded, windows[:1], {"k"}, 1 << 30, 1, tmp_path)  # other windows: another entry
+    assert other.layer(0)["k"].shape[0] == 16 and len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2

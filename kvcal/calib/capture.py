@@ -48,15 +48,34 @@ class CaptureStore:
     def add(self, per_layer: list[dict[str, torch.Tensor]], positions: torch.Tensor) -> None:
         nbytes = sum(t.numel() * 4 for layer in per_layer for t in layer.values())
         self.positions.append(positions.reshape(-1).cpu())
-        if self.memory_bytes + nbytes <= self.budget_bytes:
+        # Once a chunk has spilled, all later ones spill too, so layer() reads chunks in order.
+        if not self.spilled and self.memory_bytes + nbytes <= self.budget_bytes:
             self.memory.append(per_layer)
             self.memory_bytes += nbytes
             return
         if self._spill_dir is None:
             self._spill_dir = Path(tempfile.mkdtemp(prefix="kvcal-capture-"))
         path = self._spill_dir / f"chunk{len(self.spilled):05d}.safetensors"
-        save_file({f"{i}.{name}": t for i, layer in enumerate(per_layer) for name, t in layer.items()}, str(path))
+        _write_chunk(per_layer, path)
         self.spilled.append(path)
+
+    def save(self, folder: Path) -> None:
+        """Persist the whole capture (for `--capture-cache`): chunk files plus token positions."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for n, chunk in enumerate(self.memory):
+            _write_chunk(chunk, folder / f"chunk{n:05d}.safetensors")
+        for n, path in enumerate(self.spilled, start=len(self.memory)):
+            shutil.copyfile(path, folder / f"chunk{n:05d}.safetensors")
+        save_file({"positions": self.token_positions}, str(folder / "positions.safetensors"))
+
+    @classmethod
+    def load(cls, folder: Path, num_layers: int) -> CaptureStore:
+        """A store over a saved capture; its files are read in place and never deleted."""
+        store = cls(num_layers, budget_bytes=0)
+        store.spilled = sorted(folder.glob("chunk*.safetensors"))
+        with safe_open(str(folder / "positions.safetensors"), framework="pt") as f:
+            store.positions = [f.get_tensor("positions")]
+        return store
 
     @property
     def token_positions(self) -> torch.Tensor:
@@ -87,6 +106,10 @@ class CaptureStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _write_chunk(per_layer: list[dict[str, torch.Tensor]], path: Path) -> None:
+    save_file({f"{i}.{name}": t.contiguous() for i, layer in enumerate(per_layer) for name, t in layer.items()}, str(path))
 
 
 class CaptureAttention(StandardAttention):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
-from kvcal.calib.capture import capture
+from kvcal.calib.capture import CaptureStore, capture
 from kvcal.data import calibration_windows, load_text, tokenize
 from kvcal.progress import progress_bar
 
@@ -15,18 +20,49 @@ def default_artifact_path(model_name: str, method_name: str, tag: str) -> Path:
     return Path("artifacts") / model_name / f"{method_name}-{tag}.safetensors"
 
 
+def capture_key(loaded, windows) -> str:
+    digest = hashlib.sha256(json.dumps([loaded.identity, str(loaded.dtype), loaded.device.type], sort_keys=True).encode())
+    digest.update(windows.numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, cache_dir: Path | None) -> CaptureStore:
+    """Capture, or reuse a capture saved under `cache_dir` for the same model, dtype and windows that
+    holds at least what `needs` asks for (a new capture then takes the union, to serve both)."""
+    if cache_dir is None:
+        with progress_bar(f"capturing {', '.join(sorted(needs))}", windows.shape[0]) as advance:
+            return capture(loaded, windows, needs, budget_bytes, batch_size, advance)
+    cache_dir = Path(cache_dir)
+    folder = cache_dir / capture_key(loaded, windows)
+    needs_file = folder / "needs.json"
+    cached = set(json.loads(needs_file.read_text())) if needs_file.is_file() else set()
+    if needs <= cached:
+        return CaptureStore.load(folder, loaded.dims.num_layers)
+    needs = needs | cached
+    with progress_bar(f"capturing {', '.join(sorted(needs))}", windows.shape[0]) as advance:
+        store = capture(loaded, windows, needs, budget_bytes, batch_size, advance)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".capture-", dir=cache_dir))
+    try:
+        store.save(staging)
+        (staging / "needs.json").write_text(json.dumps(sorted(needs)))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return store
+
+
 def run_calibration(loaded, method, out: str | Path, dataset: str = "wikitext2", nsamples: int = 16,
                     seqlen: int = 2048, seed: int = 0, data_dir: str | None = None,
-                    budget_bytes: int = 4 << 30, batch_size: int = 1) -> Artifact:
+                    budget_bytes: int = 4 << 30, batch_size: int = 1, capture_cache: Path | None = None) -> Artifact:
     method.check_model(loaded.dims)
     tensors, calibration, info = {}, None, {}
     if method.learns:
         text = load_text(dataset, "calib", data_dir)
         ids = tokenize(loaded.tokenizer, text.text)
         windows = calibration_windows(ids, nsamples, seqlen, seed)
-        needs = method.capture_needs()
-        with progress_bar(f"capturing {', '.join(sorted(needs))}", windows.shape[0]) as advance:
-            store = capture(loaded, windows, needs, budget_bytes, batch_size, advance)
+        store = cached_capture(loaded, windows, method.capture_needs(), budget_bytes, batch_size, capture_cache)
         with store:
             tensors, info = method.calibrate(loaded, store)
         calibration = {

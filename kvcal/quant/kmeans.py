@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 INIT_SAMPLE = 50_000  # points seen by k-means++ initialisation on large inputs
 
 
@@ -61,7 +60,6 @@ def _sqdist(points: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
 
 def _kmeans_pp(points, weights, k, generator):
     """Greedy k-means++ (as scikit-learn): each new center is the best of 2 + log(k) D^2-weighted draws."""
-    n = points.shape[0]
     trials = 2 + int(math.log(k))
     centers = torch.empty(k, points.shape[1], dtype=points.dtype, device=points.device)
     centers[0] = points[_weighted_choice(weights, generator)]

@@ -1,3 +1,22 @@
-"""kvcal: offline calibration and a compressed runtime for the KV cache of decoder LLMs."""
+"""kvcal: offline calibration and a compressed runtime for the KV cache of decoder LLMs.
+
+    import kvcal
+    cache = kvcal.load_cache("artifacts/smollm2-135m/kvquant-nuq4-1pct.safetensors", model)
+    model.generate(input_ids, past_key_values=cache)
+"""
 
 __version__ = "0.1.0"
+
+
+def load_cache(artifact, model, backend: str = "packed", capacity: int = 0):
+    """See kvcal.runtime.generate.load_cache."""
+    from kvcal.runtime.generate import load_cache as _load_cache
+
+    return _load_cache(artifact, model, backend, capacity)
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
+    """See kvcal.models.load_model."""
+    from kvcal.models import load_model as _load_model
+
+    return _load_model(name, dtype, device)

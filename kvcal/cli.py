@@ -55,7 +55,8 @@ def methods_command():
 @app.command("calibrate")
 def calibrate_command(
     method: str | None = typer.Option(None, help="Method name (see `kvcal methods`)."),
-    recipe: str | None = typer.Option(None, help="Recipe YAML file or name under recipes/."),
+    recipe: list[str] | None = typer.Option(None, help="Recipe YAML file or name under recipes/. Repeat it to "
+                                            "calibrate several settings from one model load and one capture."),
     model: str = ModelOpt,
     dataset: str | None = typer.Option(None, help="wikitext2, shakespeare or a text file (default: recipe, else wikitext2)."),
     data_dir: str | None = DataDirOpt,
@@ -63,7 +64,8 @@ def calibrate_command(
     seqlen: int | None = typer.Option(None, help="Tokens per calibration window (default: recipe, else 2048)."),
     seed: int | None = typer.Option(None, help="Seed of the window sampler (default: recipe, else 0)."),
     sets: list[str] | None = SetOpt,
-    out: Path | None = typer.Option(None, help="Artifact path (default: artifacts/MODEL/METHOD-TAG.safetensors)."),
+    out: Path | None = typer.Option(None, help="Artifact path (default: OUT_DIR/METHOD-TAG.safetensors)."),
+    out_dir: Path | None = typer.Option(None, help="Folder for artifacts (default: artifacts/MODEL)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     capture_budget_gb: float = typer.Option(4.0, help="RAM for captured activations before spilling to disk."),
@@ -71,33 +73,58 @@ def calibrate_command(
     capture_cache: Path | None = typer.Option(
         None, help="Folder where captured activations are kept and reused by later runs with the same "
         "model, dtype, windows and needs (several settings from one capture)."),
+    evaluate: bool = typer.Option(False, "--eval", help="Then evaluate the artifact and fp16 on the dataset's "
+                                  "evaluation split (gptq protocol) and print both perplexities."),
+    eval_nsamples: int = typer.Option(8, help="--eval: evaluation windows."),
 ):
     """Calibrate a method on a model and write its artifact."""
     import time
 
-    from kvcal.calib.run import default_artifact_path, run_calibration
+    from kvcal.calib.run import run_calibrations
     from kvcal.models import load_model
     from kvcal.recipes import resolve
 
-    instance, tag, calib = resolve(method, recipe, sets)
-    settings = {k: v for k, v in dict(dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed).items() if v is not None}
-    calib.update(settings)
+    recipes = recipe or []
+    if len(recipes) > 1 and (method or sets or out):
+        raise KvcalError("with several --recipe, --method, --set and --out are not allowed (use --out-dir)")
+    jobs = [resolve(method, r, sets) for r in recipes] if recipes else [resolve(method, None, sets)]
+    flags = {k: v for k, v in dict(dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed).items() if v is not None}
+    learned = [calib for instance, _, calib in jobs if instance.learns] or [jobs[0][2]]
+    calib = {**learned[0], **flags}
+    for other, (instance, tag, _) in zip(learned[1:], jobs[1:]):
+        if {**other, **flags} != calib:
+            raise KvcalError(f"recipes disagree on calibration data ({calib} vs {other}): calibrate them separately")
     _positive("--nsamples", calib["nsamples"])
     _positive("--seqlen", calib["seqlen"])
     loaded = load_model(model, dtype, device)
-    target = out or default_artifact_path(loaded.name, instance.name, tag)
+    folder = out_dir or Path("artifacts") / loaded.name
+    targets = [(instance, out or folder / f"{instance.name}-{tag}.safetensors") for instance, tag, _ in jobs]
     started = time.perf_counter()
-    artifact = run_calibration(loaded, instance, target, calib["dataset"], calib["nsamples"], calib["seqlen"],
-                               calib["seed"], data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache)
-    elapsed = time.perf_counter() - started
-    console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
-                  f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB, {elapsed:.1f} s)")
+
+    def done(instance, target, artifact):
+        console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
+                      f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB, "
+                      f"{time.perf_counter() - started:.1f} s)")
+
+    artifacts = run_calibrations(loaded, targets, calib["dataset"], calib["nsamples"], calib["seqlen"], calib["seed"],
+                                 data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache, done)
+    if evaluate:
+        from kvcal.eval.run import compare_with_fp16
+
+        for artifact in artifacts:
+            rows = compare_with_fp16(loaded, artifact, calib["dataset"], data_dir, calib["seqlen"], eval_nsamples)
+            table = Table("method", "PPL", "bits/elem", title=f"{calib['dataset']} evaluation split, "
+                          f"{eval_nsamples} windows of {calib['seqlen']}, gptq protocol")
+            for name, ppl, bits in rows:
+                table.add_row(name, f"{ppl:.4f}", f"{bits:.3f}")
+            console.print(table)
 
 
 @eval_app.command("ppl")
 def eval_ppl_command(
     model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the artifact model, else smollm2-135m)."),
-    artifact: Path | None = typer.Option(None, help="Artifact from kvcal calibrate."),
+    artifact: list[Path] | None = typer.Option(None, help="Artifact from kvcal calibrate (repeatable: one model "
+                                               "load for all)."),
     method: str | None = typer.Option(None, help="Run a method that learns nothing (baselines) without a file."),
     recipe: str | None = typer.Option(None, help="Like --method, from a recipe."),
     sets: list[str] | None = SetOpt,
@@ -107,24 +134,67 @@ def eval_ppl_command(
     nsamples: int | None = typer.Option(None, help="Number of windows (default: all)."),
     protocol: str = typer.Option("gptq", help="gptq or prefill-decode."),
     prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window (default: seqlen/2)."),
-    batch_size: int = typer.Option(1, help="Windows per forward pass."),
+    batch_size: int = typer.Option(1, help="Windows per forward pass (decode mode: rows of the batch)."),
+    mode: str = typer.Option("simulate", help="simulate (whole windows, the gptq emulation) or decode "
+                             "(token by token through the real compressed cache)."),
+    backend: str = typer.Option("packed", help="decode mode: packed (the runtime) or dequantized (reference)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
-    json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON (one artifact)."),
+    json_dir: Path | None = typer.Option(None, help="Write one JSON record per artifact, named after it."),
 ):
     """Perplexity of a compressed model (DESIGN.md protocols)."""
     from kvcal.eval.run import evaluate_ppl_command
 
-    record = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                                  protocol, prompt_len, batch_size, dtype, device)
-    record["command"] = invoked_command()
-    table = Table("method", "setting", "model", "dataset", "protocol", "seqlen", "windows", "tokens", "PPL", "bits/elem")
-    table.add_row(record["method"], record["setting"], record["model"]["name"], record["dataset"]["dataset"],
-                  record["protocol"], str(record["seqlen"]), str(record["nsamples"]), str(record["tokens"]),
-                  f"{record['ppl']:.4f}", f"{record['bits_per_element']:.3f}")
+    if json_out and artifact and len(artifact) > 1:
+        raise KvcalError("--json takes one artifact; use --json-dir with several")
+    records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
+                                   protocol, prompt_len, batch_size, dtype, device, mode, backend)
+    table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
+    for record in records:
+        record["command"] = invoked_command()
+        table.add_row(record["method"], record["setting"], record["protocol"], record["mode"], str(record["nsamples"]),
+                      str(record["tokens"]), f"{record['ppl']:.4f}", f"{record['bits_per_element']:.3f}")
     console.print(table)
+    first = records[0]
+    console.print(f"{first['model']['name']} ({first['dtype']}, {first['device']}) on {first['dataset']['dataset']} "
+                  f"{first['dataset']['split']}, seqlen {first['seqlen']}", highlight=False)
     if json_out:
-        write_json_atomic(json_out, record)
+        write_json_atomic(json_out, first)
+    if json_dir:
+        for record in records:
+            write_json_atomic(Path(json_dir) / f"{record['setting']}.json", record)
+
+
+@app.command("generate")
+def generate_command(
+    prompt: str = typer.Option(..., help="Text to continue."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the artifact model, else smollm2-135m)."),
+    artifact: Path | None = typer.Option(None, help="Artifact from kvcal calibrate."),
+    method: str | None = typer.Option(None, help="A method that learns nothing (fp16, rtn, kivi), without a file."),
+    sets: list[str] | None = SetOpt,
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate (greedy)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+):
+    """Generate with the compressed cache; print the text and the cache size against fp16."""
+    from kvcal.runtime.generate import generate_text
+
+    result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device)
+    console.print(result["text"], highlight=False, markup=False)
+    console.print(f"\n[dim]{result['summary']}[/dim]", highlight=False)
+
+
+@app.command("report")
+def report_command(
+    records: list[Path] = typer.Argument(..., help="JSON records written by `kvcal eval ppl --json/--json-dir`."),
+    commands: bool = typer.Option(False, help="Add the command that produced each number."),
+):
+    """Print JSON result records as one markdown table (PPL relative to an fp16 record when present)."""
+    from kvcal.eval.report import markdown_table
+
+    console.print(markdown_table([json.loads(Path(p).read_text()) for p in records], commands), markup=False,
+                  highlight=False, soft_wrap=True)
 
 
 @app.command("inspect")

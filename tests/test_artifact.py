@@ -1,7 +1,6 @@
 """Artifact write/read, validation errors, and compare."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +8,13 @@ from safetensors.torch import save_file
 
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import (
-    HEADER_KEY, Artifact, check_model, compare_artifacts, load_artifact, make_header, save_artifact,
+    HEADER_KEY,
+    Artifact,
+    check_model,
+    compare_artifacts,
+    load_artifact,
+    make_header,
+    save_artifact,
 )
 from kvcal.errors import KvcalError
 from kvcal.methods import build_method

@@ -16,10 +16,6 @@ from kvcal.data import calibration_windows, load_text, tokenize
 from kvcal.progress import progress_bar
 
 
-def default_artifact_path(model_name: str, method_name: str, tag: str) -> Path:
-    return Path("artifacts") / model_name / f"{method_name}-{tag}.safetensors"
-
-
 def capture_key(loaded, windows) -> str:
     digest = hashlib.sha256(json.dumps([loaded.identity, str(loaded.dtype), loaded.device.type], sort_keys=True).encode())
     digest.update(windows.numpy().tobytes())
@@ -53,18 +49,20 @@ def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, c
     return store
 
 
-def run_calibration(loaded, method, out: str | Path, dataset: str = "wikitext2", nsamples: int = 16,
-                    seqlen: int = 2048, seed: int = 0, data_dir: str | None = None,
-                    budget_bytes: int = 4 << 30, batch_size: int = 1, capture_cache: Path | None = None) -> Artifact:
-    method.check_model(loaded.dims)
-    tensors, calibration, info = {}, None, {}
-    if method.learns:
+def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str = "wikitext2", nsamples: int = 16,
+                     seqlen: int = 2048, seed: int = 0, data_dir: str | None = None, budget_bytes: int = 4 << 30,
+                     batch_size: int = 1, capture_cache: Path | None = None, on_done=None) -> list[Artifact]:
+    """Calibrate several (method, out path) jobs on the same windows: one capture serves them all
+    (it holds the union of what they need), and each artifact is written as soon as it is ready."""
+    for method, _ in jobs:
+        method.check_model(loaded.dims)
+    learners = [method for method, _ in jobs if method.learns]
+    store, calibration = None, None
+    if learners:
         text = load_text(dataset, "calib", data_dir)
-        ids = tokenize(loaded.tokenizer, text.text)
-        windows = calibration_windows(ids, nsamples, seqlen, seed)
-        store = cached_capture(loaded, windows, method.capture_needs(), budget_bytes, batch_size, capture_cache)
-        with store:
-            tensors, info = method.calibrate(loaded, store)
+        windows = calibration_windows(tokenize(loaded.tokenizer, text.text), nsamples, seqlen, seed)
+        needs = set().union(*(method.capture_needs() for method in learners))
+        store = cached_capture(loaded, windows, needs, budget_bytes, batch_size, capture_cache)
         calibration = {
             **text.provenance,
             "nsamples": nsamples,
@@ -74,7 +72,23 @@ def run_calibration(loaded, method, out: str | Path, dataset: str = "wikitext2",
             "tokenizer": type(loaded.tokenizer).__name__,
             "dtype": str(loaded.dtype).removeprefix("torch."),
         }
-    bits = bits_per_element(method, loaded.dims)
-    artifact = Artifact(make_header(method, loaded, calibration, bits, info), tensors)
-    save_artifact(out, artifact)
-    return artifact
+    artifacts = []
+    try:
+        for method, out in jobs:
+            tensors, info = method.calibrate(loaded, store) if method.learns else ({}, {})
+            bits = bits_per_element(method, loaded.dims)
+            header = make_header(method, loaded, calibration if method.learns else None, bits, info)
+            artifact = Artifact(header, tensors)
+            save_artifact(out, artifact)
+            artifacts.append(artifact)
+            if on_done is not None:
+                on_done(method, out, artifact)
+    finally:
+        if store is not None:
+            store.close()
+    return artifacts
+
+
+def run_calibration(loaded, method, out: str | Path, *args, **kwargs) -> Artifact:
+    """Calibrate one method (see run_calibrations for the arguments)."""
+    return run_calibrations(loaded, [(method, out)], *args, **kwargs)[0]

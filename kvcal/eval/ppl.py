@@ -57,3 +57,26 @@ def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", 
             if progress is not None:
                 progress(batch.shape[0])
     return total
+
+
+def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
+                batch_size: int = 1, backend: str = "packed", progress=None) -> NllSum:
+    """NLL through the real cache, teacher-forced one token at a time (after a full-precision prefill
+    of `prompt_len` tokens for prefill-decode). Counts the same targets as `simulated_nll`."""
+    from kvcal.runtime.cache import KvcalCache
+
+    start = prompt_len if protocol == "prefill-decode" else 0
+    total = NllSum()
+    with torch.inference_mode():
+        for i in range(0, windows.shape[0], batch_size):
+            batch = windows[i : i + batch_size].to(loaded.device)
+            cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1])
+            if start:
+                loaded.model(batch[:, :start], past_key_values=cache, use_cache=True)
+            for t in range(start, batch.shape[1] - 1):
+                logits = loaded.model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                total.nll += F.cross_entropy(logits.float(), batch[:, t + 1], reduction="sum").item()
+                total.tokens += batch.shape[0]
+            if progress is not None:
+                progress(batch.shape[0])
+    return total

@@ -9,16 +9,21 @@ from kvcal.accounting import bits_per_element
 from kvcal.artifact import load_artifact
 from kvcal.data import eval_windows, load_text, tokenize
 from kvcal.errors import KvcalError
-from kvcal.eval.ppl import PROTOCOLS, simulated_nll
+from kvcal.eval.ppl import PROTOCOLS, decoded_nll, simulated_nll
 from kvcal.progress import progress_bar
 
+MODES = ("simulate", "decode")
 
-def evaluate_ppl_command(model, artifact_path, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                         protocol, prompt_len, batch_size, dtype, device) -> dict:
+
+def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
+                         protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed") -> list[dict]:
+    """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once."""
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
 
+    if mode not in MODES:
+        raise KvcalError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
     if protocol not in PROTOCOLS:
         raise KvcalError(f"unknown protocol '{protocol}' (choose from {', '.join(PROTOCOLS)})")
     if seqlen < 2:
@@ -31,12 +36,12 @@ def evaluate_ppl_command(model, artifact_path, method_name, recipe, sets, datase
             raise KvcalError(f"--prompt-len must be in [1, seqlen-2], got {prompt_len}")
     else:
         prompt_len = 0
-    art = None
-    if artifact_path is not None:
-        if method_name or recipe or sets:
-            raise KvcalError("give either --artifact or --method/--recipe, not both")
-        art = load_artifact(artifact_path)
-        model = model or art.header["model"]["name"]
+    artifact_paths = list(artifact_paths or [])
+    if artifact_paths and (method_name or recipe or sets):
+        raise KvcalError("give either --artifact or --method/--recipe, not both")
+    artifacts = [load_artifact(path) for path in artifact_paths]
+    if artifacts:
+        model = model or artifacts[0].header["model"]["name"]
     else:
         method, tag, _ = resolve(method_name, recipe, sets)
         if method.learns:
@@ -45,36 +50,58 @@ def evaluate_ppl_command(model, artifact_path, method_name, recipe, sets, datase
                 "and pass the artifact with --artifact"
             )
     loaded = load_model(model or "smollm2-135m", dtype, device)
-    if art is not None:
-        method, codec = codec_for_artifact(art, loaded, artifact_path)
-        setting = Path(artifact_path).stem
-    else:
+    targets = []  # (method, codec, setting, artifact record)
+    for path, art in zip(artifact_paths, artifacts):
+        m, codec = codec_for_artifact(art, loaded, path)
+        targets.append((m, codec, Path(path).stem, {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
+    if not artifacts:
         method.check_model(loaded.dims)
-        codec = method.build_codec({}, loaded.dims)
-        setting = tag
+        setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
+        targets.append((method, method.build_codec({}, loaded.dims), setting, None))
     text = load_text(dataset, "eval", data_dir)
     windows = eval_windows(tokenize(loaded.tokenizer, text.text), seqlen, nsamples)
-    with progress_bar(f"ppl {method.name} ({protocol})", windows.shape[0]) as advance:
-        result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance)
-    bits = bits_per_element(method, loaded.dims)
-    return {
-        "method": method.name,
-        "setting": setting,
-        "config": method.config(),
-        "artifact": None if art is None else {"path": str(artifact_path), "tensor_hash": art.header["tensor_hash"]},
-        "model": loaded.identity,
-        "dtype": dtype,
-        "device": str(loaded.device),
-        "dataset": text.provenance,
-        "protocol": protocol,
-        "prompt_len": prompt_len,
-        "mode": "simulated",
-        "seqlen": seqlen,
-        "nsamples": int(windows.shape[0]),
-        "tokens": result.tokens,
-        "nll": result.nll,
-        "ppl": result.ppl,
-        "bits_per_element": bits.bits_per_element,
-        "bits": bits.to_dict(),
-        "kvcal_version": __version__,
-    }
+    records = []
+    for method, codec, setting, artifact_record in targets:
+        with progress_bar(f"ppl {setting} ({protocol}, {mode})", windows.shape[0]) as advance:
+            if mode == "decode":
+                result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance)
+            else:
+                result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance)
+        bits = bits_per_element(method, loaded.dims)
+        records.append({
+            "method": method.name,
+            "setting": setting,
+            "config": method.config(),
+            "artifact": artifact_record,
+            "model": loaded.identity,
+            "dtype": dtype,
+            "device": str(loaded.device),
+            "dataset": text.provenance,
+            "protocol": protocol,
+            "prompt_len": prompt_len,
+            "mode": mode,
+            "backend": backend if mode == "decode" else None,
+            "seqlen": seqlen,
+            "nsamples": int(windows.shape[0]),
+            "tokens": result.tokens,
+            "nll": result.nll,
+            "ppl": result.ppl,
+            "bits_per_element": bits.bits_per_element,
+            "bits": bits.to_dict(),
+            "kvcal_version": __version__,
+        })
+    return records
+
+
+def compare_with_fp16(loaded, artifact, dataset, data_dir, seqlen, nsamples) -> list[tuple[str, float, float]]:
+    """(name, PPL, bits per element) of fp16 and of the artifact on the dataset's evaluation split."""
+    from kvcal.methods import build_method
+
+    windows = eval_windows(tokenize(loaded.tokenizer, load_text(dataset, "eval", data_dir).text), seqlen, nsamples)
+    rows = []
+    for method in (build_method("fp16"), build_method(artifact.method, artifact.config)):
+        codec = method.build_codec(artifact.tensors if method.name == artifact.method else {}, loaded.dims)
+        with progress_bar(f"ppl {method.name}", windows.shape[0]) as advance:
+            result = simulated_nll(loaded, codec, windows, progress=advance)
+        rows.append((method.name, result.ppl, bits_per_element(method, loaded.dims).bits_per_element))
+    return rows

@@ -11,6 +11,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant.uniform import fake_quant_groups
+from kvcal.runtime.formats import KeyFormat, ValueFormat
 
 PARAM_BYTES = 2  # fp16 scale and fp16 zero (the group minimum) per quantization group
 
@@ -55,6 +56,10 @@ class RTNCodec(Codec):
 
     def quantize_values(self, layer, v):
         return self._quant(v)
+
+    def runtime_formats(self, layer):
+        return KeyFormat("affine_channels", self.bits, group=self.group), ValueFormat(
+            "affine_channels", self.bits, group=self.group)
 
 
 @register
@@ -108,6 +113,10 @@ class KIVICodec(Codec):
 
     def quantize_values(self, layer, v):
         return fake_quant_groups(v, self.bits, dim=3, group=self.group)  # per token, channel groups
+
+    def runtime_formats(self, layer):
+        return KeyFormat("affine_tokens", self.bits, block=self.group), ValueFormat(
+            "affine_channels", self.bits, group=self.group)
 
 
 @register

@@ -21,6 +21,7 @@ inits) instead of sklearn's single init.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from kvcal.quant.kmeans import weighted_kmeans
 from kvcal.quant.nonuniform import nearest_level, outlier_bounds, quantile
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.quant.uniform import round_params
+from kvcal.runtime.formats import KeyFormat, ValueFormat
 
 WEIGHTINGS = ("fisher_scale", "fisher", "none")
 DATATYPES = ("nuq", "int")
@@ -88,6 +90,7 @@ class KVQuantCodec(Codec):
     def __init__(self, method: KVQuant, tensors: dict[str, torch.Tensor], dims):
         self.method = method
         self.heads = dims.num_kv_heads
+        self.channels = dims.kv_channels
         self.keys_pre_rope = method.pre_rope
         self.policy = FlushPolicy(sink=method.sink)
         self.per_side = per_side_outliers(method.outliers, dims.kv_channels)
@@ -120,6 +123,19 @@ class KVQuantCodec(Codec):
     def quantize_values(self, layer, v):
         t = self._on(v.device)[layer]
         return from_rows(quantize_dynamic(to_rows(v), t["v_encode"], t["v_decode"], self.per_side), self.heads)
+
+    def runtime_formats(self, layer):
+        if self.method.key_granularity != "per_channel" or not self.method.pre_rope:
+            raise KvcalError("the packed runtime runs KVQuant with pre-RoPE per-channel keys only")
+        t = self.tables[layer]
+        # Key outliers vary per token: the runtime keeps a fixed capacity of twice the nominal rate
+        # (overflow keeps the largest residuals, the rest clamp to the extreme level).
+        capacity = 0 if not self.method.outliers else math.ceil(2 * self.method.outliers * self.channels)
+        keys = KeyFormat("lut_static", self.method.bits, lo=t["k_lo"], hi=t["k_hi"], encode=t["k_encode"],
+                         decode=t["k_decode"], capacity=capacity)
+        values = ValueFormat("lut_dynamic", self.method.bits, encode=t["v_encode"], decode=t["v_decode"],
+                             per_side=self.per_side)
+        return keys, values
 
 
 @register

@@ -1,14 +1,18 @@
-"""KvcalCache: a transformers `Cache` whose layers store K/V the way a codec compresses them.
+"""KvcalCache: a transformers `Cache` whose layers hold K/V compressed the way a codec says.
 
-This is the stateful, token-by-token counterpart of the gptq simulation. The reference backend keeps
-the reconstructed values (what dequantization gives) in torch tensors:
+Pass it as `past_key_values` to a model loaded by kvcal (its attention adapter routes every layer's
+attention here). Two backends:
 
-- prefill (several tokens at once, first call): attention over the full-precision prompt, then the
-  prompt is compressed in bulk as far as the codec's FlushPolicy allows;
-- decode (one token per call): the token is appended, the oldest tokens are flushed one block at a
-  time while the policy allows, and only then attention runs (the gptq protocol's semantics).
+- "packed" (the runtime): codes bit-packed in int32 words plus fp16 parameters and outliers, per row of
+  the batch; decode attention reads them through fused Triton kernels on CUDA (torch references
+  elsewhere, kvcal/runtime/ops.py). Left padding is never stored: each row holds its own tokens, so a
+  padded batch computes what each sequence computes alone.
+- "dequantized" (a reference for tests): keeps the reconstructed values in plain tensors.
 
-Sinks stay in full precision; a flush compresses the oldest full block after the sinks.
+Both follow the same protocol. Prefill (the first call, several tokens): attention over the
+full-precision prompt, then the prompt is compressed in bulk as far as the codec's FlushPolicy allows.
+Decode (one token per call): the token is appended, the oldest tokens are flushed one block at a time
+while the policy allows, then attention runs. Sinks and the recent residual stay in full precision.
 """
 
 from __future__ import annotations
@@ -16,24 +20,23 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvcal.errors import KvcalError
 from kvcal.models.attention import attention
-from kvcal.quant.rope import apply_rope
+from kvcal.quant.rope import apply_rope, rope_cos_sin
+from kvcal.runtime import ops
+from kvcal.runtime.attention import PackedKV
+from kvcal.runtime.packing import words_per_vector
 
 
-class KvcalLayer(DynamicLayer):
+class _LayerBase(DynamicLayer):
+    """transformers' Cache API (the mask builder and generate() ask for lengths)."""
+
     def __init__(self, codec, layer_idx: int):
         super().__init__()
         self.codec = codec
         self.layer_idx = layer_idx
-        self.length = 0
-        self.compressed = 0  # tokens after the sinks that are compressed
-        self.k_src = None  # full-precision keys in the codec's key space [B, H, n, D]
-        self.v_src = None
-        self.cos = self.sin = None  # RoPE tables of the cached positions [B, n, D]
-        self.k_seen = None  # what attention sees: post-RoPE keys, reconstructed where compressed
-        self.v_seen = None
+        self.length = 0  # tokens per row, padding included (what transformers' mask expects)
 
-    # -- transformers Cache API (the mask builder and generate() ask for lengths) --
     def lazy_initialization(self, key_states, value_states):
         self.is_initialized = True
 
@@ -46,29 +49,34 @@ class KvcalLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError("KvcalCache layers are driven by kvcal's attention adapter, not Cache.update")
 
-    # -- kvcal --
+
+class DequantizedLayer(_LayerBase):
+    """Reference backend: stores what dequantization gives, one tensor for the whole sequence."""
+
+    def __init__(self, codec, layer_idx: int):
+        super().__init__(codec, layer_idx)
+        self.compressed = 0
+        self.k_src = self.v_src = self.cos = self.sin = self.k_seen = self.v_seen = None
+
     def append(self, inp) -> None:
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
         k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
+        new = (k_src, inp.v, inp.cos, inp.sin, k_rot, inp.v.clone())
         if self.k_src is None:
-            self.k_src, self.v_src, self.cos, self.sin = k_src, inp.v, inp.cos, inp.sin
-            self.k_seen, self.v_seen = k_rot, inp.v.clone()
+            self.k_src, self.v_src, self.cos, self.sin, self.k_seen, self.v_seen = new
         else:
-            self.k_src = torch.cat([self.k_src, k_src], dim=2)
-            self.v_src = torch.cat([self.v_src, inp.v], dim=2)
-            self.cos, self.sin = torch.cat([self.cos, inp.cos], 1), torch.cat([self.sin, inp.sin], 1)
-            self.k_seen = torch.cat([self.k_seen, k_rot], dim=2)
-            self.v_seen = torch.cat([self.v_seen, inp.v], dim=2)
+            old = (self.k_src, self.v_src, self.cos, self.sin, self.k_seen, self.v_seen)
+            dims = (2, 2, 1, 1, 2, 2)
+            self.k_src, self.v_src, self.cos, self.sin, self.k_seen, self.v_seen = (
+                torch.cat([a, b], dim=d) for a, b, d in zip(old, new, dims))
         self.length += inp.k_pre.shape[2]
         self.is_initialized = True
 
     def flush(self) -> None:
-        """Compress the oldest blocks after the sinks for as long as the policy allows."""
         policy = self.codec.policy
         if self.codec.lossless:
             return
-        target = policy.compressed_count(self.length)
-        while self.compressed < target:
+        while self.compressed < policy.compressed_count(self.length):
             start = policy.sink + self.compressed
             end = start + policy.block
             k_hat = self.codec.quantize_keys(self.layer_idx, self.k_src[:, :, start:end])
@@ -91,12 +99,302 @@ class KvcalLayer(DynamicLayer):
         return attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
 
 
+def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
+    """Leading masked tokens per row, read off the prefill mask's last query row."""
+    if mask is None:
+        return [0] * batch
+    last = mask[:, 0, -1, :length] if mask.dim() == 4 else mask[None, -1, :length].expand(batch, -1)
+    valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    pads = []
+    for row in valid.cpu():
+        pad = int((~row).long().cumprod(0).sum())
+        if not bool(row[pad:].all()):
+            raise KvcalError("KvcalCache supports left padding only (a row has masked tokens after valid ones)")
+        pads.append(pad)
+    return pads
+
+
+class PackedLayer(_LayerBase):
+    """Packed storage of one layer. Row b holds sinks, `compressed[b]` packed tokens, and a residual ring."""
+
+    GROWTH = 1.125  # buffers grow by 1/8 (bounded over-allocation, so memory tracks bits per element)
+
+    def __init__(self, codec, layer_idx: int, capacity_hint: int = 0):
+        super().__init__(codec, layer_idx)
+        self.key_format, self.value_format = codec.runtime_formats(layer_idx)
+        self.policy = codec.policy
+        self.capacity_hint = capacity_hint
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.compressed: list[int] = []  # packed tokens per row
+        self.count: list[int] = []  # valid tokens per row (sinks + packed + residual)
+        self.ring_start: list[int] = []
+        self.ring_count: list[int] = []
+
+    # ---- allocation ---------------------------------------------------------------------------------
+    def _init(self, inp, batch):
+        _, heads, _, dim = inp.k_pre.shape
+        self.batch, self.heads, self.dim = batch, heads, dim
+        self.dtype, self.device = inp.v.dtype, inp.v.device
+        self.ring_capacity = self.policy.residual + self.policy.block
+        fp_slots = self.policy.sink + self.ring_capacity
+        z = dict(device=self.device)
+        self.fp_k = torch.zeros(batch, heads, fp_slots, dim, dtype=self.dtype, **z)  # post-RoPE
+        self.fp_v = torch.zeros_like(self.fp_k)
+        # keys in the codec's key space, for flushing (the post-RoPE keys themselves unless pre-RoPE)
+        self.fp_src = torch.zeros_like(self.fp_k) if self.codec.keys_pre_rope else self.fp_k
+        self.fp_pos = torch.zeros(batch, fp_slots, dtype=torch.long, **z)
+        self.fp_valid = torch.zeros(batch, fp_slots, dtype=torch.bool, **z)
+        self.compressed = [0] * batch
+        self.count = [0] * batch
+        self.ring_start = [0] * batch
+        self.ring_count = [0] * batch
+        kf, vf = self.key_format, self.value_format
+        for name in ("lo", "hi", "encode", "decode"):
+            if getattr(kf, name) is not None:
+                self.buffers["k_" + name] = getattr(kf, name).to(self.device, torch.float32)
+        for name in ("encode", "decode"):
+            if getattr(vf, name) is not None:
+                self.buffers["v_" + name] = getattr(vf, name).to(self.device, torch.float32)
+        if self.codec.keys_pre_rope:
+            self.inv_freq = inp.module._kvcal_binding[0].inv_freq.to(self.device)
+        self.capacity = 0
+        self._grow(max(self.capacity_hint, 16))
+
+    def _shapes(self, cap: int) -> dict[str, tuple[tuple, torch.dtype]]:
+        b, h, d = self.batch, self.heads, self.dim
+        kf, vf = self.key_format, self.value_format
+        shapes = {
+            "k_codes": ((b, h, cap, words_per_vector(d, kf.bits)), torch.int32),
+            "v_codes": ((b, h, cap, words_per_vector(d, vf.bits)), torch.int32),
+        }
+        if kf.kind == "affine_channels":
+            shapes["k_scale"] = shapes["k_zero"] = ((b, h, cap, d // kf.group), torch.float16)
+        elif kf.kind == "affine_tokens":
+            shapes["k_scale"] = shapes["k_zero"] = ((b, h, cap // kf.block, d), torch.float16)
+        elif kf.capacity:
+            shapes["k_out_idx"] = ((b, cap, kf.capacity), torch.int16)
+            shapes["k_out_val"] = ((b, cap, kf.capacity), torch.float16)
+        if vf.kind == "affine_channels":
+            shapes["v_scale"] = shapes["v_zero"] = ((b, h, cap, d // vf.group), torch.float16)
+        else:
+            shapes["v_scale"] = shapes["v_zero"] = ((b, cap), torch.float16)
+            if vf.per_side:
+                shapes["v_out_idx"] = ((b, cap, 2 * vf.per_side), torch.int16)
+                shapes["v_out_val"] = ((b, cap, 2 * vf.per_side), torch.float16)
+        return shapes
+
+    def _grow(self, needed: int) -> None:
+        block = self.policy.block
+        cap = max(needed, int(self.capacity * self.GROWTH) + 1)
+        cap = -(-cap // block) * block  # whole key blocks
+        token_axis = {"k_codes": 2, "v_codes": 2, "k_scale": 2, "k_zero": 2, "v_scale": 2, "v_zero": 2,
+                      "k_out_idx": 1, "k_out_val": 1, "v_out_idx": 1, "v_out_val": 1}
+        if self.key_format.kind != "affine_channels":
+            token_axis["k_scale"] = token_axis["k_zero"] = 2
+        if self.value_format.kind == "lut_dynamic":
+            token_axis["v_scale"] = token_axis["v_zero"] = 1
+        for name, (shape, dtype) in self._shapes(cap).items():
+            new = torch.zeros(shape, dtype=dtype, device=self.device)
+            old = self.buffers.get(name)
+            if old is not None:
+                axis = token_axis[name]
+                new.narrow(axis, 0, old.shape[axis]).copy_(old)
+            self.buffers[name] = new
+        self.capacity = cap
+        if self.codec.keys_pre_rope:
+            positions = torch.arange(self.policy.sink + cap, device=self.device)[None]
+            cos, sin = rope_cos_sin(self.inv_freq, positions, torch.float32)
+            self.rope_cos, self.rope_sin = cos[0], sin[0]
+
+    # ---- storage ------------------------------------------------------------------------------------
+    def _store_fp(self, b: int, slot: int, k_src, k_rot, v, pos: int) -> None:
+        self.fp_k[b, :, slot] = k_rot
+        if self.fp_src is not self.fp_k:
+            self.fp_src[b, :, slot] = k_src
+        self.fp_v[b, :, slot] = v
+        self.fp_pos[b, slot] = pos
+        self.fp_valid[b, slot] = True
+
+    def _append_token(self, b: int, k_src, k_rot, v, pos: int) -> None:
+        """Append one token [H, D] of row b to its sinks or its residual ring."""
+        sink = self.policy.sink
+        if self.count[b] < sink:
+            self._store_fp(b, self.count[b], k_src, k_rot, v, pos)
+        else:
+            if self.ring_count[b] == self.ring_capacity:
+                raise RuntimeError("residual ring overflow: flush was not called")
+            slot = sink + (self.ring_start[b] + self.ring_count[b]) % self.ring_capacity
+            self._store_fp(b, slot, k_src, k_rot, v, pos)
+            self.ring_count[b] += 1
+        self.count[b] += 1
+
+    def _flush_rows(self) -> None:
+        """Pack the oldest residual blocks of every row for as long as the policy allows."""
+        block, sink = self.policy.block, self.policy.sink
+        while True:
+            rows = [b for b in range(self.batch) if self.compressed[b] < self.policy.compressed_count(self.count[b])]
+            if not rows:
+                return
+            if max(self.compressed[b] for b in rows) + block > self.capacity:
+                self._grow(max(self.compressed[b] for b in rows) + block)
+            slots = torch.tensor([[sink + (self.ring_start[b] + i) % self.ring_capacity for i in range(block)]
+                                  for b in rows], device=self.device)
+            row_idx = torch.tensor(rows, device=self.device)
+            k_src = self.fp_src[row_idx[:, None], :, slots]  # [R, block, H, D]
+            v = self.fp_v[row_idx[:, None], :, slots]
+            self._pack(rows, k_src, v)
+            for b, row_slots in zip(rows, slots):
+                self.fp_valid[b, row_slots] = False
+                self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
+                self.ring_count[b] -= block
+                self.compressed[b] += block
+
+    def _pack(self, rows: list[int], k_src: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize blocks [R, block, H, D] (one per row) into each row's next packed slots."""
+        kf, vf, buf = self.key_format, self.value_format, self.buffers
+        nrows, block = k_src.shape[:2]
+        start = torch.tensor([self.compressed[b] for b in rows], device=self.device)
+        rows_t = torch.tensor(rows, device=self.device)
+        slot = (start[:, None] + torch.arange(block, device=self.device)[None]).reshape(-1)  # [R*block]
+        row = rows_t[:, None].expand(-1, block).reshape(-1)
+        keys = k_src.reshape(nrows * block, self.heads, self.dim)
+        values = v.reshape(nrows * block, self.heads, self.dim)
+        # keys
+        if kf.kind == "affine_channels":
+            codes, scale, zero = ops.quantize_affine_channels(keys, kf.bits, kf.group)
+            buf["k_scale"][row, :, slot] = scale
+            buf["k_zero"][row, :, slot] = zero
+        elif kf.kind == "affine_tokens":
+            codes_list = []
+            for i, b in enumerate(rows):  # one (scale, zero) per channel per block and row
+                c, scale, zero = ops.quantize_affine_tokens(keys[i * block : (i + 1) * block], kf.bits)
+                codes_list.append(c)
+                buf["k_scale"][b, :, self.compressed[b] // block] = scale
+                buf["k_zero"][b, :, self.compressed[b] // block] = zero
+            codes = torch.cat(codes_list)
+        else:
+            codes, idx, val = ops.quantize_lut_static(keys, buf["k_lo"], buf["k_hi"], buf["k_encode"],
+                                                      buf["k_decode"], kf.bits, kf.capacity)
+            if kf.capacity:
+                buf["k_out_idx"][row, slot] = idx
+                buf["k_out_val"][row, slot] = val
+        buf["k_codes"][row, :, slot] = codes
+        # values
+        if vf.kind == "affine_channels":
+            codes, scale, zero = ops.quantize_affine_channels(values, vf.bits, vf.group)
+        else:
+            codes, scale, zero, idx, val = ops.quantize_lut_dynamic(values, buf["v_encode"], buf["v_decode"],
+                                                                    vf.bits, vf.per_side)
+            if vf.per_side:
+                buf["v_out_idx"][row, slot] = idx
+                buf["v_out_val"][row, slot] = val
+        buf["v_codes"][row, :, slot] = codes
+        if vf.kind == "affine_channels":
+            buf["v_scale"][row, :, slot] = scale
+            buf["v_zero"][row, :, slot] = zero
+        else:
+            buf["v_scale"][row, slot] = scale
+            buf["v_zero"][row, slot] = zero
+
+    def packed(self) -> PackedKV:
+        kf, vf, buf = self.key_format, self.value_format, self.buffers
+        lengths = torch.tensor(self.compressed, dtype=torch.int32, device=self.device)
+        kv = PackedKV(
+            head_dim=self.dim, lengths=lengths, key_format=kf.kind, key_bits=kf.bits, k_codes=buf["k_codes"],
+            k_scale=buf.get("k_scale"), k_zero=buf.get("k_zero"), value_format=vf.kind, value_bits=vf.bits,
+            v_codes=buf["v_codes"], v_scale=buf["v_scale"], v_zero=buf["v_zero"], key_block=kf.block,
+            k_out_idx=buf.get("k_out_idx"), k_out_val=buf.get("k_out_val"), v_table=buf.get("v_decode"),
+            v_out_idx=buf.get("v_out_idx"), v_out_val=buf.get("v_out_val"),
+        )
+        if kf.kind == "lut_static":
+            kv.k_table = buf["k_decode"]
+            kv.k_zero = (buf["k_hi"] + buf["k_lo"]) / 2
+            kv.k_scale = ((buf["k_hi"] - buf["k_lo"]) / 2).clamp_min(1e-8)
+            kv.rope_cos, kv.rope_sin, kv.pos_offset = self.rope_cos, self.rope_sin, self.policy.sink
+        return kv
+
+    # ---- attention ----------------------------------------------------------------------------------
+    def attend(self, inp) -> torch.Tensor:
+        batch, _, length, _ = inp.q.shape
+        q = apply_rope(inp.q, inp.cos, inp.sin)
+        k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
+        k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
+        if self.length == 0:
+            self._init(inp, batch)
+        if self.length == 0 and length > 1:
+            out = attention(q, k_rot, inp.v, inp.mask, inp.scale)  # full-precision prefill
+            pads = _left_padding(inp.mask, batch, length)
+            for b in range(batch):
+                for t in range(pads[b], length):
+                    self._append_token(b, k_src[b, :, t], k_rot[b, :, t], inp.v[b, :, t], int(inp.positions[b, t]))
+                    if self.ring_count[b] == self.ring_capacity:
+                        self._flush_rows()
+            self._flush_rows()
+            self.length = length
+            return out
+        outs = []
+        for t in range(length):  # decode: one token at a time (several tokens are decoded in sequence)
+            for b in range(batch):
+                self._append_token(b, k_src[b, :, t], k_rot[b, :, t], inp.v[b, :, t], int(inp.positions[b, t]))
+            self._flush_rows()
+            self.length += 1
+            outs.append(ops.decode_attention(q[:, :, t], self.packed(), self.fp_k, self.fp_v, self.fp_valid,
+                                             inp.scale))
+        return torch.stack(outs, dim=2)
+
+    STATIC = ("k_lo", "k_hi", "k_encode", "k_decode", "v_encode", "v_decode")  # per layer, not per token
+
+    def nbytes(self) -> tuple[int, int]:
+        """(allocated, used) bytes of this layer's per-token storage: packed buffers and full-precision
+        slots. `used` counts the packed slots and fp slots that hold tokens."""
+        if not self.buffers:
+            return 0, 0
+        packed = sum(t.numel() * t.element_size() for name, t in self.buffers.items() if name not in self.STATIC)
+        fp_tensors = [self.fp_k, self.fp_v] + ([self.fp_src] if self.fp_src is not self.fp_k else [])
+        fp_alloc = sum(t.numel() * t.element_size() for t in fp_tensors)
+        fp_slot = 2 * self.heads * self.dim * self.fp_k.element_size()  # one token's K and V
+        used = packed * sum(self.compressed) / (self.batch * self.capacity) + fp_slot * int(self.fp_valid.sum())
+        return packed + fp_alloc, int(used)
+
+
+class LosslessLayer(_LayerBase):
+    """fp16 'codec': an ordinary growing cache (for the fp16 baseline through the same interface)."""
+
+    def attend(self, inp) -> torch.Tensor:
+        q, k = apply_rope(inp.q, inp.cos, inp.sin), apply_rope(inp.k_pre, inp.cos, inp.sin)
+        self.keys = k if self.keys is None or self.length == 0 else torch.cat([self.keys, k], 2)
+        self.values = inp.v if self.values is None or self.length == 0 else torch.cat([self.values, inp.v], 2)
+        self.length += inp.q.shape[2]
+        self.is_initialized = True
+        return attention(q, self.keys, self.values, inp.mask, inp.scale)
+
+    def nbytes(self) -> tuple[int, int]:
+        n = 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+        return n, n
+
+
 class KvcalCache(Cache):
     """Pass as `past_key_values` to a model loaded by kvcal (its adapter routes attention here)."""
 
-    def __init__(self, codec, num_layers: int):
-        super().__init__(layers=[KvcalLayer(codec, i) for i in range(num_layers)])
+    def __init__(self, codec, num_layers: int, backend: str = "packed", capacity_hint: int = 0):
+        if codec.lossless:
+            layers = [LosslessLayer(codec, i) for i in range(num_layers)]
+        elif backend == "dequantized":
+            layers = [DequantizedLayer(codec, i) for i in range(num_layers)]
+        elif backend == "packed":
+            if not hasattr(codec, "runtime_formats"):
+                raise KvcalError(f"{type(codec).__name__} has no packed runtime yet (it runs in simulation only)")
+            layers = [PackedLayer(codec, i, capacity_hint) for i in range(num_layers)]
+        else:
+            raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")
+        super().__init__(layers=layers)
         self.codec = codec
+        self.backend = backend
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         return self.layers[inp.layer_idx].attend(inp)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(allocated, used) bytes of the per-token cache over all layers."""
+        sizes = [layer.nbytes() for layer in self.layers if hasattr(layer, "nbytes")]
+        return sum(s[0] for s in sizes), sum(s[1] for s in sizes)

@@ -1,0 +1,81 @@
+"""`kvcal.load_cache` and `kvcal generate`: the compressed cache in transformers' generate()."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.accounting import bits_per_element, kv_elements
+from kvcal.errors import KvcalError
+from kvcal.runtime.cache import KvcalCache
+
+
+def as_loaded(model):
+    """A LoadedModel for a model kvcal loaded, or for any supported transformers model (adapter installed)."""
+    from kvcal.models import LoadedModel, ModelDims
+    from kvcal.models.adapter import install_adapter
+
+    if isinstance(model, LoadedModel):
+        return model
+    existing = getattr(model, "_kvcal_loaded", None)
+    if existing is not None:
+        return existing
+    dims = ModelDims.from_config(model.config)
+    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    loaded = LoadedModel(name, model, None, dims, {"unverified": True})
+    install_adapter(loaded)
+    model._kvcal_loaded = loaded
+    return loaded
+
+
+def load_cache(artifact, model, backend: str = "packed", capacity: int = 0) -> KvcalCache:
+    """A fresh compressed cache for `model` (a kvcal LoadedModel or a transformers model) from an
+    artifact (path or Artifact). Pass it as `model.generate(..., past_key_values=cache)`."""
+    from kvcal.artifact import Artifact, check_model, load_artifact
+    from kvcal.methods import build_method
+
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    loaded = as_loaded(model)
+    check_model(art, loaded, artifact if not isinstance(artifact, Artifact) else "artifact",
+                identity=not loaded.source.get("unverified"))
+    codec = build_method(art.method, art.config).build_codec(art.tensors, loaded.dims)
+    return KvcalCache(codec, loaded.dims.num_layers, backend, capacity)
+
+
+def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device) -> dict:
+    from kvcal.artifact import load_artifact
+    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.models import load_model
+    from kvcal.recipes import resolve
+
+    if max_new_tokens <= 0:
+        raise KvcalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    art = None
+    if artifact_path is not None:
+        art = load_artifact(artifact_path)
+        model_name = model_name or art.header["model"]["name"]
+    loaded = load_model(model_name or "smollm2-135m", dtype, device)
+    if art is not None:
+        method, codec = codec_for_artifact(art, loaded, artifact_path)
+    else:
+        method, _, _ = resolve(method_name or "fp16", None, sets)
+        if method.learns:
+            raise KvcalError(f"method {method.name} needs an artifact: pass --artifact")
+        codec = method.build_codec({}, loaded.dims)
+    if loaded.tokenizer is None:
+        raise KvcalError(f"{loaded.name} has no tokenizer")
+    ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids.to(loaded.device)
+    cache = KvcalCache(codec, loaded.dims.num_layers, "packed", capacity_hint=ids.shape[1] + max_new_tokens)
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=loaded.tokenizer.eos_token_id)
+    new_tokens = out[0, ids.shape[1]:]
+    tokens = int(cache.get_seq_length())
+    allocated, used = cache.nbytes()
+    fp16 = 2 * kv_elements(loaded.dims, tokens)
+    predicted = bits_per_element(method, loaded.dims, tokens).bits_per_element
+    measured = 8 * used / kv_elements(loaded.dims, tokens)
+    summary = (f"{method.name} ({loaded.dtype}, full-precision slots in that dtype): KV cache {used / 2**20:.2f} MiB for {tokens} tokens ({measured:.2f} bits/element; "
+               f"accounting predicts {predicted:.2f}; {allocated / 2**20:.2f} MiB allocated) vs fp16 "
+               f"{fp16 / 2**20:.2f} MiB: {fp16 / max(used, 1):.1f}x smaller")
+    return {"text": loaded.tokenizer.decode(new_tokens, skip_special_tokens=True), "summary": summary,
+            "cache_bytes": used, "fp16_bytes": fp16, "tokens": tokens}

@@ -1,0 +1,166 @@
+"""The packed runtime (torch reference path): formats against the codecs, decode against the gptq
+simulation, left padding against batch 1, memory against the bit accounting."""
+
+import pytest
+import torch
+
+from kvcal.accounting import bits_per_element, kv_elements
+from kvcal.eval.ppl import decoded_nll, simulated_nll
+from kvcal.methods import build_method
+from kvcal.models import load_model
+from kvcal.runtime.attention import PackedKV, decode_attention_ref
+from kvcal.runtime.cache import KvcalCache
+from kvcal.runtime.packing import pack_codes, unpack_codes, words_per_vector
+from kvcal.runtime.quantize import (
+    dequantize_affine_channels,
+    dequantize_affine_tokens,
+    quantize_affine_channels,
+    quantize_affine_tokens,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")
+
+
+def test_packing_hand_cases_and_round_trip():
+    assert pack_codes(torch.arange(1, 9)[None], 4)[0].tolist() == [0x87654321 - (1 << 32)]
+    # 3-bit: eleven 7s fill bits 0..32; the eleventh code straddles into the second word
+    words = pack_codes(torch.full((1, 11), 7), 3)[0].tolist()
+    assert [w & 0xFFFFFFFF for w in words] == [0xFFFFFFFF, 0x1]
+    for bits in (2, 3, 4):
+        codes = torch.randint(0, 1 << bits, (3, 4, 64))
+        packed = pack_codes(codes, bits)
+        assert packed.shape[-1] == words_per_vector(64, bits) == 64 * bits // 32
+        assert torch.equal(unpack_codes(packed, bits, 64), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_affine_formats_are_the_codecs_bit_for_bit(tiny, bits):
+    x = torch.randn(1, 2, 32, 16) * 4
+    rows = x[0].transpose(0, 1)  # [T, H, D]
+    rtn = build_method("rtn", {"bits": bits}).build_codec({}, tiny.dims)
+    assert torch.equal(dequantize_affine_channels(*quantize_affine_channels(rows, bits, 16), bits, 16),
+                       rtn.quantize_keys(0, x)[0].transpose(0, 1))
+    kivi = build_method("kivi", {"bits": bits, "group_size": 8, "residual": 0}).build_codec({}, tiny.dims)
+    block = rows[8:16]
+    assert torch.equal(dequantize_affine_tokens(*quantize_affine_tokens(block, bits), bits, 16),
+                       kivi.quantize_keys(0, x[:, :, 8:16])[0].transpose(0, 1))
+    assert torch.equal(dequantize_affine_channels(*quantize_affine_channels(rows, bits, 8), bits, 16),
+                       kivi.quantize_values(0, x)[0].transpose(0, 1))
+
+
+def test_decode_attention_reference_against_plain_softmax():
+    """Packed (affine, per-row lengths) + a full-precision segment with holes, against a hand loop."""
+    torch.manual_seed(0)
+    b, hkv, g, d, bits = 2, 2, 3, 16, 4
+    lengths = [5, 9]
+    codes, scales, zeros, deq = [], [], [], []
+    for _ in range(2):  # keys, values
+        x = torch.randn(b, 12, hkv, d)
+        c, s, z = quantize_affine_channels(x.reshape(-1, hkv, d), bits, d)
+        codes.append(c.reshape(b, 12, hkv, -1).transpose(1, 2))
+        scales.append(s.reshape(b, 12, hkv, 1).transpose(1, 2))
+        zeros.append(z.reshape(b, 12, hkv, 1).transpose(1, 2))
+        deq.append(dequantize_affine_channels(c, s, z, bits, d).reshape(b, 12, hkv, d).transpose(1, 2))
+    kv = PackedKV(d, torch.tensor(lengths), "affine_channels", bits, codes[0], scales[0], zeros[0],
+                  "affine_channels", bits, codes[1], scales[1], zeros[1])
+    fp_k, fp_v = torch.randn(b, hkv, 4, d), torch.randn(b, hkv, 4, d)
+    valid = torch.tensor([[True, False, True, True], [False, False, False, True]])
+    q = torch.randn(b, hkv * g, d)
+    out = decode_attention_ref(q, kv, fp_k, fp_v, valid, 0.25)
+    for row in range(b):
+        for head in range(hkv * g):
+            kvh = head // g
+            keys = torch.cat([deq[0][row, kvh, : lengths[row]], fp_k[row, kvh, valid[row]]])
+            values = torch.cat([deq[1][row, kvh, : lengths[row]], fp_v[row, kvh, valid[row]]])
+            p = torch.softmax(keys @ q[row, head] * 0.25, 0)
+            torch.testing.assert_close(out[row, head], p @ values)
+
+
+CODECS = [("rtn", {"bits": 2}), ("kivi", {"bits": 3, "group_size": 4, "residual": 8})]
+
+
+@pytest.mark.parametrize("protocol,prompt_len", [("gptq", 0), ("prefill-decode", 17)])
+@pytest.mark.parametrize("name,config", CODECS)
+def test_decode_mode_equals_simulation(tiny, name, config, protocol, prompt_len):
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    codec = build_method(name, config).build_codec({}, tiny.dims)
+    simulated = simulated_nll(tiny, codec, ids, protocol, prompt_len)
+    decoded = decoded_nll(tiny, codec, ids, protocol, prompt_len, batch_size=2)
+    assert decoded.tokens == simulated.tokens
+    assert decoded.nll == pytest.approx(simulated.nll, rel=2e-6)
+
+
+@pytest.fixture(scope="module")
+def kvquant_codec(tiny, tmp_path_factory):
+    from kvcal.calib.run import run_calibration
+
+    text = tmp_path_factory.mktemp("t") / "text.txt"
+    text.write_text(open(__file__).read() * 3)
+    method = build_method("kvquant", {"bits": 3, "outliers": 0.05})
+    art = run_calibration(tiny, method, text.parent / "a.safetensors", str(text), nsamples=4, seqlen=64)
+    return method.build_codec(art.tensors, tiny.dims)
+
+
+def test_kvquant_decode_mode_close_to_simulation(tiny, kvquant_codec):
+    """Pre-RoPE LUT keys with capped outliers and fp16 residuals: equal up to those (0.5% budget)."""
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    simulated = simulated_nll(tiny, kvquant_codec, ids)
+    decoded = decoded_nll(tiny, kvquant_codec, ids, batch_size=2)
+    assert decoded.ppl == pytest.approx(simulated.ppl, rel=5e-3)
+
+
+@pytest.mark.parametrize("which", ["kivi", "kvquant"])
+def test_left_padded_batch_matches_each_row_alone(tiny, kvquant_codec, which):
+    codec = kvquant_codec if which == "kvquant" else build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny.dims)
+    prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    kwargs = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
+    both = tiny.model.generate(prompt, attention_mask=mask, past_key_values=KvcalCache(codec, 2), **kwargs)
+    alone = tiny.model.generate(prompt[1:, 6:], past_key_values=KvcalCache(codec, 2), **kwargs)
+    assert torch.equal(both.sequences[1, 15:], alone.sequences[0, 9:])
+    for a, b in zip(both.logits, alone.logits):
+        torch.testing.assert_close(a[1], b[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,config", [("rtn", {"bits": 4}), ("kivi", {"bits": 2, "group_size": 8, "residual": 16})])
+def test_cache_memory_follows_bits_per_element(name, config):
+    """bf16 model: the bytes the packed cache holds match the accounting within 10%."""
+    loaded = load_model("tiny-llama", dtype="bfloat16")
+    method = build_method(name, config)
+    codec = method.build_codec({}, loaded.dims)
+    tokens = 300
+    cache = KvcalCache(codec, loaded.dims.num_layers, capacity_hint=tokens)
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        loaded.model(ids[:, :250], past_key_values=cache, use_cache=True)
+        for t in range(250, tokens):
+            loaded.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+    allocated, used = cache.nbytes()
+    predicted = bits_per_element(method, loaded.dims, tokens).bits_per_element * kv_elements(loaded.dims, tokens) / 8
+    assert used == pytest.approx(predicted, rel=0.1)
+    assert allocated <= 1.3 * predicted + 2 * loaded.dims.num_layers * 2 * 16 * 24 * 2  # + fp slots
+
+
+def test_load_cache_on_a_plain_transformers_model(tmp_path, kvquant_codec):
+    import kvcal
+    from kvcal.artifact import Artifact, make_header, save_artifact
+    from kvcal.models.tiny import build_random_model, tiny_config
+
+    path = tmp_path / "kivi.safetensors"
+    tiny = load_model("tiny-llama")
+    method = build_method("kivi", {"bits": 4, "group_size": 4, "residual": 4})
+    save_artifact(path, Artifact(make_header(method, tiny, None, bits_per_element(method, tiny.dims)), {}))
+    plain = build_random_model(tiny_config("llama"), torch.float32, "cpu")
+    cache = kvcal.load_cache(path, plain)
+    out = plain.generate(torch.randint(0, 256, (1, 12)), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                         pad_token_id=258)
+    assert out.shape == (1, 18) and cache.get_seq_length() == 17
+    wrong = build_random_model(tiny_config("qwen3"), torch.float32, "cpu")
+    from kvcal.errors import KvcalError
+
+    with pytest.raises(KvcalError, match="family=llama"):
+        kvcal.load_cache(path, wrong)

@@ -18,6 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Calibrate, apply and evaluate KV-cache compression methods.")
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a method or an artifact.")
 app.add_typer(eval_app, name="eval")
+bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks of the compressed cache.")
+app.add_typer(bench_app, name="bench")
 console = Console()
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Model alias (see `kvcal models`) or local HF directory.")
@@ -195,6 +197,82 @@ def report_command(
 
     console.print(markdown_table([json.loads(Path(p).read_text()) for p in records], commands), markup=False,
                   highlight=False, soft_wrap=True)
+
+
+@bench_app.command("generate")
+def bench_generate_command(
+    model: str = typer.Option("random-llama-3.1-8b", "--model", "-m", help="Model (random weights are fine: speed only)."),
+    recipe: list[str] | None = typer.Option(None, help="Baseline recipe to benchmark (repeatable)."),
+    artifact: list[Path] | None = typer.Option(None, help="Artifact to benchmark (repeatable)."),
+    context: int = typer.Option(32768, help="Tokens already in the cache of every row."),
+    batch: list[int] | None = typer.Option(None, help="Batch sizes to time (repeatable; default 1 and 8)."),
+    steps: int = typer.Option(16, help="Timed decode steps."),
+    max_batch: bool = typer.Option(True, help="Also search the largest batch that fits at this context."),
+    dtype: str = typer.Option("bfloat16", help="Model dtype."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the records as JSON."),
+):
+    """Decode tokens/s and cache memory at long context, fp16 cache vs each codec, and the largest batch."""
+    import torch
+
+    from kvcal.artifact import load_artifact
+    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.models import load_model
+    from kvcal.recipes import resolve
+    from kvcal.runtime.bench_generate import largest_batch, run_case
+
+    if not torch.cuda.is_available():
+        raise KvcalError("kvcal bench generate needs a CUDA device")
+    loaded = load_model(model, dtype, "cuda")
+    cases = []
+    for name in recipe or ["fp16"]:
+        method, tag, _ = resolve(None, name, None)
+        cases.append((name, method, method.build_codec({}, loaded.dims)))
+    for path in artifact or []:
+        method, codec = codec_for_artifact(load_artifact(path), loaded, path)
+        cases.append((Path(path).stem, method, codec))
+    records, largest = [], {}
+    table = Table("codec", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred", "peak GiB")
+    for name, method, codec in cases:
+        for b in batch or [1, 8]:
+            r = run_case(loaded, name, method, codec, b, context, steps)
+            records.append(r)
+            table.add_row(name, str(b), f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
+                          f"{r['cache_bytes'] / 2**30:.2f}", f"{r['cache_bytes_predicted'] / 2**30:.2f}",
+                          f"{r['cache_vs_prediction']:.3f}", f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
+        if max_batch:
+            largest[name] = largest_batch(loaded, method, codec, context, [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256])
+    console.print(table)
+    if largest:
+        console.print("largest batch at context " + str(context) + ": " + ", ".join(f"{k} {v}" for k, v in largest.items()))
+    if json_out:
+        write_json_atomic(json_out, {"device": torch.cuda.get_device_name(), "model": model, "dtype": dtype,
+                                     "context": context, "records": records, "largest_batch": largest,
+                                     "command": invoked_command()})
+
+
+@bench_app.command("decode")
+def bench_decode_command(
+    context: list[int] | None = typer.Option(None, help="Context lengths (repeatable; default 4K, 16K, 32K, 128K)."),
+    batch: list[int] | None = typer.Option(None, help="Batch sizes (repeatable; default 1, 8, 32)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON."),
+):
+    """Per-layer decode attention time at Llama-3.1-8B shapes: bf16 SDPA vs each packed codec at 4/3/2 bits."""
+    import torch
+
+    from kvcal.runtime import bench
+
+    if not torch.cuda.is_available():
+        raise KvcalError("kvcal bench decode needs a CUDA device")
+    kwargs = {}
+    if context:
+        kwargs["contexts"] = tuple(context)
+    if batch:
+        kwargs["batches"] = tuple(batch)
+    result = bench.run_decode_bench(**kwargs)
+    console.print(bench.format_table(result), markup=False, highlight=False)
+    if json_out:
+        result["command"] = invoked_command()
+        write_json_atomic(json_out, result)
 
 
 @app.command("inspect")

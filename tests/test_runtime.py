@@ -164,3 +164,31 @@ def test_load_cache_on_a_plain_transformers_model(tmp_path, kvquant_codec):
 
     with pytest.raises(KvcalError, match="family=llama"):
         kvcal.load_cache(path, wrong)
+
+
+def test_prompt_blocks_quantize_like_one_block_at_a_time():
+    from kvcal.runtime.cache import quantize_affine_token_blocks
+
+    x = torch.randn(24, 2, 16)
+    codes, scale, zero = quantize_affine_token_blocks(x, 3, 8)
+    for i in range(3):
+        c, s, z = quantize_affine_tokens(x[8 * i : 8 * i + 8], 3)
+        assert torch.equal(codes[8 * i : 8 * i + 8], c) and torch.equal(scale[i], s) and torch.equal(zero[i], z)
+
+
+# bits that fill int32 words exactly at head_dim 16 (3-bit codes would pad 48 bits to 64 there; at
+# head_dim 64 and 128 they fill words exactly)
+@pytest.mark.parametrize("name,config", [("rtn", {"bits": 4}), ("kivi", {"bits": 2, "group_size": 8, "residual": 16})])
+def test_synthetic_fill_decodes_and_counts_bytes(tiny, name, config):
+    """The benchmark's synthetic fill leaves the cache as a prefill of that length would (shapes, counters)."""
+    method = build_method(name, config)
+    cache = KvcalCache(method.build_codec({}, tiny.dims), tiny.dims.num_layers)
+    cache.fill_synthetic(3, 200, tiny.dims, torch.bfloat16, "cpu", headroom=4)
+    assert cache.get_seq_length() == 200
+    loaded = load_model("tiny-llama", dtype="bfloat16")
+    with torch.inference_mode():
+        out = loaded.model(torch.randint(0, 256, (3, 1)), past_key_values=cache, use_cache=True).logits
+    assert out.shape == (3, 1, 259) and torch.isfinite(out).all() and cache.get_seq_length() == 201
+    _, used = cache.nbytes()
+    predicted = 3 * bits_per_element(method, tiny.dims, 201).bits_per_element * kv_elements(tiny.dims, 201) / 8
+    assert used == pytest.approx(predicted, rel=0.1)

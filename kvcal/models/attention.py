@@ -1,6 +1,6 @@
 """Reference attention math shared by the adapter, the gptq simulation and the torch runtime reference.
 
-Everything runs in float32 (or float64 for float64 inputs) through PyTorch's SDPA with an additive mask (GQA mapped by SDPA, no repeat
+Everything runs through PyTorch's SDPA (in float32 on the CPU; CUDA kernels accumulate in float32) with an additive mask (GQA mapped by SDPA, no repeat
 of K/V). Masked entries use float32's most negative finite number rather than -inf, so rows with no
 allowed key (left padding) stay finite, as in transformers' eager path.
 """
@@ -34,10 +34,17 @@ def additive_mask(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> 
 
 
 def _sdpa(q, k, v, bias, scale: float) -> torch.Tensor:
-    dtype = torch.promote_types(q.dtype, torch.float32)  # at least float32 (float64 stays float64)
+    # CUDA's fused kernels accumulate half-precision inputs in float32 already, so those stay as they
+    # are (flash / memory-efficient backends); elsewhere compute in at least float32.
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        dtype = q.dtype
+    else:
+        dtype = torch.promote_types(q.dtype, torch.float32)
+    if bias is not None:
+        bias = bias.clamp_min(torch.finfo(dtype).min).to(dtype)
     out = F.scaled_dot_product_attention(
-        q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=None if bias is None else bias.to(dtype),
-        is_causal=bias is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=bias, is_causal=bias is None, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.to(q.dtype)
 

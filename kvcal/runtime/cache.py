@@ -23,9 +23,20 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention
 from kvcal.quant.rope import apply_rope, rope_cos_sin
+from kvcal.quant.uniform import minmax_params, quantize
 from kvcal.runtime import ops
 from kvcal.runtime.attention import PackedKV
-from kvcal.runtime.packing import words_per_vector
+from kvcal.runtime.packing import pack_codes, words_per_vector
+
+
+def quantize_affine_token_blocks(x: torch.Tensor, bits: int, block: int):
+    """quantize_affine_tokens over consecutive blocks of a prompt at once: x [N, H, D] with N a multiple
+    of `block` -> codes [N, H, W], scale and zero [N/block, H, D] (the same arithmetic, vectorized)."""
+    n, h, d = x.shape
+    xf = x.to(torch.float32).reshape(n // block, block, h, d)
+    scale, zero = minmax_params(xf.amin(1, keepdim=True), xf.amax(1, keepdim=True), 1 << bits)
+    codes = quantize(xf, scale, zero, 1 << bits).reshape(n, h, d)
+    return pack_codes(codes, bits), scale[:, 0].half(), zero[:, 0].half()
 
 
 class _LayerBase(DynamicLayer):
@@ -131,10 +142,9 @@ class PackedLayer(_LayerBase):
         self.ring_count: list[int] = []
 
     # ---- allocation ---------------------------------------------------------------------------------
-    def _init(self, inp, batch):
-        _, heads, _, dim = inp.k_pre.shape
+    def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq) -> None:
         self.batch, self.heads, self.dim = batch, heads, dim
-        self.dtype, self.device = inp.v.dtype, inp.v.device
+        self.dtype, self.device = dtype, device
         self.ring_capacity = self.policy.residual + self.policy.block
         fp_slots = self.policy.sink + self.ring_capacity
         z = dict(device=self.device)
@@ -142,7 +152,6 @@ class PackedLayer(_LayerBase):
         self.fp_v = torch.zeros_like(self.fp_k)
         # keys in the codec's key space, for flushing (the post-RoPE keys themselves unless pre-RoPE)
         self.fp_src = torch.zeros_like(self.fp_k) if self.codec.keys_pre_rope else self.fp_k
-        self.fp_pos = torch.zeros(batch, fp_slots, dtype=torch.long, **z)
         self.fp_valid = torch.zeros(batch, fp_slots, dtype=torch.bool, **z)
         self.compressed = [0] * batch
         self.count = [0] * batch
@@ -156,7 +165,7 @@ class PackedLayer(_LayerBase):
             if getattr(vf, name) is not None:
                 self.buffers["v_" + name] = getattr(vf, name).to(self.device, torch.float32)
         if self.codec.keys_pre_rope:
-            self.inv_freq = inp.module._kvcal_binding[0].inv_freq.to(self.device)
+            self.inv_freq = inv_freq.to(self.device)
         self.capacity = 0
         self._grow(max(self.capacity_hint, 16))
 
@@ -207,71 +216,96 @@ class PackedLayer(_LayerBase):
             self.rope_cos, self.rope_sin = cos[0], sin[0]
 
     # ---- storage ------------------------------------------------------------------------------------
-    def _store_fp(self, b: int, slot: int, k_src, k_rot, v, pos: int) -> None:
-        self.fp_k[b, :, slot] = k_rot
-        if self.fp_src is not self.fp_k:
-            self.fp_src[b, :, slot] = k_src
-        self.fp_v[b, :, slot] = v
-        self.fp_pos[b, slot] = pos
-        self.fp_valid[b, slot] = True
+    def _prefill_row(self, b: int, pad: int, k_src, k_rot, v) -> None:
+        """Store row b's valid prompt tokens [pad, T) in bulk: sinks, packed span, then the residual ring."""
+        sink, total = self.policy.sink, k_src.shape[2] - pad
+        n_sink = min(sink, total)
+        packed = self.policy.compressed_count(total)
+        tokens = slice(pad, pad + n_sink)
+        self.fp_k[b, :, :n_sink] = k_rot[b, :, tokens]
+        self.fp_src[b, :, :n_sink] = k_src[b, :, tokens]
+        self.fp_v[b, :, :n_sink] = v[b, :, tokens]
+        self.fp_valid[b, :n_sink] = True
+        if packed:
+            span = slice(pad + sink, pad + sink + packed)
+            if packed > self.capacity:
+                self._grow(packed)
+            self._pack([b], k_src[b, :, span].transpose(0, 1)[None], v[b, :, span].transpose(0, 1)[None])
+            self.compressed[b] = packed
+        rest = slice(pad + n_sink + packed, pad + total)
+        n_rest = total - n_sink - packed
+        ring = slice(sink, sink + n_rest)
+        self.fp_k[b, :, ring] = k_rot[b, :, rest]
+        self.fp_src[b, :, ring] = k_src[b, :, rest]
+        self.fp_v[b, :, ring] = v[b, :, rest]
+        self.fp_valid[b, ring] = True
+        self.ring_start[b], self.ring_count[b], self.count[b] = 0, n_rest, total
 
-    def _append_token(self, b: int, k_src, k_rot, v, pos: int) -> None:
-        """Append one token [H, D] of row b to its sinks or its residual ring."""
+    def _append_step(self, k_src, k_rot, v) -> None:
+        """Append one token per row ([B, H, D] each) to its sinks or its residual ring, all rows at once."""
         sink = self.policy.sink
-        if self.count[b] < sink:
-            self._store_fp(b, self.count[b], k_src, k_rot, v, pos)
-        else:
-            if self.ring_count[b] == self.ring_capacity:
-                raise RuntimeError("residual ring overflow: flush was not called")
-            slot = sink + (self.ring_start[b] + self.ring_count[b]) % self.ring_capacity
-            self._store_fp(b, slot, k_src, k_rot, v, pos)
-            self.ring_count[b] += 1
-        self.count[b] += 1
+        slots = []
+        for b in range(self.batch):
+            if self.count[b] < sink:
+                slots.append(self.count[b])
+            else:
+                if self.ring_count[b] == self.ring_capacity:
+                    raise RuntimeError("residual ring overflow: flush was not called")
+                slots.append(sink + (self.ring_start[b] + self.ring_count[b]) % self.ring_capacity)
+                self.ring_count[b] += 1
+            self.count[b] += 1
+        rows = torch.arange(self.batch, device=self.device)
+        slot = torch.tensor(slots, device=self.device)
+        self.fp_k[rows, :, slot] = k_rot
+        if self.fp_src is not self.fp_k:
+            self.fp_src[rows, :, slot] = k_src
+        self.fp_v[rows, :, slot] = v
+        self.fp_valid[rows, slot] = True
 
     def _flush_rows(self) -> None:
-        """Pack the oldest residual blocks of every row for as long as the policy allows."""
+        """Pack the oldest residual block of every row that the policy allows to (at most one per step)."""
         block, sink = self.policy.block, self.policy.sink
-        while True:
-            rows = [b for b in range(self.batch) if self.compressed[b] < self.policy.compressed_count(self.count[b])]
-            if not rows:
-                return
-            if max(self.compressed[b] for b in rows) + block > self.capacity:
-                self._grow(max(self.compressed[b] for b in rows) + block)
-            slots = torch.tensor([[sink + (self.ring_start[b] + i) % self.ring_capacity for i in range(block)]
-                                  for b in rows], device=self.device)
-            row_idx = torch.tensor(rows, device=self.device)
-            k_src = self.fp_src[row_idx[:, None], :, slots]  # [R, block, H, D]
-            v = self.fp_v[row_idx[:, None], :, slots]
-            self._pack(rows, k_src, v)
-            for b, row_slots in zip(rows, slots):
-                self.fp_valid[b, row_slots] = False
-                self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
-                self.ring_count[b] -= block
-                self.compressed[b] += block
+        rows = [b for b in range(self.batch) if self.compressed[b] < self.policy.compressed_count(self.count[b])]
+        if not rows:
+            return
+        if max(self.compressed[b] for b in rows) + block > self.capacity:
+            self._grow(max(self.compressed[b] for b in rows) + block)
+        slots = torch.tensor([[sink + (self.ring_start[b] + i) % self.ring_capacity for i in range(block)]
+                              for b in rows], device=self.device)
+        row_idx = torch.tensor(rows, device=self.device)[:, None]
+        self._pack(rows, self.fp_src[row_idx, :, slots], self.fp_v[row_idx, :, slots])  # [R, block, H, D]
+        self.fp_valid[row_idx, slots] = False
+        for b in rows:
+            self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
+            self.ring_count[b] -= block
+            self.compressed[b] += block
 
     def _pack(self, rows: list[int], k_src: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize blocks [R, block, H, D] (one per row) into each row's next packed slots."""
+        """Quantize tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
         kf, vf, buf = self.key_format, self.value_format, self.buffers
-        nrows, block = k_src.shape[:2]
+        nrows, count = k_src.shape[:2]
         start = torch.tensor([self.compressed[b] for b in rows], device=self.device)
-        rows_t = torch.tensor(rows, device=self.device)
-        slot = (start[:, None] + torch.arange(block, device=self.device)[None]).reshape(-1)  # [R*block]
-        row = rows_t[:, None].expand(-1, block).reshape(-1)
-        keys = k_src.reshape(nrows * block, self.heads, self.dim)
-        values = v.reshape(nrows * block, self.heads, self.dim)
+        slot = (start[:, None] + torch.arange(count, device=self.device)[None]).reshape(-1)  # [R*N]
+        row = torch.tensor(rows, device=self.device)[:, None].expand(-1, count).reshape(-1)
+        keys = k_src.reshape(nrows * count, self.heads, self.dim)
+        values = v.reshape(nrows * count, self.heads, self.dim)
         # keys
         if kf.kind == "affine_channels":
             codes, scale, zero = ops.quantize_affine_channels(keys, kf.bits, kf.group)
             buf["k_scale"][row, :, slot] = scale
             buf["k_zero"][row, :, slot] = zero
         elif kf.kind == "affine_tokens":
-            codes_list = []
-            for i, b in enumerate(rows):  # one (scale, zero) per channel per block and row
-                c, scale, zero = ops.quantize_affine_tokens(keys[i * block : (i + 1) * block], kf.bits)
-                codes_list.append(c)
-                buf["k_scale"][b, :, self.compressed[b] // block] = scale
-                buf["k_zero"][b, :, self.compressed[b] // block] = zero
-            codes = torch.cat(codes_list)
+            blocks = count // kf.block
+            if blocks == 1:  # a decode-time flush: the kernel, one block per row
+                parts = [ops.quantize_affine_tokens(keys[i * count : (i + 1) * count], kf.bits) for i in range(nrows)]
+                codes = torch.cat([p[0] for p in parts])
+                scale, zero = torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts])  # [R, H, D]
+            else:  # a prompt: every block at once
+                codes, scale, zero = quantize_affine_token_blocks(keys, kf.bits, kf.block)
+            block_idx = (slot // kf.block).reshape(nrows, count)[:, :: kf.block].reshape(-1)
+            block_row = torch.tensor(rows, device=self.device)[:, None].expand(-1, blocks).reshape(-1)
+            buf["k_scale"][block_row, :, block_idx] = scale.reshape(-1, self.heads, self.dim)
+            buf["k_zero"][block_row, :, block_idx] = zero.reshape(-1, self.heads, self.dim)
         else:
             codes, idx, val = ops.quantize_lut_static(keys, buf["k_lo"], buf["k_hi"], buf["k_encode"],
                                                       buf["k_decode"], kf.bits, kf.capacity)
@@ -282,19 +316,17 @@ class PackedLayer(_LayerBase):
         # values
         if vf.kind == "affine_channels":
             codes, scale, zero = ops.quantize_affine_channels(values, vf.bits, vf.group)
+            buf["v_scale"][row, :, slot] = scale
+            buf["v_zero"][row, :, slot] = zero
         else:
             codes, scale, zero, idx, val = ops.quantize_lut_dynamic(values, buf["v_encode"], buf["v_decode"],
                                                                     vf.bits, vf.per_side)
+            buf["v_scale"][row, slot] = scale
+            buf["v_zero"][row, slot] = zero
             if vf.per_side:
                 buf["v_out_idx"][row, slot] = idx
                 buf["v_out_val"][row, slot] = val
         buf["v_codes"][row, :, slot] = codes
-        if vf.kind == "affine_channels":
-            buf["v_scale"][row, :, slot] = scale
-            buf["v_zero"][row, :, slot] = zero
-        else:
-            buf["v_scale"][row, slot] = scale
-            buf["v_zero"][row, slot] = zero
 
     def packed(self) -> PackedKV:
         kf, vf, buf = self.key_format, self.value_format, self.buffers
@@ -320,27 +352,49 @@ class PackedLayer(_LayerBase):
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
         k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
         if self.length == 0:
-            self._init(inp, batch)
-        if self.length == 0 and length > 1:
-            out = attention(q, k_rot, inp.v, inp.mask, inp.scale)  # full-precision prefill
-            pads = _left_padding(inp.mask, batch, length)
-            for b in range(batch):
-                for t in range(pads[b], length):
-                    self._append_token(b, k_src[b, :, t], k_rot[b, :, t], inp.v[b, :, t], int(inp.positions[b, t]))
-                    if self.ring_count[b] == self.ring_capacity:
-                        self._flush_rows()
-            self._flush_rows()
+            adapter = inp.module._kvcal_binding[0]
+            self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq)
+        if self.length == 0 and length > 1:  # prefill: full-precision attention, then bulk compression
+            out = attention(q, k_rot, inp.v, inp.mask, inp.scale)
+            for b, pad in enumerate(_left_padding(inp.mask, batch, length)):
+                self._prefill_row(b, pad, k_src, k_rot, inp.v)
             self.length = length
             return out
         outs = []
-        for t in range(length):  # decode: one token at a time (several tokens are decoded in sequence)
-            for b in range(batch):
-                self._append_token(b, k_src[b, :, t], k_rot[b, :, t], inp.v[b, :, t], int(inp.positions[b, t]))
+        for t in range(length):  # decode, one token at a time (several tokens are decoded in sequence)
+            self._append_step(k_src[:, :, t], k_rot[:, :, t], inp.v[:, :, t])
             self._flush_rows()
             self.length += 1
             outs.append(ops.decode_attention(q[:, :, t], self.packed(), self.fp_k, self.fp_v, self.fp_valid,
                                              inp.scale))
         return torch.stack(outs, dim=2)
+
+    def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
+                       headroom: int = 0, generator=None) -> None:
+        """Fill with `tokens` tokens per row of random codes and parameters, as after a prefill (for speed and
+        memory benchmarks: decoding then runs through the real buffers and kernels)."""
+        self._init(batch, heads, dim, dtype, device, inv_freq)
+        packed = self.policy.compressed_count(tokens)
+        self._grow(packed + headroom)
+        for name, t in self.buffers.items():
+            if name in self.STATIC:
+                continue
+            if name.endswith("codes"):
+                t.random_(generator=generator)
+            elif name.endswith("out_idx"):
+                t.random_(0, heads * dim, generator=generator)
+            else:  # scales, zeros, outlier residuals: small positive values
+                t.uniform_(0.01, 0.05, generator=generator)
+        fp_tokens = tokens - packed
+        self.fp_k[:, :, :fp_tokens].normal_(generator=generator)
+        self.fp_v[:, :, :fp_tokens].normal_(generator=generator)
+        self.fp_valid[:, :fp_tokens] = True
+        sinks = min(self.policy.sink, tokens)
+        self.compressed = [packed] * batch
+        self.count = [tokens] * batch
+        self.ring_start = [0] * batch
+        self.ring_count = [fp_tokens - sinks] * batch
+        self.length = tokens
 
     STATIC = ("k_lo", "k_hi", "k_encode", "k_decode", "v_encode", "v_decode")  # per layer, not per token
 
@@ -372,6 +426,12 @@ class LosslessLayer(_LayerBase):
         n = 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
         return n, n
 
+    def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None):
+        self.keys = torch.randn(batch, heads, tokens, dim, dtype=dtype, device=device, generator=generator)
+        self.values = torch.randn(batch, heads, tokens, dim, dtype=dtype, device=device, generator=generator)
+        self.length = tokens
+        self.is_initialized = True
+
 
 class KvcalCache(Cache):
     """Pass as `past_key_values` to a model loaded by kvcal (its adapter routes attention here)."""
@@ -393,6 +453,14 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         return self.layers[inp.layer_idx].attend(inp)
+
+    def fill_synthetic(self, batch: int, tokens: int, dims, dtype, device, headroom: int = 0, seed: int = 0):
+        """Every layer holds `tokens` random tokens per row (see PackedLayer.fill_synthetic)."""
+        generator = torch.Generator(device=device).manual_seed(seed)
+        inv_freq = dims.rope.inv_freq(device)
+        for layer in self.layers:
+            layer.fill_synthetic(batch, tokens, dims.num_kv_heads, dims.head_dim, dtype, device, inv_freq,
+                                 headroom, generator)
 
     def nbytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of the per-token cache over all layers."""

@@ -1,0 +1,67 @@
+"""`kvcal bench generate`: decode throughput and memory of the compressed cache at long context.
+
+The cache of every row is filled with `context` synthetic tokens (random codes and parameters, exactly
+the buffers a prefill would leave; the weights are random too, so values do not matter for speed),
+then `steps` greedy decode steps run through the real model, cache and kernels. Reported per codec and
+batch: decode tokens/s, the cache's bytes against what bits per element predicts, the process's peak
+GPU memory beyond the weights, and the largest batch that fits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvcal.accounting import bits_per_element, kv_elements
+from kvcal.runtime.cache import KvcalCache
+
+
+def _decode_steps(loaded, cache, batch: int, steps: int, generator) -> float:
+    """Seconds for `steps` decode steps (after 2 warm-up steps)."""
+    vocab = loaded.model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, 1), device=loaded.device, generator=generator)
+    with torch.inference_mode():
+        for _ in range(2):
+            loaded.model(ids, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = loaded.model(ids, past_key_values=cache, use_cache=True).logits
+            ids = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int) -> dict:
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    cache = KvcalCache(codec, loaded.dims.num_layers)
+    cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 8)
+    generator = torch.Generator(device=loaded.device).manual_seed(1)
+    seconds = _decode_steps(loaded, cache, batch, steps, generator)
+    allocated, used = cache.nbytes()
+    tokens = cache.get_seq_length()
+    predicted = batch * bits_per_element(method, loaded.dims, tokens).bits_per_element * kv_elements(loaded.dims, tokens) / 8
+    record = {
+        "codec": name, "batch": batch, "context": context, "steps": steps,
+        "tokens_per_s": batch * steps / seconds, "ms_per_step": 1000 * seconds / steps,
+        "cache_bytes": used, "cache_bytes_allocated": allocated, "cache_bytes_predicted": predicted,
+        "cache_vs_prediction": used / predicted, "peak_bytes_beyond_weights": torch.cuda.max_memory_allocated() - weights,
+    }
+    del cache
+    torch.cuda.empty_cache()
+    return record
+
+
+def largest_batch(loaded, method, codec, context: int, candidates: list[int]) -> int:
+    """Largest batch in `candidates` (ascending) whose cache fits and decodes 2 steps without running out of memory."""
+    best = 0
+    for batch in candidates:
+        try:
+            run_case(loaded, "", method, codec, batch, context, steps=1)
+            best = batch
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            break
+    return best

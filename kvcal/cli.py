@@ -252,27 +252,33 @@ def bench_generate_command(
 
 @bench_app.command("decode")
 def bench_decode_command(
-    context: list[int] | None = typer.Option(None, help="Context lengths (repeatable; default 4K, 16K, 32K, 128K)."),
+    context: list[int] | None = typer.Option(None, help="Context lengths (repeatable; default 4096, 16384, 32768, 131072)."),
     batch: list[int] | None = typer.Option(None, help="Batch sizes (repeatable; default 1, 8, 32)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON."),
+    codec: list[str] | None = typer.Option(None, help="int, kivi, nuq (repeatable; default all)."),
+    bits: list[int] | None = typer.Option(None, help="Bit widths (repeatable; default 4, 3, 2)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float16 queries and fp window."),
+    window: int = typer.Option(128, help="Full-precision tokens of each kvcal cache."),
+    rep: int = typer.Option(100, help="do_bench repetition time in ms."),
+    json_out: Path | None = typer.Option(None, "--json", help="JSON path (default results/bench/decode-DEVICE.json)."),
 ):
-    """Per-layer decode attention time at Llama-3.1-8B shapes: bf16 SDPA vs each packed codec at 4/3/2 bits."""
+    """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each packed codec, same run."""
     import torch
 
     from kvcal.runtime import bench
 
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench decode needs a CUDA device")
-    kwargs = {}
-    if context:
-        kwargs["contexts"] = tuple(context)
-    if batch:
-        kwargs["batches"] = tuple(batch)
-    result = bench.run_decode_bench(**kwargs)
-    console.print(bench.format_table(result), markup=False, highlight=False)
-    if json_out:
-        result["command"] = invoked_command()
-        write_json_atomic(json_out, result)
+    if dtype not in ("bfloat16", "float16"):
+        raise KvcalError(f"--dtype must be bfloat16 or float16, got {dtype}")
+    result = bench.run_decode_bench(
+        contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)),
+        codecs=tuple(codec or bench.CODECS), bits=tuple(bits or (4, 3, 2)), dtype=getattr(torch, dtype),
+        window=window, rep=rep)
+    result["command"] = invoked_command()
+    out = json_out or Path("results") / "bench" / f"decode-{bench.device_slug(result['device'])}.json"
+    write_json_atomic(out, result)
+    console.print(bench.format_table(result), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"{result['device']}, device-to-device copy {result['copy_gbps']:.0f} GB/s; wrote {out}")
 
 
 @app.command("inspect")

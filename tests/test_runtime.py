@@ -79,7 +79,7 @@ def test_decode_attention_reference_against_plain_softmax():
             torch.testing.assert_close(out[row, head], p @ values)
 
 
-CODECS = [("rtn", {"bits": 2}), ("kivi", {"bits": 3, "group_size": 4, "residual": 8})]
+CODECS = [("fp16", {}), ("rtn", {"bits": 2}), ("kivi", {"bits": 3, "group_size": 4, "residual": 8})]
 
 
 @pytest.mark.parametrize("protocol,prompt_len", [("gptq", 0), ("prefill-decode", 17)])

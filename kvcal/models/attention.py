@@ -40,10 +40,10 @@ def _sdpa(q, k, v, bias, scale: float) -> torch.Tensor:
         dtype = q.dtype
     else:
         dtype = torch.promote_types(q.dtype, torch.float32)
-    if bias is not None:
-        bias = bias.clamp_min(torch.finfo(dtype).min).to(dtype)
+    causal = bias is None  # None: causal; False: nothing masked; else an additive bias
+    bias = bias.clamp_min(torch.finfo(dtype).min).to(dtype) if isinstance(bias, torch.Tensor) else None
     out = F.scaled_dot_product_attention(
-        q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=bias, is_causal=bias is None, scale=scale,
+        q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=bias, is_causal=causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.to(q.dtype)
@@ -53,6 +53,8 @@ def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D] in q's dtype."""
     if mask is None and q.shape[2] == k.shape[2]:  # plain causal: let SDPA skip the mask entirely
         return _sdpa(q, k, v, None, scale)
+    if mask is None and q.shape[2] == 1:  # one new token sees every cached key: no mask at all
+        return _sdpa(q, k, v, False, scale)
     return _sdpa(q, k, v, additive_mask(mask, q.shape[2], k.shape[2], q.device), scale)
 
 

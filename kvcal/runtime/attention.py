@@ -112,3 +112,689 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
         p = torch.softmax(qg @ k.transpose(1, 2) * scale, dim=-1)
         out[b] = (p @ v).reshape(hq, d)
     return out.to(q.dtype)
+
+
+# ---- Triton ---------------------------------------------------------------------------------------
+# decode_attention_triton: one decode step = two launches.
+#
+# 1. _decode_kernel, grid (B * Hkv, S). Program (row b, KV head h, split s) handles all G = Hq/Hkv query
+#    heads of that KV head (GQA in-kernel, K/V read once per group). Splits s < NSPLIT take an equal,
+#    BLOCK_T-aligned share of that row's own length (no host sync, rows differ in length; a share past
+#    the row's end writes a neutral partial); split s == NSPLIT takes the full-precision segment. Each
+#    program runs an online softmax in fp32 over BLOCK_T-token tiles and writes (max, sum, acc).
+# 2. _reduce_kernel, grid (B * Hq): merges the S partials of each query head.
+#
+# Packed keys and values are never dequantized element by element on the fast paths; scales and zeros
+# are folded around tensor-core dots (post-scaling):
+#   affine_channels keys, group g:  q.k = s_g (q_g . c_g) + z_g sum(q_g)
+#   affine_tokens keys (per channel): q.k = (q * s_blk) . c + q . z_blk  (a column group per token block)
+#   affine_channels values, group g: sum_t p_t v_t = (p * s_g) . c_g + (p . z_g)
+#   lut_dynamic values (per token):  sum_t p_t v_t = (p * s) . T[c] + p . z  (+ sparse residuals, below)
+# Codes enter the dot as exact fp16 values made without int-to-float conversions (packing.unpack_mma: the
+# code's bits are the fp16 subnormal c * 2^-24, two codes per 32-bit and+shift; 2^24 goes into the scales).
+# The generic key path (lut_static, or any key format stored before RoPE) dequantizes a tile in fp32
+# in two halves (LUT by tl.gather from a register table), rotates and calls two dots; the sparse key
+# residuals are added to the scores per slot (2 gathered query entries x cos/sin, not a pass over every
+# channel); the sparse value residuals go into the program's partial with relaxed atomics, scaled to a
+# per-program reference max so online-softmax rescaling never touches them. RoPE by angle addition (default):
+# q.R(p0 + j)k = (R(-p0) q).(R(j) k) with R(j) from table rows 0..BLOCK_T-1 kept in registers and R(-p0)
+# applied to q once per tile; this needs cos/sin tables that are cos/sin(position * inv_freq) duplicated
+# over the two halves (what rope_cos_sin builds). rope_mode="table" reads the tables at each token's
+# position instead (any tables, more traffic).
+
+import os  # noqa: E402
+import warnings  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+from kvcal.runtime.packing import _pow2, launch_device  # noqa: E402
+
+_KEY_CODE = {"affine_channels": 0, "affine_tokens": 1, "lut_static": 2}
+_VALUE_CODE = {"affine_channels": 0, "lut_dynamic": 1}
+_UNPACK_BITS = (1, 2, 3, 4, 8)
+LOG2E = 1.4426950408889634
+# Launch defaults per path, chosen by measurement at 32K x batch 8 on an H100 (benchmarks/NOTES-kernels.md):
+# (block_t, num_warps, num_stages, max registers or None).
+DEFAULTS = {
+    "affine_channels": (32, 1, 2, 128),  # one-warp programs: every reduction stays in the warp
+    "affine_tokens": (64, 4, None, None),  # one warpgroup (wgmma); its per-tile q scaling needs registers
+    "generic": (32, 4, 2, None),  # lut_static / pre-RoPE keys
+}
+
+if triton is not None:
+    from kvcal.runtime.packing import mma_channels, unpack_mma, unpack_tile
+
+    @triton.jit
+    def _dot(a, b, INTERP: tl.constexpr):
+        # Triton's interpreter multiplies bf16 operands as raw integers (3.6 and 3.9): upcast there
+        # (exact: the tensor cores also multiply bf16/fp16 exactly and accumulate in fp32).
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _regroup(x, SRC: tl.constexpr, DST: tl.constexpr, N: tl.constexpr):
+        """Columns [N, SRC] -> [N, DST] keeping columns < min(SRC, DST) (columns >= G must be zero)."""
+        if SRC == DST:
+            return x
+        elif SRC > DST:
+            return tl.sum(tl.reshape(x, (N, SRC // DST, DST)), 1)
+        else:
+            r = tl.arange(0, DST // SRC)
+            y = tl.where((r == 0)[None, :, None], tl.broadcast_to(x[:, None, :], (N, DST // SRC, SRC)), 0.0)
+            return tl.reshape(y, (N, DST))
+
+    @triton.jit
+    def _key_half(kptr, tm, t, C0: tl.constexpr, HD: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                  KEY_FORMAT: tl.constexpr, ks_base, kz_base, skst, GS: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                  ktab_ptr, kscl, kzer):
+        """Dequantized channels [C0, C0 + HD) of a key tile, fp32 [BLOCK_T, HD] (generic path)."""
+        c = unpack_tile(kptr, tm, C0, HD, BITS, BLOCK_T)
+        ch = C0 + tl.arange(0, HD)
+        if KEY_FORMAT == 0:
+            off = t[:, None] * skst + (ch // GS)[None, :]
+            s = tl.load(ks_base + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            z = tl.load(kz_base + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            return c.to(tl.float32) * s + z
+        elif KEY_FORMAT == 1:
+            off = (t // KEY_BLOCK)[:, None] * skst + ch[None, :]
+            s = tl.load(ks_base + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            z = tl.load(kz_base + off, mask=tm[:, None], other=0.0).to(tl.float32)
+            return c.to(tl.float32) * s + z
+        else:
+            NL: tl.constexpr = 1 << BITS
+            tab = tl.broadcast_to(tl.load(ktab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
+            return tl.gather(tab, c.to(tl.int32), 1) * kscl[None, :] + kzer[None, :]
+
+    @triton.jit
+    def _key_outlier_scores(koi_ptr, kov_ptr, rowoff, tm, head_base, CAP: tl.constexpr, CAPP: tl.constexpr,
+                            qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr, D: tl.constexpr,
+                            GP: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Score contribution [BLOCK_T, GP] of the sparse pre-RoPE key residuals of one tile.
+
+        A residual r at channel d of token t adds r * (R(p_t)^T q)[d] to each head's score; per slot that is
+        two query entries (d and its rotate-half partner) times cos/sin, so the cost is per slot, not per
+        slot and channel. qa4/qb4 [HD, GP] fp32 are the query halves as the rotated keys see them (R(-p0) q
+        for ROPE == 1, where cj/sj hold R(j); plain q otherwise). Slots go 8 at a time (register pressure)."""
+        HD: tl.constexpr = D // 2
+        SC: tl.constexpr = 8 if CAPP > 8 else CAPP
+        acc = tl.zeros((BLOCK_T, GP), tl.float32)
+        for j0 in range(0, CAP, SC):
+            jc = j0 + tl.arange(0, SC)
+            om = tm[:, None] & (jc < CAP)[None, :]
+            oi = tl.load(koi_ptr + rowoff[:, None] + jc[None, :], mask=om, other=-1).to(tl.int32) - head_base
+            ov = tl.load(kov_ptr + rowoff[:, None] + jc[None, :], mask=om, other=0.0).to(tl.float32)
+            ok = (oi >= 0) & (oi < D)
+            ov = tl.where(ok, ov, 0.0)
+            oc = tl.where(ok, oi, 0)
+            i = oc % HD
+            upper = (oc >= HD)[:, :, None]
+            ii = tl.reshape(tl.broadcast_to(i[:, :, None], (BLOCK_T, SC, GP)), (BLOCK_T * SC, GP))
+            ga = tl.reshape(tl.gather(qa4, ii, 0), (BLOCK_T, SC, GP))  # query entry at channel i
+            gb = tl.reshape(tl.gather(qb4, ii, 0), (BLOCK_T, SC, GP))  # ... at channel i + HD
+            if ROPE == 1:  # R(j) e_d: (cos, sin) at (i, i + HD) for d < HD; (-sin, cos) for d >= HD
+                c = tl.gather(cj, i, 1)[:, :, None]
+                sn = tl.gather(sj, i, 1)[:, :, None]
+                eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
+            elif ROPE == 2:  # general tables: k*cos + rotate_half(k)*sin at the token's own position
+                prow = (pos[:, None] * D)
+                c = tl.load(cos_ptr + prow + oc, mask=om, other=0.0)[:, :, None]
+                sp = tl.load(sin_ptr + prow + tl.where(oc >= HD, oc - HD, oc + HD), mask=om, other=0.0)[:, :, None]
+                eff = tl.where(upper, gb * c - ga * sp, ga * c + gb * sp)
+            else:
+                eff = tl.where(upper, gb, ga)
+            acc += tl.sum(eff * ov[:, :, None], 1)
+        return acc
+
+    @triton.jit
+    def _key_params(ks_base, kz_base, t0, end, skst, KEY_FORMAT: tl.constexpr, GENERIC_K: tl.constexpr,
+                    GK: tl.constexpr, KEY_BLOCK: tl.constexpr, NB: tl.constexpr, D: tl.constexpr,
+                    BITS: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Per-tile key scales/zeros of the fast paths, loaded one tile ahead (they are not pipelined by
+        Triton, and waiting for them each tile made the loop latency-bound)."""
+        if GENERIC_K:
+            z = tl.zeros((1,), tl.float16)
+            return z, z
+        elif KEY_FORMAT == 0:  # [BLOCK_T, GK]
+            t = t0 + tl.arange(0, BLOCK_T)
+            off = t[:, None] * skst + tl.arange(0, GK)[None, :]
+            m = (t < end)[:, None]
+            return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
+        else:  # [16, D]: rows = the tile's token blocks
+            r = tl.arange(0, 16)
+            off = (t0 // KEY_BLOCK + r)[:, None] * skst + mma_channels(0, D, BITS)[None, :]
+            m = ((r < NB) & (t0 + r * 0 < end))[:, None]
+            return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
+
+    @triton.jit
+    def _value_params(vs_base, vz_base, t0, end, svst, VALUE_FORMAT: tl.constexpr, GV: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+        t = t0 + tl.arange(0, BLOCK_T)
+        if VALUE_FORMAT == 0:  # [BLOCK_T, GV]
+            off = t[:, None] * svst + tl.arange(0, GV)[None, :]
+            m = (t < end)[:, None]
+            return tl.load(vs_base + off, mask=m, other=0.0), tl.load(vz_base + off, mask=m, other=0.0)
+        else:  # [BLOCK_T] per token
+            return tl.load(vs_base + t * svst, mask=t < end, other=1.0), tl.load(vz_base + t * svst, mask=t < end, other=0.0)
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, sqb, sqh, len_ptr,
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, ktab_ptr, koi_ptr, kov_ptr, skob, skot,
+        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot,
+        cos_ptr, sin_ptr, pos_offset, TMAX,
+        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale, NSPLIT,
+        D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GK: tl.constexpr, GPV: tl.constexpr,
+        GV: tl.constexpr, GPF: tl.constexpr, GPQ: tl.constexpr,
+        KEY_FORMAT: tl.constexpr, KBITS: tl.constexpr, KEY_BLOCK: tl.constexpr, KCAP: tl.constexpr,
+        GENERIC_K: tl.constexpr, ROPE: tl.constexpr,
+        VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
+        VCAPP: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr,
+    ):
+        DT: tl.constexpr = q_ptr.dtype.element_ty
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        S = NSPLIT + HAS_FP
+        dd = tl.arange(0, D)
+        q_row = q_ptr + b * sqb + h * G * sqh
+        part = pid * S + split
+        if HAS_PACKED:
+            if split < NSPLIT:
+                # Token-major tiles: scores are [BLOCK_T, heads] = codes [BLOCK_T, D] x q^T [D, heads], so the
+                # big operand is the M side of the tensor-core dot (wgmma on Hopper for BLOCK_T >= 64).
+                length = tl.load(len_ptr + b)
+                share = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK_T) * BLOCK_T
+                start = split * share
+                end = tl.minimum(start + share, length)
+                HD: tl.constexpr = D // 2
+                GS: tl.constexpr = D // GK
+                MQ: tl.constexpr = GPK * GK
+                MV: tl.constexpr = GPV * GV
+                NB: tl.constexpr = BLOCK_T // KEY_BLOCK if BLOCK_T > KEY_BLOCK else 1  # token blocks per tile
+                rk = tl.arange(0, GPK)
+                ks_base = ks_ptr + b * sksb + h * sksh
+                kz_base = kz_ptr + b * sksb + h * sksh
+                # ---- per-program key setup
+                if GENERIC_K:
+                    hh = tl.arange(0, HD)
+                    q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
+                    q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
+                    rq4 = tl.arange(0, GPQ)
+                    q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(tl.float32)
+                    q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(tl.float32)
+                    if KEY_FORMAT == 2:  # per-channel static range: zero/scale exactly as dequantize_lut_static
+                        z_a = tl.load(kz_ptr + h * D + hh)
+                        s_a = tl.load(ks_ptr + h * D + hh)
+                        z_b = tl.load(kz_ptr + h * D + HD + hh)
+                        s_b = tl.load(ks_ptr + h * D + HD + hh)
+                        kzer1 = ((z_a + s_a) + (z_a - s_a)) * 0.5
+                        kscl1 = tl.maximum(((z_a + s_a) - (z_a - s_a)) * 0.5, 1e-8)
+                        kzer2 = ((z_b + s_b) + (z_b - s_b)) * 0.5
+                        kscl2 = tl.maximum(((z_b + s_b) - (z_b - s_b)) * 0.5, 1e-8)
+                    else:
+                        kzer1 = tl.zeros((HD,), tl.float32)
+                        kscl1 = kzer1
+                        kzer2 = kzer1
+                        kscl2 = kzer1
+                    if ROPE == 1:  # R(j) for the offsets j of a tile, kept in registers
+                        jr = tl.arange(0, BLOCK_T)
+                        cj = tl.load(cos_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=1.0)
+                        sj = tl.load(sin_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=0.0)
+                    else:
+                        cj = tl.zeros((BLOCK_T, HD), tl.float32)
+                        sj = cj
+                        qa = q1.to(tl.float16)
+                        qb = q2.to(tl.float16)
+                        qa4 = q1s
+                        qb4 = q2s
+                elif KEY_FORMAT == 0:
+                    kch = mma_channels(0, D, KBITS)  # channel of each code column
+                    rq = tl.arange(0, MQ)  # columns (head, key group): q restricted to the group's channels
+                    qg = tl.load(q_row + (rq // GK)[None, :] * sqh + kch[:, None],
+                                 mask=((rq // GK) < G)[None, :] & ((kch // GS)[:, None] == (rq % GK)[None, :]),
+                                 other=0.0).to(tl.float16)  # [D, MQ]; bf16 -> fp16 is exact in fp16's range
+                    sq = tl.reshape(tl.sum(qg.to(tl.float32), 0), (GPK, GK))
+                else:
+                    kch = mma_channels(0, D, KBITS)
+                    qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
+                    q16 = qf.to(tl.float16)  # exact for |q| in fp16's normal range
+                    r16 = tl.arange(0, 16)
+                    jb = tl.arange(0, NB)
+                if VALUE_FORMAT == 0:
+                    vch = mma_channels(0, D, VBITS)
+                else:
+                    vch = dd
+                m_i = tl.full((GPK,), float("-inf"), tl.float32)
+                l_i = tl.zeros((GPK,), tl.float32)
+                acc = tl.zeros((D, MV), tl.float32)
+                corr = tl.zeros((MV,), tl.float32)
+                gv = tl.arange(0, GV)
+                vs_base = vs_ptr + b * svsb + h * svsh
+                vz_base = vz_ptr + b * svsb + h * svsh
+                rv = tl.arange(0, GPV)
+                if VALUE_FORMAT == 1:
+                    NL: tl.constexpr = 1 << VBITS
+                    vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
+                    acc_glob = acc_ptr + (part * G + rv)[None, :] * D + vch[:, None]
+                    cref = tl.full((GPV,), float("-inf"), tl.float32)
+                    if VCAP > 0:
+                        tl.store(acc_glob, tl.zeros((D, GPV), tl.float32), mask=(rv < G)[None, :])
+                        tl.debug_barrier()
+                kp_s, kp_z = _key_params(ks_base, kz_base, start, end, skst, KEY_FORMAT, GENERIC_K, GK, KEY_BLOCK, NB, D,
+                                         KBITS, BLOCK_T)
+                vp_s, vp_z = _value_params(vs_base, vz_base, start, end, svst, VALUE_FORMAT, GV, BLOCK_T)
+                for t0 in range(start, end, BLOCK_T):
+                    t = t0 + tl.arange(0, BLOCK_T)
+                    tm = t < end
+                    kptr = kc_ptr + b * skb + h * skh + t * skt
+                    ks_cur, kz_cur, vs_cur, vz_cur = kp_s, kp_z, vp_s, vp_z
+                    kp_s, kp_z = _key_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, KEY_FORMAT, GENERIC_K, GK,
+                                             KEY_BLOCK, NB, D, KBITS, BLOCK_T)
+                    vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, VALUE_FORMAT, GV, BLOCK_T)
+                    # ---- scores [BLOCK_T, GPK], log2 domain
+                    if GENERIC_K:
+                        k1 = _key_half(kptr, tm, t, 0, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
+                                       KEY_BLOCK, ktab_ptr, kscl1, kzer1)
+                        k2 = _key_half(kptr, tm, t, HD, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
+                                       KEY_BLOCK, ktab_ptr, kscl2, kzer2)
+                        if ROPE == 1:
+                            p0 = pos_offset + t0
+                            c0 = tl.load(cos_ptr + p0 * D + hh)[:, None]
+                            s0 = tl.load(sin_ptr + p0 * D + hh)[:, None]
+                            qa = (q1 * c0 + q2 * s0).to(tl.float16)  # R(-p0) q
+                            qb = (q2 * c0 - q1 * s0).to(tl.float16)
+                            qa4 = q1s * c0 + q2s * s0
+                            qb4 = q2s * c0 - q1s * s0
+                            ka = k1 * cj - k2 * sj  # R(j) k
+                            kb = k2 * cj + k1 * sj
+                        elif ROPE == 2:
+                            pos = (pos_offset + t)[:, None] * D
+                            ca = tl.load(cos_ptr + pos + hh[None, :], mask=tm[:, None], other=1.0)
+                            sa = tl.load(sin_ptr + pos + hh[None, :], mask=tm[:, None], other=0.0)
+                            cb = tl.load(cos_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=1.0)
+                            sb = tl.load(sin_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=0.0)
+                            ka = k1 * ca - k2 * sa
+                            kb = k2 * cb + k1 * sb
+                        else:
+                            ka = k1
+                            kb = k2
+                        s = _dot(ka.to(tl.float16), qa, INTERP) + _dot(kb.to(tl.float16), qb, INTERP)
+                        if KCAP > 0:
+                            s += _regroup(_key_outlier_scores(koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D,
+                                                              KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
+                                                              pos_offset + t, ROPE, D, GPQ, BLOCK_T), GPQ, GPK, BLOCK_T)
+                        s = s * qk_scale
+                    elif KEY_FORMAT == 0:
+                        kcodes = unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T)
+                        raw = tl.reshape(_dot(kcodes, qg, INTERP), (BLOCK_T, GPK, GK))
+                        kscale = ks_cur.to(tl.float32) * (qk_scale * 16777216.0)  # codes are c * 2^-24
+                        kzero = kz_cur.to(tl.float32) * qk_scale
+                        s = tl.sum(kscale[:, None, :] * raw + kzero[:, None, :] * sq[None, :, :], 2)
+                    else:  # affine_tokens: NB blocks of KEY_BLOCK tokens per tile (or a tile inside one block)
+                        # q.k = (q * s_blk) . c + q . z_blk: one column group of q * s_blk per block, the
+                        # per-block sums over channels as a small dot with rows [z_blk..., ones].
+                        zrows = kz_cur  # [16, D] fp16: rows = the tile's blocks
+                        ks_nb = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], ks_cur.to(tl.float32)[None, :, :], 0.0), 1)
+                        qs = tl.reshape(tl.trans(ks_nb)[:, :, None] * qf[:, None, :], (D, NB * GPK)).to(tl.float16)
+                        zsum = _dot(zrows, q16, INTERP)  # [16, GPK]: row j = q . z_j
+                        zq = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], zsum[None, :, :], 0.0), 1)  # [NB, GPK]
+                        kcodes = unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T)
+                        raw = tl.reshape(_dot(kcodes, qs, INTERP), (BLOCK_T, NB, GPK))
+                        own = ((tl.arange(0, BLOCK_T) // KEY_BLOCK)[:, None] == jb[None, :])[:, :, None]
+                        s = tl.sum(tl.where(own, raw * 16777216.0 + zq[None, :, :], 0.0), 1) * qk_scale
+                    s = tl.where(tm[:, None], s, float("-inf"))
+                    # ---- online softmax (fp32)
+                    m_new = tl.maximum(m_i, tl.max(s, 0))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.where(rk < G, tl.exp2(m_i - m_use), 0.0)
+                    p = tl.where((rk < G)[None, :], tl.exp2(s - m_use[None, :]), 0.0)
+                    l_i = l_i * alpha + tl.sum(p, 0)
+                    m_i = m_new
+                    pr = _regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
+                    ar = tl.reshape(_regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
+                    # ---- values: acc^T [D, MV] += codes^T [D, BLOCK_T] x (p * scale) [BLOCK_T, MV]
+                    vptr = vc_ptr + b * svb + h * svh + t * svt
+                    if VALUE_FORMAT == 0:
+                        vscale = vs_cur.to(tl.float32)  # [T, GV]
+                        vzero = vz_cur.to(tl.float32)
+                        pw = tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)).to(tl.float16)
+                        pz = tl.reshape(tl.sum(pr[:, :, None] * vzero[:, None, :], 0), (MV,))
+                        arow = tl.reshape(tl.broadcast_to(ar[:, None], (GPV, GV)), (MV,))
+                        vcodes = unpack_mma(vptr, tm, 0, D, VBITS, BLOCK_T)
+                        acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
+                        corr = corr * arow + pz
+                    else:
+                        vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)
+                        vze = vz_cur.to(tl.float32)
+                        vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, VBITS, BLOCK_T).to(tl.int32), 1)
+                        if VCAP > 0:
+                            # sparse residuals: sum_t p r_t added with relaxed atomics straight into this program's
+                            # partial (zeroed above), scaled to the reference max cref so the online-softmax
+                            # rescaling never has to touch them (re-referenced when the max grows by 2^64)
+                            mv = tl.reshape(_regroup(m_use[None, :], GPK, GPV, 1), (GPV,))
+                            cref = tl.where(cref == float("-inf"), mv, cref)
+                            if tl.max(tl.where(rv < G, mv - cref, 0.0), 0) > 64.0:
+                                tl.debug_barrier()
+                                cur = tl.load(acc_glob, mask=(rv < G)[None, :], other=0.0, cache_modifier=".cg")
+                                tl.store(acc_glob, cur * tl.exp2(cref - mv)[None, :], mask=(rv < G)[None, :])
+                                tl.debug_barrier()
+                                cref = mv
+                            pq = _regroup(pr * tl.exp2(mv - cref)[None, :], GPV, GPQ, BLOCK_T)  # [T, GPQ]: real heads
+                            rq = tl.arange(0, GPQ)
+                            VSC: tl.constexpr = 8 if VCAPP > 8 else VCAPP
+                            for j0 in range(0, VCAP, VSC):  # slots 8 at a time (register pressure)
+                                jv = j0 + tl.arange(0, VSC)
+                                om = tm[:, None] & (jv < VCAP)[None, :]
+                                vrow = b * svob + t[:, None] * svot + jv[None, :]
+                                oi = tl.load(voi_ptr + vrow, mask=om, other=-1).to(tl.int32) - h * D
+                                ok = om & (oi >= 0) & (oi < D)
+                                ov = tl.load(vov_ptr + vrow, mask=ok, other=0.0).to(tl.float32)
+                                w = pq[:, None, :] * ov[:, :, None]  # [T, VSC, GPQ]
+                                tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
+                                              mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
+                        pw = (pr * vsc[:, None]).to(tl.float16)
+                        acc = acc * ar[None, :] + _dot(tl.trans(vt.to(tl.float16)), pw, INTERP)
+                        corr = corr * ar + tl.sum(pr * vze[:, None], 0)
+                if VALUE_FORMAT == 0:
+                    out = acc * 16777216.0 + corr[None, :]  # [D, MV], rows in vch order; codes were c * 2^-24
+                else:
+                    out = acc + corr[None, :]
+                if GV > 1:  # columns (head, value group) -> heads: each channel from its group's column
+                    sel = (vch // (D // GV))[:, None, None] == gv[None, None, :]
+                    out = tl.sum(tl.where(sel, tl.reshape(out, (D, GPV, GV)), 0.0), 2)
+                if VALUE_FORMAT == 1:
+                    if VCAP > 0:
+                        tl.debug_barrier()
+                        mfin = tl.reshape(_regroup(tl.where(m_i == float("-inf"), 0.0, m_i)[None, :], GPK, GPV, 1), (GPV,))
+                        part_o = tl.load(acc_glob, mask=(rv < G)[None, :], other=0.0, cache_modifier=".cg")
+                        out += part_o * tl.exp2(cref - mfin)[None, :]
+                tl.store(acc_ptr + (part * G + rv)[None, :] * D + vch[:, None], out, mask=(rv < G)[None, :])
+                tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
+                tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
+        if HAS_FP:
+            if split == NSPLIT:  # the full-precision segment (sinks, window, residual), post-RoPE
+                rf = tl.arange(0, GPF)
+                qx = tl.load(q_row + rf[:, None] * sqh + dd[None, :], mask=(rf < G)[:, None], other=0.0)
+                mf = tl.full((GPF,), float("-inf"), tl.float32)
+                lf = tl.zeros((GPF,), tl.float32)
+                af = tl.zeros((GPF, D), tl.float32)
+                for f0 in range(0, F, BLOCK_F):
+                    f = f0 + tl.arange(0, BLOCK_F)
+                    fin = f < F
+                    ok = (tl.load(fval_ptr + b * sfvb + f, mask=fin, other=0) != 0) & fin
+                    fo = b * sfb + h * sfh + f[:, None] * sft + dd[None, :]
+                    kf = tl.load(fk_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
+                    s = tl.where(ok[None, :], _dot(qx, tl.trans(kf), INTERP) * qk_scale, float("-inf"))
+                    m_new = tl.maximum(mf, tl.max(s, 1))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(mf - m_use)
+                    p = tl.exp2(s - m_use[:, None])
+                    lf = lf * alpha + tl.sum(p, 1)
+                    mf = m_new
+                    vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
+                    p_hi = p.to(DT)  # p = p_hi + p_lo: two dots keep P at ~fp32 precision (F is small)
+                    p_lo = (p - p_hi.to(tl.float32)).to(DT)
+                    af = af * alpha[:, None] + _dot(p_hi, vf, INTERP) + _dot(p_lo, vf, INTERP)
+                tl.store(acc_ptr + (part * G + rf)[:, None] * D + dd[None, :], af, mask=(rf < G)[:, None])
+                tl.store(m_ptr + part * G + rf, mf, mask=rf < G)
+                tl.store(l_ptr + part * G + rf, lf, mask=rf < G)
+
+    @triton.jit
+    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                       D: tl.constexpr):
+        pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g
+        bh = pid // G
+        g = pid % G
+        s = tl.arange(0, SP)
+        sm = s < S
+        row = (bh * S + s) * G + g
+        m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+        lsum = tl.load(l_ptr + row, mask=sm, other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
+        total = tl.sum(w * lsum, 0)
+        dd = tl.arange(0, D)
+        acc = tl.load(acc_ptr + row[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
+        o = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + pid * D + dd, o.to(out_ptr.dtype.element_ty))
+
+
+_SM_COUNT: dict = {}
+_WARNED: set = set()
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+_DUMMIES: dict = {}
+
+
+def _dummies(dev):
+    """Placeholder tensors for a format's absent arguments, made once per device (no per-call launches)."""
+    if dev not in _DUMMIES:
+        _DUMMIES[dev] = (torch.zeros(1, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
+    return _DUMMIES[dev]
+
+
+def _fallback(reason: str, *args):
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"decode_attention_triton: {reason}; using the torch reference", stacklevel=3)
+    return decode_attention_ref(*args)
+
+
+def _unsupported(q, kv: PackedKV | None, fp_k) -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"query dtype {q.dtype} (fp16 and bf16 are supported)"
+    d = q.shape[-1]
+    if d < 32 or d & (d - 1):
+        return f"head_dim {d} (a power of two >= 32 is supported)"
+    if kv is None:
+        return None
+    if kv.key_bits not in _UNPACK_BITS or kv.value_bits not in _UNPACK_BITS:
+        return f"bits {kv.key_bits}/{kv.value_bits} (supported: {_UNPACK_BITS})"
+    generic = kv.key_format == "lut_static" or kv.rope_cos is not None
+    if generic and d < 64:
+        return "generic key path needs head_dim >= 64"
+    if kv.key_format == "affine_channels":
+        gk = kv.k_scale.shape[-1]
+        if gk & (gk - 1) or d % gk:
+            return f"{gk} key groups"
+    if kv.value_format == "affine_channels":
+        gv = kv.v_scale.shape[-1]
+        if gv & (gv - 1) or d % gv:
+            return f"{gv} value groups"
+    return None
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor):
+    if a.stride() == b.stride():
+        return a, b
+    return a.contiguous(), b.contiguous()
+
+
+def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: float, *, block_t: int | None = None,
+                            num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                            rope_mode: str = "angle", generic_keys: bool = False, programs_per_sm: int = 16,
+                            block_f: int | None = None, max_registers: int | None = None):
+    """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
+    block_t (tokens per tile), num_splits (token splits per row; default from programs_per_sm x SMs),
+    num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'),
+    generic_keys (force the elementwise key path, for tests)."""
+    args = (q, kv, fp_k, fp_v, fp_valid, scale)
+    reason = _unsupported(q, kv, fp_k)
+    if reason:
+        return _fallback(reason, *args)
+    batch, hq, d = q.shape
+    hkv = fp_k.shape[1] if kv is None else kv.num_kv_heads
+    group = hq // hkv
+    dev = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    has_packed = kv is not None and kv.k_codes.shape[2] > 0
+    nf = fp_k.shape[2] if fp_k is not None else 0
+    has_fp = nf > 0
+    dummy, dummy_i = _dummies(dev)
+    gp = _pow2(group)
+    # ---- packed segment
+    key_code = value_code = 0
+    kbits = vbits = 4
+    gk = gv = 1
+    key_block = 1
+    kcap = vcap = 0
+    generic = rope = 0
+    nsplit = 0
+    bt = block_t or DEFAULTS["affine_channels"][0]
+    default_warps = DEFAULTS["affine_channels"][1]
+    path = "affine_channels"
+    if has_packed:
+        key_code, value_code = _KEY_CODE[kv.key_format], _VALUE_CODE[kv.value_format]
+        kbits, vbits = kv.key_bits, kv.value_bits
+        generic = int(generic_keys or key_code == 2 or kv.rope_cos is not None)
+        rope = 0 if kv.rope_cos is None else (2 if rope_mode == "table" else 1)
+        gk = kv.k_scale.shape[-1] if key_code == 0 else 1
+        gv = kv.v_scale.shape[-1] if value_code == 0 else 1
+        key_block = max(1, int(kv.key_block))
+        path = "generic" if generic else kv.key_format
+        bt = block_t or DEFAULTS[path][0]
+        default_warps = DEFAULTS[path][1]
+        if key_code == 1 and not generic:
+            if key_block % 16:
+                generic = 1
+                path = "generic"
+                bt = block_t or DEFAULTS[path][0]
+                default_warps = DEFAULTS[path][1]
+            elif bt <= key_block or bt % key_block:
+                while key_block % bt:  # the tile lies inside one block
+                    bt //= 2
+            elif bt // key_block > 8:
+                bt = 8 * key_block
+        tcap = kv.k_codes.shape[2]
+        if num_splits:
+            nsplit = int(num_splits)
+        else:
+            target = programs_per_sm * _sm_count(dev)
+            nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+        if kv.k_out_idx is not None and key_code == 2:
+            kcap = kv.k_out_idx.shape[-1]
+        if kv.v_out_idx is not None and value_code == 1:
+            vcap = kv.v_out_idx.shape[-1]
+    # wgmma (4 warps, BLOCK_T >= 64) wants dots of >= 16 columns; mma.sync pads N itself, so with fewer
+    # warps the heads are padded only to a power of two (less softmax work on padding)
+    wide = (num_warps or default_warps) >= 4 and bt >= 64
+    if generic:
+        gpk = max(gp, 16)
+    elif key_code == 1:  # the key dot has NB * GPK columns
+        gpk = max(gp, 16 // max(1, bt // key_block)) if wide else gp
+    else:
+        gpk = max(gp, 16 // gk) if wide else gp
+    gpv = max(gp, 16 // gv) if wide else gp
+    gpf = max(gp, 16)
+    splits = nsplit + int(has_fp)
+    if splits == 0:
+        return torch.zeros_like(q)
+    m_part = torch.empty(batch * hkv, splits, group, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(batch * hkv, splits, group, d, dtype=torch.float32, device=dev)
+    out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
+    # ---- arguments (placeholders where a format has no such tensor)
+    if has_packed:
+        lengths = kv.lengths.to(device=dev, dtype=torch.int32)
+        kc, vc = kv.k_codes, kv.v_codes
+        if kc.stride(-1) != 1:
+            kc = kc.contiguous()
+        if vc.stride(-1) != 1:
+            vc = vc.contiguous()
+        if key_code == 2:
+            ks, kz = kv.k_scale.float().contiguous(), kv.k_zero.float().contiguous()
+            ks_strides = (0, 0, 0)
+        else:
+            ks, kz = _same_layout(kv.k_scale, kv.k_zero)
+            ks_strides = ks.stride()[:3]
+        ktab = kv.k_table.float().contiguous() if kv.k_table is not None else dummy
+        if kcap:
+            koi, kov = _same_layout(kv.k_out_idx, kv.k_out_val)
+            ko_strides = koi.stride()[:2]
+        else:
+            koi, kov, ko_strides = dummy_i, dummy, (0, 0)
+        vs, vz = _same_layout(kv.v_scale, kv.v_zero)
+        vs_strides = vs.stride()[:3] if value_code == 0 else (vs.stride(0), 0, vs.stride(1))
+        vtab = kv.v_table.float().contiguous() if kv.v_table is not None else dummy
+        if vcap:
+            voi, vov = _same_layout(kv.v_out_idx, kv.v_out_val)
+            vo_strides = voi.stride()[:2]
+        else:
+            voi, vov, vo_strides = dummy_i, dummy, (0, 0)
+        if rope:
+            cos, sin = kv.rope_cos.float().contiguous(), kv.rope_sin.float().contiguous()
+            tmax = cos.shape[0]
+        else:
+            cos = sin = dummy
+            tmax = 0
+        kc_strides, vc_strides = kc.stride()[:3], vc.stride()[:3]
+        pos_offset = int(kv.pos_offset)
+    else:
+        lengths = dummy_i
+        kc = vc = dummy_i
+        ks = kz = vs = vz = ktab = vtab = cos = sin = kov = vov = dummy
+        koi = voi = dummy_i
+        ks_strides = vs_strides = kc_strides = vc_strides = (0, 0, 0)
+        ko_strides = vo_strides = (0, 0)
+        tmax = pos_offset = 0
+    if has_fp:
+        fk, fv = fp_k, fp_v
+        if fk.stride() != fv.stride() or fk.stride(-1) != 1:
+            fk, fv = fk.contiguous(), fv.contiguous()
+        fval = fp_valid.to(torch.bool).contiguous().view(torch.uint8)
+        f_strides, sfvb = fk.stride()[:3], fval.stride(0)
+    else:
+        fk = fv = dummy
+        fval = dummy_i
+        f_strides, sfvb = (0, 0, 0), 0
+    warps = num_warps or default_warps
+    if generic and warps > 4:  # Triton 3.6 asserts in OptimizeThreadLocality on tl.gather with 8 warps
+        warps = 4
+    opts = {"num_warps": warps}
+    if num_warps is None and block_t is None:  # the measured defaults belong to the default tile
+        num_stages = DEFAULTS[path][2] if num_stages is None else num_stages
+        max_registers = DEFAULTS[path][3] if max_registers is None else max_registers
+    if max_registers:
+        opts["maxnreg"] = int(max_registers)
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    with launch_device(q):
+        _decode_kernel[(batch * hkv, splits)](
+            q, q.stride(0), q.stride(1), lengths,
+            kc, *kc_strides, ks, kz, *ks_strides, ktab, koi, kov, *ko_strides,
+            vc, *vc_strides, vs, vz, *vs_strides, vtab, voi, vov, *vo_strides,
+            cos, sin, pos_offset, tmax,
+            fk, fv, *f_strides, fval, sfvb, nf,
+            m_part, l_part, acc_part, hkv, float(scale) * LOG2E, nsplit,
+            D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KCAPP=_pow2(max(kcap, 1)),
+            VCAPP=_pow2(max(vcap, 1)),
+            KEY_FORMAT=key_code, KBITS=kbits, KEY_BLOCK=key_block, KCAP=kcap, GENERIC_K=generic, ROPE=rope,
+            VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
+            HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),
+            BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
+            INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+            **opts,
+        )
+        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
+    return out

@@ -412,23 +412,49 @@ class PackedLayer(_LayerBase):
 
 
 class LosslessLayer(_LayerBase):
-    """fp16 'codec': an ordinary growing cache (for the fp16 baseline through the same interface)."""
+    """fp16 'codec': full-precision K/V in preallocated buffers that grow by 1/8 (no copy of the whole
+    cache at every step, unlike concatenation)."""
+
+    def __init__(self, codec, layer_idx: int, capacity_hint: int = 0):
+        super().__init__(codec, layer_idx)
+        self.capacity_hint = capacity_hint
+        self.k_buf = self.v_buf = None
+
+    def _reserve(self, needed: int, like: torch.Tensor) -> None:
+        if self.k_buf is not None and needed <= self.k_buf.shape[2]:
+            return
+        current = 0 if self.k_buf is None else self.k_buf.shape[2]
+        cap = max(needed, int(current * PackedLayer.GROWTH) + 1, self.capacity_hint)
+        b, h, _, d = like.shape
+        k_new = like.new_empty(b, h, cap, d)
+        v_new = like.new_empty(b, h, cap, d)
+        if self.k_buf is not None:
+            k_new[:, :, : self.length] = self.k_buf[:, :, : self.length]
+            v_new[:, :, : self.length] = self.v_buf[:, :, : self.length]
+        self.k_buf, self.v_buf = k_new, v_new
 
     def attend(self, inp) -> torch.Tensor:
         q, k = apply_rope(inp.q, inp.cos, inp.sin), apply_rope(inp.k_pre, inp.cos, inp.sin)
-        self.keys = k if self.keys is None or self.length == 0 else torch.cat([self.keys, k], 2)
-        self.values = inp.v if self.values is None or self.length == 0 else torch.cat([self.values, inp.v], 2)
-        self.length += inp.q.shape[2]
+        new = k.shape[2]
+        self._reserve(self.length + new, k)
+        self.k_buf[:, :, self.length : self.length + new] = k
+        self.v_buf[:, :, self.length : self.length + new] = inp.v
+        self.length += new
         self.is_initialized = True
-        return attention(q, self.keys, self.values, inp.mask, inp.scale)
+        end = self.length
+        return attention(q, self.k_buf[:, :, :end], self.v_buf[:, :, :end], inp.mask, inp.scale)
 
     def nbytes(self) -> tuple[int, int]:
-        n = 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
-        return n, n
+        if self.k_buf is None:
+            return 0, 0
+        per_token = 2 * self.k_buf[:, :, :1].numel() * self.k_buf.element_size()
+        return per_token * self.k_buf.shape[2], per_token * self.length
 
     def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None):
-        self.keys = torch.randn(batch, heads, tokens, dim, dtype=dtype, device=device, generator=generator)
-        self.values = torch.randn(batch, heads, tokens, dim, dtype=dtype, device=device, generator=generator)
+        like = torch.empty(batch, heads, 1, dim, dtype=dtype, device=device)
+        self._reserve(tokens + headroom, like)
+        self.k_buf[:, :, :tokens].normal_(generator=generator)
+        self.v_buf[:, :, :tokens].normal_(generator=generator)
         self.length = tokens
         self.is_initialized = True
 
@@ -438,7 +464,7 @@ class KvcalCache(Cache):
 
     def __init__(self, codec, num_layers: int, backend: str = "packed", capacity_hint: int = 0):
         if codec.lossless:
-            layers = [LosslessLayer(codec, i) for i in range(num_layers)]
+            layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
         elif backend == "dequantized":
             layers = [DequantizedLayer(codec, i) for i in range(num_layers)]
         elif backend == "packed":

@@ -8,6 +8,8 @@ exactly 3 bits. A (token, head) takes `words_per_vector(D, b)` = ceil(D*b/32) in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -42,3 +44,198 @@ def unpack_codes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     lo = w.index_select(-1, word) >> shift
     hi = w.index_select(-1, word + 1) << (32 - shift)
     return (lo | hi) & ((1 << bits) - 1)
+
+
+# ---- Triton ---------------------------------------------------------------------------------------
+# The device functions below are shared by every kernel of the runtime (quantize-and-pack kernels pack
+# with `pack_tile`, the decode-attention kernel unpacks with `unpack_tile`); `pack_codes_triton` and
+# `unpack_codes_triton` expose them as ops so the bit layout is tested on its own against the references.
+
+try:  # triton is a Linux-only dependency; the torch references above work without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def pack_tile(codes, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr):
+        """codes [R, D] (int32 in [0, 2^BITS)) -> words [R, WP] int32 (WP >= ceil(D*BITS/32), pow2).
+
+        Word w collects, for every channel d, the part of code d that falls in stream bits [32w, 32w+32):
+        its low bits shifted left when the code starts inside the word, its high bits shifted right when
+        it started in the previous word (3-bit codes straddle). Contributions are disjoint bits."""
+        c = codes.to(tl.uint32, bitcast=True)
+        d = tl.arange(0, D)
+        w = tl.arange(0, WP)
+        s = d[None, :] * BITS - w[:, None] * 32  # [WP, D] start of code d relative to word w
+        left = c[:, None, :] << tl.minimum(tl.maximum(s, 0), 31).to(tl.uint32)[None, :, :]
+        right = c[:, None, :] >> tl.minimum(tl.maximum(-s, 0), 31).to(tl.uint32)[None, :, :]
+        zero = tl.zeros_like(left)
+        part = tl.where(((s >= 0) & (s < 32))[None, :, :], left, tl.where(((s < 0) & (s > -BITS))[None, :, :], right, zero))
+        return tl.sum(part, 2).to(tl.int32, bitcast=True)  # disjoint bits: the sum is the or (no carries)
+
+    @triton.jit
+    def _split_bits(x, WIDTH: tl.constexpr, BITS: tl.constexpr):
+        """x holds WIDTH-bit fields of codes (code 0 lowest): halve the field until it is one code,
+        appending a minor axis of 2 each time (tl.join keeps the new axis inside the thread, so
+        unpacking needs no data movement between threads). WIDTH / BITS must be a power of two."""
+        if WIDTH > BITS:
+            half: tl.constexpr = WIDTH // 2
+            x = tl.join(x & ((1 << half) - 1), x >> half)
+            return _split_bits(x, half, BITS)
+        else:
+            return x
+
+    @triton.jit
+    def unpack_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr):
+        """Load and unpack channels [C0, C0 + NC) of R packed vectors: rowptr [R] points at each vector's
+        first int32 word (rows with rmask False read as zeros). Returns codes [R, NC] uint32.
+
+        BITS in {1, 2, 4, 8}: a word holds 32/BITS whole codes. BITS == 3: every 3 words hold 32 codes,
+        cut into four 24-bit chunks of 8 codes (chunks 1 and 2 straddle two words). C0 and NC are
+        multiples of 32. Fields are split by halving (see _split_bits)."""
+        if BITS == 3:
+            NG: tl.constexpr = NC // 32
+            g = C0 // 32 + tl.arange(0, NG)
+            p = rowptr[:, None] + g[None, :] * 3
+            m = rmask[:, None]
+            wa = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True)
+            wb = tl.load(p + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
+            wc = tl.load(p + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
+            c0 = wa & 0xFFFFFF
+            c1 = ((wa >> 24) | (wb << 8)) & 0xFFFFFF
+            c2 = ((wb >> 16) | (wc << 16)) & 0xFFFFFF
+            c3 = wc >> 8
+            x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [R, NG, 2, 2]: chunk 2i + o at [i, o]
+            x = _split_bits(x, 24, 3)
+            return tl.reshape(x, (R, NC))
+        else:
+            PER: tl.constexpr = 32 // BITS
+            NW: tl.constexpr = NC // PER
+            w = C0 // PER + tl.arange(0, NW)
+            words = tl.load(rowptr[:, None] + w[None, :], mask=rmask[:, None], other=0).to(tl.uint32, bitcast=True)
+            return tl.reshape(_split_bits(words, 32, BITS), (R, NC))
+
+    @triton.jit
+    def _shift_tree(x, SH: tl.constexpr, N: tl.constexpr):
+        """x >> (SH * k) for k in [0, N), appended as minor axes (k's high bit first), inside the thread."""
+        if N > 1:
+            x = tl.join(x, x >> (SH * (N // 2)))
+            return _shift_tree(x, SH, N // 2)
+        else:
+            return x
+
+    @triton.jit
+    def unpack_mma(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr):
+        """Like unpack_tile, but returns a tensor-core operand: fp16 values code * 2^-24, in the column
+        order of mma_channels. A code in the low bits of a 16-bit field *is* the fp16 subnormal
+        code * 2^-24, so no int-to-float conversion, no exponent or and no subtraction is needed; the
+        tensor cores multiply subnormals exactly, and callers fold 2^24 into the scales.
+
+        BITS in {1, 2, 4, 8}: codes k and k + PER/2 of a word (PER = 32 / BITS) are 16 bits apart, so
+        (word >> BITS*k) & (M | M << 16) holds both as a pair of fp16 in one 32-bit register: two integer
+        operations per two codes (after FasterTransformer's int4 converters, without their magic bias);
+        a word's codes come out in the order k0, k0 + PER/2, k1, k1 + PER/2, ... BITS == 3: natural
+        order, via unpack_tile."""
+        if BITS == 3:
+            c = unpack_tile(rowptr, rmask, C0, NC, BITS, R)
+            return c.to(tl.uint16).to(tl.float16, bitcast=True)
+        else:
+            PER: tl.constexpr = 32 // BITS
+            NW: tl.constexpr = NC // PER
+            M: tl.constexpr = (1 << BITS) - 1
+            w = C0 // PER + tl.arange(0, NW)
+            words = tl.load(rowptr[:, None] + w[None, :], mask=rmask[:, None], other=0).to(tl.uint32, bitcast=True)
+            x = _shift_tree(words, BITS, PER // 2) & (M | (M << 16))
+            lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            return tl.reshape(tl.join(lo, hi), (R, NC))
+
+    @triton.jit
+    def mma_channels(C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
+        """Channel index of each column of unpack_mma's result."""
+        p = tl.arange(0, NC)
+        if BITS == 3:
+            return C0 + p
+        else:
+            PER: tl.constexpr = 32 // BITS
+            r = p % PER
+            return C0 + (p - r) + r // 2 + (r % 2) * (PER // 2)
+
+    @triton.jit
+    def _pack_kernel(codes_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                     WP: tl.constexpr, R: tl.constexpr):
+        n = tl.program_id(0) * R + tl.arange(0, R)
+        nm = n < N
+        d = tl.arange(0, D)
+        c = tl.load(codes_ptr + n[:, None] * D + d[None, :], mask=nm[:, None], other=0)
+        words = pack_tile(c, R, D, BITS, WP)
+        w = tl.arange(0, WP)
+        tl.store(out_ptr + n[:, None] * W + w[None, :], words, mask=nm[:, None] & (w < W)[None, :])
+
+    @triton.jit
+    def _unpack_kernel(words_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                       R: tl.constexpr):
+        n = tl.program_id(0) * R + tl.arange(0, R)
+        nm = n < N
+        c = unpack_tile(words_ptr + n * W, nm, 0, D, BITS, R)
+        d = tl.arange(0, D)
+        tl.store(out_ptr + n[:, None] * D + d[None, :], c.to(tl.int32, bitcast=True), mask=nm[:, None])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _unpack_mma_kernel(words_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                           R: tl.constexpr):
+        n = tl.program_id(0) * R + tl.arange(0, R)
+        nm = n < N
+        v = unpack_mma(words_ptr + n * W, nm, 0, D, BITS, R).to(tl.float32) * 16777216.0
+        ch = mma_channels(0, D, BITS)
+        tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
+
+
+def unpack_codes_mma_triton(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """unpack_codes through the attention kernel's dot-operand path (unpack_mma + mma_channels), as int64."""
+    nwords = words.shape[-1]
+    flat = words.reshape(-1, nwords).contiguous()
+    out = torch.empty(flat.shape[0], dim, dtype=torch.float32, device=words.device)
+    rows = 16
+    with launch_device(words):
+        _unpack_mma_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords, rows)
+    return out.reshape(*words.shape[:-1], dim).to(torch.int64)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pack_codes_triton(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Triton version of pack_codes (D a power of two >= 32, bits <= 8)."""
+    dim = codes.shape[-1]
+    nwords = words_per_vector(dim, bits)
+    flat = codes.reshape(-1, dim).to(torch.int32).contiguous()
+    out = torch.empty(flat.shape[0], nwords, dtype=torch.int32, device=codes.device)
+    rows = 4
+    with launch_device(codes):
+        _pack_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords,
+                                                          _pow2(nwords), rows)
+    return out.reshape(*codes.shape[:-1], nwords)
+
+
+def unpack_codes_triton(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Triton version of unpack_codes (bits in {1, 2, 3, 4, 8}, D a power of two >= 32)."""
+    nwords = words.shape[-1]
+    flat = words.reshape(-1, nwords).contiguous()
+    out = torch.empty(flat.shape[0], dim, dtype=torch.int32, device=words.device)
+    rows = 16
+    with launch_device(words):
+        _unpack_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords, rows)
+    return out.reshape(*words.shape[:-1], dim).to(torch.int64)
+
+
+def launch_device(t: torch.Tensor):
+    """Context for a kernel launch: the tensor's CUDA device (multi-GPU safe), nothing on CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -119,3 +119,265 @@ def dequantize_lut_dynamic(codes, scale, zero, decode, bits: int, dim: int, idx=
     s, z = scale.float().clamp_min(1e-8)[..., None], zero.float()[..., None]
     rows = add_outliers(decode[q] * s + z, idx, val)
     return rows.reshape(shape)
+
+
+# ---- Triton ---------------------------------------------------------------------------------------
+# Same arithmetic as the references, bit for bit: parameters rounded to fp16 before the codes are
+# computed, IEEE division (tl.math.div_rn, not Triton's approximate '/'), round half to even, no FMA
+# contraction (launched with enable_fp_fusion=False), nearest level = number of midpoints below x
+# (searchsorted, side='left'). Outliers are chosen by repeated argmax, which gives topk's order
+# (largest |residual| first); on exact ties of |residual| the chosen element may differ from torch.topk.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+from kvcal.runtime.packing import _pow2, launch_device, words_per_vector  # noqa: E402
+
+if triton is not None:
+    from kvcal.runtime.packing import pack_tile
+
+    @triton.jit
+    def _rint(y):
+        """Round half to even (torch.round) without libdevice, so the interpreter runs it too."""
+        f = tl.floor(y)
+        diff = y - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+        up = (diff > 0.5) | ((diff == 0.5) & odd)
+        return tl.where(up, f + 1.0, f)
+
+    @triton.jit
+    def _affine_codes(x, zero, scale, LEVELS: tl.constexpr):
+        safe = tl.where(scale == 0.0, 1.0, scale)
+        y = tl.math.div_rn(x - zero, safe)
+        return tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS - 1.0).to(tl.int32)
+
+    @triton.jit
+    def _affine_channels_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, H, sxn, sxh,
+                                D: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
+                                W: tl.constexpr, WP: tl.constexpr, R: tl.constexpr):
+        GS: tl.constexpr = D // GROUPS
+        LEVELS: tl.constexpr = 1 << BITS
+        h = tl.program_id(1)
+        n = tl.program_id(0) * R + tl.arange(0, R)
+        nm = n < N
+        d = tl.arange(0, D)
+        x = tl.load(x_ptr + n[:, None] * sxn + h * sxh + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
+        x3 = tl.reshape(x, (R, GROUPS, GS))
+        mn = tl.min(x3, 2)
+        mx = tl.max(x3, 2)
+        zero = mn.to(tl.float16).to(tl.float32)
+        scale = tl.math.div_rn(mx - mn, LEVELS - 1.0).to(tl.float16).to(tl.float32)
+        codes = tl.reshape(_affine_codes(x3, zero[:, :, None], scale[:, :, None], LEVELS), (R, D))
+        words = pack_tile(codes, R, D, BITS, WP)
+        w = tl.arange(0, WP)
+        row = n * H + h
+        tl.store(codes_ptr + row[:, None] * W + w[None, :], words, mask=nm[:, None] & (w < W)[None, :])
+        gi = tl.arange(0, GROUPS)
+        tl.store(scale_ptr + row[:, None] * GROUPS + gi[None, :], scale.to(tl.float16), mask=nm[:, None])
+        tl.store(zero_ptr + row[:, None] * GROUPS + gi[None, :], zero.to(tl.float16), mask=nm[:, None])
+
+    @triton.jit
+    def _affine_tokens_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, H, sxn, sxh,
+                              D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                              R: tl.constexpr):
+        LEVELS: tl.constexpr = 1 << BITS
+        h = tl.program_id(0)
+        d = tl.arange(0, D)
+        mn = tl.full((D,), float("inf"), tl.float32)
+        mx = tl.full((D,), float("-inf"), tl.float32)
+        for n0 in range(0, N, R):
+            n = n0 + tl.arange(0, R)
+            nm = n < N
+            x = tl.load(x_ptr + n[:, None] * sxn + h * sxh + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
+            mn = tl.minimum(mn, tl.min(tl.where(nm[:, None], x, float("inf")), 0))
+            mx = tl.maximum(mx, tl.max(tl.where(nm[:, None], x, float("-inf")), 0))
+        zero = mn.to(tl.float16).to(tl.float32)
+        scale = tl.math.div_rn(mx - mn, LEVELS - 1.0).to(tl.float16).to(tl.float32)
+        tl.store(scale_ptr + h * D + d, scale.to(tl.float16))
+        tl.store(zero_ptr + h * D + d, zero.to(tl.float16))
+        w = tl.arange(0, WP)
+        for n0 in range(0, N, R):
+            n = n0 + tl.arange(0, R)
+            nm = n < N
+            x = tl.load(x_ptr + n[:, None] * sxn + h * sxh + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
+            codes = _affine_codes(x, zero[None, :], scale[None, :], LEVELS)
+            words = pack_tile(codes, R, D, BITS, WP)
+            row = n * H + h
+            tl.store(codes_ptr + row[:, None] * W + w[None, :], words, mask=nm[:, None] & (w < W)[None, :])
+
+    @triton.jit
+    def _nearest(xn, enc_ptr, LEVELS: tl.constexpr):
+        """Index of the nearest level (ties to the lower): how many midpoints lie strictly below xn."""
+        code = tl.zeros(xn.shape, tl.int32)
+        for i in tl.static_range(LEVELS - 1):
+            mid = (tl.load(enc_ptr + i + 1) + tl.load(enc_ptr + i)) * 0.5
+            code += (xn > mid).to(tl.int32)
+        return code
+
+    @triton.jit
+    def _store_largest(score, res, c, idx_ptr, val_ptr, CAP: tl.constexpr):
+        """Store the CAP largest scores' indices and fp16 residuals (-1 / 0 where the score is < 0)."""
+        for k in tl.static_range(CAP):
+            best = tl.max(score, 0)
+            at = tl.argmax(score, 0)
+            hit = c == at
+            valid = best >= 0.0
+            val = tl.sum(tl.where(hit, res, 0.0), 0)
+            tl.store(idx_ptr + k, tl.where(valid, at, -1).to(tl.int16))
+            tl.store(val_ptr + k, tl.where(valid, val, 0.0).to(tl.float16))
+            score = tl.where(hit, -2.0, score)
+
+    @triton.jit
+    def _lut_static_kernel(x_ptr, lo_ptr, hi_ptr, enc_ptr, dec_ptr, codes_ptr, idx_ptr, val_ptr, sxn, sxh, H,
+                           HP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                           WP: tl.constexpr, CAP: tl.constexpr):
+        n = tl.program_id(0)
+        hh = tl.arange(0, HP)  # heads padded to a power of two
+        hm = (hh < H)[:, None]
+        d = tl.arange(0, D)
+        c = hh[:, None] * D + d[None, :]  # [HP, D] channel in [0, C)
+        x = tl.load(x_ptr + n * sxn + hh[:, None] * sxh + d[None, :], mask=hm, other=0.0).to(tl.float32)
+        lo = tl.load(lo_ptr + c, mask=hm, other=0.0)
+        hi = tl.load(hi_ptr + c, mask=hm, other=0.0)
+        zero = (hi + lo) * 0.5
+        scale = tl.maximum((hi - lo) * 0.5, 1e-8)
+        xn = tl.minimum(tl.maximum(tl.math.div_rn(x - zero, scale), -1.0), 1.0)
+        codes = _nearest(xn, enc_ptr, 1 << BITS)
+        words = pack_tile(codes, HP, D, BITS, WP)
+        w = tl.arange(0, WP)
+        tl.store(codes_ptr + (n * H + hh[:, None]) * W + w[None, :], words, mask=hm & (w < W)[None, :])
+        if CAP > 0:
+            res = x - (tl.load(dec_ptr + codes) * scale + zero)
+            score = tl.where(((x > hi) | (x < lo)) & hm, tl.abs(res), -1.0)
+            _store_largest(tl.reshape(score, (HP * D,)), tl.reshape(res, (HP * D,)), tl.reshape(c, (HP * D,)),
+                          idx_ptr + n * CAP, val_ptr + n * CAP, CAP)
+
+    @triton.jit
+    def _lut_dynamic_kernel(x_ptr, enc_ptr, dec_ptr, codes_ptr, scale_ptr, zero_ptr, idx_ptr, val_ptr, sxn, sxh, H,
+                            HP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                            WP: tl.constexpr, PER_SIDE: tl.constexpr):
+        n = tl.program_id(0)
+        hh = tl.arange(0, HP)  # heads padded to a power of two
+        hm = (hh < H)[:, None]
+        d = tl.arange(0, D)
+        x = tl.load(x_ptr + n * sxn + hh[:, None] * sxh + d[None, :], mask=hm, other=0.0).to(tl.float32)
+        C: tl.constexpr = HP * D
+        row = tl.reshape(x, (C,))
+        real = tl.reshape(hm & (d < D)[None, :], (C,))
+        c = tl.arange(0, C)
+        outlier = tl.zeros((C,), tl.int1)
+        top = tl.where(real, row, float("-inf"))
+        bottom = tl.where(real, row, float("inf"))
+        if PER_SIDE > 0:
+            for k in tl.static_range(PER_SIDE):  # the PER_SIDE largest and smallest are outliers
+                a = tl.argmax(top, 0)
+                outlier = outlier | (c == a)
+                top = tl.where(c == a, float("-inf"), top)
+                a = tl.argmin(bottom, 0)
+                outlier = outlier | (c == a)
+                bottom = tl.where(c == a, float("inf"), bottom)
+            hi = tl.max(top, 0)  # the next ones inward bound the dense range
+            lo = tl.min(bottom, 0)
+        else:
+            hi = tl.max(top, 0)
+            lo = tl.min(bottom, 0)
+        zero16 = ((hi + lo) * 0.5).to(tl.float16)
+        scale16 = ((hi - lo) * 0.5).to(tl.float16)
+        tl.store(scale_ptr + n, scale16)
+        tl.store(zero_ptr + n, zero16)
+        z = zero16.to(tl.float32)
+        s = tl.maximum(scale16.to(tl.float32), 1e-8)
+        xn = tl.minimum(tl.maximum(tl.math.div_rn(x - z, s), -1.0), 1.0)
+        codes = _nearest(xn, enc_ptr, 1 << BITS)
+        words = pack_tile(codes, HP, D, BITS, WP)
+        w = tl.arange(0, WP)
+        tl.store(codes_ptr + (n * H + hh[:, None]) * W + w[None, :], words, mask=hm & (w < W)[None, :])
+        if PER_SIDE > 0:
+            res = tl.reshape(x - (tl.load(dec_ptr + codes) * s + z), (C,))
+            score = tl.where(outlier, tl.abs(res), -1.0)
+            _store_largest(score, res, c, idx_ptr + n * (2 * PER_SIDE), val_ptr + n * (2 * PER_SIDE), 2 * PER_SIDE)
+
+
+def _pow2_ok(*sizes: int) -> bool:
+    return all(s >= 1 and s & (s - 1) == 0 for s in sizes)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def quantize_affine_channels_triton(x: torch.Tensor, bits: int, group: int):
+    n, h, d = x.shape
+    if triton is None or not _pow2_ok(d, d // group) or d % group or d < 32 or bits > 8 or n == 0:
+        return quantize_affine_channels(x, bits, group)
+    x = _rows(x)
+    w = words_per_vector(d, bits)
+    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
+    scale = torch.empty(n, h, d // group, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    rows = 4
+    with launch_device(x):
+        _affine_channels_kernel[(triton.cdiv(n, rows), h)](
+            x, codes, scale, zero, n, h, x.stride(0), x.stride(1), d, d // group, bits, w, _pow2(w), rows,
+            enable_fp_fusion=False)
+    return codes, scale, zero
+
+
+def quantize_affine_tokens_triton(x: torch.Tensor, bits: int):
+    n, h, d = x.shape
+    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
+        return quantize_affine_tokens(x, bits)
+    x = _rows(x)
+    w = words_per_vector(d, bits)
+    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
+    scale = torch.empty(h, d, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    with launch_device(x):
+        _affine_tokens_kernel[(h,)](x, codes, scale, zero, n, h, x.stride(0), x.stride(1), d, bits, w, _pow2(w), 4,
+                                    enable_fp_fusion=False)
+    return codes, scale, zero
+
+
+def _outlier_buffers(n: int, cap: int, device):
+    if not cap:
+        return None, None, torch.empty(1, dtype=torch.int16, device=device), torch.empty(1, dtype=torch.float16, device=device)
+    idx = torch.empty(n, cap, dtype=torch.int16, device=device)
+    val = torch.empty(n, cap, dtype=torch.float16, device=device)
+    return idx, val, idx, val
+
+
+def quantize_lut_static_triton(x, lo, hi, encode, decode, bits: int, capacity: int):
+    n, h, d = x.shape
+    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
+        return quantize_lut_static(x, lo, hi, encode, decode, bits, capacity)
+    x = _rows(x)
+    w = words_per_vector(d, bits)
+    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
+    idx, val, idx_arg, val_arg = _outlier_buffers(n, capacity, x.device)
+    f32 = lambda t: t.to(device=x.device, dtype=torch.float32).contiguous()  # noqa: E731
+    with launch_device(x):
+        _lut_static_kernel[(n,)](x, f32(lo), f32(hi), f32(encode), f32(decode), codes, idx_arg, val_arg,
+                                 x.stride(0), x.stride(1), h, _pow2(h), d, bits, w, _pow2(w), capacity,
+                                 enable_fp_fusion=False)
+    return codes, idx, val
+
+
+def quantize_lut_dynamic_triton(x, encode, decode, bits: int, per_side: int):
+    n, h, d = x.shape
+    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
+        return quantize_lut_dynamic(x, encode, decode, bits, per_side)
+    x = _rows(x)
+    w = words_per_vector(d, bits)
+    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
+    scale = torch.empty(n, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    idx, val, idx_arg, val_arg = _outlier_buffers(n, 2 * per_side, x.device)
+    f32 = lambda t: t.to(device=x.device, dtype=torch.float32).contiguous()  # noqa: E731
+    with launch_device(x):
+        _lut_dynamic_kernel[(n,)](x, f32(encode), f32(decode), codes, scale, zero, idx_arg, val_arg,
+                                  x.stride(0), x.stride(1), h, _pow2(h), d, bits, w, _pow2(w), per_side,
+                                  enable_fp_fusion=False)
+    return codes, scale, zero, idx, val

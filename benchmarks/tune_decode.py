@@ -1,0 +1,113 @@
+"""Time kernel variants of decode attention at one shape (default 32K context, batch 8) against bf16 SDPA in
+the same process: how block_t / num_warps / num_stages / splits / rope_mode move each codec. Results as a
+table and JSON (benchmarks/NOTES-kernels.md records what was run and why).
+
+    python benchmarks/tune_decode.py --out /tmp/tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcal.runtime.bench import copy_bandwidth, time_kvcal, time_sdpa  # noqa: E402
+
+VARIANT_SETS = {}
+VARIANT_SETS["round1"] = [
+    ("int", 4, {}), ("int", 3, {}), ("int", 2, {}), ("kivi", 4, {}), ("kivi", 3, {}), ("kivi", 2, {}),
+    ("nuq", 4, {}), ("nuq", 3, {}), ("nuq", 2, {}),
+    ("int", 4, {"block_t": 128, "num_warps": 8}), ("int", 4, {"block_t": 64, "num_warps": 8}),
+    ("int", 4, {"num_stages": 2}), ("int", 4, {"num_stages": 4}), ("int", 4, {"programs_per_sm": 8}),
+    ("int", 4, {"programs_per_sm": 2}), ("int", 2, {"block_t": 128, "num_warps": 8}),
+    ("kivi", 4, {"block_t": 32, "num_warps": 2}),
+    ("nuq", 4, {"rope_mode": "table"}), ("nuq", 4, {"block_t": 64, "num_warps": 8}),
+]
+VARIANT_SETS["round2"] = [
+    ("int", 4, {}), ("int", 4, {"window": 0}), ("int", 4, {"programs_per_sm": 8}), ("int", 4, {"programs_per_sm": 16}),
+    ("int", 4, {"num_stages": 2}), ("int", 4, {"num_stages": 4, "programs_per_sm": 8}),
+    ("int", 4, {"block_t": 128, "num_warps": 4, "programs_per_sm": 8}),
+    ("int", 4, {"block_t": 128, "num_warps": 8, "programs_per_sm": 8}),
+    ("int", 4, {"block_t": 64, "num_warps": 2, "programs_per_sm": 8}),
+    ("int", 4, {"block_t": 32, "num_warps": 1, "programs_per_sm": 16}),
+    ("int", 2, {}), ("int", 2, {"programs_per_sm": 8}), ("kivi", 4, {}), ("kivi", 4, {"programs_per_sm": 8}),
+    ("nuq", 4, {}),
+]
+VARIANT_SETS["round3"] = [
+    ("int", 4, {}), ("int", 4, {"max_registers": 128}), ("int", 4, {"max_registers": 96}),
+    ("int", 4, {"num_warps": 1, "block_t": 32}), ("int", 4, {"num_warps": 1, "block_t": 32, "programs_per_sm": 32}),
+    ("int", 4, {"programs_per_sm": 32}), ("int", 4, {"num_stages": 2, "max_registers": 128}),
+    ("int", 3, {}), ("int", 2, {}), ("kivi", 4, {}), ("kivi", 2, {}), ("nuq", 4, {}), ("nuq", 4, {"block_t": 16}),
+]
+VARIANT_SETS["round4"] = [
+    ("int", 4, {"num_warps": 4, "block_t": 64}), ("int", 4, {"num_warps": 1, "block_t": 32}),
+    ("int", 4, {"num_warps": 1, "block_t": 64}), ("int", 4, {"num_warps": 2, "block_t": 64}),
+    ("int", 4, {"num_warps": 1, "block_t": 32, "max_registers": 128}),
+    ("int", 4, {"num_warps": 1, "block_t": 32, "programs_per_sm": 32}),
+    ("int", 2, {"num_warps": 1, "block_t": 32}), ("int", 2, {"num_warps": 4, "block_t": 64}),
+    ("int", 3, {"num_warps": 1, "block_t": 32}), ("int", 3, {"num_warps": 4, "block_t": 64}),
+    ("kivi", 4, {"num_warps": 4, "block_t": 64}), ("kivi", 4, {"num_warps": 2, "block_t": 64}),
+    ("kivi", 2, {"num_warps": 4, "block_t": 64}),
+]
+VARIANT_SETS["round5"] = [
+    ("int", 4, {"num_warps": 1, "block_t": 64}), ("int", 4, {"num_warps": 1, "block_t": 32, "num_stages": 2, "max_registers": 128}),
+    ("int", 4, {"num_warps": 1, "block_t": 32, "num_stages": 1, "max_registers": 128}),
+    ("int", 4, {"num_warps": 1, "block_t": 32, "num_stages": 2, "max_registers": 96}),
+    ("int", 2, {"num_warps": 1, "block_t": 64}), ("int", 2, {"num_warps": 1, "block_t": 32, "num_stages": 2, "max_registers": 128}),
+    ("int", 3, {"num_warps": 1, "block_t": 64}), ("int", 3, {"num_warps": 1, "block_t": 32, "num_stages": 2, "max_registers": 128}),
+    ("kivi", 4, {"max_registers": 168}), ("kivi", 4, {"max_registers": 128}), ("kivi", 4, {"num_stages": 2, "max_registers": 168}),
+    ("nuq", 4, {"num_stages": 2}), ("nuq", 4, {"num_stages": 1}),
+]
+DEFAULT_VARIANTS = VARIANT_SETS["round1"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--variants", default=None, help="JSON list of [codec, bits, options], or a set name")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.variants in VARIANT_SETS:
+        variants = VARIANT_SETS[args.variants]
+    else:
+        variants = json.loads(args.variants) if args.variants else DEFAULT_VARIANTS
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_properties(dev).name
+    copy = copy_bandwidth(dev)
+    sdpa_us, sdpa_bytes, backend = time_sdpa(args.batch, 32, 8, 128, args.context)
+    rows = [dict(method="sdpa", bits=16, options={"backend": backend}, us=sdpa_us, bytes=sdpa_bytes)]
+    print(f"{name}: copy {copy:.0f} GB/s; sdpa ({backend}) {sdpa_us:.1f} us {sdpa_bytes / sdpa_us / 1e3:.0f} GB/s", flush=True)
+    for codec, bits, opts in variants:
+        t0 = time.time()
+        try:
+            us, nbytes = time_kvcal(codec, bits, args.batch, 32, 8, 128, args.context, **opts)
+        except Exception as e:  # keep going: one failing variant must not lose the others
+            print(f"{codec}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        rows.append(dict(method=codec, bits=bits, options=opts, us=us, bytes=nbytes))
+        print(f"{codec}{bits:<2d} {json.dumps(opts):45s} {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+              f"{100 * nbytes / us / 1e3 / copy:5.1f}% copy  x{sdpa_us / us:5.2f}  ({time.time() - t0:.0f} s)", flush=True)
+    for r in rows:
+        r["gbps"] = r["bytes"] / r["us"] / 1e3
+        r["pct_copy"] = 100 * r["gbps"] / copy
+        r["speedup"] = sdpa_us / r["us"]
+    res = dict(device=name, context=args.context, batch=args.batch, copy_gbps=copy, torch=torch.__version__,
+               rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print("\n| method | options | us | GB/s | % copy | x SDPA |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']}{r['bits']} | {json.dumps(r['options'])} | {r['us']:.1f} | {r['gbps']:.0f} | "
+              f"{r['pct_copy']:.0f} | {r['speedup']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Decode-attention benchmark (`kvcal bench decode`): per-layer time of one decode step at Llama-3.1-8B
+attention shapes, fp16/bf16 PyTorch SDPA against kvcal's packed-cache kernel for each codec and bit width,
+in the same process, with the bandwidth each kernel achieves from the bytes it must read.
+
+Speed does not depend on the values, so caches are random (random code words, random fp16 scales, random
+outlier positions); nothing is ever timed on zeros. Times are medians of triton.testing.do_bench, which
+flushes the L2 cache before every call, so each call reads its cache from HBM.
+
+Codecs (the shapes the runtime stores):
+  int<b>:  affine_channels keys and values, one fp16 (scale, zero) per token, head and group of head_dim
+  kivi<b>: affine_tokens keys (per channel, blocks of 32 tokens), affine_channels values in groups of 32
+  nuq<b>:  lut_static keys stored before RoPE (rotated in the kernel) with 21 outliers per token over all
+           heads (about 2x KVQuant's 1% of C = 1024), lut_dynamic values with 6 outliers per side
+Each codec keeps a full-precision window of `window` tokens (the rest of the context is packed).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+from kvcal.runtime.attention import DEFAULTS as KERNEL_DEFAULTS
+from kvcal.runtime.attention import PackedKV, decode_attention_triton
+from kvcal.runtime.packing import words_per_vector
+
+CODECS = ("int", "kivi", "nuq")
+KIVI_BLOCK = 32
+KIVI_VALUE_GROUP = 32
+NUQ_KEY_CAPACITY = 21
+NUQ_VALUE_PER_SIDE = 6
+
+
+def random_packed(codec: str, bits: int, batch: int, hkv: int, dim: int, tokens: int, *, device="cuda",
+                  seed: int = 0, pos_offset: int = 0) -> PackedKV:
+    """A PackedKV of `tokens` random compressed tokens per row in the codec's layout."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def words(n):
+        return torch.randint(-(2**31), 2**31 - 1, (batch, hkv, tokens, n), dtype=torch.int32, device=device,
+                             generator=gen)
+
+    def fp16(*shape, lo=0.01, hi=0.1):
+        return (torch.rand(*shape, device=device, generator=gen) * (hi - lo) + lo).half()
+
+    w = words_per_vector(dim, bits)
+    spec = dict(head_dim=dim, lengths=torch.full((batch,), tokens, dtype=torch.int32, device=device),
+                key_bits=bits, value_bits=bits, k_codes=words(w), v_codes=words(w))
+    if codec == "int":
+        spec.update(key_format="affine_channels", k_scale=fp16(batch, hkv, tokens, 1),
+                    k_zero=fp16(batch, hkv, tokens, 1, lo=-1, hi=0), value_format="affine_channels",
+                    v_scale=fp16(batch, hkv, tokens, 1), v_zero=fp16(batch, hkv, tokens, 1, lo=-1, hi=0))
+    elif codec == "kivi":
+        blocks = -(-tokens // KIVI_BLOCK)
+        groups = dim // KIVI_VALUE_GROUP
+        spec.update(key_format="affine_tokens", key_block=KIVI_BLOCK, k_scale=fp16(batch, hkv, blocks, dim),
+                    k_zero=fp16(batch, hkv, blocks, dim, lo=-1, hi=0), value_format="affine_channels",
+                    v_scale=fp16(batch, hkv, tokens, groups), v_zero=fp16(batch, hkv, tokens, groups, lo=-1, hi=0))
+    elif codec == "nuq":
+        from kvcal.quant.rope import RopeSpec, rope_cos_sin
+
+        c = hkv * dim
+        levels = torch.sort(torch.rand(1 << bits, device=device, generator=gen) * 2 - 1).values
+        rope = RopeSpec(head_dim=dim, theta=500000.0, rope_type="llama3", factor=8.0)
+        cos, sin = rope_cos_sin(rope.inv_freq(device), torch.arange(pos_offset + tokens, device=device)[None],
+                                torch.float32)
+        kidx = torch.randint(0, c, (batch, tokens, NUQ_KEY_CAPACITY), device=device, generator=gen)
+        kidx[..., NUQ_KEY_CAPACITY // 2 + 1:] = -1  # ~half the capacity used, as with 1% outliers
+        vcap = 2 * NUQ_VALUE_PER_SIDE
+        spec.update(key_format="lut_static", k_scale=torch.rand(c, device=device, generator=gen) + 0.5,
+                    k_zero=torch.randn(c, device=device, generator=gen) * 0.1, k_table=levels,
+                    k_out_idx=kidx.to(torch.int16), k_out_val=torch.randn(batch, tokens, NUQ_KEY_CAPACITY,
+                                                                           device=device, generator=gen).half(),
+                    value_format="lut_dynamic", v_table=levels.clone(), v_scale=fp16(batch, tokens),
+                    v_zero=fp16(batch, tokens, lo=-0.1, hi=0.1),
+                    v_out_idx=torch.randint(0, c, (batch, tokens, vcap), device=device, generator=gen).to(torch.int16),
+                    v_out_val=torch.randn(batch, tokens, vcap, device=device, generator=gen).half(),
+                    rope_cos=cos[0], rope_sin=sin[0], pos_offset=pos_offset)
+    else:
+        raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    return PackedKV(**spec)
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def packed_bytes(kv: PackedKV) -> int:
+    """Bytes of the compressed tokens a decode step must read: codes, scales/zeros, outliers (tables and
+    per-channel ranges are per layer, counted too; RoPE tables are read a row per tile and not counted)."""
+    parts = (kv.k_codes, kv.v_codes, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table,
+             kv.k_out_idx, kv.k_out_val, kv.v_out_idx, kv.v_out_val, kv.lengths)
+    return sum(_nbytes(t) for t in parts)
+
+
+def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _sdpa(q4, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            return out, backend.name.lower()
+        except RuntimeError:
+            continue
+    return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True), "default"
+
+
+def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", warmup=25, rep=100):
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(batch, hq, 1, dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(batch, hkv, tokens, dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(batch, hkv, tokens, dim, device=device, dtype=dtype, generator=gen)
+    _, backend = _sdpa(q, k, v)
+    name = {"flash_attention": SDPBackend.FLASH_ATTENTION, "efficient_attention": SDPBackend.EFFICIENT_ATTENTION}
+
+    def step():
+        if backend in name:
+            with sdpa_kernel(name[backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+    nbytes = _nbytes(q) * 2 + _nbytes(k) + _nbytes(v)
+    return ms * 1e3, nbytes, backend
+
+
+def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
+               warmup=25, rep=100, **options):
+    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed + window fp)."""
+    import triton.testing
+
+    window = min(window, tokens)
+    kv = random_packed(codec, bits, batch, hkv, dim, tokens - window, device=device)
+    gen = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(batch, hq, dim, device=device, dtype=dtype, generator=gen)
+    fk = torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen)
+    fv = torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen)
+    valid = torch.ones(batch, window, dtype=torch.bool, device=device)
+    scale = dim**-0.5
+    out = decode_attention_triton(q, kv, fk, fv, valid, scale, **options)
+    if not torch.isfinite(out.float()).all():
+        raise RuntimeError(f"{codec}{bits}: non-finite output")
+    ms = triton.testing.do_bench(lambda: decode_attention_triton(q, kv, fk, fv, valid, scale, **options),
+                                 warmup=warmup, rep=rep, return_mode="median")
+    nbytes = packed_bytes(kv) + _nbytes(fk) + _nbytes(fv) + _nbytes(valid) + 2 * _nbytes(q)
+    return ms * 1e3, nbytes
+
+
+def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), codecs=CODECS, bits=(4, 3, 2),
+                     hq: int = 32, hkv: int = 8, dim: int = 128, window: int = 128, dtype=torch.bfloat16,
+                     device="cuda", warmup: int = 25, rep: int = 100, options: dict | None = None,
+                     log=print) -> dict:
+    """Benchmark grid; returns a JSON-ready dict (device, versions, copy bandwidth, one row per
+    (context, batch, method)). options: {codec or codec+bits: kwargs for decode_attention_triton}."""
+    import triton
+
+    options = options or {}
+    dev = torch.device(device)
+    props = torch.cuda.get_device_properties(dev)
+    copy = copy_bandwidth(dev)
+    log(f"{props.name}: device-to-device copy {copy:.0f} GB/s (read + write)")
+    free = torch.cuda.mem_get_info(dev)[0]
+    rows = []
+    for tokens in contexts:
+        for batch in batches:
+            sdpa_bytes = 2 * batch * hkv * tokens * dim * torch.finfo(dtype).bits // 8
+            if 3 * sdpa_bytes > free:
+                log(f"skip context {tokens} batch {batch}: {sdpa_bytes / 1e9:.1f} GB of fp16 K/V")
+                continue
+            us, nbytes, backend = time_sdpa(batch, hq, hkv, dim, tokens, dtype, device, warmup, rep)
+            base = dict(context=tokens, batch=batch)
+            rows.append(dict(base, method="sdpa", bits=16, backend=backend, us=us, bytes=nbytes,
+                             gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy, speedup=1.0))
+            log(f"ctx {tokens:6d} batch {batch:2d} sdpa ({backend}) {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s")
+            torch.cuda.empty_cache()
+            for codec in codecs:
+                for b in bits:
+                    opts = dict(options.get(codec, {}), **options.get(f"{codec}{b}", {}))
+                    t0 = time.time()
+                    kus, kbytes = time_kvcal(codec, b, batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
+                                             device=device, warmup=warmup, rep=rep, **opts)
+                    gbps = kbytes / kus / 1e3
+                    rows.append(dict(base, method=codec, bits=b, us=kus, bytes=kbytes, gbps=gbps,
+                                     pct_copy=100 * gbps / copy, speedup=us / kus, options=opts))
+                    log(f"ctx {tokens:6d} batch {batch:2d} {codec}{b:<2d} {kus:8.1f} us {gbps:7.0f} GB/s "
+                        f"{100 * gbps / copy:5.1f}% of copy  x{us / kus:5.2f} vs sdpa  ({time.time() - t0:.1f} s)")
+                    torch.cuda.empty_cache()
+    return dict(
+        device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), dtype=str(dtype).replace("torch.", ""), hq=hq, hkv=hkv, head_dim=dim,
+        window=window, copy_gbps=copy, timing="triton.testing.do_bench median (L2 flushed before each call)",
+        kernel_defaults={k: dict(zip(("block_t", "num_warps", "num_stages", "max_registers"), v))
+                         for k, v in KERNEL_DEFAULTS.items()},
+        codecs={"int": "affine_channels keys+values, group=head_dim",
+                "kivi": f"affine_tokens keys (block {KIVI_BLOCK}) + affine_channels values (group {KIVI_VALUE_GROUP})",
+                "nuq": f"lut_static pre-RoPE keys ({NUQ_KEY_CAPACITY} outliers/token) + lut_dynamic values "
+                       f"({NUQ_VALUE_PER_SIDE} outliers/side)"},
+        rows=rows,
+    )
+
+
+def format_table(result: dict, context: int | None = None, batch: int | None = None) -> str:
+    """Markdown table of the rows (optionally one context / batch)."""
+    lines = ["| context | batch | method | us | GB/s | % of copy | x vs SDPA |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if (context and r["context"] != context) or (batch and r["batch"] != batch):
+            continue
+        name = "sdpa bf16" if r["method"] == "sdpa" else f"{r['method']}{r['bits']}"
+        lines.append(f"| {r['context']} | {r['batch']} | {name} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                     f"{r['pct_copy']:.0f} | {r['speedup']:.2f} |")
+    return "\n".join(lines)
+
+
+def device_slug(name: str) -> str:
+    return "-".join(w for w in "".join(c if c.isalnum() else " " for c in name.lower()).split() if w != "nvidia")
+
+
+__all__ = ["run_decode_bench", "format_table", "random_packed", "packed_bytes", "copy_bandwidth", "time_sdpa",
+           "time_kvcal", "device_slug"]

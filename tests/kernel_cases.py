@@ -1,0 +1,246 @@
+"""Random packed caches built with the reference quantizers, shared by tests/test_kernels.py and the
+GPU check script (benchmarks/check_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.quant.rope import RopeSpec, rope_cos_sin
+from kvcal.runtime import quantize as Q  # noqa: N812
+from kvcal.runtime.attention import PackedKV
+from kvcal.runtime.packing import words_per_vector
+
+
+def _keys(gen, n, h, d, device):
+    x = torch.randn(n, h, d, generator=gen, device=device)
+    x[..., : d // 16] *= 4.0  # a few large channels, as real keys have
+    return x
+
+
+def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int | None = None, group: int | None = None,
+                key_block: int = 32, kcap: int = 0, per_side: int = 0, pre_rope: bool = False, pos_offset: int = 0,
+                seed: int = 0, device="cpu") -> PackedKV:
+    """codec: 'int' (affine_channels keys and values, `group` channels per scale, default d), 'kivi'
+    (affine_tokens keys in blocks of key_block tokens, affine_channels values in groups of 32 or `group`),
+    'nuq' (lut_static keys with kcap outliers per token, lut_dynamic values with per_side outliers per side).
+    pre_rope: keys stored before RoPE (rotated at attention time from float32 cos/sin tables)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    batch = len(lengths)
+    tcap = tcap or max(max(lengths), 1)
+    c = hkv * d
+    kw = vw = words_per_vector(d, bits)
+    kc = torch.zeros(batch, hkv, tcap, kw, dtype=torch.int32, device=device)
+    vc = torch.zeros(batch, hkv, tcap, vw, dtype=torch.int32, device=device)
+    spec = dict(head_dim=d, lengths=torch.tensor(lengths, dtype=torch.int32, device=device), key_bits=bits,
+                value_bits=bits, k_codes=kc, v_codes=vc, pos_offset=pos_offset)
+    if codec == "int":
+        kg = vg = d // (group or d)
+        spec.update(key_format="affine_channels", value_format="affine_channels")
+        ks = torch.zeros(batch, hkv, tcap, kg, dtype=torch.float16, device=device)
+    elif codec == "kivi":
+        vg = d // (group or 32)
+        spec.update(key_format="affine_tokens", value_format="affine_channels", key_block=key_block)
+        ks = torch.zeros(batch, hkv, -(-tcap // key_block), d, dtype=torch.float16, device=device)
+    else:
+        spec.update(key_format="lut_static", value_format="lut_dynamic")
+        levels = 1 << bits
+        enc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
+        enc[0], enc[-1] = -1.0, 1.0
+        venc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
+        spec.update(k_table=enc + 0.01, v_table=venc.clone())
+        sample = _keys(gen, 256, hkv, d, device).reshape(256, c)
+        lo, hi = sample.quantile(0.01, dim=0), sample.quantile(0.99, dim=0)
+        spec.update(k_zero=(hi + lo) / 2, k_scale=(hi - lo) / 2)
+        ks = None
+    kz = None if ks is None else torch.zeros_like(ks)
+    if codec != "nuq":
+        spec.update(k_scale=ks, k_zero=kz)
+        vs = torch.zeros(batch, hkv, tcap, vg, dtype=torch.float16, device=device)
+    else:
+        vs = torch.zeros(batch, tcap, dtype=torch.float16, device=device)
+    vz = torch.zeros_like(vs)
+    spec.update(v_scale=vs, v_zero=vz)
+    if codec == "nuq" and kcap:
+        spec.update(k_out_idx=torch.full((batch, tcap, kcap), -1, dtype=torch.int16, device=device),
+                    k_out_val=torch.zeros(batch, tcap, kcap, dtype=torch.float16, device=device))
+    if codec == "nuq" and per_side:
+        spec.update(v_out_idx=torch.full((batch, tcap, 2 * per_side), -1, dtype=torch.int16, device=device),
+                    v_out_val=torch.zeros(batch, tcap, 2 * per_side, dtype=torch.float16, device=device))
+    if pre_rope:
+        rope = RopeSpec(head_dim=d, theta=500000.0, rope_type="llama3", factor=8.0)
+        positions = torch.arange(pos_offset + tcap + 8, device=device)[None]
+        cos, sin = rope_cos_sin(rope.inv_freq(device), positions, torch.float32)
+        spec.update(rope_cos=cos[0], rope_sin=sin[0])
+    kv = PackedKV(**spec)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        xk = _keys(gen, n, hkv, d, device)
+        xv = torch.randn(n, hkv, d, generator=gen, device=device)
+        if codec == "int":
+            codes, s, z = Q.quantize_affine_channels(xk, bits, d // kg)
+            kc[b, :, :n], ks[b, :, :n], kz[b, :, :n] = codes.transpose(0, 1), s.transpose(0, 1), z.transpose(0, 1)
+        elif codec == "kivi":
+            for i, t0 in enumerate(range(0, n, key_block)):
+                codes, s, z = Q.quantize_affine_tokens(xk[t0 : t0 + key_block], bits)
+                kc[b, :, t0 : t0 + codes.shape[0]] = codes.transpose(0, 1)
+                ks[b, :, i], kz[b, :, i] = s, z
+        else:
+            lo, hi = kv.k_zero - kv.k_scale, kv.k_zero + kv.k_scale
+            codes, idx, val = Q.quantize_lut_static(xk, lo, hi, enc, kv.k_table, bits, kcap)
+            kc[b, :, :n] = codes.transpose(0, 1)
+            if kcap:
+                kv.k_out_idx[b, :n], kv.k_out_val[b, :n] = idx, val
+        if codec == "nuq":
+            codes, s, z, idx, val = Q.quantize_lut_dynamic(xv, venc, kv.v_table, bits, per_side)
+            vc[b, :, :n], vs[b, :n], vz[b, :n] = codes.transpose(0, 1), s, z
+            if per_side:
+                kv.v_out_idx[b, :n], kv.v_out_val[b, :n] = idx, val
+        else:
+            codes, s, z = Q.quantize_affine_channels(xv, bits, d // vg)
+            vc[b, :, :n], vs[b, :, :n], vz[b, :, :n] = codes.transpose(0, 1), s.transpose(0, 1), z.transpose(0, 1)
+    return kv
+
+
+def build_step(batch: int, hq: int, hkv: int, d: int, nfp: int, dtype, *, seed: int = 1, device="cpu", qscale=1.0):
+    """Query and full-precision segment for one decode step (some fp slots invalid)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = (torch.randn(batch, hq, d, generator=gen, device=device) * qscale).to(dtype)
+    fp_k = torch.randn(batch, hkv, nfp, d, generator=gen, device=device).to(dtype)
+    fp_v = torch.randn(batch, hkv, nfp, d, generator=gen, device=device).to(dtype)
+    valid = torch.rand(batch, nfp, generator=gen, device=device) > 0.3
+    return q, fp_k, fp_v, valid
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ---- the checks (run under TRITON_INTERPRET=1 on CPU by tests/test_kernels.py, natively on the GPU) -----------
+
+# bf16 rounds the output itself (2^-9) and the kernel rounds P * scale and dequantized keys to fp16;
+# measured errors: ~4e-3 (bf16), ~4e-4 (fp16). Tolerances on ||out - ref|| / ||ref||:
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+# (name, codec, bits, dtype, cache kwargs, kernel kwargs, step kwargs)
+ATTENTION_CASES = [
+    ("int4_bf16", "int", 4, torch.bfloat16, {}, {}, {}),
+    ("int3_g32_fp16", "int", 3, torch.float16, {"group": 32}, {}, {}),
+    ("int2_bf16", "int", 2, torch.bfloat16, {}, {}, {}),
+    ("int4_g16_generic_fp16", "int", 4, torch.float16, {"group": 16}, {"generic_keys": True}, {}),
+    ("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True, "pos_offset": 5}, {}, {}),
+    ("kivi4_b16_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {}),
+    ("kivi3_nb2_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {}),
+    ("kivi2_b24_generic_bf16", "kivi", 2, torch.bfloat16, {"key_block": 24}, {}, {}),
+    ("nuq4_prerope_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 6, "per_side": 2, "pre_rope": True,
+                                                              "pos_offset": 3}, {}, {}),
+    ("nuq3_prerope_table_fp16", "nuq", 3, torch.float16, {"kcap": 4, "per_side": 1, "pre_rope": True}, {"rope_mode": "table"}, {}),
+    ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 3, "per_side": 1}, {}, {}),
+    ("int4_mha_fp16", "int", 4, torch.float16, {}, {}, {"hq": 2}),
+    ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
+    ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
+    ("int4_many_splits_bf16", "int", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
+    ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
+]
+
+
+def run_attention_case(case, *, small=True, device="cpu"):
+    """Kernel vs reference for one case; returns the relative error."""
+    from kvcal.runtime.attention import decode_attention_ref, decode_attention_triton
+
+    name, codec, bits, dtype, cache_kw, kernel_kw, step_kw = case
+    if small:
+        d, hkv, lengths, tcap, nfp = 64, 2, [37, 0, 70], 80, 19
+        kernel_kw = {"num_splits": 2, "block_t": 16, **kernel_kw}
+    else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
+        d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
+    hq = step_kw.get("hq", 4 * hkv if small else 32)
+    if small and "hq" in step_kw:
+        hq = step_kw["hq"] if step_kw["hq"] != 2 else hkv
+    nfp = step_kw.get("nfp", nfp)
+    kv = None if codec is None else build_cache(codec, bits, lengths, hkv, d, tcap=tcap, device=device, **cache_kw)
+    q, fk, fv, valid = build_step(len(lengths), hq, hkv, d, nfp, dtype, device=device)
+    scale = d**-0.5
+    ref = decode_attention_ref(q, kv, fk, fv, valid, scale)
+    out = decode_attention_triton(q, kv, fk, fv, valid, scale, **kernel_kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if not torch.isfinite(out.float()).all():
+        return float("nan")
+    return rel_err(out, ref)
+
+
+def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
+    """Bit-exact comparisons of every quantize kernel with its reference; returns {name: ok}."""
+    from kvcal.runtime import packing as P
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    res = {}
+    for bits in (1, 2, 3, 4, 8):
+        c = torch.randint(0, 1 << bits, (n, h, d), generator=gen, device=device)
+        w = P.pack_codes(c, bits)
+        res[f"pack{bits}"] = torch.equal(P.pack_codes_triton(c, bits), w)
+        res[f"unpack{bits}"] = torch.equal(P.unpack_codes_triton(w, bits, d), c)
+        res[f"unpack_mma{bits}"] = torch.equal(P.unpack_codes_mma_triton(w, bits, d), c)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (torch.randn(n, h, d, generator=gen, device=device) * 3).to(dtype)
+        x[0, 0, :8] = 0.0  # a constant group: scale 0
+        for bits in (2, 3, 4):
+            tag = f"{str(dtype)[6:]}_b{bits}"
+            for group in (d, 32):
+                a, b = Q.quantize_affine_channels(x, bits, group), Q.quantize_affine_channels_triton(x, bits, group)
+                res[f"affine_channels_{tag}_g{group}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+            a, b = Q.quantize_affine_tokens(x, bits), Q.quantize_affine_tokens_triton(x, bits)
+            res[f"affine_tokens_{tag}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+            levels = torch.sort(torch.rand(1 << bits, generator=gen, device=device) * 2 - 1).values
+            c = h * d
+            lo = torch.randn(c, generator=gen, device=device) * 0.5 - 1.5
+            hi = lo + 3 + torch.rand(c, generator=gen, device=device)
+            a = Q.quantize_lut_static(x, lo, hi, levels, levels + 0.01, bits, 5)
+            b = Q.quantize_lut_static_triton(x, lo, hi, levels, levels + 0.01, bits, 5)
+            res[f"lut_static_{tag}"] = torch.equal(a[0], b[0]) and _same_outliers(x, a[1], a[2], b[1], b[2])
+            a = Q.quantize_lut_dynamic(x, levels, levels * 0.9, bits, 2)
+            b = Q.quantize_lut_dynamic_triton(x, levels, levels * 0.9, bits, 2)
+            res[f"lut_dynamic_{tag}"] = all(torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(
+                x, a[3], a[4], b[3], b[4])
+    return res
+
+
+def _same_outliers(x, ia, va, ib, vb) -> bool:
+    """Equal outlier lists up to the order of slots and ties: each kept slot is compared by the input value
+    at its channel and its residual, so two channels holding equal values may trade places (torch.topk
+    and the kernel break ties differently; with bf16/fp16 inputs ties are common)."""
+    if ia is None or ib is None:
+        return ia is None and ib is None
+    rows = x.reshape(x.shape[0], -1).float()
+
+    def canon(i, v):
+        xv = torch.where(i >= 0, rows.gather(1, i.long().clamp_min(0)), torch.full_like(v, -1e30, dtype=torch.float32))
+        v = v.float()
+        order = torch.sort(v, dim=-1, stable=True).indices
+        xv, v = xv.gather(1, order), v.gather(1, order)
+        order = torch.sort(xv, dim=-1, stable=True).indices
+        return xv.gather(1, order), v.gather(1, order)
+
+    (xa, ra), (xb, rb) = canon(ia, va), canon(ib, vb)
+    return torch.equal(xa, xb) and torch.equal(ra, rb)
+
+
+def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
+    import json
+    import sys
+    import time
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    out = {}
+    t0 = time.time()
+    if which in ("all", "quantize"):
+        out["quantize"] = run_quantize_checks()
+    if which in ("all", "attention"):
+        out["attention"] = {case[0]: run_attention_case(case) for case in ATTENTION_CASES}
+    out["seconds"] = time.time() - t0
+    print("KERNEL_CHECKS " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,7 @@ DEVICE=${1:-cpu}
 DTYPE=${2:-float32}
 OUT=${OUT_DIR:-results/runtime/parity-$DEVICE-$DTYPE}
 ART=artifacts/smollm2-135m
-COMMON=(--seqlen 512 --nsamples 2 --device "$DEVICE" --dtype "$DTYPE")
+COMMON=(--seqlen 512 --nsamples 2 --batch-size 2 --device "$DEVICE" --dtype "$DTYPE")
 for mode in simulate decode; do
   kvcal eval ppl --recipe rtn-int4 "${COMMON[@]}" --mode "$mode" --json "$OUT/rtn-int4-$mode.json"
   kvcal eval ppl --recipe rtn-int2 "${COMMON[@]}" --mode "$mode" --json "$OUT/rtn-int2-$mode.json"

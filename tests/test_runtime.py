@@ -192,3 +192,14 @@ def test_synthetic_fill_decodes_and_counts_bytes(tiny, name, config):
     _, used = cache.nbytes()
     predicted = 3 * bits_per_element(method, tiny.dims, 201).bits_per_element * kv_elements(tiny.dims, 201) / 8
     assert used == pytest.approx(predicted, rel=0.1)
+
+
+def test_groups_spanning_heads_are_refused_by_the_packed_runtime(tiny):
+    """rtn groups of the flattened [Hkv*D] vector may span heads in simulation; the packed layout keeps
+    groups inside one head, so a group wider than head_dim (16 here) is a one-line error, not a crash."""
+    from kvcal.errors import KvcalError
+
+    codec = build_method("rtn", {"bits": 4, "group_size": 32}).build_codec({}, tiny.dims)
+    with pytest.raises(KvcalError, match="group_size 32 must divide head_dim 16"):
+        decoded_nll(tiny, codec, torch.randint(0, 250, (1, 8)))
+    simulated_nll(tiny, codec, torch.randint(0, 250, (1, 8)))  # the simulation runs it

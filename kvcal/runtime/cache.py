@@ -145,6 +145,10 @@ class PackedLayer(_LayerBase):
     def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq) -> None:
         self.batch, self.heads, self.dim = batch, heads, dim
         self.dtype, self.device = dtype, device
+        for part, fmt in (("key", self.key_format), ("value", self.value_format)):
+            if fmt.kind == "affine_channels" and dim % fmt.group:
+                raise KvcalError(f"the packed runtime stores {part} groups inside one head: group_size {fmt.group} "
+                                 f"must divide head_dim {dim} (simulation accepts it: --mode simulate)")
         self.ring_capacity = self.policy.residual + self.policy.block
         fp_slots = self.policy.sink + self.ring_capacity
         z = dict(device=self.device)
@@ -157,6 +161,11 @@ class PackedLayer(_LayerBase):
         self.count = [0] * batch
         self.ring_start = [0] * batch
         self.ring_count = [0] * batch
+        # The per-row bookkeeping above lives on the host (it decides what to flush); the device copies
+        # below mirror what kernels need, updated in place, so a decode step never waits on a
+        # host-to-device copy (each such copy synchronizes the stream and stalls the CPU's kernel queue).
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=self.device)  # packed tokens per row
+        self.index_tensors: dict[tuple, torch.Tensor] = {}
         kf, vf = self.key_format, self.value_format
         for name in ("lo", "hi", "encode", "decode"):
             if getattr(kf, name) is not None:
@@ -215,6 +224,17 @@ class PackedLayer(_LayerBase):
             cos, sin = rope_cos_sin(self.inv_freq, positions, torch.float32)
             self.rope_cos, self.rope_sin = cos[0], sin[0]
 
+    def _index(self, values) -> torch.Tensor:
+        """Device int64 tensor of `values`, made once per distinct tuple. Decode steps cycle through
+        few distinct slot patterns (ring positions, row sets), so after warm-up this costs no copy."""
+        key = tuple(values)
+        found = self.index_tensors.get(key)
+        if found is None:
+            if len(self.index_tensors) > 4096:
+                self.index_tensors.clear()
+            found = self.index_tensors[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
+        return found
+
     # ---- storage ------------------------------------------------------------------------------------
     def _prefill_row(self, b: int, pad: int, k_src, k_rot, v) -> None:
         """Store row b's valid prompt tokens [pad, T) in bulk: sinks, packed span, then the residual ring."""
@@ -232,6 +252,7 @@ class PackedLayer(_LayerBase):
                 self._grow(packed)
             self._pack([b], k_src[b, :, span].transpose(0, 1)[None], v[b, :, span].transpose(0, 1)[None])
             self.compressed[b] = packed
+            self.lengths[b] = packed
         rest = slice(pad + n_sink + packed, pad + total)
         n_rest = total - n_sink - packed
         ring = slice(sink, sink + n_rest)
@@ -254,8 +275,8 @@ class PackedLayer(_LayerBase):
                 slots.append(sink + (self.ring_start[b] + self.ring_count[b]) % self.ring_capacity)
                 self.ring_count[b] += 1
             self.count[b] += 1
-        rows = torch.arange(self.batch, device=self.device)
-        slot = torch.tensor(slots, device=self.device)
+        rows = self._index(range(self.batch))
+        slot = self._index(slots)
         self.fp_k[rows, :, slot] = k_rot
         if self.fp_src is not self.fp_k:
             self.fp_src[rows, :, slot] = k_src
@@ -270,11 +291,12 @@ class PackedLayer(_LayerBase):
             return
         if max(self.compressed[b] for b in rows) + block > self.capacity:
             self._grow(max(self.compressed[b] for b in rows) + block)
-        slots = torch.tensor([[sink + (self.ring_start[b] + i) % self.ring_capacity for i in range(block)]
-                              for b in rows], device=self.device)
-        row_idx = torch.tensor(rows, device=self.device)[:, None]
+        slots = self._index([sink + (self.ring_start[b] + i) % self.ring_capacity
+                             for b in rows for i in range(block)]).view(len(rows), block)
+        row_idx = self._index(rows)[:, None]
         self._pack(rows, self.fp_src[row_idx, :, slots], self.fp_v[row_idx, :, slots])  # [R, block, H, D]
         self.fp_valid[row_idx, slots] = False
+        self.lengths[row_idx[:, 0]] += block
         for b in rows:
             self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
             self.ring_count[b] -= block
@@ -284,9 +306,10 @@ class PackedLayer(_LayerBase):
         """Quantize tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
         kf, vf, buf = self.key_format, self.value_format, self.buffers
         nrows, count = k_src.shape[:2]
-        start = torch.tensor([self.compressed[b] for b in rows], device=self.device)
+        row_ids = self._index(rows)
+        start = self.lengths[row_ids].long()  # packed tokens so far: the rows' next free slots
         slot = (start[:, None] + torch.arange(count, device=self.device)[None]).reshape(-1)  # [R*N]
-        row = torch.tensor(rows, device=self.device)[:, None].expand(-1, count).reshape(-1)
+        row = row_ids[:, None].expand(-1, count).reshape(-1)
         keys = k_src.reshape(nrows * count, self.heads, self.dim)
         values = v.reshape(nrows * count, self.heads, self.dim)
         # keys
@@ -303,7 +326,7 @@ class PackedLayer(_LayerBase):
             else:  # a prompt: every block at once
                 codes, scale, zero = quantize_affine_token_blocks(keys, kf.bits, kf.block)
             block_idx = (slot // kf.block).reshape(nrows, count)[:, :: kf.block].reshape(-1)
-            block_row = torch.tensor(rows, device=self.device)[:, None].expand(-1, blocks).reshape(-1)
+            block_row = row_ids[:, None].expand(-1, blocks).reshape(-1)
             buf["k_scale"][block_row, :, block_idx] = scale.reshape(-1, self.heads, self.dim)
             buf["k_zero"][block_row, :, block_idx] = zero.reshape(-1, self.heads, self.dim)
         else:
@@ -330,9 +353,8 @@ class PackedLayer(_LayerBase):
 
     def packed(self) -> PackedKV:
         kf, vf, buf = self.key_format, self.value_format, self.buffers
-        lengths = torch.tensor(self.compressed, dtype=torch.int32, device=self.device)
         kv = PackedKV(
-            head_dim=self.dim, lengths=lengths, key_format=kf.kind, key_bits=kf.bits, k_codes=buf["k_codes"],
+            head_dim=self.dim, lengths=self.lengths, key_format=kf.kind, key_bits=kf.bits, k_codes=buf["k_codes"],
             k_scale=buf.get("k_scale"), k_zero=buf.get("k_zero"), value_format=vf.kind, value_bits=vf.bits,
             v_codes=buf["v_codes"], v_scale=buf["v_scale"], v_zero=buf["v_zero"], key_block=kf.block,
             k_out_idx=buf.get("k_out_idx"), k_out_val=buf.get("k_out_val"), v_table=buf.get("v_decode"),
@@ -391,6 +413,7 @@ class PackedLayer(_LayerBase):
         self.fp_valid[:, :fp_tokens] = True
         sinks = min(self.policy.sink, tokens)
         self.compressed = [packed] * batch
+        self.lengths.fill_(packed)
         self.count = [tokens] * batch
         self.ring_start = [0] * batch
         self.ring_count = [fp_tokens - sinks] * batch

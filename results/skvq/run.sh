@@ -4,7 +4,7 @@
 # Usage: bash results/skvq/run.sh [ROW ...]   (no argument: every row, in order; existing JSONs are kept)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-DATA=(--data-dir /work/shared/data/wikitext2)
+DATA=(--data-dir "${KVCAL_DATA_DIR:-../shared/data/wikitext2}")
 OUT=results/skvq
 ART=artifacts/smollm2-135m/skvq-results
 EVAL=(--seqlen 2048 --nsamples 16 --protocol gptq)

@@ -203,3 +203,26 @@ def test_groups_spanning_heads_are_refused_by_the_packed_runtime(tiny):
     with pytest.raises(KvcalError, match="group_size 32 must divide head_dim 16"):
         decoded_nll(tiny, codec, torch.randint(0, 250, (1, 8)))
     simulated_nll(tiny, codec, torch.randint(0, 250, (1, 8)))  # the simulation runs it
+
+
+@pytest.mark.parametrize("name,config", [("rtn", {"bits": 4}), ("kivi", {"bits": 2, "group_size": 8, "residual": 16})])
+def test_steady_decode_makes_no_host_to_device_copies(tiny, monkeypatch, name, config):
+    """On CUDA every tensor built from a Python list is a host-to-device copy that synchronizes the
+    stream (measured: 8 per layer per step before this was fixed). Once the residual ring has cycled,
+    decode steps must reuse the memoized index tensors: torch.tensor is never called by the cache."""
+    import kvcal.runtime.cache as cache_module
+
+    codec = build_method(name, config).build_codec({}, tiny.dims)
+    cache = KvcalCache(codec, tiny.dims.num_layers)
+    ids = torch.randint(0, 256, (2, 1))
+    with torch.inference_mode():
+        tiny.model(torch.randint(0, 256, (2, 20)), past_key_values=cache, use_cache=True)
+        for _ in range(3 * (16 + 8)):  # several ring cycles: every slot pattern has been seen
+            tiny.model(ids, past_key_values=cache, use_cache=True)
+        calls = []
+        real_tensor = torch.tensor
+        monkeypatch.setattr(cache_module.torch, "tensor", lambda *a, **k: calls.append(a) or real_tensor(*a, **k))
+        for _ in range(2 * (16 + 8)):
+            tiny.model(ids, past_key_values=cache, use_cache=True)
+    assert calls == []
+    assert cache.layers[0].lengths.tolist() == cache.layers[0].compressed  # the device mirror is in step

@@ -178,11 +178,12 @@ def generate_command(
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (greedy)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    backend: str = typer.Option("packed", help="packed (the runtime) or dequantized (reference; methods without kernels)."),
 ):
     """Generate with the compressed cache; print the text and the cache size against fp16."""
     from kvcal.runtime.generate import generate_text
 
-    result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device)
+    result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend)
     console.print(result["text"], highlight=False, markup=False)
     console.print(f"\n[dim]{result['summary']}[/dim]", highlight=False)
 

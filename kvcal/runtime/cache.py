@@ -492,7 +492,8 @@ class KvcalCache(Cache):
             layers = [DequantizedLayer(codec, i) for i in range(num_layers)]
         elif backend == "packed":
             if not hasattr(codec, "runtime_formats"):
-                raise KvcalError(f"{type(codec).__name__} has no packed runtime yet (it runs in simulation only)")
+                raise KvcalError(f"{type(codec).__name__} has no packed runtime yet: use the dequantized reference cache "
+                                 "(--backend dequantized) or the simulation (--mode simulate)")
             layers = [PackedLayer(codec, i, capacity_hint) for i in range(num_layers)]
         else:
             raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")

@@ -41,7 +41,8 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0) -> K
     return KvcalCache(codec, loaded.dims.num_layers, backend, capacity)
 
 
-def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device) -> dict:
+def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device,
+                  backend: str = "packed") -> dict:
     from kvcal.artifact import load_artifact
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
@@ -64,7 +65,7 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     if loaded.tokenizer is None:
         raise KvcalError(f"{loaded.name} has no tokenizer")
     ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids.to(loaded.device)
-    cache = KvcalCache(codec, loaded.dims.num_layers, "packed", capacity_hint=ids.shape[1] + max_new_tokens)
+    cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=ids.shape[1] + max_new_tokens)
     with torch.inference_mode():
         out = loaded.model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=loaded.tokenizer.eos_token_id)
@@ -73,9 +74,15 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     allocated, used = cache.nbytes()
     fp16 = 2 * kv_elements(loaded.dims, tokens)
     predicted = bits_per_element(method, loaded.dims, tokens).bits_per_element
+    text = loaded.tokenizer.decode(new_tokens, skip_special_tokens=True)
+    if backend == "dequantized" and not codec.lossless:
+        summary = (f"{method.name} through the dequantized reference cache: the values the codec reconstructs, held "
+                   f"in {loaded.dtype} (no memory saving); the method's storage is {predicted:.2f} bits/element "
+                   f"for {tokens} tokens")
+        return {"text": text, "summary": summary, "cache_bytes": None, "fp16_bytes": fp16, "tokens": tokens}
     measured = 8 * used / kv_elements(loaded.dims, tokens)
     summary = (f"{method.name} ({loaded.dtype}, full-precision slots in that dtype): KV cache {used / 2**20:.2f} MiB for {tokens} tokens ({measured:.2f} bits/element; "
                f"accounting predicts {predicted:.2f}; {allocated / 2**20:.2f} MiB allocated) vs fp16 "
                f"{fp16 / 2**20:.2f} MiB: {fp16 / max(used, 1):.1f}x smaller")
-    return {"text": loaded.tokenizer.decode(new_tokens, skip_special_tokens=True), "summary": summary,
+    return {"text": text, "summary": summary,
             "cache_bytes": used, "fp16_bytes": fp16, "tokens": tokens}

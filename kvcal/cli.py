@@ -93,7 +93,7 @@ def calibrate_command(
     flags = {k: v for k, v in dict(dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed).items() if v is not None}
     learned = [calib for instance, _, calib in jobs if instance.learns] or [jobs[0][2]]
     calib = {**learned[0], **flags}
-    for other, (instance, tag, _) in zip(learned[1:], jobs[1:]):
+    for other in learned[1:]:
         if {**other, **flags} != calib:
             raise KvcalError(f"recipes disagree on calibration data ({calib} vs {other}): calibrate them separately")
     _positive("--nsamples", calib["nsamples"])

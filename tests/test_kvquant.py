@@ -54,7 +54,6 @@ def test_outlier_count_rule():
 
 
 def test_bits_per_element_hand_computed():
-    dims = load_model("smollm2-135m", adapt=False).dims if False else None  # noqa: F841 (documentation)
     from kvcal.models import ModelDims
     from kvcal.quant.rope import RopeSpec
 

@@ -168,14 +168,21 @@ def test_load_cache_on_a_plain_transformers_model(tmp_path, kvquant_codec):
         kvcal.load_cache(path, wrong)
 
 
-def test_prompt_blocks_quantize_like_one_block_at_a_time():
-    from kvcal.runtime.cache import quantize_affine_token_blocks
+def test_prompt_key_blocks_by_hand():
+    """Per-channel 2-bit over blocks of 2 tokens: zero = the block's channel minimum, scale = range / 3 (fp16),
+    the minimum gets code 0, the maximum code 3, and a midpoint value rounds half to even."""
+    from kvcal.runtime.quantize import quantize_affine_token_blocks
 
-    x = torch.randn(24, 2, 16)
-    codes, scale, zero = quantize_affine_token_blocks(x, 3, 8)
-    for i in range(3):
-        c, s, z = quantize_affine_tokens(x[8 * i : 8 * i + 8], 3)
-        assert torch.equal(codes[8 * i : 8 * i + 8], c) and torch.equal(scale[i], s) and torch.equal(zero[i], z)
+    x = torch.zeros(4, 1, 16)
+    x[0, 0, :], x[1, 0, :] = -1.0, 2.0  # block 0: range [-1, 2], scale 1
+    x[2, 0, :], x[3, 0, :] = 0.5, 0.5  # block 1: flat, scale 0
+    x[3, 0, 0] = 2.0  # block 1, channel 0: range [0.5, 2], scale 0.5; 0.5 -> code 0
+    codes, scale, zero = quantize_affine_token_blocks(x, 2, 2)
+    assert scale[:, 0].tolist() == [[1.0] * 16, [0.5] + [0.0] * 15]
+    assert zero[:, 0].tolist() == [[-1.0] * 16, [0.5] * 16]
+    q = unpack_codes(codes, 2, 16)[:, 0]
+    assert q[0].tolist() == [0] * 16 and q[1].tolist() == [3] * 16
+    assert q[2].tolist() == [0] * 16 and q[3].tolist() == [3] + [0] * 15
 
 
 # bits that fill int32 words exactly at head_dim 16 (3-bit codes would pad 48 bits to 64 there; at
@@ -234,3 +241,16 @@ def test_steady_decode_makes_no_host_to_device_copies(tiny, monkeypatch, name, c
             tiny.model(ids, past_key_values=cache, use_cache=True)
     assert calls == []
     assert cache.layers[0].lengths.tolist() == cache.layers[0].compressed  # the device mirror is in step
+
+
+def test_pre_rope_tables_are_shared_by_all_layers(tiny, kvquant_codec):
+    """One cos/sin table per cache, not one per layer, and it holds the model's RoPE angles."""
+    from kvcal.quant.rope import rope_cos_sin
+
+    cache = KvcalCache(kvquant_codec, tiny.dims.num_layers)
+    with torch.inference_mode():
+        tiny.model(torch.randint(0, 256, (1, 30)), past_key_values=cache, use_cache=True)
+    first, second = cache.layers[0], cache.layers[1]
+    assert first.rope_cos is second.rope_cos and first.rope_cos.shape[0] >= 30
+    cos, _ = rope_cos_sin(tiny.dims.rope.inv_freq("cpu"), torch.arange(30)[None], torch.float32)
+    torch.testing.assert_close(first.rope_cos[:30], cos[0], rtol=0, atol=0)

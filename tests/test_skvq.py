@@ -104,6 +104,18 @@ def test_ternary_quantization_by_hand():
     assert quantizer(x[:1].reshape(1, 1, 1, 4)).flatten().tolist() == [-1.0, 0.0, 0.0, 1.0]
 
 
+def test_contiguous_unclipped_groups_equal_the_project_quantizer():
+    """Without reorder and clip, SKVQ's variable-group path is plain per-token group quantization: it must
+    equal kvcal.quant.uniform.fake_quant_groups (the rtn baseline's quantizer) on the same groups."""
+    from kvcal.quant.uniform import fake_quant_groups
+
+    x = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(3))
+    layout = GroupLayout.contiguous(48, 16)
+    for bits in (2, 3, 4):
+        got = fake_quant_clipped(x, layout, torch.ones(3), levels=1 << bits, param_dtype="fp16")
+        torch.testing.assert_close(got, fake_quant_groups(x, bits, -1, 16), rtol=0, atol=0)
+
+
 def test_fp8_params_are_clamped_and_stored_as_e4m3():
     layout = GroupLayout.contiguous(8, 4)
     x = torch.tensor([[-1000.0, 3.0, 5.0, 900.0, 0.3, 0.3, 0.3, 0.3]])  # beyond e4m3's 448; a flat group
@@ -157,6 +169,7 @@ def test_clip_search_picks_the_hand_computed_ratio():
     curves = SKVQ(clip="layer")._search_clips(objective, k_quant, v_quant)
     assert k_quant.alpha.tolist() == [1.0]
     assert v_quant.alpha.item() == pytest.approx(0.96)
+    # (a check of the derivation above, not of kvcal: the exact-arithmetic optimum on the grid is 0.96)
     exact = [(126 * (a / 3 - 0.318) ** 2 + 2 * (1 - a) ** 2) / 128 for a in CLIP_GRID]
     assert min(range(21), key=exact.__getitem__) == CLIP_GRID.index(0.96)
     # the objective is the mean squared error over the 128 output channels

@@ -73,10 +73,13 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
             cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1])
             if start:
                 loaded.model(batch[:, :start], past_key_values=cache, use_cache=True)
+            # summed on the device, read once per batch: an .item() per token would sync every step
+            nll = torch.zeros((), dtype=torch.float64, device=loaded.device)
             for t in range(start, batch.shape[1] - 1):
                 logits = loaded.model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-                total.nll += F.cross_entropy(logits.float(), batch[:, t + 1], reduction="sum").item()
+                nll += F.cross_entropy(logits.float(), batch[:, t + 1], reduction="sum")
                 total.tokens += batch.shape[0]
+            total.nll += nll.item()
             if progress is not None:
                 progress(batch.shape[0])
     return total

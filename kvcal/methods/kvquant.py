@@ -31,9 +31,8 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant.kmeans import weighted_kmeans
-from kvcal.quant.nonuniform import nearest_level, outlier_bounds, quantile
+from kvcal.quant.nonuniform import nearest_level, outlier_bounds, quantile, range_params
 from kvcal.quant.rope import apply_rope, rope_cos_sin
-from kvcal.quant.uniform import round_params
 from kvcal.runtime.formats import KeyFormat, ValueFormat
 
 WEIGHTINGS = ("fisher_scale", "fisher", "none")
@@ -68,7 +67,7 @@ def quantize_static(rows, lo, hi, encode, decode, sparse: bool) -> torch.Tensor:
     """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
     (kept exact) when `sparse`, else clamped to the extreme levels."""
     x = rows.to(torch.float32)
-    zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+    zero, scale = range_params(lo, hi)
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
     if sparse:
         out = torch.where((x > hi) | (x < lo), x, out)
@@ -80,8 +79,7 @@ def quantize_dynamic(rows, encode, decode, per_side: int) -> torch.Tensor:
     `per_side` largest and smallest elements as exact outliers. Scale and zero are stored in fp16."""
     x = rows.to(torch.float32)
     lo, hi, outliers = outlier_bounds(x, per_side, dim=-1)
-    zero = round_params((hi + lo) / 2, torch.float16)
-    scale = round_params((hi - lo) / 2, torch.float16).clamp_min(1e-8)
+    zero, scale = range_params(lo, hi, torch.float16)
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
     return torch.where(outliers, x, out).to(rows.dtype)
 
@@ -226,7 +224,7 @@ class KVQuant(Method):
         tail = self.outliers / 2
         lo = quantile(k, tail, dim=0) if self.outliers else k.amin(0)
         hi = quantile(k, 1 - tail, dim=0) if self.outliers else k.amax(0)
-        zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+        zero, scale = range_params(lo, hi)
         xn = (k - zero) / scale
         inside = xn.abs() <= 1
         weights = self._weights(fisher, scale.expand_as(k))
@@ -237,7 +235,7 @@ class KVQuant(Method):
 
     def _fit_dynamic(self, x, fisher, per_side):
         lo, hi, outlier = outlier_bounds(x, per_side, dim=-1)
-        zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+        zero, scale = range_params(lo, hi)
         xn = (x - zero) / scale
         inside = ~outlier
         weights = self._weights(fisher, scale.expand_as(x))

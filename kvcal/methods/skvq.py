@@ -30,7 +30,7 @@ from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant.kmeans import weighted_kmeans
 from kvcal.quant.rope import apply_rope, rope_cos_sin
-from kvcal.quant.uniform import dequantize, quantize, round_params
+from kvcal.quant.uniform import dequantize, minmax_params, quantize, round_params
 
 SUPPORTED_BITS = (1.5, 2.0, 3.0, 4.0, 8.0)
 CLIP_MODES = ("none", "global", "layer", "group")
@@ -141,15 +141,13 @@ def clipped_group_params(x: torch.Tensor, layout: GroupLayout, alpha: torch.Tens
     0, [paper] Eq. 2), scale = max((M - m) / q_max, 1e-5), zero = m as a float offset (rec #12).
     """
     grouped = x[..., layout.padded.to(x.device)]  # [..., n_groups, largest group]
-    low = grouped.amin(-1) * alpha
-    high = grouped.amax(-1) * alpha
+    scale, zero = minmax_params(grouped.amin(-1) * alpha, grouped.amax(-1) * alpha, levels, param_dtype=None)
     dtype = PARAM_DTYPES[param_dtype]
     # Clamp into the storage range before the cast (rec #10): e4m3 has no inf (casts beyond +-448 give
     # NaN), and an e4m3 scale below its smallest subnormal 2^-9 would round to 0.
     limit = torch.finfo(dtype).max
     floor = FP8_MIN_SCALE if param_dtype == "fp8" else SCALE_FLOOR
-    scale = torch.clamp((high - low) / (levels - 1), floor, limit)
-    return round_params(scale, dtype), round_params(low.clamp(-limit, limit), dtype)
+    return round_params(scale.clamp(floor, limit), dtype), round_params(zero.clamp(-limit, limit), dtype)
 
 
 def fake_quant_clipped(x: torch.Tensor, layout: GroupLayout, alpha: torch.Tensor, levels: int,

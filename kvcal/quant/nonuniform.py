@@ -8,6 +8,20 @@ from __future__ import annotations
 
 import torch
 
+from kvcal.quant.uniform import round_params
+
+
+def range_params(lo: torch.Tensor, hi: torch.Tensor, param_dtype: torch.dtype | None = None):
+    """Zero (center) and scale (half width) that map [lo, hi] onto a table's [-1, 1]: x = level * scale + zero.
+
+    With `param_dtype` both are rounded as stored (fp16 for per-token ranges). The scale is floored at 1e-8
+    so a flat range divides safely; the floor rounds to 0 in fp16, so a stored scale needs no separate copy.
+    """
+    zero, scale = (hi + lo) / 2, (hi - lo) / 2
+    if param_dtype is not None:
+        zero, scale = round_params(zero, param_dtype), round_params(scale, param_dtype)
+    return zero, scale.clamp_min(1e-8)
+
 
 def nearest_level(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """Index of the nearest entry of sorted `levels` [k] for every element of x (ties go to the lower)."""

@@ -22,21 +22,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention
+from kvcal.quant.nonuniform import range_params
 from kvcal.quant.rope import apply_rope, rope_cos_sin
-from kvcal.quant.uniform import minmax_params, quantize
 from kvcal.runtime import ops
 from kvcal.runtime.attention import PackedKV
-from kvcal.runtime.packing import pack_codes, words_per_vector
-
-
-def quantize_affine_token_blocks(x: torch.Tensor, bits: int, block: int):
-    """quantize_affine_tokens over consecutive blocks of a prompt at once: x [N, H, D] with N a multiple
-    of `block` -> codes [N, H, W], scale and zero [N/block, H, D] (the same arithmetic, vectorized)."""
-    n, h, d = x.shape
-    xf = x.to(torch.float32).reshape(n // block, block, h, d)
-    scale, zero = minmax_params(xf.amin(1, keepdim=True), xf.amax(1, keepdim=True), 1 << bits)
-    codes = quantize(xf, scale, zero, 1 << bits).reshape(n, h, d)
-    return pack_codes(codes, bits), scale[:, 0].half(), zero[:, 0].half()
+from kvcal.runtime.packing import words_per_vector
+from kvcal.runtime.quantize import quantize_affine_token_blocks
 
 
 class _LayerBase(DynamicLayer):
@@ -85,8 +76,6 @@ class DequantizedLayer(_LayerBase):
 
     def flush(self) -> None:
         policy = self.codec.policy
-        if self.codec.lossless:
-            return
         while self.compressed < policy.compressed_count(self.length):
             start = policy.sink + self.compressed
             end = start + policy.block
@@ -125,13 +114,30 @@ def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[in
     return pads
 
 
+class RopeTables:
+    """cos/sin [positions, D] in float32 for keys stored before RoPE, shared by every layer of one cache
+    (all layers rotate alike): one table of the longest length asked for, not one per layer (32 copies of
+    32K x 128 x 2 floats would be 1 GiB on an 8B model)."""
+
+    def __init__(self):
+        self.cos = self.sin = None
+
+    def get(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.shape[0] < length or self.cos.device != inv_freq.device:
+            positions = torch.arange(length, device=inv_freq.device)[None]
+            cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos, self.sin
+
+
 class PackedLayer(_LayerBase):
     """Packed storage of one layer. Row b holds sinks, `compressed[b]` packed tokens, and a residual ring."""
 
     GROWTH = 1.125  # buffers grow by 1/8 (bounded over-allocation, so memory tracks bits per element)
 
-    def __init__(self, codec, layer_idx: int, capacity_hint: int = 0):
+    def __init__(self, codec, layer_idx: int, capacity_hint: int = 0, rope_tables: RopeTables | None = None):
         super().__init__(codec, layer_idx)
+        self.rope_tables = rope_tables or RopeTables()
         self.key_format, self.value_format = codec.runtime_formats(layer_idx)
         self.policy = codec.policy
         self.capacity_hint = capacity_hint
@@ -173,6 +179,9 @@ class PackedLayer(_LayerBase):
         for name in ("encode", "decode"):
             if getattr(vf, name) is not None:
                 self.buffers["v_" + name] = getattr(vf, name).to(self.device, torch.float32)
+        if kf.kind == "lut_static":  # the kernel reads the calibrated range as zero and scale
+            self.buffers["k_lut_zero"], self.buffers["k_lut_scale"] = range_params(self.buffers["k_lo"],
+                                                                                   self.buffers["k_hi"])
         if self.codec.keys_pre_rope:
             self.inv_freq = inv_freq.to(self.device)
         self.capacity = 0
@@ -219,10 +228,8 @@ class PackedLayer(_LayerBase):
                 new.narrow(axis, 0, old.shape[axis]).copy_(old)
             self.buffers[name] = new
         self.capacity = cap
-        if self.codec.keys_pre_rope:
-            positions = torch.arange(self.policy.sink + cap, device=self.device)[None]
-            cos, sin = rope_cos_sin(self.inv_freq, positions, torch.float32)
-            self.rope_cos, self.rope_sin = cos[0], sin[0]
+        if self.codec.keys_pre_rope:  # tables may be longer than this layer needs (the kernel bounds reads)
+            self.rope_cos, self.rope_sin = self.rope_tables.get(self.inv_freq, self.policy.sink + cap)
 
     def _index(self, values) -> torch.Tensor:
         """Device int64 tensor of `values`, made once per distinct tuple. Decode steps cycle through
@@ -289,8 +296,9 @@ class PackedLayer(_LayerBase):
         rows = [b for b in range(self.batch) if self.compressed[b] < self.policy.compressed_count(self.count[b])]
         if not rows:
             return
-        if max(self.compressed[b] for b in rows) + block > self.capacity:
-            self._grow(max(self.compressed[b] for b in rows) + block)
+        needed = max(self.compressed[b] for b in rows) + block
+        if needed > self.capacity:
+            self._grow(needed)
         slots = self._index([sink + (self.ring_start[b] + i) % self.ring_capacity
                              for b in rows for i in range(block)]).view(len(rows), block)
         row_idx = self._index(rows)[:, None]
@@ -362,8 +370,7 @@ class PackedLayer(_LayerBase):
         )
         if kf.kind == "lut_static":
             kv.k_table = buf["k_decode"]
-            kv.k_zero = (buf["k_hi"] + buf["k_lo"]) / 2
-            kv.k_scale = ((buf["k_hi"] - buf["k_lo"]) / 2).clamp_min(1e-8)
+            kv.k_zero, kv.k_scale = buf["k_lut_zero"], buf["k_lut_scale"]
             kv.rope_cos, kv.rope_sin, kv.pos_offset = self.rope_cos, self.rope_sin, self.policy.sink
         return kv
 
@@ -389,7 +396,7 @@ class PackedLayer(_LayerBase):
             self.length += 1
             outs.append(ops.decode_attention(q[:, :, t], self.packed(), self.fp_k, self.fp_v, self.fp_valid,
                                              inp.scale))
-        return torch.stack(outs, dim=2)
+        return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
 
     def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
                        headroom: int = 0, generator=None) -> None:
@@ -419,7 +426,8 @@ class PackedLayer(_LayerBase):
         self.ring_count = [fp_tokens - sinks] * batch
         self.length = tokens
 
-    STATIC = ("k_lo", "k_hi", "k_encode", "k_decode", "v_encode", "v_decode")  # per layer, not per token
+    # per layer, not per token
+    STATIC = ("k_lo", "k_hi", "k_encode", "k_decode", "v_encode", "v_decode", "k_lut_zero", "k_lut_scale")
 
     def nbytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of this layer's per-token storage: packed buffers and full-precision
@@ -494,7 +502,8 @@ class KvcalCache(Cache):
             if not hasattr(codec, "runtime_formats"):
                 raise KvcalError(f"{type(codec).__name__} has no packed runtime yet: use the dequantized reference cache "
                                  "(--backend dequantized) or the simulation (--mode simulate)")
-            layers = [PackedLayer(codec, i, capacity_hint) for i in range(num_layers)]
+            rope_tables = RopeTables()
+            layers = [PackedLayer(codec, i, capacity_hint, rope_tables) for i in range(num_layers)]
         else:
             raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")
         super().__init__(layers=layers)

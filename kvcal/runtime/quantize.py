@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.quant.nonuniform import nearest_level, outlier_bounds
+from kvcal.quant.nonuniform import nearest_level, outlier_bounds, range_params
 from kvcal.quant.uniform import dequantize, minmax_params, quantize
 from kvcal.runtime.packing import pack_codes, unpack_codes
 
@@ -44,11 +44,20 @@ def dequantize_affine_channels(codes, scale, zero, bits: int, dim: int) -> torch
 # ---- affine, one (scale, zero) per channel over a block of tokens (KIVI keys) ---------------------
 
 
+def quantize_affine_token_blocks(x: torch.Tensor, bits: int, block: int):
+    """x [N, H, D], N a multiple of `block`: codes [N, H, W] and one (scale, zero) per channel for each
+    block of `block` consecutive tokens, [N/block, H, D] (a prompt's key blocks at once)."""
+    n, h, d = x.shape
+    xf = x.to(torch.float32).reshape(n // block, block, h, d)
+    scale, zero = minmax_params(xf.amin(1, keepdim=True), xf.amax(1, keepdim=True), 1 << bits)
+    codes = quantize(xf, scale, zero, 1 << bits).reshape(n, h, d)
+    return pack_codes(codes, bits), scale[:, 0].half(), zero[:, 0].half()
+
+
 def quantize_affine_tokens(x: torch.Tensor, bits: int):
-    xf = x.to(torch.float32)
-    scale, zero = minmax_params(xf.amin(0), xf.amax(0), 1 << bits)  # [H, D]
-    codes = quantize(xf, scale, zero, 1 << bits)
-    return pack_codes(codes, bits), scale.half(), zero.half()
+    """One block: x [N, H, D] -> codes [N, H, W], scale and zero [H, D]."""
+    codes, scale, zero = quantize_affine_token_blocks(x, bits, x.shape[0])
+    return codes, scale[0], zero[0]
 
 
 def dequantize_affine_tokens(codes, scale, zero, bits: int, dim: int) -> torch.Tensor:
@@ -74,7 +83,7 @@ def _keep_largest(residual: torch.Tensor, candidate: torch.Tensor, capacity: int
 def quantize_lut_static(x, lo, hi, encode, decode, bits: int, capacity: int):
     n, h, d = x.shape
     rows = x.to(torch.float32).reshape(n, h * d)
-    zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+    zero, scale = range_params(lo, hi)
     codes = nearest_level(((rows - zero) / scale).clamp(-1, 1), encode)
     dense = decode[codes] * scale + zero
     idx, val = _keep_largest(rows - dense, (rows > hi) | (rows < lo), capacity) if capacity else (None, None)
@@ -85,13 +94,11 @@ def quantize_lut_dynamic(x, encode, decode, bits: int, per_side: int):
     n, h, d = x.shape
     rows = x.to(torch.float32).reshape(n, h * d)
     lo, hi, outlier = outlier_bounds(rows, per_side, dim=-1)
-    zero = ((hi + lo) / 2).half()
-    scale = ((hi - lo) / 2).half()
-    z, s = zero.float(), scale.float().clamp_min(1e-8)
+    z, s = range_params(lo, hi, torch.float16)  # as stored: fp16
     codes = nearest_level(((rows - z) / s).clamp(-1, 1), encode)
     dense = decode[codes] * s + z
     idx, val = _keep_largest(rows - dense, outlier, 2 * per_side) if per_side else (None, None)
-    return pack_codes(codes.reshape(n, h, d), bits), scale[:, 0], zero[:, 0], idx, val
+    return pack_codes(codes.reshape(n, h, d), bits), s[:, 0].half(), z[:, 0].half(), idx, val
 
 
 def add_outliers(rows: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor | None) -> torch.Tensor:
@@ -107,7 +114,7 @@ def dequantize_lut_static(codes, lo, hi, decode, bits: int, dim: int, idx=None, 
     q = unpack_codes(codes, bits, dim)
     shape = q.shape
     q = q.reshape(*shape[:-2], shape[-2] * dim)
-    zero, scale = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-8)
+    zero, scale = range_params(lo, hi)
     rows = add_outliers(decode[q] * scale + zero, idx, val)
     return rows.reshape(shape)
 

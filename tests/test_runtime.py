@@ -254,3 +254,33 @@ def test_pre_rope_tables_are_shared_by_all_layers(tiny, kvquant_codec):
     assert first.rope_cos is second.rope_cos and first.rope_cos.shape[0] >= 30
     cos, _ = rope_cos_sin(tiny.dims.rope.inv_freq("cpu"), torch.arange(30)[None], torch.float32)
     torch.testing.assert_close(first.rope_cos[:30], cos[0], rtol=0, atol=0)
+
+
+def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
+    """The packed nuqX formats (codes + tables + sparse residuals) read back exactly what KVQuant's own
+    quantizers give: dense static keys bit for bit; with outliers, up to the fp16 rounding of a residual."""
+    from kvcal.methods.kvquant import quantize_dynamic, quantize_static
+    from kvcal.runtime.quantize import (
+        dequantize_lut_dynamic,
+        dequantize_lut_static,
+        quantize_lut_dynamic,
+        quantize_lut_static,
+    )
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 2, 16, generator=gen) * torch.linspace(0.5, 3, 32).reshape(2, 16)
+    rows = x.reshape(12, 32)
+    encode = torch.sort(torch.rand(8, generator=gen) * 2 - 1).values
+    encode[0], encode[-1] = -1.0, 1.0
+    decode = encode + 0.01  # a Q-Norm-style corrected read-back table
+    lo, hi = rows.quantile(0.05, dim=0), rows.quantile(0.95, dim=0)
+    codes, _, _ = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=0)
+    dense = dequantize_lut_static(codes, lo, hi, decode, 3, 16).reshape(12, 32)
+    assert torch.equal(dense, quantize_static(rows, lo, hi, encode, decode, sparse=False))
+    codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=32)  # room for every outlier
+    sparse = dequantize_lut_static(codes, lo, hi, decode, 3, 16, idx, val).reshape(12, 32)
+    torch.testing.assert_close(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True), rtol=0, atol=2e-3)
+    assert not torch.equal(sparse, dense)  # the outliers are there
+    codes, scale, zero, idx, val = quantize_lut_dynamic(x, encode, decode, 3, per_side=1)
+    values = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16, idx, val).reshape(12, 32)
+    torch.testing.assert_close(values, quantize_dynamic(rows, encode, decode, per_side=1), rtol=0, atol=2e-3)

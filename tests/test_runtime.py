@@ -95,15 +95,52 @@ def test_decode_mode_equals_simulation(tiny, name, config, protocol, prompt_len)
     assert decoded.nll == pytest.approx(simulated.nll, rel=2e-6)
 
 
+KVQUANT_CONFIG = {"bits": 3, "outliers": 0.05}
+
+
 @pytest.fixture(scope="module")
-def kvquant_codec(tiny, tmp_path_factory):
+def kvquant_artifact(tiny, tmp_path_factory):
     from kvcal.calib.run import run_calibration
 
     text = tmp_path_factory.mktemp("t") / "text.txt"
     text.write_text(open(__file__).read() * 3)
-    method = build_method("kvquant", {"bits": 3, "outliers": 0.05})
-    art = run_calibration(tiny, method, text.parent / "a.safetensors", str(text), nsamples=4, seqlen=64)
-    return method.build_codec(art.tensors, tiny.dims)
+    method = build_method("kvquant", KVQUANT_CONFIG)
+    return run_calibration(tiny, method, text.parent / "a.safetensors", str(text), nsamples=4, seqlen=64)
+
+
+@pytest.fixture(scope="module")
+def kvquant_codec(tiny, kvquant_artifact):
+    return build_method("kvquant", KVQUANT_CONFIG).build_codec(kvquant_artifact.tensors, tiny.dims)
+
+
+@pytest.mark.parametrize("name,config", CODECS[1:] + [("kvquant", {})])
+def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
+    """In float64 no rounding noise is left to amplify: decode equals the simulation of what the runtime
+    stores (for KVQuant: fp16 outlier residuals, and a key outlier capacity no token reaches)."""
+    tiny64 = load_model("tiny-llama", "float64")
+    if name == "kvquant":
+        config = {**KVQUANT_CONFIG, "exact_outliers": False, "key_outlier_capacity": 64}
+        codec = build_method(name, config).build_codec(kvquant_artifact.tensors, tiny64.dims)
+        overflowing = build_method(name, {**config, "key_outlier_capacity": 1}).build_codec(kvquant_artifact.tensors,
+                                                                                            tiny64.dims)
+    else:
+        codec = overflowing = build_method(name, config).build_codec({}, tiny64.dims)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    simulated = simulated_nll(tiny64, codec, ids)
+    assert decoded_nll(tiny64, codec, ids, batch_size=2).nll == pytest.approx(simulated.nll, rel=1e-12)
+    if name == "kvquant":  # the capacity matters: one slot per token overflows and changes the result
+        assert decoded_nll(tiny64, overflowing, ids, batch_size=2).nll != pytest.approx(simulated.nll, rel=1e-9)
+
+
+def test_runtime_settings_on_an_artifact(kvquant_artifact, tiny):
+    from kvcal.errors import KvcalError
+    from kvcal.methods.registry import codec_for_artifact
+
+    method, codec = codec_for_artifact(kvquant_artifact, tiny, "a", ["key_outlier_capacity=7"])
+    assert method.key_outlier_capacity == 7 and codec.runtime_formats(0)[0].capacity == 7
+    assert codec_for_artifact(kvquant_artifact, tiny, "a")[1].runtime_formats(0)[0].capacity == 2 * 2  # 2 per side
+    with pytest.raises(KvcalError, match="cannot change a calibrated artifact"):
+        codec_for_artifact(kvquant_artifact, tiny, "a", ["bits=2"])
 
 
 def test_kvquant_decode_mode_close_to_simulation(tiny, kvquant_codec):
@@ -258,8 +295,10 @@ def test_pre_rope_tables_are_shared_by_all_layers(tiny, kvquant_codec):
 
 def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
     """The packed nuqX formats (codes + tables + sparse residuals) read back exactly what KVQuant's own
-    quantizers give: dense static keys bit for bit; with outliers, up to the fp16 rounding of a residual."""
+    quantizers give: dense static keys bit for bit; with outliers, up to the fp16 rounding of a residual,
+    and bit for bit against the quantizers' runtime-storage mode (exact=False)."""
     from kvcal.methods.kvquant import quantize_dynamic, quantize_static
+    from kvcal.quant.nonuniform import range_params
     from kvcal.runtime.quantize import (
         dequantize_lut_dynamic,
         dequantize_lut_static,
@@ -275,12 +314,15 @@ def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
     decode = encode + 0.01  # a Q-Norm-style corrected read-back table
     lo, hi = rows.quantile(0.05, dim=0), rows.quantile(0.95, dim=0)
     codes, _, _ = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=0)
-    dense = dequantize_lut_static(codes, lo, hi, decode, 3, 16).reshape(12, 32)
+    zero, scale = range_params(lo, hi)
+    dense = dequantize_lut_static(codes, zero, scale, decode, 3, 16).reshape(12, 32)
     assert torch.equal(dense, quantize_static(rows, lo, hi, encode, decode, sparse=False))
     codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=32)  # room for every outlier
-    sparse = dequantize_lut_static(codes, lo, hi, decode, 3, 16, idx, val).reshape(12, 32)
+    sparse = dequantize_lut_static(codes, zero, scale, decode, 3, 16, idx, val).reshape(12, 32)
     torch.testing.assert_close(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True), rtol=0, atol=2e-3)
+    assert torch.equal(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True, exact=False))
     assert not torch.equal(sparse, dense)  # the outliers are there
     codes, scale, zero, idx, val = quantize_lut_dynamic(x, encode, decode, 3, per_side=1)
     values = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16, idx, val).reshape(12, 32)
     torch.testing.assert_close(values, quantize_dynamic(rows, encode, decode, per_side=1), rtol=0, atol=2e-3)
+    assert torch.equal(values, quantize_dynamic(rows, encode, decode, per_side=1, exact=False))

@@ -37,8 +37,9 @@ def first_target(protocol: str, prompt_len: int) -> int:
 
 
 def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """Summed NLL of targets ids[:, start:] under logits[:, start-1:-1], computed in float32."""
-    pred = logits[:, start - 1 : -1].float()
+    """Summed NLL of targets ids[:, start:] under logits[:, start-1:-1], computed in float32 (float64
+    for float64 logits)."""
+    pred = logits[:, start - 1 : -1].to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, start:].reshape(-1), reduction="sum")
 
 
@@ -77,7 +78,8 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
             nll = torch.zeros((), dtype=torch.float64, device=loaded.device)
             for t in range(start, batch.shape[1] - 1):
                 logits = loaded.model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-                nll += F.cross_entropy(logits.float(), batch[:, t + 1], reduction="sum")
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                nll += F.cross_entropy(logits, batch[:, t + 1], reduction="sum")
                 total.tokens += batch.shape[0]
             total.nll += nll.item()
             if progress is not None:

@@ -37,7 +37,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
     else:
         prompt_len = 0
     artifact_paths = list(artifact_paths or [])
-    if artifact_paths and (method_name or recipe or sets):
+    if artifact_paths and (method_name or recipe):
         raise KvcalError("give either --artifact or --method/--recipe, not both")
     artifacts = [load_artifact(path) for path in artifact_paths]
     if artifacts:
@@ -52,7 +52,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
     loaded = load_model(model or "smollm2-135m", dtype, device)
     targets = []  # (method, codec, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
-        m, codec = codec_for_artifact(art, loaded, path)
+        m, codec = codec_for_artifact(art, loaded, path, sets)
         targets.append((m, codec, Path(path).stem, {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
     if not artifacts:
         method.check_model(loaded.dims)

@@ -101,6 +101,9 @@ class Method:
     summary: ClassVar[str] = ""
     learns: ClassVar[bool] = False  # needs calibration data
     captures: ClassVar[tuple[str, ...]] = ()  # what calibration needs: "k", "v", "q", "x", "fisher"
+    # fields that only change how the runtime stores the codec (not what calibration learned): these may
+    # be overridden on an existing artifact with --set
+    runtime_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def config_keys(cls) -> list[str]:

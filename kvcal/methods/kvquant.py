@@ -63,25 +63,32 @@ def lookup(xn: torch.Tensor, encode: torch.Tensor, decode: torch.Tensor) -> torc
     return decode[nearest_level(xn.clamp(-1, 1), encode)]
 
 
-def quantize_static(rows, lo, hi, encode, decode, sparse: bool) -> torch.Tensor:
+def restore_outliers(x, dense, outliers, exact: bool) -> torch.Tensor:
+    """Outlier elements read back: exactly x (the digest's decision #7 for fake quantization), or, with
+    exact=False, what the packed runtime stores: the dense value plus the residual rounded to fp16."""
+    sparse = x if exact else dense + (x - dense).half().float()
+    return torch.where(outliers, sparse, dense)
+
+
+def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = True) -> torch.Tensor:
     """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
-    (kept exact) when `sparse`, else clamped to the extreme levels."""
+    (kept, see restore_outliers) when `sparse`, else clamped to the extreme levels."""
     x = rows.to(torch.float32)
     zero, scale = range_params(lo, hi)
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
     if sparse:
-        out = torch.where((x > hi) | (x < lo), x, out)
+        out = restore_outliers(x, out, (x > hi) | (x < lo), exact)
     return out.to(rows.dtype)
 
 
-def quantize_dynamic(rows, encode, decode, per_side: int) -> torch.Tensor:
+def quantize_dynamic(rows, encode, decode, per_side: int, exact: bool = True) -> torch.Tensor:
     """Per-token quantization: each row's range comes from its own values after setting aside its
-    `per_side` largest and smallest elements as exact outliers. Scale and zero are stored in fp16."""
+    `per_side` largest and smallest elements as outliers. Scale and zero are stored in fp16."""
     x = rows.to(torch.float32)
     lo, hi, outliers = outlier_bounds(x, per_side, dim=-1)
     zero, scale = range_params(lo, hi, torch.float16)
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
-    return torch.where(outliers, x, out).to(rows.dtype)
+    return restore_outliers(x, out, outliers, exact).to(rows.dtype)
 
 
 class KVQuantCodec(Codec):
@@ -113,22 +120,27 @@ class KVQuantCodec(Codec):
         t = self._on(k.device)[layer]
         rows = to_rows(k)
         if self.method.key_granularity == "per_channel":
-            out = quantize_static(rows, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.per_side > 0)
+            out = quantize_static(rows, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.per_side > 0,
+                                  self.method.exact_outliers)
         else:
-            out = quantize_dynamic(rows, t["k_encode"], t["k_decode"], self.per_side)
+            out = quantize_dynamic(rows, t["k_encode"], t["k_decode"], self.per_side, self.method.exact_outliers)
         return from_rows(out, self.heads)
 
     def quantize_values(self, layer, v):
         t = self._on(v.device)[layer]
-        return from_rows(quantize_dynamic(to_rows(v), t["v_encode"], t["v_decode"], self.per_side), self.heads)
+        values = quantize_dynamic(to_rows(v), t["v_encode"], t["v_decode"], self.per_side, self.method.exact_outliers)
+        return from_rows(values, self.heads)
 
     def runtime_formats(self, layer):
         if self.method.key_granularity != "per_channel" or not self.method.pre_rope:
             raise KvcalError("the packed runtime runs KVQuant with pre-RoPE per-channel keys only")
         t = self.tables[layer]
-        # Key outliers vary per token: the runtime keeps a fixed capacity of twice the nominal rate
+        # Key outliers vary per token: the runtime keeps a fixed capacity, by default twice the nominal rate
         # (overflow keeps the largest residuals, the rest clamp to the extreme level).
-        capacity = 0 if not self.method.outliers else math.ceil(2 * self.method.outliers * self.channels)
+        capacity = 0
+        if self.method.outliers:
+            capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.channels)
+            capacity = min(capacity, self.channels)  # more slots than channels can never be used
         keys = KeyFormat("lut_static", self.method.bits, lo=t["k_lo"], hi=t["k_hi"], encode=t["k_encode"],
                          decode=t["k_decode"], capacity=capacity)
         values = ValueFormat("lut_dynamic", self.method.bits, encode=t["v_encode"], decode=t["v_decode"],
@@ -145,6 +157,7 @@ class KVQuant(Method):
     summary = "Fisher-weighted non-uniform datatypes, pre-RoPE per-channel keys, 1% outliers"
     learns = True
     captures = ("k", "v", "fisher")
+    runtime_fields = ("key_outlier_capacity", "exact_outliers")
 
     bits: int = 4
     outliers: float = 0.01  # fraction of each vector kept exact (half at each tail); 0 = dense only
@@ -157,6 +170,14 @@ class KVQuant(Method):
     kmeans_inits: int = 3
     kmeans_iters: int = 100
     seed: int = 0
+    # Packed runtime: key outlier slots per token (over all heads). 0 = 2 per side of the nominal rate
+    # (digest #5). Key outlier counts vary per token (on smollm2 at 1%: mean 2.7 of 192 channels, but 18%
+    # of tokens have more than 4); overflow keeps the largest residuals and clamps the rest. Runtime-only:
+    # `--set key_outlier_capacity=N` works on an existing artifact.
+    key_outlier_capacity: int = 0
+    # Simulation: outliers read back exactly (digest #7, the paper's PPL) or, with false, as the packed
+    # runtime stores them (fp16 residual over the dense code): decode-mode parity compares against that.
+    exact_outliers: bool = True
 
     def validate(self):
         if self.bits not in (2, 3, 4):
@@ -169,6 +190,8 @@ class KVQuant(Method):
                                     ("key_granularity", self.key_granularity, GRANULARITIES)):
             if value not in allowed:
                 raise KvcalError(f"kvquant {key} must be one of {', '.join(allowed)}, got '{value}'")
+        if self.key_outlier_capacity < 0:
+            raise KvcalError("kvquant key_outlier_capacity must be >= 0 (0: automatic)")
         if self.kmeans_inits < 1 or self.kmeans_iters < 1:
             raise KvcalError("kvquant kmeans_inits and kmeans_iters must be >= 1")
 

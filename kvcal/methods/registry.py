@@ -35,10 +35,25 @@ def _load_all() -> None:
     from kvcal.methods import baselines, kvquant, skvq  # noqa: F401
 
 
-def codec_for_artifact(artifact, loaded, path="artifact"):
-    """The codec an artifact describes, after checking it was made for this model."""
+def runtime_overrides(method_name: str, sets: list[str] | dict | None) -> dict:
+    """--set on an artifact (key=value strings, or a dict): only the method's runtime fields may change
+    (the rest was calibrated)."""
+    from kvcal.recipes import parse_sets
+
+    overrides = dict(sets) if isinstance(sets, dict) else parse_sets(sets)
+    allowed = method_class(method_name).runtime_fields
+    for key in overrides:
+        if key not in allowed:
+            hint = f"runtime settings of {method_name}: {', '.join(allowed)}" if allowed else f"{method_name} has none"
+            raise KvcalError(f"--set {key} cannot change a calibrated artifact ({hint}); recalibrate instead")
+    return overrides
+
+
+def codec_for_artifact(artifact, loaded, path="artifact", sets: list[str] | None = None):
+    """The codec an artifact describes, after checking it was made for this model. `sets` may override
+    the method's runtime fields (e.g. kvquant's key_outlier_capacity)."""
     from kvcal.artifact import check_model
 
     check_model(artifact, loaded, path)
-    method = build_method(artifact.method, artifact.config)
+    method = build_method(artifact.method, {**artifact.config, **runtime_overrides(artifact.method, sets)})
     return method, method.build_codec(artifact.tensors, loaded.dims)

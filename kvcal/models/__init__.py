@@ -16,7 +16,12 @@ from kvcal.models.registry import ALIASES, ModelSpec
 from kvcal.quant.rope import RopeSpec
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,  # for exactness checks on CPU (decode vs simulation without rounding noise)
+}
 
 
 @dataclass(frozen=True)

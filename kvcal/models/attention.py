@@ -46,7 +46,7 @@ def _sdpa(q, k, v, bias, scale: float) -> torch.Tensor:
     else:
         dtype = torch.promote_types(q.dtype, torch.float32)
     causal = bias is None  # None: causal; False: nothing masked; else an additive bias
-    bias = bias.clamp_min(torch.finfo(dtype).min).to(dtype) if isinstance(bias, torch.Tensor) else None
+    bias = bias.to(dtype).clamp_min(torch.finfo(dtype).min) if isinstance(bias, torch.Tensor) else None
     args = (q.to(dtype), k.to(dtype), v.to(dtype))
     options = dict(attn_mask=bias, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if q.is_cuda:

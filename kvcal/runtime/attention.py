@@ -58,8 +58,9 @@ class PackedKV:
     def num_kv_heads(self) -> int:
         return self.k_codes.shape[1]
 
-    def row_keys(self, b: int) -> torch.Tensor:
-        """Reconstructed post-RoPE keys of row b: [Hkv, T_b, D] float32."""
+    def row_keys(self, b: int, dtype=torch.float32) -> torch.Tensor:
+        """Reconstructed post-RoPE keys of row b: [Hkv, T_b, D] in `dtype` (float32, or float64 for
+        exactness checks: dequantization is exact in float32, the rotation is done in `dtype`)."""
         t, d = int(self.lengths[b]), self.head_dim
         codes = self.k_codes[b, :, :t].transpose(0, 1)  # [T, H, W]
         if self.key_format == "affine_channels":
@@ -73,15 +74,15 @@ class PackedKV:
         else:
             idx = None if self.k_out_idx is None else self.k_out_idx[b, :t]
             val = None if self.k_out_val is None else self.k_out_val[b, :t]
-            k = dequantize_lut_static(codes, self.k_zero - self.k_scale, self.k_zero + self.k_scale, self.k_table,
+            k = dequantize_lut_static(codes, self.k_zero, self.k_scale, self.k_table,
                                       self.key_bits, d, idx, val)
-        k = k.transpose(0, 1)  # [H, T, D]
+        k = k.transpose(0, 1).to(dtype)  # [H, T, D]
         if self.rope_cos is not None:
             pos = slice(self.pos_offset, self.pos_offset + t)
-            k = apply_rope(k[None], self.rope_cos[None, pos], self.rope_sin[None, pos])[0]
+            k = apply_rope(k[None], self.rope_cos[None, pos].to(dtype), self.rope_sin[None, pos].to(dtype))[0]
         return k
 
-    def row_values(self, b: int) -> torch.Tensor:
+    def row_values(self, b: int, dtype=torch.float32) -> torch.Tensor:
         t, d = int(self.lengths[b]), self.head_dim
         codes = self.v_codes[b, :, :t].transpose(0, 1)
         if self.value_format == "affine_channels":
@@ -92,23 +93,25 @@ class PackedKV:
             val = None if self.v_out_val is None else self.v_out_val[b, :t]
             v = dequantize_lut_dynamic(codes, self.v_scale[b, :t], self.v_zero[b, :t], self.v_table,
                                        self.value_bits, d, idx, val)
-        return v.transpose(0, 1)
+        return v.transpose(0, 1).to(dtype)
 
 
 def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: float) -> torch.Tensor:
     """One query token per row: q [B, Hq, D] (post-RoPE) over the packed tokens and the valid
-    full-precision tokens fp_k/fp_v [B, Hkv, F, D] (fp_valid [B, F] bool). Returns [B, Hq, D] in q's dtype."""
+    full-precision tokens fp_k/fp_v [B, Hkv, F, D] (fp_valid [B, F] bool). Returns [B, Hq, D] in q's dtype.
+    Computes in float32, or in float64 for float64 inputs (the simulation's attention does the same)."""
     batch, hq, d = q.shape
-    out = torch.empty(batch, hq, d, dtype=torch.float32, device=q.device)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty(batch, hq, d, dtype=compute, device=q.device)
     for b in range(batch):
-        keys = [fp_k[b][:, fp_valid[b]].float()]
-        values = [fp_v[b][:, fp_valid[b]].float()]
+        keys = [fp_k[b][:, fp_valid[b]].to(compute)]
+        values = [fp_v[b][:, fp_valid[b]].to(compute)]
         if kv is not None and int(kv.lengths[b]) > 0:
-            keys.insert(0, kv.row_keys(b))
-            values.insert(0, kv.row_values(b))
+            keys.insert(0, kv.row_keys(b, compute))
+            values.insert(0, kv.row_values(b, compute))
         k, v = torch.cat(keys, 1), torch.cat(values, 1)  # [Hkv, T, D]
         group = hq // k.shape[0]
-        qg = q[b].float().reshape(k.shape[0], group, d)
+        qg = q[b].to(compute).reshape(k.shape[0], group, d)
         p = torch.softmax(qg @ k.transpose(1, 2) * scale, dim=-1)
         out[b] = (p @ v).reshape(hq, d)
     return out.to(q.dtype)
@@ -331,15 +334,11 @@ if triton is not None:
                     rq4 = tl.arange(0, GPQ)
                     q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(tl.float32)
                     q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(tl.float32)
-                    if KEY_FORMAT == 2:  # per-channel static range: zero/scale exactly as dequantize_lut_static
-                        z_a = tl.load(kz_ptr + h * D + hh)
-                        s_a = tl.load(ks_ptr + h * D + hh)
-                        z_b = tl.load(kz_ptr + h * D + HD + hh)
-                        s_b = tl.load(ks_ptr + h * D + HD + hh)
-                        kzer1 = ((z_a + s_a) + (z_a - s_a)) * 0.5
-                        kscl1 = tl.maximum(((z_a + s_a) - (z_a - s_a)) * 0.5, 1e-8)
-                        kzer2 = ((z_b + s_b) + (z_b - s_b)) * 0.5
-                        kscl2 = tl.maximum(((z_b + s_b) - (z_b - s_b)) * 0.5, 1e-8)
+                    if KEY_FORMAT == 2:  # per-channel static range: the zero/scale quantization used (fp32)
+                        kzer1 = tl.load(kz_ptr + h * D + hh)
+                        kscl1 = tl.load(ks_ptr + h * D + hh)
+                        kzer2 = tl.load(kz_ptr + h * D + HD + hh)
+                        kscl2 = tl.load(ks_ptr + h * D + HD + hh)
                     else:
                         kzer1 = tl.zeros((HD,), tl.float32)
                         kscl1 = kzer1
@@ -569,7 +568,6 @@ if triton is not None:
 
 
 _SM_COUNT: dict = {}
-_WARNED: set = set()
 
 
 def _sm_count(device) -> int:
@@ -592,9 +590,8 @@ def _dummies(dev):
 
 
 def _fallback(reason: str, *args):
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"decode_attention_triton: {reason}; using the torch reference", stacklevel=3)
+    # Python's default warning filter shows each distinct message once; tests turn it into an error
+    warnings.warn(f"decode_attention_triton: {reason}; using the torch reference", stacklevel=3)
     return decode_attention_ref(*args)
 
 
@@ -628,6 +625,15 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor):
     if a.stride() == b.stride():
         return a, b
     return a.contiguous(), b.contiguous()
+
+
+def _outlier_args(idx, val, capacity: int, dev):
+    """(index tensor, residual tensor, (row, token) strides) of a sparse-outlier store, placeholders without one."""
+    if not capacity:
+        dummy, dummy_i = _dummies(dev)
+        return dummy_i, dummy, (0, 0)
+    idx, val = _same_layout(idx, val)
+    return idx, val, idx.stride()[:2]
 
 
 def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: float, *, block_t: int | None = None,
@@ -729,19 +735,11 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             ks, kz = _same_layout(kv.k_scale, kv.k_zero)
             ks_strides = ks.stride()[:3]
         ktab = kv.k_table.float().contiguous() if kv.k_table is not None else dummy
-        if kcap:
-            koi, kov = _same_layout(kv.k_out_idx, kv.k_out_val)
-            ko_strides = koi.stride()[:2]
-        else:
-            koi, kov, ko_strides = dummy_i, dummy, (0, 0)
+        koi, kov, ko_strides = _outlier_args(kv.k_out_idx, kv.k_out_val, kcap, dev)
         vs, vz = _same_layout(kv.v_scale, kv.v_zero)
         vs_strides = vs.stride()[:3] if value_code == 0 else (vs.stride(0), 0, vs.stride(1))
         vtab = kv.v_table.float().contiguous() if kv.v_table is not None else dummy
-        if vcap:
-            voi, vov = _same_layout(kv.v_out_idx, kv.v_out_val)
-            vo_strides = voi.stride()[:2]
-        else:
-            voi, vov, vo_strides = dummy_i, dummy, (0, 0)
+        voi, vov, vo_strides = _outlier_args(kv.v_out_idx, kv.v_out_val, vcap, dev)
         if rope:
             cos, sin = kv.rope_cos.float().contiguous(), kv.rope_sin.float().contiguous()
             tmax = cos.shape[0]

@@ -27,17 +27,20 @@ def as_loaded(model):
     return loaded
 
 
-def load_cache(artifact, model, backend: str = "packed", capacity: int = 0) -> KvcalCache:
+def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, **runtime) -> KvcalCache:
     """A fresh compressed cache for `model` (a kvcal LoadedModel or a transformers model) from an
-    artifact (path or Artifact). Pass it as `model.generate(..., past_key_values=cache)`."""
+    artifact (path or Artifact). Pass it as `model.generate(..., past_key_values=cache)`. Keyword
+    arguments override the method's runtime fields (e.g. `key_outlier_capacity=16` for kvquant)."""
     from kvcal.artifact import Artifact, check_model, load_artifact
     from kvcal.methods import build_method
+    from kvcal.methods.registry import runtime_overrides
 
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     loaded = as_loaded(model)
     check_model(art, loaded, artifact if not isinstance(artifact, Artifact) else "artifact",
                 identity=not loaded.source.get("unverified"))
-    codec = build_method(art.method, art.config).build_codec(art.tensors, loaded.dims)
+    method = build_method(art.method, {**art.config, **runtime_overrides(art.method, runtime)})
+    codec = method.build_codec(art.tensors, loaded.dims)
     return KvcalCache(codec, loaded.dims.num_layers, backend, capacity)
 
 
@@ -56,7 +59,7 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
         model_name = model_name or art.header["model"]["name"]
     loaded = load_model(model_name or "smollm2-135m", dtype, device)
     if art is not None:
-        method, codec = codec_for_artifact(art, loaded, artifact_path)
+        method, codec = codec_for_artifact(art, loaded, artifact_path, sets)
     else:
         method, _, _ = resolve(method_name or "fp16", None, sets)
         if method.learns:

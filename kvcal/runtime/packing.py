@@ -197,15 +197,20 @@ if triton is not None:
         tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
 
 
-def unpack_codes_mma_triton(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """unpack_codes through the attention kernel's dot-operand path (unpack_mma + mma_channels), as int64."""
+def _launch_unpack(kernel, words: torch.Tensor, bits: int, dim: int, out_dtype) -> torch.Tensor:
+    """Run an unpack kernel over every vector of `words` [..., W] -> int64 codes [..., dim]."""
     nwords = words.shape[-1]
     flat = words.reshape(-1, nwords).contiguous()
-    out = torch.empty(flat.shape[0], dim, dtype=torch.float32, device=words.device)
+    out = torch.empty(flat.shape[0], dim, dtype=out_dtype, device=words.device)
     rows = 16
     with launch_device(words):
-        _unpack_mma_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords, rows)
+        kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords, rows)
     return out.reshape(*words.shape[:-1], dim).to(torch.int64)
+
+
+def unpack_codes_mma_triton(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """unpack_codes through the attention kernel's dot-operand path (unpack_mma + mma_channels), as int64."""
+    return _launch_unpack(_unpack_mma_kernel, words, bits, dim, torch.float32)
 
 
 def _pow2(n: int) -> int:
@@ -227,13 +232,7 @@ def pack_codes_triton(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes_triton(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Triton version of unpack_codes (bits in {1, 2, 3, 4, 8}, D a power of two >= 32)."""
-    nwords = words.shape[-1]
-    flat = words.reshape(-1, nwords).contiguous()
-    out = torch.empty(flat.shape[0], dim, dtype=torch.int32, device=words.device)
-    rows = 16
-    with launch_device(words):
-        _unpack_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords, rows)
-    return out.reshape(*words.shape[:-1], dim).to(torch.int64)
+    return _launch_unpack(_unpack_kernel, words, bits, dim, torch.int32)
 
 
 def launch_device(t: torch.Tensor):

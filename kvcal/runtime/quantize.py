@@ -110,11 +110,12 @@ def add_outliers(rows: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor
     return rows.scatter_add(-1, safe, torch.where(valid, val.float(), torch.zeros_like(val, dtype=torch.float32)))
 
 
-def dequantize_lut_static(codes, lo, hi, decode, bits: int, dim: int, idx=None, val=None) -> torch.Tensor:
+def dequantize_lut_static(codes, zero, scale, decode, bits: int, dim: int, idx=None, val=None) -> torch.Tensor:
+    """codes [..., H, W] -> [..., H, dim]: table level x scale + zero per channel (zero, scale [H*dim] from
+    range_params of the calibrated range, as quantize_lut_static used them), plus the sparse residuals."""
     q = unpack_codes(codes, bits, dim)
     shape = q.shape
     q = q.reshape(*shape[:-2], shape[-2] * dim)
-    zero, scale = range_params(lo, hi)
     rows = add_outliers(decode[q] * scale + zero, idx, val)
     return rows.reshape(shape)
 

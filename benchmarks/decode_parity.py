@@ -1,0 +1,99 @@
+"""Decode-mode perplexity (token by token through the packed cache) against the gptq simulation, for
+every method the packed runtime runs (issue 5): smollm2-135m, WikiText-2 test. One model load for all
+rows, one JSON out. On CPU the torch references run; on CUDA the Triton kernels.
+
+KVQuant's simulation reads outliers back exactly by default (the paper's PPL, digest #7); the runtime
+stores them as fp16 residuals. The rows compare decode against the simulation of that storage
+(`--set exact_outliers=false`) and also record the exact-outlier simulation. Decode runs twice: with the
+runtime's default key outlier capacity (4 slots per token on smollm2) and with a capacity no token
+reaches (64), which separates the overflow rule from the rest.
+
+    python benchmarks/decode_parity.py --device cuda --dtype float16 --seqlen 512 --nsamples 2 \\
+        --json results/runtime/parity-cuda-float16-2x512.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from kvcal.artifact import load_artifact
+from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.eval.ppl import decoded_nll, simulated_nll
+from kvcal.methods.registry import codec_for_artifact
+from kvcal.models import load_model
+from kvcal.recipes import resolve
+
+RECIPES = ("rtn-int4", "rtn-int2", "kivi-4bit", "kivi-2bit")
+KVQUANT = ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct", "kvquant-nuq2-1pct")
+
+
+def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_capacity=True):
+    """(row name, codec to simulate or None to reuse the row before's, codec to decode, exact-outlier codec)"""
+    for name in recipes:
+        method, _, _ = resolve(None, name, None)
+        codec = method.build_codec({}, loaded.dims)
+        yield name, codec, codec, None
+    for name in kvquant:
+        path = os.path.join(artifact_dir, f"{name}.safetensors")
+        art = load_artifact(path)
+        stored = codec_for_artifact(art, loaded, path, ["exact_outliers=false"])[1]
+        exact = codec_for_artifact(art, loaded, path)[1]
+        if default_capacity:
+            yield name, stored, exact, exact
+        if big_capacity:
+            big = codec_for_artifact(art, loaded, path, [f"key_outlier_capacity={big_capacity}"])[1]
+            first = None if default_capacity else stored
+            yield f"{name} (key_outlier_capacity={big_capacity})", first, big, None if default_capacity else exact
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--nsamples", type=int, default=2)
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    ap.add_argument("--kvquant", nargs="*", default=list(KVQUANT))
+    ap.add_argument("--artifact-dir", default="artifacts/smollm2-135m")
+    ap.add_argument("--big-capacity", type=int, default=64, help="KVQuant decode rows with this key outlier "
+                    "capacity too (0: none)")
+    ap.add_argument("--no-default-capacity", action="store_true", help="KVQuant: decode only with --big-capacity")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    loaded = load_model("smollm2-135m", a.dtype, a.device)
+    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR"))
+    windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
+    rows = []
+    simulated = {}
+    for name, sim_codec, dec_codec, exact_codec in targets(loaded, a.recipes, a.kvquant, a.artifact_dir, a.big_capacity, not a.no_default_capacity):
+        base = name.split(" ")[0]
+        row = {"codec": name}
+        if sim_codec is not None:
+            t = time.time()
+            simulated[base] = simulated_nll(loaded, sim_codec, windows, batch_size=a.nsamples).ppl
+            row["simulate_s"] = time.time() - t
+        if exact_codec is not None:
+            row["simulate_exact_outliers"] = simulated_nll(loaded, exact_codec, windows, batch_size=a.nsamples).ppl
+        t = time.time()
+        dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples).ppl
+        row.update(simulate=simulated[base], decode=dec, difference=abs(dec - simulated[base]) / simulated[base],
+                   decode_s=time.time() - t)
+        rows.append(row)
+        print(f"{name:45s} simulate {row['simulate']:.4f} decode {dec:.4f} diff {100 * row['difference']:.3f}% "
+              f"({row['decode_s']:.0f}s)", flush=True)
+    result = {"model": loaded.identity, "device": str(loaded.device), "device_name": torch.cuda.get_device_name()
+              if loaded.device.type == "cuda" else "cpu", "torch": torch.__version__, "dtype": a.dtype,
+              "seqlen": a.seqlen, "nsamples": a.nsamples, "tokens": int(windows.shape[0] * (windows.shape[1] - 1)),
+              "dataset": text.provenance, "rows": rows}
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

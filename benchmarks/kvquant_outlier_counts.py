@@ -1,0 +1,64 @@
+"""How many key outliers a token has under a KVQuant artifact's calibrated per-channel ranges, on
+evaluation windows (all layers): what the packed runtime's fixed per-token capacity must hold.
+
+    python benchmarks/kvquant_outlier_counts.py --json results/kvquant/key-outlier-counts-2x512.json
+(needs the kvquant artifacts from benchmarks/kvquant_smollm2.sh and KVCAL_DATA_DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kvcal.artifact import load_artifact
+from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.eval.ppl import simulated_nll
+from kvcal.methods.kvquant import to_rows
+from kvcal.methods.registry import codec_for_artifact
+from kvcal.models import load_model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--nsamples", type=int, default=2)
+    ap.add_argument("--artifacts", nargs="*", default=["kvquant-nuq4-1pct", "kvquant-nuq2-1pct"])
+    ap.add_argument("--artifact-dir", default="artifacts/smollm2-135m")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    loaded = load_model("smollm2-135m", "float32", "cpu")
+    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR"))
+    windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
+    result = {"model": loaded.identity, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]), "artifacts": {}}
+    for name in a.artifacts:
+        path = os.path.join(a.artifact_dir, f"{name}.safetensors")
+        method, codec = codec_for_artifact(load_artifact(path), loaded, path)
+        counts = []
+        quantize_keys = codec.quantize_keys
+
+        def counting(layer, k, codec=codec, counts=counts, quantize_keys=quantize_keys):
+            t = codec.tables[layer]
+            rows = to_rows(k)
+            counts.append(((rows > t["k_hi"]) | (rows < t["k_lo"])).sum(-1).flatten())
+            return quantize_keys(layer, k)
+
+        codec.quantize_keys = counting
+        simulated_nll(loaded, codec, windows)
+        c = torch.cat(counts).float()
+        capacity = codec.runtime_formats(0)[0].capacity
+        stats = {"channels": loaded.dims.kv_channels, "nominal": method.outliers * loaded.dims.kv_channels,
+                 "mean": c.mean().item(), "max": c.max().item(), "default_capacity": capacity,
+                 "quantiles": {str(q): float(torch.quantile(c, q)) for q in (0.5, 0.9, 0.99, 0.999)},
+                 "over_default_capacity": (c > capacity).float().mean().item(),
+                 "over_16": (c > 16).float().mean().item(), "token_layers": int(c.numel())}
+        result["artifacts"][name] = stats
+        print(name, json.dumps(stats), flush=True)
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,7 +33,7 @@ KVQUANT = ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct", "kvquant-nuq2-1pct")
 
 
 def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_capacity=True):
-    """(row name, codec to simulate or None to reuse the row before's, codec to decode, exact-outlier codec)"""
+    """Rows (name, codec to simulate, codec to decode, codec of the exact-outlier simulation or None)."""
     for name in recipes:
         method, _, _ = resolve(None, name, None)
         codec = method.build_codec({}, loaded.dims)
@@ -47,8 +47,7 @@ def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_cap
             yield name, stored, exact, exact
         if big_capacity:
             big = codec_for_artifact(art, loaded, path, [f"key_outlier_capacity={big_capacity}"])[1]
-            first = None if default_capacity else stored
-            yield f"{name} (key_outlier_capacity={big_capacity})", first, big, None if default_capacity else exact
+            yield f"{name} (key_outlier_capacity={big_capacity})", stored, big, exact
 
 
 def main():
@@ -70,15 +69,16 @@ def main():
     windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
     rows = []
     simulated = {}
-    for name, sim_codec, dec_codec, exact_codec in targets(loaded, a.recipes, a.kvquant, a.artifact_dir, a.big_capacity, not a.no_default_capacity):
-        base = name.split(" ")[0]
+    for name, sim_codec, dec_codec, exact_codec in targets(loaded, a.recipes, a.kvquant, a.artifact_dir,
+                                                           a.big_capacity, not a.no_default_capacity):
+        base = name.split(" ")[0]  # the capacity rows share their artifact's simulations
         row = {"codec": name}
-        if sim_codec is not None:
+        if base not in simulated:
             t = time.time()
             simulated[base] = simulated_nll(loaded, sim_codec, windows, batch_size=a.nsamples).ppl
             row["simulate_s"] = time.time() - t
-        if exact_codec is not None:
-            row["simulate_exact_outliers"] = simulated_nll(loaded, exact_codec, windows, batch_size=a.nsamples).ppl
+            if exact_codec is not None:
+                row["simulate_exact_outliers"] = simulated_nll(loaded, exact_codec, windows, batch_size=a.nsamples).ppl
         t = time.time()
         dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples).ppl
         row.update(simulate=simulated[base], decode=dec, difference=abs(dec - simulated[base]) / simulated[base],

@@ -11,21 +11,8 @@ import dataclasses
 import json
 
 import torch
-import triton.testing
 
-from kvcal.runtime.attention import decode_attention_triton
-from kvcal.runtime.bench import random_packed, time_sdpa
-
-
-def time_variant(kv, batch, hq, hkv, dim, window=128):
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    fk = torch.randn(batch, hkv, window, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    fv = torch.randn_like(fk)
-    valid = torch.ones(batch, window, dtype=torch.bool, device="cuda")
-    run = lambda: decode_attention_triton(q, kv, fk, fv, valid, dim**-0.5)  # noqa: E731
-    run()
-    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
+from kvcal.runtime.bench import random_packed, time_kvcal, time_sdpa
 
 
 def main():
@@ -44,7 +31,7 @@ def main():
         "nuq: no outliers": dataclasses.replace(kv, k_out_idx=None, k_out_val=None, v_out_idx=None, v_out_val=None),
         "int (affine, same bits)": random_packed("int", a.bits, a.batch, hkv, dim, a.context - 128, device="cuda"),
     }
-    rows = {name: time_variant(v, a.batch, hq, hkv, dim) for name, v in variants.items()}
+    rows = {name: time_kvcal(None, a.bits, a.batch, hq, hkv, dim, a.context, kv=v)[0] for name, v in variants.items()}
     rows["sdpa bf16"] = time_sdpa(a.batch, hq, hkv, dim, a.context)[0]
     result = {"device": torch.cuda.get_device_name(), "context": a.context, "batch": a.batch, "bits": a.bits,
               "us": rows}

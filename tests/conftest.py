@@ -16,6 +16,14 @@ def wikitext_dir() -> str:
     pytest.skip("no offline WikiText-2 (set KVCAL_DATA_DIR)")
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The random tiny Llama (no download); one per test module, as the tests may install handlers on it."""
+    from kvcal.models import load_model
+
+    return load_model("tiny-llama")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from kvcal.models import load_model

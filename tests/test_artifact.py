@@ -21,11 +21,6 @@ from kvcal.methods import build_method
 from kvcal.models import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
-
-
 def make(tiny, tensors=None, bits=2):
     method = build_method("kivi", {"bits": bits, "group_size": 4, "residual": 8})
     header = make_header(method, tiny, None, bits_per_element(method, tiny.dims))

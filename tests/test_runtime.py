@@ -21,11 +21,6 @@ from kvcal.runtime.quantize import (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
-
-
 def test_packing_hand_cases_and_round_trip():
     assert pack_codes(torch.arange(1, 9)[None], 4)[0].tolist() == [0x87654321 - (1 << 32)]
     # 3-bit: eleven 7s fill bits 0..32; the eleventh code straddles into the second word
@@ -118,17 +113,15 @@ def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
     """In float64 no rounding noise is left to amplify: decode equals the simulation of what the runtime
     stores (for KVQuant: fp16 outlier residuals, and a key outlier capacity no token reaches)."""
     tiny64 = load_model("tiny-llama", "float64")
+    tensors = kvquant_artifact.tensors if name == "kvquant" else {}
     if name == "kvquant":
         config = {**KVQUANT_CONFIG, "exact_outliers": False, "key_outlier_capacity": 64}
-        codec = build_method(name, config).build_codec(kvquant_artifact.tensors, tiny64.dims)
-        overflowing = build_method(name, {**config, "key_outlier_capacity": 1}).build_codec(kvquant_artifact.tensors,
-                                                                                            tiny64.dims)
-    else:
-        codec = overflowing = build_method(name, config).build_codec({}, tiny64.dims)
+    codec = build_method(name, config).build_codec(tensors, tiny64.dims)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
     simulated = simulated_nll(tiny64, codec, ids)
     assert decoded_nll(tiny64, codec, ids, batch_size=2).nll == pytest.approx(simulated.nll, rel=1e-12)
     if name == "kvquant":  # the capacity matters: one slot per token overflows and changes the result
+        overflowing = build_method(name, {**config, "key_outlier_capacity": 1}).build_codec(tensors, tiny64.dims)
         assert decoded_nll(tiny64, overflowing, ids, batch_size=2).nll != pytest.approx(simulated.nll, rel=1e-9)
 
 
@@ -138,7 +131,9 @@ def test_runtime_settings_on_an_artifact(kvquant_artifact, tiny):
 
     method, codec = codec_for_artifact(kvquant_artifact, tiny, "a", ["key_outlier_capacity=7"])
     assert method.key_outlier_capacity == 7 and codec.runtime_formats(0)[0].capacity == 7
-    assert codec_for_artifact(kvquant_artifact, tiny, "a")[1].runtime_formats(0)[0].capacity == 2 * 2  # 2 per side
+    # default: twice the nominal count, ceil(2 x 5% x 32 channels) = ceil(3.2) = 4
+    assert tiny.dims.kv_channels == 32
+    assert codec_for_artifact(kvquant_artifact, tiny, "a")[1].runtime_formats(0)[0].capacity == 4
     with pytest.raises(KvcalError, match="cannot change a calibrated artifact"):
         codec_for_artifact(kvquant_artifact, tiny, "a", ["bits=2"])
 

@@ -8,13 +8,7 @@ import torch
 from kvcal.eval.ppl import first_target, sequence_nll, simulated_nll
 from kvcal.methods import build_method
 from kvcal.methods.base import FlushPolicy
-from kvcal.models import load_model
 from kvcal.runtime.cache import KvcalCache
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
 
 
 def decode_nll(loaded, codec, ids, protocol, prompt_len):

@@ -24,15 +24,9 @@ from kvcal.methods.skvq import (
     clipped_group_params,
     fake_quant_clipped,
 )
-from kvcal.models import load_model
 from kvcal.quant.rope import RopeSpec
 from kvcal.recipes import load_recipe
 from kvcal.runtime.cache import KvcalCache
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
 
 
 def random_layout(channels: int, offsets: list[int], seed: int) -> GroupLayout:

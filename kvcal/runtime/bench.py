@@ -140,12 +140,14 @@ def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", 
 
 
 def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
-               warmup=25, rep=100, **options):
-    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed + window fp)."""
+               warmup=25, rep=100, kv: PackedKV | None = None, **options):
+    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed + window fp), and
+    the bytes it must read. `kv` replaces the random cache of the codec (e.g. one with parts removed)."""
     import triton.testing
 
     window = min(window, tokens)
-    kv = random_packed(codec, bits, batch, hkv, dim, tokens - window, device=device)
+    if kv is None:
+        kv = random_packed(codec, bits, batch, hkv, dim, tokens - window, device=device)
     gen = torch.Generator(device=device).manual_seed(2)
     q = torch.randn(batch, hq, dim, device=device, dtype=dtype, generator=gen)
     fk = torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen)

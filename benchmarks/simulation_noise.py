@@ -22,8 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvcal.artifact import load_artifact  # noqa: E402
 from kvcal.data import eval_windows, load_text, tokenize  # noqa: E402
 from kvcal.eval.ppl import simulated_nll  # noqa: E402
+from kvcal.methods.registry import codec_for_artifact  # noqa: E402
 from kvcal.models import load_model  # noqa: E402
 from kvcal.recipes import resolve  # noqa: E402
 
@@ -32,19 +34,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--recipe", action="append", default=None)
+    parser.add_argument("--artifact", action="append", default=[], help="a calibrated artifact (e.g. KVQuant)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--nsamples", type=int, default=2)
     parser.add_argument("--eps", type=float, action="append", default=None)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, args.dtype, args.device)
     text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR")).text
     windows = eval_windows(tokenize(loaded.tokenizer, text), args.seqlen, args.nsamples)
     records = []
-    for recipe in args.recipe or ["rtn-int4", "kivi-4bit"]:
-        method, _, _ = resolve(None, recipe, None)
-        codec = method.build_codec({}, loaded.dims)
+    targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in args.recipe or []]
+    for path in args.artifact:
+        targets.append((os.path.basename(path).removesuffix(".safetensors"),
+                        codec_for_artifact(load_artifact(path), loaded, path)[1]))
+    if not targets:
+        targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in ("rtn-int4", "kivi-4bit")]
+    for recipe, codec in targets:
         quantize_keys = codec.quantize_keys
         ppls = {}
         for eps in [0.0] + (args.eps or [1e-7, 1e-6]):
@@ -65,7 +74,7 @@ def main():
         records.append({"recipe": recipe, "ppl": ppls, "max_relative_change": spread})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "seqlen": args.seqlen, "nsamples": args.nsamples,
+            json.dump({"model": args.model, "device": str(loaded.device), "dtype": args.dtype, "seqlen": args.seqlen, "nsamples": args.nsamples,
                        "command": "python " + " ".join(sys.argv), "records": records}, f, indent=1)
 
 

@@ -123,7 +123,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # bf16 rounds the output itself (2^-9) and the kernel rounds P * scale and dequantized keys to fp16;
 # measured errors: ~4e-3 (bf16), ~4e-4 (fp16). Tolerances on ||out - ref|| / ||ref||:
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# float32 inputs keep every operand in float32 (IEEE dots, no TF32): only summation order differs.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 # (name, codec, bits, dtype, cache kwargs, kernel kwargs, step kwargs)
 ATTENTION_CASES = [
@@ -144,6 +145,10 @@ ATTENTION_CASES = [
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
     ("int4_many_splits_bf16", "int", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
+    ("int3_fp32", "int", 3, torch.float32, {}, {}, {}),
+    ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
+    ("nuq4_prerope_outliers_fp32", "nuq", 4, torch.float32, {"kcap": 6, "per_side": 2, "pre_rope": True,
+                                                             "pos_offset": 3}, {}, {}),
 ]
 
 

@@ -111,18 +111,22 @@ def kvquant_codec(tiny, kvquant_artifact):
 @pytest.mark.parametrize("name,config", CODECS[1:] + [("kvquant", {})])
 def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
     """In float64 no rounding noise is left to amplify: decode equals the simulation of what the runtime
-    stores (for KVQuant: fp16 outlier residuals, and a key outlier capacity no token reaches)."""
+    stores (for KVQuant: fp16 outlier residuals and at most key_outlier_capacity key outliers per token,
+    here with room for all of them and with one slot, which overflows)."""
     tiny64 = load_model("tiny-llama", "float64")
     tensors = kvquant_artifact.tensors if name == "kvquant" else {}
-    if name == "kvquant":
-        config = {**KVQUANT_CONFIG, "exact_outliers": False, "key_outlier_capacity": 64}
-    codec = build_method(name, config).build_codec(tensors, tiny64.dims)
+    capacities = (64, 1) if name == "kvquant" else (None,)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
-    simulated = simulated_nll(tiny64, codec, ids)
-    assert decoded_nll(tiny64, codec, ids, batch_size=2).nll == pytest.approx(simulated.nll, rel=1e-12)
-    if name == "kvquant":  # the capacity matters: one slot per token overflows and changes the result
-        overflowing = build_method(name, {**config, "key_outlier_capacity": 1}).build_codec(tensors, tiny64.dims)
-        assert decoded_nll(tiny64, overflowing, ids, batch_size=2).nll != pytest.approx(simulated.nll, rel=1e-9)
+    results = []
+    for capacity in capacities:
+        if name == "kvquant":
+            config = {**KVQUANT_CONFIG, "exact_outliers": False, "key_outlier_capacity": capacity}
+        codec = build_method(name, config).build_codec(tensors, tiny64.dims)
+        simulated = simulated_nll(tiny64, codec, ids)
+        assert decoded_nll(tiny64, codec, ids, batch_size=2).nll == pytest.approx(simulated.nll, rel=1e-12)
+        results.append(simulated.nll)
+    if name == "kvquant":  # the overflow is real: one slot per token changes the result
+        assert results[0] != pytest.approx(results[1], rel=1e-6)
 
 
 def test_runtime_settings_on_an_artifact(kvquant_artifact, tiny):
@@ -147,17 +151,23 @@ def test_kvquant_decode_mode_close_to_simulation(tiny, kvquant_codec):
 
 
 @pytest.mark.parametrize("which", ["kivi", "kvquant"])
-def test_left_padded_batch_matches_each_row_alone(tiny, kvquant_codec, which):
-    codec = kvquant_codec if which == "kvquant" else build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny.dims)
+def test_left_padded_batch_matches_each_row_alone(kvquant_artifact, which):
+    """float64: in float32 a batch-of-2 GEMM rounds differently from a batch of 1, and once in a while that
+    ulp flips a quantization code (a 0.06 logit difference seen on one calibration of this artifact)."""
+    tiny64 = load_model("tiny-llama", "float64")
+    if which == "kvquant":
+        codec = build_method("kvquant", KVQUANT_CONFIG).build_codec(kvquant_artifact.tensors, tiny64.dims)
+    else:
+        codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny64.dims)
     prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :6] = 0
     kwargs = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
-    both = tiny.model.generate(prompt, attention_mask=mask, past_key_values=KvcalCache(codec, 2), **kwargs)
-    alone = tiny.model.generate(prompt[1:, 6:], past_key_values=KvcalCache(codec, 2), **kwargs)
+    both = tiny64.model.generate(prompt, attention_mask=mask, past_key_values=KvcalCache(codec, 2), **kwargs)
+    alone = tiny64.model.generate(prompt[1:, 6:], past_key_values=KvcalCache(codec, 2), **kwargs)
     assert torch.equal(both.sequences[1, 15:], alone.sequences[0, 9:])
     for a, b in zip(both.logits, alone.logits):
-        torch.testing.assert_close(a[1], b[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a[1], b[0], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("name,config", [("rtn", {"bits": 4}), ("kivi", {"bits": 2, "group_size": 8, "residual": 16})])
@@ -317,6 +327,13 @@ def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
     torch.testing.assert_close(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True), rtol=0, atol=2e-3)
     assert torch.equal(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True, exact=False))
     assert not torch.equal(sparse, dense)  # the outliers are there
+    outliers_per_row = ((rows > hi) | (rows < lo)).sum(1)
+    assert outliers_per_row.max() > 2  # so two slots overflow on some rows
+    codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=2)
+    overflow = dequantize_lut_static(codes, zero, scale, decode, 3, 16, idx, val).reshape(12, 32)
+    assert torch.equal(overflow, quantize_static(rows, lo, hi, encode, decode, sparse=True, exact=False, capacity=2))
+    kept = (overflow != dense).sum(1)  # the simulation keeps what the runtime keeps: the 2 largest residuals
+    assert torch.equal(kept, outliers_per_row.clamp(max=2))
     codes, scale, zero, idx, val = quantize_lut_dynamic(x, encode, decode, 3, per_side=1)
     values = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16, idx, val).reshape(12, 32)
     torch.testing.assert_close(values, quantize_dynamic(rows, encode, decode, per_side=1), rtol=0, atol=2e-3)

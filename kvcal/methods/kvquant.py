@@ -70,14 +70,28 @@ def restore_outliers(x, dense, outliers, exact: bool) -> torch.Tensor:
     return torch.where(outliers, sparse, dense)
 
 
-def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = True) -> torch.Tensor:
+def largest_residuals(residual: torch.Tensor, candidate: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Mask of the `capacity` candidates of each row with the largest |residual| (the packed runtime's
+    overflow rule: a token keeps that many key outliers, the others stay clamped)."""
+    score = torch.where(candidate, residual.abs(), torch.full_like(residual, -1.0))
+    top = torch.topk(score, min(capacity, score.shape[-1]), dim=-1)
+    keep = torch.zeros_like(candidate).scatter_(-1, top.indices, True)
+    return keep & candidate
+
+
+def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = True,
+                    capacity: int | None = None) -> torch.Tensor:
     """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
-    (kept, see restore_outliers) when `sparse`, else clamped to the extreme levels."""
+    (kept, see restore_outliers) when `sparse`, else clamped to the extreme levels. With `capacity`, only
+    that many outliers per row are kept (the largest residuals), as in the packed runtime."""
     x = rows.to(torch.float32)
     zero, scale = range_params(lo, hi)
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
     if sparse:
-        out = restore_outliers(x, out, (x > hi) | (x < lo), exact)
+        outliers = (x > hi) | (x < lo)
+        if capacity is not None:
+            outliers = largest_residuals(x - out, outliers, capacity)
+        out = restore_outliers(x, out, outliers, exact)
     return out.to(rows.dtype)
 
 
@@ -120,8 +134,10 @@ class KVQuantCodec(Codec):
         t = self._on(k.device)[layer]
         rows = to_rows(k)
         if self.method.key_granularity == "per_channel":
+            # runtime-storage mode (exact_outliers=false) also keeps the runtime's slots per token
+            capacity = None if self.method.exact_outliers else self.key_capacity()
             out = quantize_static(rows, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.per_side > 0,
-                                  self.method.exact_outliers)
+                                  self.method.exact_outliers, capacity)
         else:
             out = quantize_dynamic(rows, t["k_encode"], t["k_decode"], self.per_side, self.method.exact_outliers)
         return from_rows(out, self.heads)
@@ -131,18 +147,21 @@ class KVQuantCodec(Codec):
         values = quantize_dynamic(to_rows(v), t["v_encode"], t["v_decode"], self.per_side, self.method.exact_outliers)
         return from_rows(values, self.heads)
 
+    def key_capacity(self) -> int:
+        """Key outlier slots per token in the packed runtime. Key outliers vary per token: the runtime keeps
+        a fixed capacity, by default twice the nominal rate (overflow keeps the largest residuals, the rest
+        clamp to the extreme level)."""
+        if not self.method.outliers:
+            return 0
+        capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.channels)
+        return min(capacity, self.channels)  # more slots than channels can never be used
+
     def runtime_formats(self, layer):
         if self.method.key_granularity != "per_channel" or not self.method.pre_rope:
             raise KvcalError("the packed runtime runs KVQuant with pre-RoPE per-channel keys only")
         t = self.tables[layer]
-        # Key outliers vary per token: the runtime keeps a fixed capacity, by default twice the nominal rate
-        # (overflow keeps the largest residuals, the rest clamp to the extreme level).
-        capacity = 0
-        if self.method.outliers:
-            capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.channels)
-            capacity = min(capacity, self.channels)  # more slots than channels can never be used
         keys = KeyFormat("lut_static", self.method.bits, lo=t["k_lo"], hi=t["k_hi"], encode=t["k_encode"],
-                         decode=t["k_decode"], capacity=capacity)
+                         decode=t["k_decode"], capacity=self.key_capacity())
         values = ValueFormat("lut_dynamic", self.method.bits, encode=t["v_encode"], decode=t["v_decode"],
                              per_side=self.per_side)
         return keys, values
@@ -176,7 +195,8 @@ class KVQuant(Method):
     # residuals and clamps the rest. Runtime-only: `--set key_outlier_capacity=N` works on an artifact.
     key_outlier_capacity: int = 0
     # Simulation: outliers read back exactly (digest #7, the paper's PPL) or, with false, as the packed
-    # runtime stores them (fp16 residual over the dense code): decode-mode parity compares against that.
+    # runtime stores them (fp16 residual over the dense code, at most key_outlier_capacity key outliers per
+    # token): decode-mode parity compares against that, and the two simulations give the storage's cost.
     exact_outliers: bool = True
 
     def validate(self):

@@ -177,8 +177,19 @@ if triton is not None:
         # (exact: the tensor cores also multiply bf16/fp16 exactly and accumulate in fp32).
         if INTERP:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif a.dtype == tl.float32:  # float32 inputs: exact products, no TF32
+            return tl.dot(a, b, input_precision="ieee")
         else:
             return tl.dot(a, b)
+
+    @triton.jit
+    def _opnd(x, FP32: tl.constexpr):
+        """A rounded dot operand: fp16 for fp16/bf16 inputs (bf16 queries are converted: exact in fp16's
+        range), float32 for float32 inputs (nothing rounded beyond float32 itself)."""
+        if FP32:
+            return x.to(tl.float32)
+        else:
+            return x.to(tl.float16)
 
     @triton.jit
     def _regroup(x, SRC: tl.constexpr, DST: tl.constexpr, N: tl.constexpr):
@@ -299,7 +310,7 @@ if triton is not None:
         GENERIC_K: tl.constexpr, ROPE: tl.constexpr,
         VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
         VCAPP: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, FP32: tl.constexpr,
     ):
         DT: tl.constexpr = q_ptr.dtype.element_ty
         pid = tl.program_id(0)
@@ -351,21 +362,21 @@ if triton is not None:
                     else:
                         cj = tl.zeros((BLOCK_T, HD), tl.float32)
                         sj = cj
-                        qa = q1.to(tl.float16)
-                        qb = q2.to(tl.float16)
+                        qa = _opnd(q1, FP32)
+                        qb = _opnd(q2, FP32)
                         qa4 = q1s
                         qb4 = q2s
                 elif KEY_FORMAT == 0:
                     kch = mma_channels(0, D, KBITS)  # channel of each code column
                     rq = tl.arange(0, MQ)  # columns (head, key group): q restricted to the group's channels
-                    qg = tl.load(q_row + (rq // GK)[None, :] * sqh + kch[:, None],
+                    qg = _opnd(tl.load(q_row + (rq // GK)[None, :] * sqh + kch[:, None],
                                  mask=((rq // GK) < G)[None, :] & ((kch // GS)[:, None] == (rq % GK)[None, :]),
-                                 other=0.0).to(tl.float16)  # [D, MQ]; bf16 -> fp16 is exact in fp16's range
+                                 other=0.0), FP32)  # [D, MQ]
                     sq = tl.reshape(tl.sum(qg.to(tl.float32), 0), (GPK, GK))
                 else:
                     kch = mma_channels(0, D, KBITS)
                     qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
-                    q16 = qf.to(tl.float16)  # exact for |q| in fp16's normal range
+                    q16 = _opnd(qf, FP32)
                     r16 = tl.arange(0, 16)
                     jb = tl.arange(0, NB)
                 if VALUE_FORMAT == 0:
@@ -409,8 +420,8 @@ if triton is not None:
                             p0 = pos_offset + t0
                             c0 = tl.load(cos_ptr + p0 * D + hh)[:, None]
                             s0 = tl.load(sin_ptr + p0 * D + hh)[:, None]
-                            qa = (q1 * c0 + q2 * s0).to(tl.float16)  # R(-p0) q
-                            qb = (q2 * c0 - q1 * s0).to(tl.float16)
+                            qa = _opnd(q1 * c0 + q2 * s0, FP32)  # R(-p0) q
+                            qb = _opnd(q2 * c0 - q1 * s0, FP32)
                             qa4 = q1s * c0 + q2s * s0
                             qb4 = q2s * c0 - q1s * s0
                             ka = k1 * cj - k2 * sj  # R(j) k
@@ -426,14 +437,14 @@ if triton is not None:
                         else:
                             ka = k1
                             kb = k2
-                        s = _dot(ka.to(tl.float16), qa, INTERP) + _dot(kb.to(tl.float16), qb, INTERP)
+                        s = _dot(_opnd(ka, FP32), qa, INTERP) + _dot(_opnd(kb, FP32), qb, INTERP)
                         if KCAP > 0:
                             s += _regroup(_key_outlier_scores(koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D,
                                                               KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
                                                               pos_offset + t, ROPE, D, GPQ, BLOCK_T), GPQ, GPK, BLOCK_T)
                         s = s * qk_scale
                     elif KEY_FORMAT == 0:
-                        kcodes = unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T)
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), FP32)  # exact either way
                         raw = tl.reshape(_dot(kcodes, qg, INTERP), (BLOCK_T, GPK, GK))
                         kscale = ks_cur.to(tl.float32) * (qk_scale * 16777216.0)  # codes are c * 2^-24
                         kzero = kz_cur.to(tl.float32) * qk_scale
@@ -441,12 +452,12 @@ if triton is not None:
                     else:  # affine_tokens: NB blocks of KEY_BLOCK tokens per tile (or a tile inside one block)
                         # q.k = (q * s_blk) . c + q . z_blk: one column group of q * s_blk per block, the
                         # per-block sums over channels as a small dot with rows [z_blk..., ones].
-                        zrows = kz_cur  # [16, D] fp16: rows = the tile's blocks
+                        zrows = _opnd(kz_cur, FP32)  # [16, D] (stored fp16): rows = the tile's blocks
                         ks_nb = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], ks_cur.to(tl.float32)[None, :, :], 0.0), 1)
-                        qs = tl.reshape(tl.trans(ks_nb)[:, :, None] * qf[:, None, :], (D, NB * GPK)).to(tl.float16)
+                        qs = _opnd(tl.reshape(tl.trans(ks_nb)[:, :, None] * qf[:, None, :], (D, NB * GPK)), FP32)
                         zsum = _dot(zrows, q16, INTERP)  # [16, GPK]: row j = q . z_j
                         zq = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], zsum[None, :, :], 0.0), 1)  # [NB, GPK]
-                        kcodes = unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T)
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), FP32)
                         raw = tl.reshape(_dot(kcodes, qs, INTERP), (BLOCK_T, NB, GPK))
                         own = ((tl.arange(0, BLOCK_T) // KEY_BLOCK)[:, None] == jb[None, :])[:, :, None]
                         s = tl.sum(tl.where(own, raw * 16777216.0 + zq[None, :, :], 0.0), 1) * qk_scale
@@ -465,10 +476,10 @@ if triton is not None:
                     if VALUE_FORMAT == 0:
                         vscale = vs_cur.to(tl.float32)  # [T, GV]
                         vzero = vz_cur.to(tl.float32)
-                        pw = tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)).to(tl.float16)
+                        pw = _opnd(tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)), FP32)
                         pz = tl.reshape(tl.sum(pr[:, :, None] * vzero[:, None, :], 0), (MV,))
                         arow = tl.reshape(tl.broadcast_to(ar[:, None], (GPV, GV)), (MV,))
-                        vcodes = unpack_mma(vptr, tm, 0, D, VBITS, BLOCK_T)
+                        vcodes = _opnd(unpack_mma(vptr, tm, 0, D, VBITS, BLOCK_T), FP32)
                         acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
                         corr = corr * arow + pz
                     else:
@@ -500,8 +511,8 @@ if triton is not None:
                                 w = pq[:, None, :] * ov[:, :, None]  # [T, VSC, GPQ]
                                 tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
                                               mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
-                        pw = (pr * vsc[:, None]).to(tl.float16)
-                        acc = acc * ar[None, :] + _dot(tl.trans(vt.to(tl.float16)), pw, INTERP)
+                        pw = _opnd(pr * vsc[:, None], FP32)
+                        acc = acc * ar[None, :] + _dot(tl.trans(_opnd(vt, FP32)), pw, INTERP)
                         corr = corr * ar + tl.sum(pr * vze[:, None], 0)
                 if VALUE_FORMAT == 0:
                     out = acc * 16777216.0 + corr[None, :]  # [D, MV], rows in vch order; codes were c * 2^-24
@@ -598,8 +609,8 @@ def _fallback(reason: str, *args):
 def _unsupported(q, kv: PackedKV | None, fp_k) -> str | None:
     if triton is None:
         return "triton is not installed"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"query dtype {q.dtype} (fp16 and bf16 are supported)"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"query dtype {q.dtype} (fp16, bf16 and fp32 are supported)"
     d = q.shape[-1]
     if d < 32 or d & (d - 1):
         return f"head_dim {d} (a power of two >= 32 is supported)"
@@ -638,11 +649,14 @@ def _outlier_args(idx, val, capacity: int, dev):
 
 def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: float, *, block_t: int | None = None,
                             num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                            rope_mode: str = "angle", generic_keys: bool = False, programs_per_sm: int = 16,
+                            rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int = 16,
                             block_f: int | None = None, max_registers: int | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile), num_splits (token splits per row; default from programs_per_sm x SMs),
-    num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'),
+    num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
+    'angle', 'table' for float32 inputs: angle addition rotates by fl(p0 t) + fl(j t) instead of the table's
+    fl((p0 + j) t): with Llama-3.1's frequencies up to 2e-3 rad apart below 32K positions and 8e-3 below 128K,
+    far below a 4-bit key's quantization error, not below float32 rounding),
     generic_keys (force the elementwise key path, for tests)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
@@ -674,6 +688,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         key_code, value_code = _KEY_CODE[kv.key_format], _VALUE_CODE[kv.value_format]
         kbits, vbits = kv.key_bits, kv.value_bits
         generic = int(generic_keys or key_code == 2 or kv.rope_cos is not None)
+        if rope_mode is None:
+            rope_mode = "table" if q.dtype == torch.float32 else "angle"
         rope = 0 if kv.rope_cos is None else (2 if rope_mode == "table" else 1)
         gk = kv.k_scale.shape[-1] if key_code == 0 else 1
         gv = kv.v_scale.shape[-1] if value_code == 0 else 1
@@ -791,7 +807,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),
             BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
-            INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+            INTERP=os.environ.get("TRITON_INTERPRET") == "1", FP32=int(q.dtype == torch.float32),
             **opts,
         )
         _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)

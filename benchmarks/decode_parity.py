@@ -23,7 +23,7 @@ import time
 import torch
 
 from kvcal.artifact import load_artifact
-from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import decoded_nll, simulated_nll
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
@@ -68,8 +68,7 @@ def main():
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", a.dtype, a.device)
-    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR"))
-    windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
+    text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     rows = []
     exact = {}
     for name, sim_codec, dec_codec, exact_codec in targets(loaded, a.recipes, a.kvquant, a.artifact_dir,

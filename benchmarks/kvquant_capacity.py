@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvcal.artifact import load_artifact
-from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.kvquant import OUTLIER_ENTRY_BYTES
 from kvcal.methods.registry import codec_for_artifact
@@ -41,8 +41,7 @@ def main():
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", a.dtype, a.device)
-    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR"))
-    windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
+    text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     channels = loaded.dims.kv_channels
     result = {"model": loaded.identity, "device": torch.cuda.get_device_name() if loaded.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": a.dtype, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]),

@@ -14,7 +14,7 @@ import os
 import torch
 
 from kvcal.artifact import load_artifact
-from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.kvquant import to_rows
 from kvcal.methods.registry import codec_for_artifact
@@ -30,8 +30,7 @@ def main():
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", "float32", "cpu")
-    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR"))
-    windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
+    text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     result = {"model": loaded.identity, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]), "artifacts": {}}
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")

@@ -12,7 +12,7 @@ import json
 import os
 
 from kvcal.artifact import load_artifact
-from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
@@ -42,8 +42,7 @@ def main():
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", "float32", a.device)
-    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR"))
-    windows = eval_windows(tokenize(loaded.tokenizer, text.text), a.seqlen, a.nsamples)
+    text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     codecs = {}
     for name in ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct"):
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")

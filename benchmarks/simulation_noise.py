@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcal.artifact import load_artifact  # noqa: E402
-from kvcal.data import eval_windows, load_text, tokenize  # noqa: E402
+from kvcal.data import load_eval_windows  # noqa: E402
 from kvcal.eval.ppl import simulated_nll  # noqa: E402
 from kvcal.methods.registry import codec_for_artifact  # noqa: E402
 from kvcal.models import load_model  # noqa: E402
@@ -44,8 +44,8 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     loaded = load_model(args.model, args.dtype, args.device)
-    text = load_text("wikitext2", "eval", os.environ.get("KVCAL_DATA_DIR")).text
-    windows = eval_windows(tokenize(loaded.tokenizer, text), args.seqlen, args.nsamples)
+    _, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), args.seqlen,
+                                   args.nsamples)
     records = []
     targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in args.recipe or []]
     for path in args.artifact:

@@ -120,6 +120,12 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return ids
 
 
+def load_eval_windows(tokenizer, dataset: str, data_dir: str | None, seqlen: int, nsamples: int | None = None):
+    """(Text, windows): the dataset's evaluation split, tokenized and cut as eval_windows does."""
+    text = load_text(dataset, "eval", data_dir)
+    return text, eval_windows(tokenize(tokenizer, text.text), seqlen, nsamples)
+
+
 def eval_windows(ids: torch.Tensor, seqlen: int, nsamples: int | None = None) -> torch.Tensor:
     """Non-overlapping windows [n, seqlen] from the start of the stream; the tail is dropped."""
     available = ids.numel() // seqlen

@@ -7,7 +7,7 @@ from pathlib import Path
 from kvcal import __version__
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import load_artifact
-from kvcal.data import eval_windows, load_text, tokenize
+from kvcal.data import load_eval_windows
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import PROTOCOLS, decoded_nll, simulated_nll
 from kvcal.progress import progress_bar
@@ -58,8 +58,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
         method.check_model(loaded.dims)
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
         targets.append((method, method.build_codec({}, loaded.dims), setting, None))
-    text = load_text(dataset, "eval", data_dir)
-    windows = eval_windows(tokenize(loaded.tokenizer, text.text), seqlen, nsamples)
+    text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     records = []
     for method, codec, setting, artifact_record in targets:
         with progress_bar(f"ppl {setting} ({protocol}, {mode})", windows.shape[0]) as advance:
@@ -97,7 +96,7 @@ def compare_with_fp16(loaded, artifact, dataset, data_dir, seqlen, nsamples) -> 
     """(name, PPL, bits per element) of fp16 and of the artifact on the dataset's evaluation split."""
     from kvcal.methods import build_method
 
-    windows = eval_windows(tokenize(loaded.tokenizer, load_text(dataset, "eval", data_dir).text), seqlen, nsamples)
+    _, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     rows = []
     for method in (build_method("fp16"), build_method(artifact.method, artifact.config)):
         codec = method.build_codec(artifact.tensors if method.name == artifact.method else {}, loaded.dims)

@@ -31,7 +31,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant.kmeans import weighted_kmeans
-from kvcal.quant.nonuniform import nearest_level, outlier_bounds, quantile, range_params
+from kvcal.quant.nonuniform import largest_residuals, nearest_level, outlier_bounds, quantile, range_params
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.runtime.formats import KeyFormat, ValueFormat
 
@@ -70,15 +70,6 @@ def restore_outliers(x, dense, outliers, exact: bool) -> torch.Tensor:
     return torch.where(outliers, sparse, dense)
 
 
-def largest_residuals(residual: torch.Tensor, candidate: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Mask of the `capacity` candidates of each row with the largest |residual| (the packed runtime's
-    overflow rule: a token keeps that many key outliers, the others stay clamped)."""
-    score = torch.where(candidate, residual.abs(), torch.full_like(residual, -1.0))
-    top = torch.topk(score, min(capacity, score.shape[-1]), dim=-1)
-    keep = torch.zeros_like(candidate).scatter_(-1, top.indices, True)
-    return keep & candidate
-
-
 def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = True,
                     capacity: int | None = None) -> torch.Tensor:
     """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
@@ -89,8 +80,9 @@ def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = Tr
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
     if sparse:
         outliers = (x > hi) | (x < lo)
-        if capacity is not None:
-            outliers = largest_residuals(x - out, outliers, capacity)
+        if capacity is not None:  # the runtime's overflow rule: the largest residuals stay, the rest clamp
+            top, valid = largest_residuals(x - out, outliers, capacity)
+            outliers = torch.zeros_like(outliers).scatter_(-1, top, valid)
         out = restore_outliers(x, out, outliers, exact)
     return out.to(rows.dtype)
 

@@ -58,3 +58,12 @@ def outlier_bounds(x: torch.Tensor, per_side: int, dim: int = -1):
     mask.scatter_(dim, top.indices.narrow(dim, 0, per_side), True)
     mask.scatter_(dim, bottom.indices.narrow(dim, 0, per_side), True)
     return lo, hi, mask
+
+
+def largest_residuals(residual: torch.Tensor, candidate: torch.Tensor, capacity: int):
+    """The `capacity` candidates of each row with the largest |residual| (the packed runtime's key-outlier
+    overflow rule; the simulation applies the same one). Returns (indices [..., capacity], valid [..., capacity]):
+    topk's order, largest first; valid is False where a row has fewer candidates."""
+    score = torch.where(candidate, residual.abs(), torch.full_like(residual, -1.0))
+    top = torch.topk(score, min(capacity, score.shape[-1]), dim=-1)
+    return top.indices, top.values >= 0

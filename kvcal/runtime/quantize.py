@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.quant.nonuniform import nearest_level, outlier_bounds, range_params
+from kvcal.quant.nonuniform import largest_residuals, nearest_level, outlier_bounds, range_params
 from kvcal.quant.uniform import dequantize, minmax_params, quantize
 from kvcal.runtime.packing import pack_codes, unpack_codes
 
@@ -72,11 +72,9 @@ def dequantize_affine_tokens(codes, scale, zero, bits: int, dim: int) -> torch.T
 def _keep_largest(residual: torch.Tensor, candidate: torch.Tensor, capacity: int):
     """Indices [N, capacity] and fp16 residuals of the `capacity` largest |residual| among candidates
     of each row (-1 / 0 where a row has fewer)."""
-    score = torch.where(candidate, residual.abs(), torch.full_like(residual, -1.0))
-    top = torch.topk(score, capacity, dim=-1)
-    valid = top.values >= 0
-    idx = torch.where(valid, top.indices, torch.full_like(top.indices, -1)).to(torch.int16)
-    val = torch.where(valid, residual.gather(-1, top.indices), torch.zeros_like(top.values)).half()
+    top, valid = largest_residuals(residual, candidate, capacity)
+    idx = torch.where(valid, top, torch.full_like(top, -1)).to(torch.int16)
+    val = torch.where(valid, residual.gather(-1, top), 0.0).half()
     return idx, val
 
 

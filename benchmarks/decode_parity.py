@@ -53,6 +53,21 @@ def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_cap
             yield f"{name} ({capacity})", stored, big, exact
 
 
+def patch_rmsnorm(model):
+    """Every *RMSNorm module computes in its input's dtype (the same formula as transformers' Llama RMSNorm,
+    without the float32 round trip)."""
+    def forward(self, x):
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+        return self.weight.to(x.dtype) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    patched = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = forward.__get__(module)
+            patched += 1
+    assert patched, "no RMSNorm module found"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -65,9 +80,14 @@ def main():
     ap.add_argument("--big-capacity", type=int, default=64, help="KVQuant decode rows with this key outlier "
                     "capacity too (0: none)")
     ap.add_argument("--no-default-capacity", action="store_true", help="KVQuant: decode only with --big-capacity")
+    ap.add_argument("--rmsnorm-in-dtype", action="store_true", help="diagnostic: RMSNorm computes in the model's "
+                    "dtype (transformers' Llama RMSNorm computes in float32, whose row reduction order on CUDA may "
+                    "depend on the number of rows: one decoded token vs a whole window)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", a.dtype, a.device)
+    if a.rmsnorm_in_dtype:
+        patch_rmsnorm(loaded.model)
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     rows = []
     exact = {}
@@ -91,7 +111,7 @@ def main():
         result = {"model": loaded.identity, "device": str(loaded.device), "device_name": torch.cuda.get_device_name()
                   if loaded.device.type == "cuda" else "cpu", "torch": torch.__version__, "dtype": a.dtype,
                   "seqlen": a.seqlen, "nsamples": a.nsamples, "tokens": int(windows.shape[0] * (windows.shape[1] - 1)),
-                  "dataset": text.provenance, "rows": rows}
+                  "dataset": text.provenance, "rmsnorm_in_dtype": a.rmsnorm_in_dtype, "rows": rows}
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:  # after every row: long runs keep what they finished
             json.dump(result, f, indent=1)

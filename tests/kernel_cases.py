@@ -124,7 +124,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # bf16 rounds the output itself (2^-9) and the kernel rounds P * scale and dequantized keys to fp16;
 # measured errors: ~4e-3 (bf16), ~4e-4 (fp16). Tolerances on ||out - ref|| / ||ref||:
 # float32 inputs keep every operand in float32 (IEEE dots, no TF32): only summation order differs.
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# float64 inputs: float64 dots and softmax; dequantization in float32 as the reference's.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 # (name, codec, bits, dtype, cache kwargs, kernel kwargs, step kwargs)
 ATTENTION_CASES = [
@@ -149,6 +150,11 @@ ATTENTION_CASES = [
     ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
     ("nuq4_prerope_outliers_fp32", "nuq", 4, torch.float32, {"kcap": 6, "per_side": 2, "pre_rope": True,
                                                              "pos_offset": 3}, {}, {}),
+    ("int3_fp64", "int", 3, torch.float64, {}, {}, {}),
+    ("kivi4_b16_fp64", "kivi", 4, torch.float64, {"key_block": 16}, {}, {}),
+    ("nuq4_prerope_outliers_fp64", "nuq", 4, torch.float64, {"kcap": 6, "per_side": 2, "pre_rope": True,
+                                                             "pos_offset": 3}, {}, {}),
+    ("nuq3_plain_fp64", "nuq", 3, torch.float64, {"kcap": 4, "per_side": 1}, {}, {}),
 ]
 
 
@@ -191,7 +197,7 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
         res[f"pack{bits}"] = torch.equal(P.pack_codes_triton(c, bits), w)
         res[f"unpack{bits}"] = torch.equal(P.unpack_codes_triton(w, bits, d), c)
         res[f"unpack_mma{bits}"] = torch.equal(P.unpack_codes_mma_triton(w, bits, d), c)
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # all that the cache may hold
         x = (torch.randn(n, h, d, generator=gen, device=device) * 3).to(dtype)
         x[0, 0, :8] = 0.0  # a constant group: scale 0
         for bits in (2, 3, 4):

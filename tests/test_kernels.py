@@ -7,7 +7,8 @@ Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, rows of 1.5K to 3
 
 Tolerances (stated in tests/kernel_cases.py): quantize-and-pack kernels are bit-exact (outlier slots compared
 as sets); decode attention ||out - ref|| / ||ref|| <= 1e-2 in bf16, 2e-3 in fp16 (fp32 accumulation; the output
-itself is rounded to the query dtype) and 1e-5 in fp32 (every operand fp32).
+itself is rounded to the query dtype), 1e-5 in fp32 (every operand fp32) and 1e-12 in fp64 (float64 dots and
+softmax over keys and values dequantized in float32 exactly as the reference does).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ GPU_CASES = [
     for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 21, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
     for bits in (4, 3, 2)
     for dtype in ((torch.bfloat16, torch.float16) if bits == 4 else (torch.bfloat16,))
-] + [(f"{codec}4_fp32", codec, 4, torch.float32, kw, {}, {})
+] + [(f"{codec}4_{str(dtype)[6:]}", codec, 4, dtype, kw, {}, {})
       for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 21, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
+      for dtype in (torch.float32, torch.float64)
 ] + [("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True}, {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {})]
 

@@ -18,7 +18,10 @@ def round_params(t: torch.Tensor, param_dtype: torch.dtype | None) -> torch.Tens
 def minmax_params(xmin: torch.Tensor, xmax: torch.Tensor, levels: int, param_dtype=torch.float16):
     """Scale and zero (the group minimum) for codes 0..levels-1 covering [xmin, xmax]."""
     zero = round_params(xmin, param_dtype)
-    scale = round_params((xmax - xmin) / (levels - 1), param_dtype)
+    # divided by a tensor, not a Python number: CUDA torch multiplies by the reciprocal of a scalar divisor
+    # (1 ulp off the IEEE quotient at times), and the Triton quantize kernels and CPU torch divide exactly
+    span = xmax - xmin
+    scale = round_params(span / torch.full_like(span, levels - 1), param_dtype)
     return scale, zero
 
 

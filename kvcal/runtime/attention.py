@@ -146,6 +146,7 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 # position instead (any tables, more traffic).
 
 import os  # noqa: E402
+import struct  # noqa: E402
 import warnings  # noqa: E402
 
 try:
@@ -159,6 +160,7 @@ from kvcal.runtime.packing import _pow2, launch_device  # noqa: E402
 _KEY_CODE = {"affine_channels": 0, "affine_tokens": 1, "lut_static": 2}
 _VALUE_CODE = {"affine_channels": 0, "lut_dynamic": 1}
 _UNPACK_BITS = (1, 2, 3, 4, 8)
+_PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 LOG2E = 1.4426950408889634
 # Launch defaults per path, chosen by measurement at 32K x batch 8 on an H100 (benchmarks/NOTES-kernels.md):
 # (block_t, num_warps, num_stages, max registers or None).
@@ -175,7 +177,12 @@ if triton is not None:
     def _dot(a, b, INTERP: tl.constexpr):
         # Triton's interpreter multiplies bf16 operands as raw integers (3.6 and 3.9): upcast there
         # (exact: the tensor cores also multiply bf16/fp16 exactly and accumulate in fp32).
-        if INTERP:
+        if a.dtype == tl.float64:
+            # float64 inputs (an exactness mode, not a fast path): products and sums on the FP64 units.
+            # Triton 3.6's float64 tl.dot fails to compile on these operand layouts ("fp64 don't support
+            # largeK MMA") and gave wrong sums in a 1-warp N=4 test on the H100, so no tensor cores here.
+            return tl.sum(a[:, :, None] * b[None, :, :], 1)
+        elif INTERP:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         elif a.dtype == tl.float32:  # float32 inputs: exact products, no TF32
             return tl.dot(a, b, input_precision="ieee")
@@ -183,10 +190,13 @@ if triton is not None:
             return tl.dot(a, b)
 
     @triton.jit
-    def _opnd(x, FP32: tl.constexpr):
-        """A rounded dot operand: fp16 for fp16/bf16 inputs (bf16 queries are converted: exact in fp16's
-        range), float32 for float32 inputs (nothing rounded beyond float32 itself)."""
-        if FP32:
+    def _opnd(x, PREC: tl.constexpr):
+        """A rounded dot operand: fp16 for fp16/bf16 inputs (PREC 16; bf16 queries are converted: exact in
+        fp16's range), float32 / float64 for float32 / float64 inputs (PREC 32 / 64: nothing rounded beyond
+        the input's own precision)."""
+        if PREC == 64:
+            return x.to(tl.float64)
+        elif PREC == 32:
             return x.to(tl.float32)
         else:
             return x.to(tl.float16)
@@ -228,21 +238,21 @@ if triton is not None:
     @triton.jit
     def _key_outlier_scores(koi_ptr, kov_ptr, rowoff, tm, head_base, CAP: tl.constexpr, CAPP: tl.constexpr,
                             qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr, D: tl.constexpr,
-                            GP: tl.constexpr, BLOCK_T: tl.constexpr):
+                            GP: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
         """Score contribution [BLOCK_T, GP] of the sparse pre-RoPE key residuals of one tile.
 
         A residual r at channel d of token t adds r * (R(p_t)^T q)[d] to each head's score; per slot that is
         two query entries (d and its rotate-half partner) times cos/sin, so the cost is per slot, not per
-        slot and channel. qa4/qb4 [HD, GP] fp32 are the query halves as the rotated keys see them (R(-p0) q
+        slot and channel. qa4/qb4 [HD, GP] (ACC) are the query halves as the rotated keys see them (R(-p0) q
         for ROPE == 1, where cj/sj hold R(j); plain q otherwise). Slots go 8 at a time (register pressure)."""
         HD: tl.constexpr = D // 2
         SC: tl.constexpr = 8 if CAPP > 8 else CAPP
-        acc = tl.zeros((BLOCK_T, GP), tl.float32)
+        acc = tl.zeros((BLOCK_T, GP), ACC)
         for j0 in range(0, CAP, SC):
             jc = j0 + tl.arange(0, SC)
             om = tm[:, None] & (jc < CAP)[None, :]
             oi = tl.load(koi_ptr + rowoff[:, None] + jc[None, :], mask=om, other=-1).to(tl.int32) - head_base
-            ov = tl.load(kov_ptr + rowoff[:, None] + jc[None, :], mask=om, other=0.0).to(tl.float32)
+            ov = tl.load(kov_ptr + rowoff[:, None] + jc[None, :], mask=om, other=0.0).to(ACC)
             ok = (oi >= 0) & (oi < D)
             ov = tl.where(ok, ov, 0.0)
             oc = tl.where(ok, oi, 0)
@@ -264,6 +274,18 @@ if triton is not None:
                 eff = tl.where(upper, gb, ga)
             acc += tl.sum(eff * ov[:, :, None], 1)
         return acc
+
+    @triton.jit
+    def _add_residuals(x, oi_ptr, ov_ptr, rowoff, tm, ch0, W: tl.constexpr, CAP: tl.constexpr):
+        """x [BLOCK_T, W] float32 (channels ch0 .. ch0 + W - 1 of each token) plus the sparse residuals that land
+        there, one float32 addition per residual as the reference's scatter_add does. Only the float64 path uses
+        it (exactness, not speed: a pass over the tile per slot); the fast paths add residuals to the scores."""
+        ch = ch0 + tl.arange(0, W)
+        for j in range(CAP):
+            oi = tl.load(oi_ptr + rowoff + j, mask=tm, other=-1).to(tl.int32)
+            ov = tl.load(ov_ptr + rowoff + j, mask=tm, other=0.0).to(tl.float32)
+            x = x + tl.where(ch[None, :] == oi[:, None], ov[:, None], 0.0)
+        return x
 
     @triton.jit
     def _key_params(ks_base, kz_base, t0, end, skst, KEY_FORMAT: tl.constexpr, GENERIC_K: tl.constexpr,
@@ -303,16 +325,27 @@ if triton is not None:
         vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot,
         cos_ptr, sin_ptr, pos_offset, TMAX,
         fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-        m_ptr, l_ptr, acc_ptr, HKV, qk_scale, NSPLIT,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
         D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GK: tl.constexpr, GPV: tl.constexpr,
         GV: tl.constexpr, GPF: tl.constexpr, GPQ: tl.constexpr,
         KEY_FORMAT: tl.constexpr, KBITS: tl.constexpr, KEY_BLOCK: tl.constexpr, KCAP: tl.constexpr,
         GENERIC_K: tl.constexpr, ROPE: tl.constexpr,
         VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
         VCAPP: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, FP32: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
     ):
         DT: tl.constexpr = q_ptr.dtype.element_ty
+        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
+        # (not a tl.dtype launch argument: a run with one, and a torch scalar built per call, timed int4 at
+        # 301 us instead of 200 us at 32K x 8, small shapes slower still; the two were not separated)
+        # float64: sparse residuals are added to the float32 dequantized tile like the reference does, so the
+        # result equals the reference up to float64 summation order
+        EXACT_OUTLIERS: tl.constexpr = PREC == 64
+        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
+        if PREC == 64:
+            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
+        else:
+            qk_scale = qk_scale_hi
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -340,11 +373,11 @@ if triton is not None:
                 # ---- per-program key setup
                 if GENERIC_K:
                     hh = tl.arange(0, HD)
-                    q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
-                    q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
+                    q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+                    q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
                     rq4 = tl.arange(0, GPQ)
-                    q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(tl.float32)
-                    q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(tl.float32)
+                    q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(ACC)
+                    q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(ACC)
                     if KEY_FORMAT == 2:  # per-channel static range: the zero/scale quantization used (fp32)
                         kzer1 = tl.load(kz_ptr + h * D + hh)
                         kscl1 = tl.load(ks_ptr + h * D + hh)
@@ -362,8 +395,8 @@ if triton is not None:
                     else:
                         cj = tl.zeros((BLOCK_T, HD), tl.float32)
                         sj = cj
-                        qa = _opnd(q1, FP32)
-                        qb = _opnd(q2, FP32)
+                        qa = _opnd(q1, PREC)
+                        qb = _opnd(q2, PREC)
                         qa4 = q1s
                         qb4 = q2s
                 elif KEY_FORMAT == 0:
@@ -371,22 +404,22 @@ if triton is not None:
                     rq = tl.arange(0, MQ)  # columns (head, key group): q restricted to the group's channels
                     qg = _opnd(tl.load(q_row + (rq // GK)[None, :] * sqh + kch[:, None],
                                  mask=((rq // GK) < G)[None, :] & ((kch // GS)[:, None] == (rq % GK)[None, :]),
-                                 other=0.0), FP32)  # [D, MQ]
-                    sq = tl.reshape(tl.sum(qg.to(tl.float32), 0), (GPK, GK))
+                                 other=0.0), PREC)  # [D, MQ]
+                    sq = tl.reshape(tl.sum(qg.to(ACC), 0), (GPK, GK))
                 else:
                     kch = mma_channels(0, D, KBITS)
-                    qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(tl.float32)
-                    q16 = _opnd(qf, FP32)
+                    qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+                    q16 = _opnd(qf, PREC)
                     r16 = tl.arange(0, 16)
                     jb = tl.arange(0, NB)
                 if VALUE_FORMAT == 0:
                     vch = mma_channels(0, D, VBITS)
                 else:
                     vch = dd
-                m_i = tl.full((GPK,), float("-inf"), tl.float32)
-                l_i = tl.zeros((GPK,), tl.float32)
-                acc = tl.zeros((D, MV), tl.float32)
-                corr = tl.zeros((MV,), tl.float32)
+                m_i = tl.full((GPK,), float("-inf"), ACC)
+                l_i = tl.zeros((GPK,), ACC)
+                acc = tl.zeros((D, MV), ACC)
+                corr = tl.zeros((MV,), ACC)
                 gv = tl.arange(0, GV)
                 vs_base = vs_ptr + b * svsb + h * svsh
                 vz_base = vz_ptr + b * svsb + h * svsh
@@ -395,9 +428,9 @@ if triton is not None:
                     NL: tl.constexpr = 1 << VBITS
                     vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
                     acc_glob = acc_ptr + (part * G + rv)[None, :] * D + vch[:, None]
-                    cref = tl.full((GPV,), float("-inf"), tl.float32)
-                    if VCAP > 0:
-                        tl.store(acc_glob, tl.zeros((D, GPV), tl.float32), mask=(rv < G)[None, :])
+                    cref = tl.full((GPV,), float("-inf"), ACC)
+                    if VCAP > 0 and not EXACT_OUTLIERS:
+                        tl.store(acc_glob, tl.zeros((D, GPV), ACC), mask=(rv < G)[None, :])
                         tl.debug_barrier()
                 kp_s, kp_z = _key_params(ks_base, kz_base, start, end, skst, KEY_FORMAT, GENERIC_K, GK, KEY_BLOCK, NB, D,
                                          KBITS, BLOCK_T)
@@ -412,16 +445,23 @@ if triton is not None:
                     vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, VALUE_FORMAT, GV, BLOCK_T)
                     # ---- scores [BLOCK_T, GPK], log2 domain
                     if GENERIC_K:
+                        # dequantized in float32 as the reference does, rotated in ACC (float64 for float64)
                         k1 = _key_half(kptr, tm, t, 0, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
                                        KEY_BLOCK, ktab_ptr, kscl1, kzer1)
                         k2 = _key_half(kptr, tm, t, HD, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
                                        KEY_BLOCK, ktab_ptr, kscl2, kzer2)
+                        if EXACT_OUTLIERS and KCAP > 0:
+                            k1 = _add_residuals(k1, koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D, HD, KCAP)
+                            k2 = _add_residuals(k2, koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D + HD, HD,
+                                                KCAP)
+                        k1 = k1.to(ACC)
+                        k2 = k2.to(ACC)
                         if ROPE == 1:
                             p0 = pos_offset + t0
                             c0 = tl.load(cos_ptr + p0 * D + hh)[:, None]
                             s0 = tl.load(sin_ptr + p0 * D + hh)[:, None]
-                            qa = _opnd(q1 * c0 + q2 * s0, FP32)  # R(-p0) q
-                            qb = _opnd(q2 * c0 - q1 * s0, FP32)
+                            qa = _opnd(q1 * c0 + q2 * s0, PREC)  # R(-p0) q
+                            qb = _opnd(q2 * c0 - q1 * s0, PREC)
                             qa4 = q1s * c0 + q2s * s0
                             qb4 = q2s * c0 - q1s * s0
                             ka = k1 * cj - k2 * sj  # R(j) k
@@ -437,27 +477,28 @@ if triton is not None:
                         else:
                             ka = k1
                             kb = k2
-                        s = _dot(_opnd(ka, FP32), qa, INTERP) + _dot(_opnd(kb, FP32), qb, INTERP)
-                        if KCAP > 0:
+                        s = _dot(_opnd(ka, PREC), qa, INTERP) + _dot(_opnd(kb, PREC), qb, INTERP)
+                        if KCAP > 0 and not EXACT_OUTLIERS:
                             s += _regroup(_key_outlier_scores(koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D,
                                                               KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
-                                                              pos_offset + t, ROPE, D, GPQ, BLOCK_T), GPQ, GPK, BLOCK_T)
+                                                              pos_offset + t, ROPE, D, GPQ, BLOCK_T, ACC),
+                                          GPQ, GPK, BLOCK_T)
                         s = s * qk_scale
                     elif KEY_FORMAT == 0:
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), FP32)  # exact either way
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)  # exact either way
                         raw = tl.reshape(_dot(kcodes, qg, INTERP), (BLOCK_T, GPK, GK))
-                        kscale = ks_cur.to(tl.float32) * (qk_scale * 16777216.0)  # codes are c * 2^-24
-                        kzero = kz_cur.to(tl.float32) * qk_scale
+                        kscale = ks_cur.to(ACC) * (qk_scale * 16777216.0)  # codes are c * 2^-24
+                        kzero = kz_cur.to(ACC) * qk_scale
                         s = tl.sum(kscale[:, None, :] * raw + kzero[:, None, :] * sq[None, :, :], 2)
                     else:  # affine_tokens: NB blocks of KEY_BLOCK tokens per tile (or a tile inside one block)
                         # q.k = (q * s_blk) . c + q . z_blk: one column group of q * s_blk per block, the
                         # per-block sums over channels as a small dot with rows [z_blk..., ones].
-                        zrows = _opnd(kz_cur, FP32)  # [16, D] (stored fp16): rows = the tile's blocks
-                        ks_nb = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], ks_cur.to(tl.float32)[None, :, :], 0.0), 1)
-                        qs = _opnd(tl.reshape(tl.trans(ks_nb)[:, :, None] * qf[:, None, :], (D, NB * GPK)), FP32)
+                        zrows = _opnd(kz_cur, PREC)  # [16, D] (stored fp16): rows = the tile's blocks
+                        ks_nb = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], ks_cur.to(ACC)[None, :, :], 0.0), 1)
+                        qs = _opnd(tl.reshape(tl.trans(ks_nb)[:, :, None] * qf[:, None, :], (D, NB * GPK)), PREC)
                         zsum = _dot(zrows, q16, INTERP)  # [16, GPK]: row j = q . z_j
                         zq = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], zsum[None, :, :], 0.0), 1)  # [NB, GPK]
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), FP32)
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)
                         raw = tl.reshape(_dot(kcodes, qs, INTERP), (BLOCK_T, NB, GPK))
                         own = ((tl.arange(0, BLOCK_T) // KEY_BLOCK)[:, None] == jb[None, :])[:, :, None]
                         s = tl.sum(tl.where(own, raw * 16777216.0 + zq[None, :, :], 0.0), 1) * qk_scale
@@ -474,19 +515,19 @@ if triton is not None:
                     # ---- values: acc^T [D, MV] += codes^T [D, BLOCK_T] x (p * scale) [BLOCK_T, MV]
                     vptr = vc_ptr + b * svb + h * svh + t * svt
                     if VALUE_FORMAT == 0:
-                        vscale = vs_cur.to(tl.float32)  # [T, GV]
-                        vzero = vz_cur.to(tl.float32)
-                        pw = _opnd(tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)), FP32)
+                        vscale = vs_cur.to(ACC)  # [T, GV]
+                        vzero = vz_cur.to(ACC)
+                        pw = _opnd(tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)), PREC)
                         pz = tl.reshape(tl.sum(pr[:, :, None] * vzero[:, None, :], 0), (MV,))
                         arow = tl.reshape(tl.broadcast_to(ar[:, None], (GPV, GV)), (MV,))
-                        vcodes = _opnd(unpack_mma(vptr, tm, 0, D, VBITS, BLOCK_T), FP32)
+                        vcodes = _opnd(unpack_mma(vptr, tm, 0, D, VBITS, BLOCK_T), PREC)
                         acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
                         corr = corr * arow + pz
                     else:
-                        vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)
-                        vze = vz_cur.to(tl.float32)
+                        vsc = tl.maximum(vs_cur.to(ACC), 1e-8)
+                        vze = vz_cur.to(ACC)
                         vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, VBITS, BLOCK_T).to(tl.int32), 1)
-                        if VCAP > 0:
+                        if VCAP > 0 and not EXACT_OUTLIERS:
                             # sparse residuals: sum_t p r_t added with relaxed atomics straight into this program's
                             # partial (zeroed above), scaled to the reference max cref so the online-softmax
                             # rescaling never has to touch them (re-referenced when the max grows by 2^64)
@@ -507,13 +548,20 @@ if triton is not None:
                                 vrow = b * svob + t[:, None] * svot + jv[None, :]
                                 oi = tl.load(voi_ptr + vrow, mask=om, other=-1).to(tl.int32) - h * D
                                 ok = om & (oi >= 0) & (oi < D)
-                                ov = tl.load(vov_ptr + vrow, mask=ok, other=0.0).to(tl.float32)
+                                ov = tl.load(vov_ptr + vrow, mask=ok, other=0.0).to(ACC)
                                 w = pq[:, None, :] * ov[:, :, None]  # [T, VSC, GPQ]
                                 tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
                                               mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
-                        pw = _opnd(pr * vsc[:, None], FP32)
-                        acc = acc * ar[None, :] + _dot(tl.trans(_opnd(vt, FP32)), pw, INTERP)
-                        corr = corr * ar + tl.sum(pr * vze[:, None], 0)
+                        if PREC == 64:  # float64: dequantize in float32 as the reference does (T[c] s rounds)
+                            vdq = vt * tl.maximum(vs_cur.to(tl.float32), 1e-8)[:, None] + vz_cur.to(tl.float32)[:, None]
+                            if VCAP > 0:
+                                vdq = _add_residuals(vdq, voi_ptr + b * svob, vov_ptr + b * svob, t * svot, tm, h * D, D,
+                                                     VCAP)
+                            acc = acc * ar[None, :] + _dot(tl.trans(vdq.to(ACC)), pr, INTERP)
+                        else:
+                            pw = _opnd(pr * vsc[:, None], PREC)
+                            acc = acc * ar[None, :] + _dot(tl.trans(_opnd(vt, PREC)), pw, INTERP)
+                            corr = corr * ar + tl.sum(pr * vze[:, None], 0)
                 if VALUE_FORMAT == 0:
                     out = acc * 16777216.0 + corr[None, :]  # [D, MV], rows in vch order; codes were c * 2^-24
                 else:
@@ -522,7 +570,7 @@ if triton is not None:
                     sel = (vch // (D // GV))[:, None, None] == gv[None, None, :]
                     out = tl.sum(tl.where(sel, tl.reshape(out, (D, GPV, GV)), 0.0), 2)
                 if VALUE_FORMAT == 1:
-                    if VCAP > 0:
+                    if VCAP > 0 and not EXACT_OUTLIERS:
                         tl.debug_barrier()
                         mfin = tl.reshape(_regroup(tl.where(m_i == float("-inf"), 0.0, m_i)[None, :], GPK, GPV, 1), (GPV,))
                         part_o = tl.load(acc_glob, mask=(rv < G)[None, :], other=0.0, cache_modifier=".cg")
@@ -534,9 +582,9 @@ if triton is not None:
             if split == NSPLIT:  # the full-precision segment (sinks, window, residual), post-RoPE
                 rf = tl.arange(0, GPF)
                 qx = tl.load(q_row + rf[:, None] * sqh + dd[None, :], mask=(rf < G)[:, None], other=0.0)
-                mf = tl.full((GPF,), float("-inf"), tl.float32)
-                lf = tl.zeros((GPF,), tl.float32)
-                af = tl.zeros((GPF, D), tl.float32)
+                mf = tl.full((GPF,), float("-inf"), ACC)
+                lf = tl.zeros((GPF,), ACC)
+                af = tl.zeros((GPF, D), ACC)
                 for f0 in range(0, F, BLOCK_F):
                     f = f0 + tl.arange(0, BLOCK_F)
                     fin = f < F
@@ -552,7 +600,7 @@ if triton is not None:
                     mf = m_new
                     vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
                     p_hi = p.to(DT)  # p = p_hi + p_lo: two dots keep P at ~fp32 precision (F is small)
-                    p_lo = (p - p_hi.to(tl.float32)).to(DT)
+                    p_lo = (p - p_hi.to(ACC)).to(DT)
                     af = af * alpha[:, None] + _dot(p_hi, vf, INTERP) + _dot(p_lo, vf, INTERP)
                 tl.store(acc_ptr + (part * G + rf)[:, None] * D + dd[None, :], af, mask=(rf < G)[:, None])
                 tl.store(m_ptr + part * G + rf, mf, mask=rf < G)
@@ -609,8 +657,8 @@ def _fallback(reason: str, *args):
 def _unsupported(q, kv: PackedKV | None, fp_k) -> str | None:
     if triton is None:
         return "triton is not installed"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"query dtype {q.dtype} (fp16, bf16 and fp32 are supported)"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"query dtype {q.dtype} (fp16, bf16, fp32 and fp64 are supported)"
     d = q.shape[-1]
     if d < 32 or d & (d - 1):
         return f"head_dim {d} (a power of two >= 32 is supported)"
@@ -654,7 +702,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile), num_splits (token splits per row; default from programs_per_sm x SMs),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
-    'angle', 'table' for float32 inputs: angle addition rotates by fl(p0 t) + fl(j t) instead of the table's
+    'angle', 'table' for float32 and float64 inputs: angle addition rotates by fl(p0 t) + fl(j t) instead of the table's
     fl((p0 + j) t): with Llama-3.1's frequencies up to 2e-3 rad apart below 32K positions and 8e-3 below 128K,
     far below a 4-bit key's quantization error, not below float32 rounding),
     generic_keys (force the elementwise key path, for tests)."""
@@ -689,7 +737,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         kbits, vbits = kv.key_bits, kv.value_bits
         generic = int(generic_keys or key_code == 2 or kv.rope_cos is not None)
         if rope_mode is None:
-            rope_mode = "table" if q.dtype == torch.float32 else "angle"
+            rope_mode = "table" if q.dtype in (torch.float32, torch.float64) else "angle"
         rope = 0 if kv.rope_cos is None else (2 if rope_mode == "table" else 1)
         gk = kv.k_scale.shape[-1] if key_code == 0 else 1
         gv = kv.v_scale.shape[-1] if value_code == 0 else 1
@@ -718,6 +766,14 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             kcap = kv.k_out_idx.shape[-1]
         if kv.v_out_idx is not None and value_code == 1:
             vcap = kv.v_out_idx.shape[-1]
+    if q.dtype == torch.float64 and num_warps is None and block_t is None:
+        # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles
+        # except on the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)
+        default_warps = 4
+        if not generic:
+            bt = 16
+            while key_code == 1 and key_block % bt and bt > 1:
+                bt //= 2
     # wgmma (4 warps, BLOCK_T >= 64) wants dots of >= 16 columns; mma.sync pads N itself, so with fewer
     # warps the heads are padded only to a power of two (less softmax work on padding)
     wide = (num_warps or default_warps) >= 4 and bt >= 64
@@ -732,9 +788,10 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     splits = nsplit + int(has_fp)
     if splits == 0:
         return torch.zeros_like(q)
-    m_part = torch.empty(batch * hkv, splits, group, dtype=torch.float32, device=dev)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax state, partials
+    m_part = torch.empty(batch * hkv, splits, group, dtype=acc_dtype, device=dev)
     l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(batch * hkv, splits, group, d, dtype=torch.float32, device=dev)
+    acc_part = torch.empty(batch * hkv, splits, group, d, dtype=acc_dtype, device=dev)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
     # ---- arguments (placeholders where a format has no such tensor)
     if has_packed:
@@ -793,6 +850,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         opts["maxnreg"] = int(max_registers)
     if num_stages is not None:
         opts["num_stages"] = num_stages
+    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
+        opts["enable_fp_fusion"] = False
+    qk_hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]  # float32 part; the rest as qk_lo
     with launch_device(q):
         _decode_kernel[(batch * hkv, splits)](
             q, q.stride(0), q.stride(1), lengths,
@@ -800,14 +860,14 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             vc, *vc_strides, vs, vz, *vs_strides, vtab, voi, vov, *vo_strides,
             cos, sin, pos_offset, tmax,
             fk, fv, *f_strides, fval, sfvb, nf,
-            m_part, l_part, acc_part, hkv, float(scale) * LOG2E, nsplit,
+            m_part, l_part, acc_part, hkv, qk_hi, float(scale) * LOG2E - qk_hi, nsplit,
             D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KCAPP=_pow2(max(kcap, 1)),
             VCAPP=_pow2(max(vcap, 1)),
             KEY_FORMAT=key_code, KBITS=kbits, KEY_BLOCK=key_block, KCAP=kcap, GENERIC_K=generic, ROPE=rope,
             VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),
             BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
-            INTERP=os.environ.get("TRITON_INTERPRET") == "1", FP32=int(q.dtype == torch.float32),
+            INTERP=os.environ.get("TRITON_INTERPRET") == "1", PREC=_PREC.get(q.dtype, 16),
             **opts,
         )
         _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)

@@ -23,7 +23,7 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Model alias (see `kvcal models`) or local HF directory.")
-DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (CPU exactness checks).")
+DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (exactness checks).")
 DeviceOpt = typer.Option("auto", help="cpu, cuda or auto.")
 DataDirOpt = typer.Option(None, "--data-dir", help="Folder with wiki.test.raw etc. (default: $KVCAL_DATA_DIR, else the Hub).")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set bits=2 (repeatable).")

@@ -20,7 +20,7 @@ DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    "float64": torch.float64,  # for exactness checks on CPU (decode vs simulation without rounding noise)
+    "float64": torch.float64,  # for exactness checks (decode vs simulation without rounding noise)
 }
 
 

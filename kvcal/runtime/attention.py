@@ -524,8 +524,6 @@ if triton is not None:
                         acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
                         corr = corr * arow + pz
                     else:
-                        vsc = tl.maximum(vs_cur.to(ACC), 1e-8)
-                        vze = vz_cur.to(ACC)
                         vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, VBITS, BLOCK_T).to(tl.int32), 1)
                         if VCAP > 0 and not EXACT_OUTLIERS:
                             # sparse residuals: sum_t p r_t added with relaxed atomics straight into this program's
@@ -552,8 +550,9 @@ if triton is not None:
                                 w = pq[:, None, :] * ov[:, :, None]  # [T, VSC, GPQ]
                                 tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
                                               mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
+                        vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
                         if PREC == 64:  # float64: dequantize in float32 as the reference does (T[c] s rounds)
-                            vdq = vt * tl.maximum(vs_cur.to(tl.float32), 1e-8)[:, None] + vz_cur.to(tl.float32)[:, None]
+                            vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
                             if VCAP > 0:
                                 vdq = _add_residuals(vdq, voi_ptr + b * svob, vov_ptr + b * svob, t * svot, tm, h * D, D,
                                                      VCAP)
@@ -561,7 +560,7 @@ if triton is not None:
                         else:
                             pw = _opnd(pr * vsc[:, None], PREC)
                             acc = acc * ar[None, :] + _dot(tl.trans(_opnd(vt, PREC)), pw, INTERP)
-                            corr = corr * ar + tl.sum(pr * vze[:, None], 0)
+                            corr = corr * ar + tl.sum(pr * vz_cur.to(ACC)[:, None], 0)
                 if VALUE_FORMAT == 0:
                     out = acc * 16777216.0 + corr[None, :]  # [D, MV], rows in vch order; codes were c * 2^-24
                 else:

@@ -1,6 +1,6 @@
 """What the packed runtime's fixed key-outlier capacity costs KVQuant: perplexity of the simulation of
 what the runtime stores (`exact_outliers=false`: fp16 residuals, at most `key_outlier_capacity` key
-outliers per token, the largest kept) at several capacities, against the paper's exact outliers, with
+outliers per token and KV head, the largest kept) at several capacities, against the paper's exact outliers, with
 the memory each capacity costs. Decode equals this simulation (float64 check in the README), so this
 is the runtime's perplexity without running it token by token.
 
@@ -34,8 +34,8 @@ def main():
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--nsamples", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--capacities", type=int, nargs="*", default=[2, 4, 8, 16, 64],
-                    help="key outlier slots per token (over all KV heads)")
+    ap.add_argument("--capacities", type=int, nargs="*", default=[1, 2, 4, 8, 64],
+                    help="key outlier slots per token and KV head")
     ap.add_argument("--artifacts", nargs="*", default=list(ARTIFACTS))
     ap.add_argument("--artifact-dir", default="artifacts/smollm2-135m")
     ap.add_argument("--json", required=True)
@@ -46,7 +46,8 @@ def main():
     result = {"model": loaded.identity, "device": torch.cuda.get_device_name() if loaded.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": a.dtype, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]),
               "dataset": text.provenance, "kv_channels": channels,
-              "slot_bits_per_element": OUTLIER_ENTRY_BYTES * 8 / (2 * channels), "artifacts": {}}
+              "slot_bits_per_element": OUTLIER_ENTRY_BYTES * 8 / (2 * channels), "kv_heads": loaded.dims.num_kv_heads,
+              "capacity_unit": "slots per token and KV head", "artifacts": {}}
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
         art = load_artifact(path)
@@ -58,7 +59,8 @@ def main():
             codec = codec_for_artifact(art, loaded, path, ["exact_outliers=false", f"key_outlier_capacity={capacity}"])[1]
             ppl = simulated_nll(loaded, codec, windows, batch_size=a.batch_size).ppl
             rows["capacities"][str(capacity)] = {"ppl": ppl, "vs_exact": ppl / exact - 1,
-                                                 "key_slot_bits_per_element": capacity * result["slot_bits_per_element"]}
+                                                 "key_slot_bits_per_element": min(capacity, loaded.dims.head_dim)
+                                                 * loaded.dims.num_kv_heads * result["slot_bits_per_element"]}
             print(f"{name} capacity {capacity:3d}: {ppl:.4f} ({100 * (ppl / exact - 1):+.2f}% vs exact {exact:.4f})",
                   flush=True)
         rows["seconds"] = time.time() - t

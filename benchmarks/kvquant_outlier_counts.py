@@ -1,5 +1,6 @@
 """How many key outliers a token has under a KVQuant artifact's calibrated per-channel ranges, on
-evaluation windows (all layers): what the packed runtime's fixed per-token capacity must hold.
+evaluation windows (all layers), per token and per (token, KV head): what the packed runtime's fixed
+capacity (slots per token and KV head) must hold.
 
     python benchmarks/kvquant_outlier_counts.py --json results/kvquant/key-outlier-counts-2x512.json
 (needs the kvquant artifacts from benchmarks/kvquant_smollm2.sh and KVCAL_DATA_DIR)
@@ -35,24 +36,32 @@ def main():
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
         method, codec = codec_for_artifact(load_artifact(path), loaded, path)
-        counts = []
+        counts, head_counts = [], []
         quantize_keys = codec.quantize_keys
+        heads = loaded.dims.num_kv_heads
 
-        def counting(layer, k, codec=codec, counts=counts, quantize_keys=quantize_keys):
+        def counting(layer, k, codec=codec, counts=counts, head_counts=head_counts, quantize_keys=quantize_keys):
             t = codec.tables[layer]
             rows = to_rows(k)
-            counts.append(((rows > t["k_hi"]) | (rows < t["k_lo"])).sum(-1).flatten())
+            outlier = (rows > t["k_hi"]) | (rows < t["k_lo"])
+            counts.append(outlier.sum(-1).flatten())
+            head_counts.append(outlier.unflatten(-1, (heads, -1)).sum(-1).flatten())
             return quantize_keys(layer, k)
 
         codec.quantize_keys = counting
         simulated_nll(loaded, codec, windows)
         c = torch.cat(counts).float()
+        ch = torch.cat(head_counts).float()
         capacity = codec.runtime_formats(0)[0].capacity
         stats = {"channels": loaded.dims.kv_channels, "nominal": method.outliers * loaded.dims.kv_channels,
-                 "mean": c.mean().item(), "max": c.max().item(), "default_capacity": capacity,
+                 "mean": c.mean().item(), "max": c.max().item(),
                  "quantiles": {str(q): float(torch.quantile(c, q)) for q in (0.5, 0.9, 0.99, 0.999)},
-                 "over_default_capacity": (c > capacity).float().mean().item(),
-                 "over_16": (c > 16).float().mean().item(), "token_layers": int(c.numel())}
+                 "over_16": (c > 16).float().mean().item(), "token_layers": int(c.numel()),
+                 "per_head": {"channels": loaded.dims.head_dim, "mean": ch.mean().item(), "max": ch.max().item(),
+                              "quantiles": {str(q): float(torch.quantile(ch, q)) for q in (0.5, 0.9, 0.99, 0.999)},
+                              "default_capacity": capacity,
+                              "over_default_capacity": (ch > capacity).float().mean().item(),
+                              "token_head_layers": int(ch.numel())}}
         result["artifacts"][name] = stats
         print(name, json.dumps(stats), flush=True)
     with open(a.json, "w") as f:

@@ -39,12 +39,13 @@ def main():
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--artifact-dir", default="artifacts/smollm2-135m")
+    ap.add_argument("--artifacts", nargs="*", default=["kvquant-nuq4-1pct", "kvquant-nuq3-1pct"])
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", "float32", a.device)
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     codecs = {}
-    for name in ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct"):
+    for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
         codecs[name] = codec_for_artifact(load_artifact(path), loaded, path)[1]
     for recipe in ("kivi-4bit-g64-r0", "kivi-3bit-g64-r0"):

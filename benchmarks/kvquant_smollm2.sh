@@ -12,7 +12,8 @@ command -v kvcal > /dev/null || kvcal() { python3 -m kvcal.cli "$@"; }
 OUT=${OUT_DIR:-results/kvquant}
 ART=artifacts/smollm2-135m
 
-HEADLINE="kvquant-nuq4-1pct kvquant-nuq3-1pct kvquant-nuq2-1pct kvquant-nuq4 kvquant-nuq3 kvquant-nuq2"
+HEADLINE="kvquant-nuq4-1pct kvquant-nuq3-1pct kvquant-nuq2-1pct kvquant-nuq4 kvquant-nuq3 kvquant-nuq2
+  kvquant-nuq4-1pct-vhead kvquant-nuq3-1pct-vhead kvquant-nuq2-1pct-vhead"
 ABLATIONS=$(cd recipes && ls ablations/kvquant-*.yaml | sed 's/\.yaml$//')
 
 recipes=(); artifacts=()

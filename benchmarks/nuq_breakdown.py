@@ -29,6 +29,8 @@ def main():
         "nuq: value outliers only": dataclasses.replace(kv, k_out_idx=None, k_out_val=None),
         "nuq: key outliers only": dataclasses.replace(kv, v_out_idx=None, v_out_val=None),
         "nuq: no outliers": dataclasses.replace(kv, k_out_idx=None, k_out_val=None, v_out_idx=None, v_out_val=None),
+        "nuq, values per head (value_scope=head)": random_packed("nuq", a.bits, a.batch, hkv, dim, a.context - 128,
+                                                                   device="cuda", value_per_head=True),
         "int (affine, same bits)": random_packed("int", a.bits, a.batch, hkv, dim, a.context - 128, device="cuda"),
     }
     rows = {name: time_kvcal(None, a.bits, a.batch, hq, hkv, dim, a.context, kv=v)[0] for name, v in variants.items()}

@@ -21,10 +21,11 @@ def _keys(gen, n, h, d, device):
 
 def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int | None = None, group: int | None = None,
                 key_block: int = 32, kcap: int = 0, per_side: int = 0, pre_rope: bool = False, pos_offset: int = 0,
-                seed: int = 0, device="cpu") -> PackedKV:
+                value_per_head: bool = False, seed: int = 0, device="cpu") -> PackedKV:
     """codec: 'int' (affine_channels keys and values, `group` channels per scale, default d), 'kivi'
     (affine_tokens keys in blocks of key_block tokens, affine_channels values in groups of 32 or `group`),
-    'nuq' (lut_static keys with kcap outliers per token, lut_dynamic values with per_side outliers per side).
+    'nuq' (lut_static keys with kcap outlier slots per token and head, lut_dynamic values with per_side outliers per side, per token
+    or, with value_per_head, per token and head).
     pre_rope: keys stored before RoPE (rotated at attention time from float32 cos/sin tables)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     batch = len(lengths)
@@ -59,15 +60,16 @@ def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int |
         spec.update(k_scale=ks, k_zero=kz)
         vs = torch.zeros(batch, hkv, tcap, vg, dtype=torch.float16, device=device)
     else:
-        vs = torch.zeros(batch, tcap, dtype=torch.float16, device=device)
+        vs = torch.zeros(batch, *((hkv,) if value_per_head else ()), tcap, dtype=torch.float16, device=device)
     vz = torch.zeros_like(vs)
     spec.update(v_scale=vs, v_zero=vz)
     if codec == "nuq" and kcap:
-        spec.update(k_out_idx=torch.full((batch, tcap, kcap), -1, dtype=torch.int16, device=device),
-                    k_out_val=torch.zeros(batch, tcap, kcap, dtype=torch.float16, device=device))
+        spec.update(k_out_idx=torch.full((batch, tcap, hkv, kcap), -1, dtype=torch.int16, device=device),
+                    k_out_val=torch.zeros(batch, tcap, hkv, kcap, dtype=torch.float16, device=device))
     if codec == "nuq" and per_side:
-        spec.update(v_out_idx=torch.full((batch, tcap, 2 * per_side), -1, dtype=torch.int16, device=device),
-                    v_out_val=torch.zeros(batch, tcap, 2 * per_side, dtype=torch.float16, device=device))
+        slots = (batch, tcap, *((hkv,) if value_per_head else ()), 2 * per_side)
+        spec.update(v_out_idx=torch.full(slots, -1, dtype=torch.int16, device=device),
+                    v_out_val=torch.zeros(slots, dtype=torch.float16, device=device))
     if pre_rope:
         rope = RopeSpec(head_dim=d, theta=500000.0, rope_type="llama3", factor=8.0)
         positions = torch.arange(pos_offset + tcap + 8, device=device)[None]
@@ -94,8 +96,12 @@ def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int |
             if kcap:
                 kv.k_out_idx[b, :n], kv.k_out_val[b, :n] = idx, val
         if codec == "nuq":
-            codes, s, z, idx, val = Q.quantize_lut_dynamic(xv, venc, kv.v_table, bits, per_side)
-            vc[b, :, :n], vs[b, :n], vz[b, :n] = codes.transpose(0, 1), s, z
+            codes, s, z, idx, val = Q.quantize_lut_dynamic(xv, venc, kv.v_table, bits, per_side, value_per_head)
+            vc[b, :, :n] = codes.transpose(0, 1)
+            if value_per_head:
+                vs[b, :, :n], vz[b, :, :n] = s.transpose(0, 1), z.transpose(0, 1)
+            else:
+                vs[b, :n], vz[b, :n] = s, z
             if per_side:
                 kv.v_out_idx[b, :n], kv.v_out_val[b, :n] = idx, val
         else:
@@ -137,10 +143,12 @@ ATTENTION_CASES = [
     ("kivi4_b16_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {}),
     ("kivi3_nb2_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {}),
     ("kivi2_b24_generic_bf16", "kivi", 2, torch.bfloat16, {"key_block": 24}, {}, {}),
-    ("nuq4_prerope_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 6, "per_side": 2, "pre_rope": True,
+    ("nuq4_prerope_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True,
                                                               "pos_offset": 3}, {}, {}),
-    ("nuq3_prerope_table_fp16", "nuq", 3, torch.float16, {"kcap": 4, "per_side": 1, "pre_rope": True}, {"rope_mode": "table"}, {}),
-    ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 3, "per_side": 1}, {}, {}),
+    ("nuq3_prerope_table_fp16", "nuq", 3, torch.float16, {"kcap": 9, "per_side": 1, "pre_rope": True}, {"rope_mode": "table"}, {}),
+    ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
+    ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
+                                                         "value_per_head": True}, {}, {}),
     ("int4_mha_fp16", "int", 4, torch.float16, {}, {}, {"hq": 2}),
     ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
@@ -148,13 +156,14 @@ ATTENTION_CASES = [
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
     ("int3_fp32", "int", 3, torch.float32, {}, {}, {}),
     ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
-    ("nuq4_prerope_outliers_fp32", "nuq", 4, torch.float32, {"kcap": 6, "per_side": 2, "pre_rope": True,
+    ("nuq4_prerope_outliers_fp32", "nuq", 4, torch.float32, {"kcap": 3, "per_side": 2, "pre_rope": True,
                                                              "pos_offset": 3}, {}, {}),
     ("int3_fp64", "int", 3, torch.float64, {}, {}, {}),
     ("kivi4_b16_fp64", "kivi", 4, torch.float64, {"key_block": 16}, {}, {}),
-    ("nuq4_prerope_outliers_fp64", "nuq", 4, torch.float64, {"kcap": 6, "per_side": 2, "pre_rope": True,
+    ("nuq4_prerope_outliers_fp64", "nuq", 4, torch.float64, {"kcap": 3, "per_side": 2, "pre_rope": True,
                                                              "pos_offset": 3}, {}, {}),
-    ("nuq3_plain_fp64", "nuq", 3, torch.float64, {"kcap": 4, "per_side": 1}, {}, {}),
+    ("nuq3_plain_fp64", "nuq", 3, torch.float64, {"kcap": 2, "per_side": 1}, {}, {}),
+    ("nuq3_vhead_fp64", "nuq", 3, torch.float64, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
 ]
 
 
@@ -214,10 +223,11 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
             a = Q.quantize_lut_static(x, lo, hi, levels, levels + 0.01, bits, 5)
             b = Q.quantize_lut_static_triton(x, lo, hi, levels, levels + 0.01, bits, 5)
             res[f"lut_static_{tag}"] = torch.equal(a[0], b[0]) and _same_outliers(x, a[1], a[2], b[1], b[2])
-            a = Q.quantize_lut_dynamic(x, levels, levels * 0.9, bits, 2)
-            b = Q.quantize_lut_dynamic_triton(x, levels, levels * 0.9, bits, 2)
-            res[f"lut_dynamic_{tag}"] = all(torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(
-                x, a[3], a[4], b[3], b[4])
+            for per_head in (False, True):
+                a = Q.quantize_lut_dynamic(x, levels, levels * 0.9, bits, 2, per_head)
+                b = Q.quantize_lut_dynamic_triton(x, levels, levels * 0.9, bits, 2, per_head)
+                res[f"lut_dynamic_{tag}{'_per_head' if per_head else ''}"] = all(
+                    torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(x, a[3], a[4], b[3], b[4])
     return res
 
 
@@ -228,6 +238,7 @@ def _same_outliers(x, ia, va, ib, vb) -> bool:
     if ia is None or ib is None:
         return ia is None and ib is None
     rows = x.reshape(x.shape[0], -1).float()
+    ia, va, ib, vb = (t.flatten(1) for t in (ia, va, ib, vb))  # key slots [N, H, cap]: compare per token
 
     def canon(i, v):
         xv = torch.where(i >= 0, rows.gather(1, i.long().clamp_min(0)), torch.full_like(v, -1e30, dtype=torch.float32))

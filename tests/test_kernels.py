@@ -57,13 +57,15 @@ def test_interpreted_decode_attention(interpreted, case):
 
 GPU_CASES = [
     (f"{codec}{bits}_{str(dtype)[6:]}", codec, bits, dtype, kw, {}, {})
-    for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 21, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
+    for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 3, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
     for bits in (4, 3, 2)
     for dtype in ((torch.bfloat16, torch.float16) if bits == 4 else (torch.bfloat16,))
 ] + [(f"{codec}4_{str(dtype)[6:]}", codec, 4, dtype, kw, {}, {})
-      for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 21, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
+      for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 3, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
       for dtype in (torch.float32, torch.float64)
 ] + [("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True}, {}, {}),
+     ("nuq4_vhead_bfloat16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "pre_rope": True, "value_per_head": True},
+      {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -65,6 +65,10 @@ def test_bits_per_element_hand_computed():
     stored = 4095 / 4096
     expected = stored * (3 + 32 / 192 / 2 + (1.92 + 2) * 32 / 192 / 2 + 32 / 192) + 16 / 4096
     assert report.bits_per_element == pytest.approx(expected, rel=1e-6)
+    # values per (token, head): 3 scale+zero pairs per token, and 1 + 1 outliers per head of 64 (6 per token)
+    report = bits_per_element(build_method("kvquant", {"bits": 3, "value_scope": "head"}), dims)
+    expected = stored * (3 + 3 * 32 / 192 / 2 + (1.92 + 6) * 32 / 192 / 2 + 32 / 192) + 16 / 4096
+    assert report.bits_per_element == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +92,16 @@ def test_keys_ranges_are_percentiles_without_sinks(tiny_store):
     assert 0.05 < info["key_outlier_rate"][1] < 0.15
 
 
-def reference_value_problem(store, layer=0, sink=1):
+def reference_value_problem(store, layer=0, sink=1, head_dim=None):
     """Normalized non-sink values of one layer and the three candidate k-means weights, recomputed
-    independently of kvcal (float64 numpy)."""
+    independently of kvcal (float64 numpy); with head_dim, each head's part of a token is its own vector."""
     import numpy as np
 
     data = store.layer(layer)
     keep = store.token_positions >= sink
     v, f = data["v"][keep].double(), data["fisher_v"][keep].double()
+    if head_dim:
+        v, f = v.reshape(-1, head_dim), f.reshape(-1, head_dim)
     lo, hi = v.min(1, keepdim=True).values, v.max(1, keepdim=True).values
     scale = (hi - lo) / 2
     xn = ((v - (hi + lo) / 2) / scale).flatten().numpy()
@@ -124,6 +130,21 @@ def test_value_datatype_solves_the_weighted_kmeans_problem(tiny_store):
         assert weighted_cost(xn, w, tables[name]) <= weighted_cost(xn, w, sk.cluster_centers_[:, 0]) * 1.001
     # the unweighted table is clearly better for the unweighted objective than the Fisher one
     assert weighted_cost(xn, weights["none"], tables["none"]) < 0.995 * weighted_cost(xn, weights["none"], tables["fisher"])
+
+
+def test_per_head_value_datatype_solves_the_per_head_problem(tiny_store):
+    """value_scope=head normalizes each (token, head) vector by its own range: its table solves that
+    problem as well as sklearn does, and clearly better than the per-token table does."""
+    loaded, store = tiny_store
+    xn, weights = reference_value_problem(store, head_dim=loaded.dims.head_dim)
+    w = weights["fisher_scale"]
+    config = {"bits": 2, "outliers": 0.0, "qnorm": False}
+    per_head = build_method("kvquant", {**config, "value_scope": "head"}).calibrate(loaded, store)[0]
+    per_token = build_method("kvquant", config).calibrate(loaded, store)[0]
+    sk = KMeans(4, n_init=10, random_state=0).fit(xn[:, None], sample_weight=w)
+    table = per_head["layers.0.v.encode"].double().numpy()
+    assert weighted_cost(xn, w, table) <= weighted_cost(xn, w, sk.cluster_centers_[:, 0]) * 1.001
+    assert weighted_cost(xn, w, table) < 0.99 * weighted_cost(xn, w, per_token["layers.0.v.encode"].double().numpy())
 
 
 def test_fisher_weighting_changes_the_datatype(tiny_store):

@@ -108,10 +108,10 @@ def kvquant_codec(tiny, kvquant_artifact):
     return build_method("kvquant", KVQUANT_CONFIG).build_codec(kvquant_artifact.tensors, tiny.dims)
 
 
-@pytest.mark.parametrize("name,config", CODECS[1:] + [("kvquant", {})])
+@pytest.mark.parametrize("name,config", CODECS[1:] + [("kvquant", {}), ("kvquant", {"value_scope": "head"})])
 def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
     """In float64 no rounding noise is left to amplify: decode equals the simulation of what the runtime
-    stores (for KVQuant: fp16 outlier residuals and at most key_outlier_capacity key outliers per token,
+    stores (for KVQuant: fp16 outlier residuals and at most key_outlier_capacity key outliers per token and head,
     here with room for all of them and with one slot, which overflows)."""
     tiny64 = load_model("tiny-llama", "float64")
     tensors = kvquant_artifact.tensors if name == "kvquant" else {}
@@ -120,7 +120,7 @@ def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
     results = []
     for capacity in capacities:
         if name == "kvquant":
-            config = {**KVQUANT_CONFIG, "exact_outliers": False, "key_outlier_capacity": capacity}
+            config = {**KVQUANT_CONFIG, **config, "exact_outliers": False, "key_outlier_capacity": capacity}
         codec = build_method(name, config).build_codec(tensors, tiny64.dims)
         simulated = simulated_nll(tiny64, codec, ids)
         assert decoded_nll(tiny64, codec, ids, batch_size=2).nll == pytest.approx(simulated.nll, rel=1e-12)
@@ -135,9 +135,9 @@ def test_runtime_settings_on_an_artifact(kvquant_artifact, tiny):
 
     method, codec = codec_for_artifact(kvquant_artifact, tiny, "a", ["key_outlier_capacity=7"])
     assert method.key_outlier_capacity == 7 and codec.runtime_formats(0)[0].capacity == 7
-    # default: twice the nominal count, ceil(2 x 5% x 32 channels) = ceil(3.2) = 4
-    assert tiny.dims.kv_channels == 32
-    assert codec_for_artifact(kvquant_artifact, tiny, "a")[1].runtime_formats(0)[0].capacity == 4
+    # default: twice the nominal count per head, ceil(2 x 5% x 16 channels) = ceil(1.6) = 2
+    assert tiny.dims.head_dim == 16
+    assert codec_for_artifact(kvquant_artifact, tiny, "a")[1].runtime_formats(0)[0].capacity == 2
     with pytest.raises(KvcalError, match="cannot change a calibrated artifact"):
         codec_for_artifact(kvquant_artifact, tiny, "a", ["bits=2"])
 
@@ -322,19 +322,29 @@ def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
     zero, scale = range_params(lo, hi)
     dense = dequantize_lut_static(codes, zero, scale, decode, 3, 16).reshape(12, 32)
     assert torch.equal(dense, quantize_static(rows, lo, hi, encode, decode, sparse=False))
-    codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=32)  # room for every outlier
+    codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=16)  # room for every outlier
     sparse = dequantize_lut_static(codes, zero, scale, decode, 3, 16, idx, val).reshape(12, 32)
     torch.testing.assert_close(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True), rtol=0, atol=2e-3)
     assert torch.equal(sparse, quantize_static(rows, lo, hi, encode, decode, sparse=True, exact=False))
     assert not torch.equal(sparse, dense)  # the outliers are there
-    outliers_per_row = ((rows > hi) | (rows < lo)).sum(1)
-    assert outliers_per_row.max() > 2  # so two slots overflow on some rows
+    outliers_per_head = ((rows > hi) | (rows < lo)).reshape(12, 2, 16).sum(2)
+    assert outliers_per_head.max() > 2  # so two slots per head overflow on some tokens
     codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 3, capacity=2)
+    assert idx.shape == (12, 2, 2) and (idx[:, 1][idx[:, 1] >= 0] >= 16).all()  # slots per head, channels in [0, C)
     overflow = dequantize_lut_static(codes, zero, scale, decode, 3, 16, idx, val).reshape(12, 32)
-    assert torch.equal(overflow, quantize_static(rows, lo, hi, encode, decode, sparse=True, exact=False, capacity=2))
-    kept = (overflow != dense).sum(1)  # the simulation keeps what the runtime keeps: the 2 largest residuals
-    assert torch.equal(kept, outliers_per_row.clamp(max=2))
+    simulated = quantize_static(rows, lo, hi, encode, decode, sparse=True, exact=False, capacity=2, head_dim=16)
+    assert torch.equal(overflow, simulated)
+    kept = (overflow != dense).reshape(12, 2, 16).sum(2)  # the simulation keeps what the runtime keeps:
+    assert torch.equal(kept, outliers_per_head.clamp(max=2))  # each head's 2 largest residuals
     codes, scale, zero, idx, val = quantize_lut_dynamic(x, encode, decode, 3, per_side=1)
     values = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16, idx, val).reshape(12, 32)
     torch.testing.assert_close(values, quantize_dynamic(rows, encode, decode, per_side=1), rtol=0, atol=2e-3)
     assert torch.equal(values, quantize_dynamic(rows, encode, decode, per_side=1, exact=False))
+    # values per (token, head): each head's 16 channels get their own range and outlier per side
+    codes, scale, zero, idx, val = quantize_lut_dynamic(x, encode, decode, 3, per_side=1, per_head=True)
+    assert scale.shape == (12, 2) and idx.shape == (12, 2, 2) and (idx[:, 1] >= 16).all()
+    values = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16, idx, val)
+    assert torch.equal(values, quantize_dynamic(x, encode, decode, per_side=1, exact=False))
+    per_token = dequantize_lut_dynamic(*quantize_lut_dynamic(x, encode, decode, 3, per_side=1)[:3], decode, 3, 16)
+    per_head = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16)
+    assert (per_head - x).abs().mean() < (per_token - x).abs().mean()  # head 0 has the smaller channels

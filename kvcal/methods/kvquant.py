@@ -14,7 +14,8 @@
 Where the paper versions and the official code disagree we follow ../shared/papers/kvquant.md section 8:
 weights F*s^2 (NeurIPS version, App. E) by default rather than the code's F; the sink excluded from the
 thresholds as well (paper) and not only from k-means (code); per-token value ranges over the whole
-token vector across KV heads (paper and code); value outliers per side = floor(0.005*C) + 1 (the
+token vector across KV heads (paper and code; `value_scope=head`, the digest's option, gives each KV
+head's part of the token its own range and outliers); value outliers per side = floor(0.005*C) + 1 (the
 code's deployment rule; 1 per side on C = 192); our own seeded weighted k-means (k-means++, best of 3
 inits) instead of sklearn's single init.
 """
@@ -38,6 +39,7 @@ from kvcal.runtime.formats import KeyFormat, ValueFormat
 WEIGHTINGS = ("fisher_scale", "fisher", "none")
 DATATYPES = ("nuq", "int")
 GRANULARITIES = ("per_channel", "per_token")
+VALUE_SCOPES = ("token", "head")
 OUTLIER_ENTRY_BYTES = 4  # fp16 value + 16-bit index within the vector
 OUTLIER_POINTER_BYTES = 4  # 32-bit CSR/CSC pointer per token, for K and for V
 
@@ -71,18 +73,20 @@ def restore_outliers(x, dense, outliers, exact: bool) -> torch.Tensor:
 
 
 def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = True,
-                    capacity: int | None = None) -> torch.Tensor:
+                    capacity: int | None = None, head_dim: int | None = None) -> torch.Tensor:
     """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
     (kept, see restore_outliers) when `sparse`, else clamped to the extreme levels. With `capacity`, only
-    that many outliers per row are kept (the largest residuals), as in the packed runtime."""
+    that many outliers per head of `head_dim` channels of a row are kept (the largest residuals), as in
+    the packed runtime (whose slots are per token and KV head)."""
     x = rows.to(torch.float32)
     zero, scale = range_params(lo, hi)
     out = lookup((x - zero) / scale, encode, decode) * scale + zero
     if sparse:
         outliers = (x > hi) | (x < lo)
         if capacity is not None:  # the runtime's overflow rule: the largest residuals stay, the rest clamp
-            top, valid = largest_residuals(x - out, outliers, capacity)
-            outliers = torch.zeros_like(outliers).scatter_(-1, top, valid)
+            heads = x.unflatten(-1, (-1, head_dim or x.shape[-1])).shape
+            top, valid = largest_residuals((x - out).reshape(heads), outliers.reshape(heads), capacity)
+            outliers = torch.zeros(heads, dtype=torch.bool, device=x.device).scatter_(-1, top, valid).reshape(x.shape)
         out = restore_outliers(x, out, outliers, exact)
     return out.to(rows.dtype)
 
@@ -102,9 +106,12 @@ class KVQuantCodec(Codec):
         self.method = method
         self.heads = dims.num_kv_heads
         self.channels = dims.kv_channels
+        self.head_dim = dims.head_dim
         self.keys_pre_rope = method.pre_rope
         self.policy = FlushPolicy(sink=method.sink)
         self.per_side = per_side_outliers(method.outliers, dims.kv_channels)
+        self.value_per_head = method.value_scope == "head"
+        self.value_per_side = method.value_per_side(dims)
         self.tables = []
         for i in range(dims.num_layers):
             layer = {}
@@ -129,24 +136,28 @@ class KVQuantCodec(Codec):
             # runtime-storage mode (exact_outliers=false) also keeps the runtime's slots per token
             capacity = None if self.method.exact_outliers else self.key_capacity()
             out = quantize_static(rows, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.per_side > 0,
-                                  self.method.exact_outliers, capacity)
+                                  self.method.exact_outliers, capacity, self.head_dim)
         else:
             out = quantize_dynamic(rows, t["k_encode"], t["k_decode"], self.per_side, self.method.exact_outliers)
         return from_rows(out, self.heads)
 
     def quantize_values(self, layer, v):
         t = self._on(v.device)[layer]
-        values = quantize_dynamic(to_rows(v), t["v_encode"], t["v_decode"], self.per_side, self.method.exact_outliers)
-        return from_rows(values, self.heads)
+        rows = to_rows(v)
+        if self.value_per_head:  # one vector per (token, head)
+            rows = rows.unflatten(-1, (self.heads, self.head_dim))
+        values = quantize_dynamic(rows, t["v_encode"], t["v_decode"], self.value_per_side, self.method.exact_outliers)
+        return from_rows(values.flatten(-2) if self.value_per_head else values, self.heads)
 
     def key_capacity(self) -> int:
-        """Key outlier slots per token in the packed runtime. Key outliers vary per token: the runtime keeps
-        a fixed capacity, by default twice the nominal rate (overflow keeps the largest residuals, the rest
-        clamp to the extreme level)."""
+        """Key outlier slots per token and KV head in the packed runtime. Key outliers vary per token: the
+        runtime keeps a fixed capacity, by default twice the nominal rate (overflow keeps the largest
+        residuals, the rest clamp to the extreme level). Per head, so that the decode kernel's program for
+        one KV head reads only its own slots."""
         if not self.method.outliers:
             return 0
-        capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.channels)
-        return min(capacity, self.channels)  # more slots than channels can never be used
+        capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.head_dim)
+        return min(capacity, self.head_dim)  # more slots than channels can never be used
 
     def runtime_formats(self, layer):
         if self.method.key_granularity != "per_channel" or not self.method.pre_rope:
@@ -155,7 +166,7 @@ class KVQuantCodec(Codec):
         keys = KeyFormat("lut_static", self.method.bits, lo=t["k_lo"], hi=t["k_hi"], encode=t["k_encode"],
                          decode=t["k_decode"], capacity=self.key_capacity())
         values = ValueFormat("lut_dynamic", self.method.bits, encode=t["v_encode"], decode=t["v_decode"],
-                             per_side=self.per_side)
+                             per_side=self.value_per_side, per_head=self.value_per_head)
         return keys, values
 
 
@@ -177,18 +188,21 @@ class KVQuant(Method):
     datatype: str = "nuq"  # nuq: k-means levels; int: uniform levels (the ablation baseline)
     qnorm: bool | None = None  # None: on at 2 bits only, as in the seed paper
     key_granularity: str = "per_channel"  # per_channel (offline ranges) or per_token (online, ablation)
+    # value ranges and outliers per token over all KV heads (paper, code) or per (token, KV head): digest #3's
+    # option, three times the scales on smollm2 (+0.17 bits per element) for ranges that follow each head
+    value_scope: str = "token"
     pre_rope: bool = True  # quantize keys before RoPE
     kmeans_inits: int = 3
     kmeans_iters: int = 100
     seed: int = 0
-    # Packed runtime: key outlier slots per token (over all heads). 0 = twice the nominal count,
-    # ceil(2 x outliers x C) (4 on smollm2, digest #5's "2 per side"). Counts vary per token (smollm2 at 1%,
-    # evaluation windows: mean 2.7 of 192 channels, 18% of token-layers above 4); overflow keeps the largest
-    # residuals and clamps the rest. Runtime-only: `--set key_outlier_capacity=N` works on an artifact.
+    # Packed runtime: key outlier slots per token and KV head. 0 = twice the nominal count,
+    # ceil(2 x outliers x head_dim) (2 per head on smollm2, 3 on Llama-3.1-8B). Counts vary per token
+    # (smollm2 at 1%, evaluation windows: mean 2.7 of 192 channels per token); overflow keeps the head's
+    # largest residuals and clamps the rest. Runtime-only: `--set key_outlier_capacity=N` works on an artifact.
     key_outlier_capacity: int = 0
     # Simulation: outliers read back exactly (digest #7, the paper's PPL) or, with false, as the packed
     # runtime stores them (fp16 residual over the dense code, at most key_outlier_capacity key outliers per
-    # token): decode-mode parity compares against that, and the two simulations give the storage's cost.
+    # token and head): decode-mode parity compares against that, and the two simulations give the storage's cost.
     exact_outliers: bool = True
 
     def validate(self):
@@ -199,13 +213,18 @@ class KVQuant(Method):
         if self.sink < 0:
             raise KvcalError("kvquant sink must be >= 0")
         for key, value, allowed in (("weighting", self.weighting, WEIGHTINGS), ("datatype", self.datatype, DATATYPES),
-                                    ("key_granularity", self.key_granularity, GRANULARITIES)):
+                                    ("key_granularity", self.key_granularity, GRANULARITIES),
+                                    ("value_scope", self.value_scope, VALUE_SCOPES)):
             if value not in allowed:
                 raise KvcalError(f"kvquant {key} must be one of {', '.join(allowed)}, got '{value}'")
         if self.key_outlier_capacity < 0:
             raise KvcalError("kvquant key_outlier_capacity must be >= 0 (0: automatic)")
         if self.kmeans_inits < 1 or self.kmeans_iters < 1:
             raise KvcalError("kvquant kmeans_inits and kmeans_iters must be >= 1")
+
+    def value_per_side(self, dims) -> int:
+        """Value outliers per side of each value vector (the token's C channels, or one head's)."""
+        return per_side_outliers(self.outliers, dims.head_dim if self.value_scope == "head" else dims.kv_channels)
 
     @property
     def use_qnorm(self) -> bool:
@@ -219,6 +238,8 @@ class KVQuant(Method):
         name = f"{self.datatype}{self.bits}"
         if self.outliers:
             name += f"-{self.outliers * 100:g}pct"
+        if self.value_scope == "head":
+            name += "-vhead"
         return name
 
     # ---- calibration -------------------------------------------------------------------------------
@@ -243,7 +264,9 @@ class KVQuant(Method):
                 fk = data["fisher_k"][keep_rows] if "fisher_k" in data else None
                 fv = data["fisher_v"][keep_rows] if "fisher_v" in data else None
                 key_tables, k_rate, k_err = self._fit_keys(k, fk, per_side)
-                value_tables, _, v_err = self._fit_dynamic(v, fv, per_side)
+                if self.value_scope == "head":  # each (token, head) is a vector of its own
+                    v, fv = (None if x is None else x.reshape(-1, dims.head_dim) for x in (v, fv))
+                value_tables, _, v_err = self._fit_dynamic(v, fv, self.value_per_side(dims))
                 for name, t in {**key_tables, **{f"v.{n}": t for n, t in value_tables.items()}}.items():
                     tensors[f"layers.{i}.{name}"] = t.cpu()
                 info["key_outlier_rate"].append(round(k_rate, 5))
@@ -322,14 +345,16 @@ class KVQuant(Method):
         sinks = min(self.sink, tokens)
         stored = (tokens - sinks) * layers  # tokens x layers held as codes
         per_side = per_side_outliers(self.outliers, channels)
-        dynamic = 1 + (self.key_granularity == "per_token")  # per-token (scale, zero) pairs: V, and K if per token
+        value_vectors = dims.num_kv_heads if self.value_scope == "head" else 1  # (scale, zero) pairs per token
+        dynamic = value_vectors + (self.key_granularity == "per_token")  # ... and one for K if per token
         key_outliers = 2 * per_side if self.key_granularity == "per_token" else self.outliers * channels
+        value_outliers = 2 * self.value_per_side(dims) * value_vectors
         parts = {
             "codes": 2 * stored * channels * self.bits / 8,
             "scales_zeros": dynamic * stored * 2 * FP16_BYTES,
         }
         if self.outliers:
-            parts["outliers"] = (key_outliers + 2 * per_side) * stored * OUTLIER_ENTRY_BYTES
+            parts["outliers"] = (key_outliers + value_outliers) * stored * OUTLIER_ENTRY_BYTES
             parts["outlier_pointers"] = 2 * stored * OUTLIER_POINTER_BYTES
         parts["fp16_sinks"] = fp16_token_bytes(dims, sinks)
         return parts

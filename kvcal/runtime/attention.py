@@ -40,14 +40,14 @@ class PackedKV:
     value_format: str
     value_bits: int
     v_codes: torch.Tensor  # [B, Hkv, Tcap, Wv] int32
-    v_scale: torch.Tensor | None  # affine_channels [B,Hkv,Tcap,Gv] fp16 | lut_dynamic [B,Tcap] fp16
+    v_scale: torch.Tensor | None  # affine_channels [B,Hkv,Tcap,Gv] fp16 | lut_dynamic [B,Tcap] or [B,Hkv,Tcap] fp16
     v_zero: torch.Tensor | None
     key_block: int = 1  # affine_tokens: tokens sharing one (scale, zero) per channel
     k_table: torch.Tensor | None = None  # lut_static decode table [2^bits] fp32
-    k_out_idx: torch.Tensor | None = None  # [B, Tcap, capk] int16 channel in [0, C), -1 = empty
-    k_out_val: torch.Tensor | None = None  # [B, Tcap, capk] fp16 residual
+    k_out_idx: torch.Tensor | None = None  # [B, Tcap, Hkv, capk] int16 channel in [0, C), -1 = empty
+    k_out_val: torch.Tensor | None = None  # [B, Tcap, Hkv, capk] fp16 residual
     v_table: torch.Tensor | None = None
-    v_out_idx: torch.Tensor | None = None
+    v_out_idx: torch.Tensor | None = None  # [B, Tcap, capv] per token over all heads, or [B, Tcap, Hkv, capv]
     v_out_val: torch.Tensor | None = None
     # Pre-RoPE keys are rotated at attention time: slot i of a row sits at position pos_offset + i.
     rope_cos: torch.Tensor | None = None  # [Tmax, D] float32 (None: keys are stored post-RoPE)
@@ -91,8 +91,11 @@ class PackedKV:
         else:
             idx = None if self.v_out_idx is None else self.v_out_idx[b, :t]
             val = None if self.v_out_val is None else self.v_out_val[b, :t]
-            v = dequantize_lut_dynamic(codes, self.v_scale[b, :t], self.v_zero[b, :t], self.v_table,
-                                       self.value_bits, d, idx, val)
+            if self.v_scale.dim() == 3:  # per (token, head)
+                scale, zero = self.v_scale[b, :, :t].transpose(0, 1), self.v_zero[b, :, :t].transpose(0, 1)
+            else:
+                scale, zero = self.v_scale[b, :t], self.v_zero[b, :t]
+            v = dequantize_lut_dynamic(codes, scale, zero, self.v_table, self.value_bits, d, idx, val)
         return v.transpose(0, 1).to(dtype)
 
 
@@ -321,8 +324,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(
         q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, ktab_ptr, koi_ptr, kov_ptr, skob, skot,
-        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot,
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, ktab_ptr, koi_ptr, kov_ptr, skob, skot, skoh,
+        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot, svoh,
         cos_ptr, sin_ptr, pos_offset, TMAX,
         fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
         m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
@@ -370,6 +373,8 @@ if triton is not None:
                 rk = tl.arange(0, GPK)
                 ks_base = ks_ptr + b * sksb + h * sksh
                 kz_base = kz_ptr + b * sksb + h * sksh
+                ko = b * skob + h * skoh  # key outlier slots of this row and head (per head: only its own)
+                vo = b * svob + h * svoh  # value outlier slots (per token over all heads: head stride 0)
                 # ---- per-program key setup
                 if GENERIC_K:
                     hh = tl.arange(0, HD)
@@ -451,8 +456,8 @@ if triton is not None:
                         k2 = _key_half(kptr, tm, t, HD, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
                                        KEY_BLOCK, ktab_ptr, kscl2, kzer2)
                         if EXACT_OUTLIERS and KCAP > 0:
-                            k1 = _add_residuals(k1, koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D, HD, KCAP)
-                            k2 = _add_residuals(k2, koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D + HD, HD,
+                            k1 = _add_residuals(k1, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D, HD, KCAP)
+                            k2 = _add_residuals(k2, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D + HD, HD,
                                                 KCAP)
                         k1 = k1.to(ACC)
                         k2 = k2.to(ACC)
@@ -479,7 +484,7 @@ if triton is not None:
                             kb = k2
                         s = _dot(_opnd(ka, PREC), qa, INTERP) + _dot(_opnd(kb, PREC), qb, INTERP)
                         if KCAP > 0 and not EXACT_OUTLIERS:
-                            s += _regroup(_key_outlier_scores(koi_ptr + b * skob, kov_ptr + b * skob, t * skot, tm, h * D,
+                            s += _regroup(_key_outlier_scores(koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D,
                                                               KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
                                                               pos_offset + t, ROPE, D, GPQ, BLOCK_T, ACC),
                                           GPQ, GPK, BLOCK_T)
@@ -543,7 +548,7 @@ if triton is not None:
                             for j0 in range(0, VCAP, VSC):  # slots 8 at a time (register pressure)
                                 jv = j0 + tl.arange(0, VSC)
                                 om = tm[:, None] & (jv < VCAP)[None, :]
-                                vrow = b * svob + t[:, None] * svot + jv[None, :]
+                                vrow = vo + t[:, None] * svot + jv[None, :]
                                 oi = tl.load(voi_ptr + vrow, mask=om, other=-1).to(tl.int32) - h * D
                                 ok = om & (oi >= 0) & (oi < D)
                                 ov = tl.load(vov_ptr + vrow, mask=ok, other=0.0).to(ACC)
@@ -554,8 +559,7 @@ if triton is not None:
                         if PREC == 64:  # float64: dequantize in float32 as the reference does (T[c] s rounds)
                             vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
                             if VCAP > 0:
-                                vdq = _add_residuals(vdq, voi_ptr + b * svob, vov_ptr + b * svob, t * svot, tm, h * D, D,
-                                                     VCAP)
+                                vdq = _add_residuals(vdq, voi_ptr + vo, vov_ptr + vo, t * svot, tm, h * D, D, VCAP)
                             acc = acc * ar[None, :] + _dot(tl.trans(vdq.to(ACC)), pr, INTERP)
                         else:
                             pw = _opnd(pr * vsc[:, None], PREC)
@@ -686,12 +690,13 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor):
 
 
 def _outlier_args(idx, val, capacity: int, dev):
-    """(index tensor, residual tensor, (row, token) strides) of a sparse-outlier store, placeholders without one."""
+    """(index tensor, residual tensor, (row, token, head) strides) of a sparse-outlier store ([B, T, H, cap]
+    per head, or [B, T, cap] per token: head stride 0), placeholders without one."""
     if not capacity:
         dummy, dummy_i = _dummies(dev)
-        return dummy_i, dummy, (0, 0)
+        return dummy_i, dummy, (0, 0, 0)
     idx, val = _same_layout(idx, val)
-    return idx, val, idx.stride()[:2]
+    return idx, val, (*idx.stride()[:2], idx.stride(2) if idx.dim() == 4 else 0)
 
 
 def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: float, *, block_t: int | None = None,
@@ -809,7 +814,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         ktab = kv.k_table.float().contiguous() if kv.k_table is not None else dummy
         koi, kov, ko_strides = _outlier_args(kv.k_out_idx, kv.k_out_val, kcap, dev)
         vs, vz = _same_layout(kv.v_scale, kv.v_zero)
-        vs_strides = vs.stride()[:3] if value_code == 0 else (vs.stride(0), 0, vs.stride(1))
+        per_token = value_code == 1 and vs.dim() == 2  # lut_dynamic per token over all heads: head stride 0
+        vs_strides = (vs.stride(0), 0, vs.stride(1)) if per_token else vs.stride()[:3]
         vtab = kv.v_table.float().contiguous() if kv.v_table is not None else dummy
         voi, vov, vo_strides = _outlier_args(kv.v_out_idx, kv.v_out_val, vcap, dev)
         if rope:
@@ -826,7 +832,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         ks = kz = vs = vz = ktab = vtab = cos = sin = kov = vov = dummy
         koi = voi = dummy_i
         ks_strides = vs_strides = kc_strides = vc_strides = (0, 0, 0)
-        ko_strides = vo_strides = (0, 0)
+        ko_strides = vo_strides = (0, 0, 0)
         tmax = pos_offset = 0
     if has_fp:
         fk, fv = fp_k, fp_v

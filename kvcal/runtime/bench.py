@@ -28,13 +28,14 @@ from kvcal.runtime.packing import words_per_vector
 CODECS = ("int", "kivi", "nuq")
 KIVI_BLOCK = 32
 KIVI_VALUE_GROUP = 32
-NUQ_KEY_CAPACITY = 21
+NUQ_KEY_CAPACITY = 3  # per token and KV head: kvquant's default ceil(2 x 1% x 128) at head_dim 128
 NUQ_VALUE_PER_SIDE = 6
 
 
 def random_packed(codec: str, bits: int, batch: int, hkv: int, dim: int, tokens: int, *, device="cuda",
-                  seed: int = 0, pos_offset: int = 0) -> PackedKV:
-    """A PackedKV of `tokens` random compressed tokens per row in the codec's layout."""
+                  seed: int = 0, pos_offset: int = 0, value_per_head: bool = False) -> PackedKV:
+    """A PackedKV of `tokens` random compressed tokens per row in the codec's layout (nuq with
+    value_per_head: kvquant's value_scope=head layout, one (scale, zero) and 1 + 1 outliers per token and head)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def words(n):
@@ -65,17 +66,21 @@ def random_packed(codec: str, bits: int, batch: int, hkv: int, dim: int, tokens:
         rope = RopeSpec(head_dim=dim, theta=500000.0, rope_type="llama3", factor=8.0)
         cos, sin = rope_cos_sin(rope.inv_freq(device), torch.arange(pos_offset + tokens, device=device)[None],
                                 torch.float32)
-        kidx = torch.randint(0, c, (batch, tokens, NUQ_KEY_CAPACITY), device=device, generator=gen)
+        head_base = torch.arange(hkv, device=device)[:, None] * dim  # slots per (token, head), global channels
+        kidx = torch.randint(0, dim, (batch, tokens, hkv, NUQ_KEY_CAPACITY), device=device, generator=gen) + head_base
         kidx[..., NUQ_KEY_CAPACITY // 2 + 1:] = -1  # ~half the capacity used, as with 1% outliers
-        vcap = 2 * NUQ_VALUE_PER_SIDE
+        heads = (hkv,) if value_per_head else ()
+        vcap = 2 if value_per_head else 2 * NUQ_VALUE_PER_SIDE  # per_side_outliers(1%, 128) = 1 per head
+        vidx = torch.randint(0, dim if value_per_head else c, (batch, tokens, *heads, vcap), device=device, generator=gen)
+        if value_per_head:
+            vidx += torch.arange(hkv, device=device)[:, None] * dim
         spec.update(key_format="lut_static", k_scale=torch.rand(c, device=device, generator=gen) + 0.5,
                     k_zero=torch.randn(c, device=device, generator=gen) * 0.1, k_table=levels,
-                    k_out_idx=kidx.to(torch.int16), k_out_val=torch.randn(batch, tokens, NUQ_KEY_CAPACITY,
+                    k_out_idx=kidx.to(torch.int16), k_out_val=torch.randn(batch, tokens, hkv, NUQ_KEY_CAPACITY,
                                                                            device=device, generator=gen).half(),
-                    value_format="lut_dynamic", v_table=levels.clone(), v_scale=fp16(batch, tokens),
-                    v_zero=fp16(batch, tokens, lo=-0.1, hi=0.1),
-                    v_out_idx=torch.randint(0, c, (batch, tokens, vcap), device=device, generator=gen).to(torch.int16),
-                    v_out_val=torch.randn(batch, tokens, vcap, device=device, generator=gen).half(),
+                    value_format="lut_dynamic", v_table=levels.clone(), v_scale=fp16(batch, *heads, tokens),
+                    v_zero=fp16(batch, *heads, tokens, lo=-0.1, hi=0.1), v_out_idx=vidx.to(torch.int16),
+                    v_out_val=torch.randn(batch, tokens, *heads, vcap, device=device, generator=gen).half(),
                     rope_cos=cos[0], rope_sin=sin[0], pos_offset=pos_offset)
     else:
         raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
@@ -210,7 +215,7 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
                          for k, v in KERNEL_DEFAULTS.items()},
         codecs={"int": "affine_channels keys+values, group=head_dim",
                 "kivi": f"affine_tokens keys (block {KIVI_BLOCK}) + affine_channels values (group {KIVI_VALUE_GROUP})",
-                "nuq": f"lut_static pre-RoPE keys ({NUQ_KEY_CAPACITY} outliers/token) + lut_dynamic values "
+                "nuq": f"lut_static pre-RoPE keys ({NUQ_KEY_CAPACITY} outlier slots/token/head) + lut_dynamic values "
                        f"({NUQ_VALUE_PER_SIDE} outliers/side)"},
         rows=rows,
     )

@@ -199,15 +199,16 @@ class PackedLayer(_LayerBase):
         elif kf.kind == "affine_tokens":
             shapes["k_scale"] = shapes["k_zero"] = ((b, h, cap // kf.block, d), torch.float16)
         elif kf.capacity:
-            shapes["k_out_idx"] = ((b, cap, kf.capacity), torch.int16)
-            shapes["k_out_val"] = ((b, cap, kf.capacity), torch.float16)
+            shapes["k_out_idx"] = ((b, cap, h, kf.capacity), torch.int16)  # slots per token and head
+            shapes["k_out_val"] = ((b, cap, h, kf.capacity), torch.float16)
         if vf.kind == "affine_channels":
             shapes["v_scale"] = shapes["v_zero"] = ((b, h, cap, d // vf.group), torch.float16)
         else:
-            shapes["v_scale"] = shapes["v_zero"] = ((b, cap), torch.float16)
+            heads = (h,) if vf.per_head else ()
+            shapes["v_scale"] = shapes["v_zero"] = ((b, *heads, cap), torch.float16)
             if vf.per_side:
-                shapes["v_out_idx"] = ((b, cap, 2 * vf.per_side), torch.int16)
-                shapes["v_out_val"] = ((b, cap, 2 * vf.per_side), torch.float16)
+                shapes["v_out_idx"] = ((b, cap, *heads, 2 * vf.per_side), torch.int16)
+                shapes["v_out_val"] = ((b, cap, *heads, 2 * vf.per_side), torch.float16)
         return shapes
 
     def _grow(self, needed: int) -> None:
@@ -218,7 +219,7 @@ class PackedLayer(_LayerBase):
                       "k_out_idx": 1, "k_out_val": 1, "v_out_idx": 1, "v_out_val": 1}
         if self.key_format.kind != "affine_channels":
             token_axis["k_scale"] = token_axis["k_zero"] = 2
-        if self.value_format.kind == "lut_dynamic":
+        if self.value_format.kind == "lut_dynamic" and not self.value_format.per_head:
             token_axis["v_scale"] = token_axis["v_zero"] = 1
         for name, (shape, dtype) in self._shapes(cap).items():
             new = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -351,9 +352,10 @@ class PackedLayer(_LayerBase):
             buf["v_zero"][row, :, slot] = zero
         else:
             codes, scale, zero, idx, val = ops.quantize_lut_dynamic(values, buf["v_encode"], buf["v_decode"],
-                                                                    vf.bits, vf.per_side)
-            buf["v_scale"][row, slot] = scale
-            buf["v_zero"][row, slot] = zero
+                                                                    vf.bits, vf.per_side, vf.per_head)
+            at = (row, slice(None), slot) if vf.per_head else (row, slot)
+            buf["v_scale"][at] = scale
+            buf["v_zero"][at] = zero
             if vf.per_side:
                 buf["v_out_idx"][row, slot] = idx
                 buf["v_out_val"][row, slot] = val

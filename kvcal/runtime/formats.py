@@ -32,4 +32,5 @@ class ValueFormat:
     group: int = 0
     encode: torch.Tensor | None = None
     decode: torch.Tensor | None = None
-    per_side: int = 0  # lut_dynamic: outliers per side per token
+    per_side: int = 0  # lut_dynamic: outliers per side per vector
+    per_head: bool = False  # lut_dynamic: one vector per (token, head) instead of per token over all heads

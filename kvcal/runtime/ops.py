@@ -44,8 +44,8 @@ def quantize_lut_static(x, lo, hi, encode, decode, bits, capacity):
     return _pick(quantize, "quantize_lut_static", x)(x, lo, hi, encode, decode, bits, capacity)
 
 
-def quantize_lut_dynamic(x, encode, decode, bits, per_side):
-    return _pick(quantize, "quantize_lut_dynamic", x)(x, encode, decode, bits, per_side)
+def quantize_lut_dynamic(x, encode, decode, bits, per_side, per_head=False):
+    return _pick(quantize, "quantize_lut_dynamic", x)(x, encode, decode, bits, per_side, per_head)
 
 
 def decode_attention(q, kv, fp_k, fp_v, fp_valid, scale):

@@ -9,10 +9,12 @@ format needs. `dequantize_*` inverts them. Their arithmetic is exactly the codec
   and values, KIVI values); fp16 scale and zero (the group minimum) per (token, head, group).
 - affine_tokens: per channel over the N tokens of a block (KIVI keys); fp16 scale/zero per (head, channel).
 - lut_static: per channel with calibrated ranges and a non-uniform table (KVQuant keys); elements out
-  of range are outliers whose fp16 residual over the clamped code is kept, up to `capacity` per token
-  (over all heads; overflow keeps the largest residuals, the rest stay clamped to the extreme level).
+  of range are outliers whose fp16 residual over the clamped code is kept, up to `capacity` per token and
+  head (overflow keeps the head's largest residuals, the rest stay clamped to the extreme level). Slots
+  are [N, H, capacity] so the decode kernel's program for one KV head reads only its own.
 - lut_dynamic: per token over all heads with the `per_side` largest and smallest elements as outliers
-  (KVQuant values); fp16 scale/zero per token, fp16 residuals of the 2*per_side outliers.
+  (KVQuant values); fp16 scale/zero per token, fp16 residuals of the 2*per_side outliers. With `per_head`,
+  each head's vector is its own (scale, zero, 2*per_side outliers): scale/zero [N, H], slots [N, H, 2*per_side].
 """
 
 from __future__ import annotations
@@ -79,16 +81,25 @@ def _keep_largest(residual: torch.Tensor, candidate: torch.Tensor, capacity: int
 
 
 def quantize_lut_static(x, lo, hi, encode, decode, bits: int, capacity: int):
+    """Codes [N, H, W] and, with a capacity, the outlier slots [N, H, capacity]: channel in [0, H*D) (-1 =
+    empty) and fp16 residual."""
     n, h, d = x.shape
     rows = x.to(torch.float32).reshape(n, h * d)
     zero, scale = range_params(lo, hi)
     codes = nearest_level(((rows - zero) / scale).clamp(-1, 1), encode)
     dense = decode[codes] * scale + zero
-    idx, val = _keep_largest(rows - dense, (rows > hi) | (rows < lo), capacity) if capacity else (None, None)
+    idx = val = None
+    if capacity:
+        outlier = ((rows > hi) | (rows < lo)).reshape(n, h, d)
+        idx, val = _keep_largest((rows - dense).reshape(n, h, d), outlier, capacity)
+        head_base = (torch.arange(h, device=x.device) * d).to(torch.int16)[None, :, None]
+        idx = torch.where(idx >= 0, idx + head_base, idx)
     return pack_codes(codes.reshape(n, h, d), bits), idx, val
 
 
-def quantize_lut_dynamic(x, encode, decode, bits: int, per_side: int):
+def quantize_lut_dynamic(x, encode, decode, bits: int, per_side: int, per_head: bool = False):
+    if per_head:
+        return _per_head(quantize_lut_dynamic, x, encode, decode, bits, per_side)
     n, h, d = x.shape
     rows = x.to(torch.float32).reshape(n, h * d)
     lo, hi, outlier = outlier_bounds(rows, per_side, dim=-1)
@@ -97,6 +108,19 @@ def quantize_lut_dynamic(x, encode, decode, bits: int, per_side: int):
     dense = decode[codes] * s + z
     idx, val = _keep_largest(rows - dense, outlier, 2 * per_side) if per_side else (None, None)
     return pack_codes(codes.reshape(n, h, d), bits), s[:, 0].half(), z[:, 0].half(), idx, val
+
+
+def _per_head(quantize, x, encode, decode, bits: int, per_side: int):
+    """lut_dynamic with one vector per (token, head): the per-token quantizer on [N*H, 1, D], reshaped back;
+    outlier channels made global (head * D + channel) as everywhere else."""
+    n, h, d = x.shape
+    codes, scale, zero, idx, val = quantize(x.reshape(n * h, 1, d), encode, decode, bits, per_side)
+    codes, scale, zero = codes.reshape(n, h, -1), scale.reshape(n, h), zero.reshape(n, h)
+    if idx is not None:
+        head_base = (torch.arange(h, device=x.device) * d).to(torch.int16)[None, :, None]
+        idx = idx.reshape(n, h, -1)
+        idx, val = torch.where(idx >= 0, idx + head_base, idx), val.reshape(n, h, -1)
+    return codes, scale, zero, idx, val
 
 
 def add_outliers(rows: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor | None) -> torch.Tensor:
@@ -110,21 +134,29 @@ def add_outliers(rows: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor
 
 def dequantize_lut_static(codes, zero, scale, decode, bits: int, dim: int, idx=None, val=None) -> torch.Tensor:
     """codes [..., H, W] -> [..., H, dim]: table level x scale + zero per channel (zero, scale [H*dim] from
-    range_params of the calibrated range, as quantize_lut_static used them), plus the sparse residuals."""
+    range_params of the calibrated range, as quantize_lut_static used them), plus the sparse residuals
+    (idx, val [..., H, capacity])."""
     q = unpack_codes(codes, bits, dim)
     shape = q.shape
     q = q.reshape(*shape[:-2], shape[-2] * dim)
+    if idx is not None:
+        idx, val = idx.flatten(-2), val.flatten(-2)
     rows = add_outliers(decode[q] * scale + zero, idx, val)
     return rows.reshape(shape)
 
 
 def dequantize_lut_dynamic(codes, scale, zero, decode, bits: int, dim: int, idx=None, val=None) -> torch.Tensor:
+    """codes [..., H, W] -> [..., H, dim]; scale/zero [...] per token or [..., H] per head; slots [..., cap]
+    per token or [..., H, cap] per head."""
     q = unpack_codes(codes, bits, dim)
     shape = q.shape
-    q = q.reshape(*shape[:-2], shape[-2] * dim)
-    s, z = scale.float().clamp_min(1e-8)[..., None], zero.float()[..., None]
-    rows = add_outliers(decode[q] * s + z, idx, val)
-    return rows.reshape(shape)
+    per_token = scale.dim() == q.dim() - 2
+    s, z = scale.float().clamp_min(1e-8), zero.float()
+    s, z = (s[..., None, None], z[..., None, None]) if per_token else (s[..., None], z[..., None])
+    rows = (decode[q] * s + z).reshape(*shape[:-2], shape[-2] * dim)
+    if idx is not None:
+        idx, val = idx.reshape(*shape[:-2], -1), val.reshape(*shape[:-2], -1)
+    return add_outliers(rows, idx, val).reshape(shape)
 
 
 # ---- Triton ---------------------------------------------------------------------------------------
@@ -237,6 +269,21 @@ if triton is not None:
             score = tl.where(hit, -2.0, score)
 
     @triton.jit
+    def _store_largest_per_head(score, res, c, idx_ptr, val_ptr, hh, hm, D: tl.constexpr, CAP: tl.constexpr):
+        """Per head (rows of [HP, D]): store the CAP largest scores' channels and fp16 residuals at
+        idx_ptr + head * CAP + k (-1 / 0 where the score is < 0)."""
+        for k in tl.static_range(CAP):
+            best = tl.max(score, 1)
+            at = tl.argmax(score, 1)
+            hit = (c % D) == at[:, None]  # column `at` of each head's row
+            valid = best >= 0.0
+            val = tl.sum(tl.where(hit, res, 0.0), 1)
+            chan = tl.sum(tl.where(hit, c, 0), 1)
+            tl.store(idx_ptr + hh * CAP + k, tl.where(valid, chan, -1).to(tl.int16), mask=hm)
+            tl.store(val_ptr + hh * CAP + k, tl.where(valid, val, 0.0).to(tl.float16), mask=hm)
+            score = tl.where(hit, -2.0, score)
+
+    @triton.jit
     def _lut_static_kernel(x_ptr, lo_ptr, hi_ptr, enc_ptr, dec_ptr, codes_ptr, idx_ptr, val_ptr, sxn, sxh, H,
                            HP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
                            WP: tl.constexpr, CAP: tl.constexpr):
@@ -258,8 +305,8 @@ if triton is not None:
         if CAP > 0:
             res = x - (tl.load(dec_ptr + codes) * scale + zero)
             score = tl.where(((x > hi) | (x < lo)) & hm, tl.abs(res), -1.0)
-            _store_largest(tl.reshape(score, (HP * D,)), tl.reshape(res, (HP * D,)), tl.reshape(c, (HP * D,)),
-                          idx_ptr + n * CAP, val_ptr + n * CAP, CAP)
+            _store_largest_per_head(score, res, c, idx_ptr + n * H * CAP, val_ptr + n * H * CAP, hh, hh < H,
+                                    D, CAP)
 
     @triton.jit
     def _lut_dynamic_kernel(x_ptr, enc_ptr, dec_ptr, codes_ptr, scale_ptr, zero_ptr, idx_ptr, val_ptr, sxn, sxh, H,
@@ -347,11 +394,11 @@ def quantize_affine_tokens_triton(x: torch.Tensor, bits: int):
     return codes, scale, zero
 
 
-def _outlier_buffers(n: int, cap: int, device):
-    if not cap:
+def _outlier_buffers(shape: tuple[int, ...], device):
+    if not shape[-1]:
         return None, None, torch.empty(1, dtype=torch.int16, device=device), torch.empty(1, dtype=torch.float16, device=device)
-    idx = torch.empty(n, cap, dtype=torch.int16, device=device)
-    val = torch.empty(n, cap, dtype=torch.float16, device=device)
+    idx = torch.empty(shape, dtype=torch.int16, device=device)
+    val = torch.empty(shape, dtype=torch.float16, device=device)
     return idx, val, idx, val
 
 
@@ -362,7 +409,7 @@ def quantize_lut_static_triton(x, lo, hi, encode, decode, bits: int, capacity: i
     x = _rows(x)
     w = words_per_vector(d, bits)
     codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
-    idx, val, idx_arg, val_arg = _outlier_buffers(n, capacity, x.device)
+    idx, val, idx_arg, val_arg = _outlier_buffers((n, h, capacity), x.device)
     f32 = lambda t: t.to(device=x.device, dtype=torch.float32).contiguous()  # noqa: E731
     with launch_device(x):
         _lut_static_kernel[(n,)](x, f32(lo), f32(hi), f32(encode), f32(decode), codes, idx_arg, val_arg,
@@ -371,7 +418,9 @@ def quantize_lut_static_triton(x, lo, hi, encode, decode, bits: int, capacity: i
     return codes, idx, val
 
 
-def quantize_lut_dynamic_triton(x, encode, decode, bits: int, per_side: int):
+def quantize_lut_dynamic_triton(x, encode, decode, bits: int, per_side: int, per_head: bool = False):
+    if per_head:
+        return _per_head(quantize_lut_dynamic_triton, x, encode, decode, bits, per_side)
     n, h, d = x.shape
     if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
         return quantize_lut_dynamic(x, encode, decode, bits, per_side)
@@ -380,7 +429,7 @@ def quantize_lut_dynamic_triton(x, encode, decode, bits: int, per_side: int):
     codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
     scale = torch.empty(n, dtype=torch.float16, device=x.device)
     zero = torch.empty_like(scale)
-    idx, val, idx_arg, val_arg = _outlier_buffers(n, 2 * per_side, x.device)
+    idx, val, idx_arg, val_arg = _outlier_buffers((n, 2 * per_side), x.device)
     f32 = lambda t: t.to(device=x.device, dtype=torch.float32).contiguous()  # noqa: E731
     with launch_device(x):
         _lut_dynamic_kernel[(n,)](x, f32(encode), f32(decode), codes, scale, zero, idx_arg, val_arg,

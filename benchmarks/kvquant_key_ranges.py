@@ -1,0 +1,101 @@
+"""Why KVQuant's keys lose to KIVI's on smollm2 (CPU, gptq simulation, keys or values only): the
+artifact's calibrated per-channel ranges vs each window's own percentiles (the paper's R9 oracle), a uniform
+table on the same ranges, the nuq table on per-64-token min/max ranges, KIVI G64
+values per token vs per head
+with the artifact's table. Directions only (2 windows).
+
+    python benchmarks/kvquant_key_ranges.py 2 4 > results/kvquant/key-ranges-cpu-2x2048-nuq4.log
+    python benchmarks/kvquant_key_ranges.py 2 3 > results/kvquant/key-ranges-cpu-2x2048-nuq3.log
+(arguments: windows, bits
+needs the kvquant artifacts from benchmarks/kvquant_smollm2.sh and KVCAL_DATA_DIR)
+"""
+
+import os
+import sys
+
+import torch
+
+from kvcal.artifact import load_artifact
+from kvcal.data import load_eval_windows
+from kvcal.eval.ppl import simulated_nll
+from kvcal.methods.kvquant import from_rows, quantize_dynamic, quantize_static, to_rows
+from kvcal.methods.registry import codec_for_artifact
+from kvcal.models import load_model
+from kvcal.quant.nonuniform import quantile
+from kvcal.recipes import resolve
+
+torch.set_num_threads(2)
+ns = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+bits = sys.argv[2] if len(sys.argv) > 2 else "4"
+loaded = load_model("smollm2-135m", "float32", "cpu")
+text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), 2048, ns)
+path = f"artifacts/smollm2-135m/kvquant-nuq{bits}-1pct.safetensors"
+codec = codec_for_artifact(load_artifact(path), loaded, path)[1]
+kivi = resolve(None, f"kivi-{bits}bit-g64-r0", None)[0].build_codec({}, loaded.dims)
+H = loaded.dims.num_kv_heads
+
+
+class V:
+    def __init__(s, fk=None, fv=None, base=None):
+        s.fk, s.fv = fk, fv
+        base = base or codec
+        s.policy, s.keys_pre_rope, s.lossless = base.policy, base.keys_pre_rope, False
+
+    def quantize_keys(s, layer, k):
+        return s.fk(layer, k) if s.fk else k
+
+    def quantize_values(s, layer, v):
+        return s.fv(layer, v) if s.fv else v
+
+
+def oracle_keys(layer, k):
+    t = codec.tables[layer]
+    rows = to_rows(k)[0]
+    lo = quantile(rows[1:], 0.005, 0)
+    hi = quantile(rows[1:], 0.995, 0)
+    return from_rows(quantize_static(rows[None], lo, hi, t["k_encode"], t["k_decode"], True), H)
+
+
+def group_keys(layer, k, g=64):
+    t = codec.tables[layer]
+    rows = to_rows(k)[0]
+    T = rows.shape[0]
+    out = rows.clone()
+    for s in range(0, T, g):
+        blk = rows[s : s + g]
+        lo, hi = blk.amin(0), blk.amax(0)
+        out[s : s + g] = quantize_static(blk[None], lo, hi, t["k_encode"], t["k_decode"], False)[0]
+    return from_rows(out[None], H)
+
+
+def int_keys(layer, k):
+    t = codec.tables[layer]
+    rows = to_rows(k)
+    lv = torch.linspace(-1, 1, 2 ** int(bits))
+    return from_rows(quantize_static(rows, t["k_lo"], t["k_hi"], lv, lv, True), H)
+
+
+def perhead_values(layer, v):
+    t = codec.tables[layer]
+    b, h, T, d = v.shape
+    x = v.transpose(1, 2).reshape(b, T * h, d)
+    out = quantize_dynamic(x, t["v_encode"], t["v_decode"], 1)
+    return out.reshape(b, T, h, d).transpose(1, 2)
+
+
+variants = {
+    "fp": V(),
+    "k nuq-1% (artifact)": V(fk=codec.quantize_keys),
+    "k kivi g64": V(fk=kivi.quantize_keys, base=kivi),
+    "k oracle per-window ranges": V(fk=oracle_keys),
+    "k int-1% calibrated ranges": V(fk=int_keys),
+    "k nuq table, per-64-token minmax": V(fk=group_keys),
+    "v nuq-1% (artifact)": V(fv=codec.quantize_values),
+    "v kivi g64": V(fv=kivi.quantize_values, base=kivi),
+    "v nuq per-head 1/side": V(fv=perhead_values),
+}
+res = {}
+for name, c in variants.items():
+    p = simulated_nll(loaded, c, windows).ppl
+    res[name] = p
+    print(f"{name:40s} {p:.4f}", flush=True)

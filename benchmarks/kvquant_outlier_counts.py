@@ -38,9 +38,9 @@ def main():
         method, codec = codec_for_artifact(load_artifact(path), loaded, path)
         counts, head_counts = [], []
         quantize_keys = codec.quantize_keys
-        heads = loaded.dims.num_kv_heads
 
-        def counting(layer, k, codec=codec, counts=counts, head_counts=head_counts, quantize_keys=quantize_keys):
+        def counting(layer, k, codec=codec, counts=counts, head_counts=head_counts, quantize_keys=quantize_keys,
+                     heads=loaded.dims.num_kv_heads):
             t = codec.tables[layer]
             rows = to_rows(k)
             outlier = (rows > t["k_hi"]) | (rows < t["k_lo"])

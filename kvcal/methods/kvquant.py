@@ -84,7 +84,8 @@ def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = Tr
     if sparse:
         outliers = (x > hi) | (x < lo)
         if capacity is not None:  # the runtime's overflow rule: the largest residuals stay, the rest clamp
-            heads = x.unflatten(-1, (-1, head_dim or x.shape[-1])).shape
+            hd = head_dim or x.shape[-1]
+            heads = (*x.shape[:-1], x.shape[-1] // hd, hd)
             top, valid = largest_residuals((x - out).reshape(heads), outliers.reshape(heads), capacity)
             outliers = torch.zeros(heads, dtype=torch.bool, device=x.device).scatter_(-1, top, valid).reshape(x.shape)
         out = restore_outliers(x, out, outliers, exact)
@@ -105,7 +106,6 @@ class KVQuantCodec(Codec):
     def __init__(self, method: KVQuant, tensors: dict[str, torch.Tensor], dims):
         self.method = method
         self.heads = dims.num_kv_heads
-        self.channels = dims.kv_channels
         self.head_dim = dims.head_dim
         self.keys_pre_rope = method.pre_rope
         self.policy = FlushPolicy(sink=method.sink)
@@ -189,7 +189,8 @@ class KVQuant(Method):
     qnorm: bool | None = None  # None: on at 2 bits only, as in the seed paper
     key_granularity: str = "per_channel"  # per_channel (offline ranges) or per_token (online, ablation)
     # value ranges and outliers per token over all KV heads (paper, code) or per (token, KV head): digest #3's
-    # option, three times the scales on smollm2 (+0.17 bits per element) for ranges that follow each head
+    # option, ranges that follow each head for three times the scales and outliers on smollm2 (+0.5 bits per
+    # element: 0.17 for the scales, 0.33 for 1 + 1 outliers per head instead of per token)
     value_scope: str = "token"
     pre_rope: bool = True  # quantize keys before RoPE
     kmeans_inits: int = 3

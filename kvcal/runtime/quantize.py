@@ -92,8 +92,7 @@ def quantize_lut_static(x, lo, hi, encode, decode, bits: int, capacity: int):
     if capacity:
         outlier = ((rows > hi) | (rows < lo)).reshape(n, h, d)
         idx, val = _keep_largest((rows - dense).reshape(n, h, d), outlier, capacity)
-        head_base = (torch.arange(h, device=x.device) * d).to(torch.int16)[None, :, None]
-        idx = torch.where(idx >= 0, idx + head_base, idx)
+        idx = _global_channels(idx, d)
     return pack_codes(codes.reshape(n, h, d), bits), idx, val
 
 
@@ -117,10 +116,14 @@ def _per_head(quantize, x, encode, decode, bits: int, per_side: int):
     codes, scale, zero, idx, val = quantize(x.reshape(n * h, 1, d), encode, decode, bits, per_side)
     codes, scale, zero = codes.reshape(n, h, -1), scale.reshape(n, h), zero.reshape(n, h)
     if idx is not None:
-        head_base = (torch.arange(h, device=x.device) * d).to(torch.int16)[None, :, None]
-        idx = idx.reshape(n, h, -1)
-        idx, val = torch.where(idx >= 0, idx + head_base, idx), val.reshape(n, h, -1)
+        idx, val = _global_channels(idx.reshape(n, h, -1), d), val.reshape(n, h, -1)
     return codes, scale, zero, idx, val
+
+
+def _global_channels(idx: torch.Tensor, d: int) -> torch.Tensor:
+    """Slots [N, H, cap] holding channels within each head -> channels in [0, H*d) (-1 stays empty)."""
+    head_base = (torch.arange(idx.shape[1], device=idx.device) * d).to(idx.dtype)[None, :, None]
+    return torch.where(idx >= 0, idx + head_base, idx)
 
 
 def add_outliers(rows: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor | None) -> torch.Tensor:
@@ -256,22 +259,10 @@ if triton is not None:
         return code
 
     @triton.jit
-    def _store_largest(score, res, c, idx_ptr, val_ptr, CAP: tl.constexpr):
-        """Store the CAP largest scores' indices and fp16 residuals (-1 / 0 where the score is < 0)."""
-        for k in tl.static_range(CAP):
-            best = tl.max(score, 0)
-            at = tl.argmax(score, 0)
-            hit = c == at
-            valid = best >= 0.0
-            val = tl.sum(tl.where(hit, res, 0.0), 0)
-            tl.store(idx_ptr + k, tl.where(valid, at, -1).to(tl.int16))
-            tl.store(val_ptr + k, tl.where(valid, val, 0.0).to(tl.float16))
-            score = tl.where(hit, -2.0, score)
-
-    @triton.jit
-    def _store_largest_per_head(score, res, c, idx_ptr, val_ptr, hh, hm, D: tl.constexpr, CAP: tl.constexpr):
-        """Per head (rows of [HP, D]): store the CAP largest scores' channels and fp16 residuals at
-        idx_ptr + head * CAP + k (-1 / 0 where the score is < 0)."""
+    def _store_largest_rows(score, res, c, idx_ptr, val_ptr, hh, hm, D: tl.constexpr, CAP: tl.constexpr):
+        """Per row of [R, D] (a head, or a whole token as one row): store the CAP largest scores' channels c
+        and fp16 residuals at idx_ptr + row * CAP + k (-1 / 0 where the score is < 0); hh are the row indices,
+        hm masks the real rows."""
         for k in tl.static_range(CAP):
             best = tl.max(score, 1)
             at = tl.argmax(score, 1)
@@ -305,7 +296,7 @@ if triton is not None:
         if CAP > 0:
             res = x - (tl.load(dec_ptr + codes) * scale + zero)
             score = tl.where(((x > hi) | (x < lo)) & hm, tl.abs(res), -1.0)
-            _store_largest_per_head(score, res, c, idx_ptr + n * H * CAP, val_ptr + n * H * CAP, hh, hh < H,
+            _store_largest_rows(score, res, c, idx_ptr + n * H * CAP, val_ptr + n * H * CAP, hh, hh < H,
                                     D, CAP)
 
     @triton.jit
@@ -351,7 +342,9 @@ if triton is not None:
         if PER_SIDE > 0:
             res = tl.reshape(x - (tl.load(dec_ptr + codes) * s + z), (C,))
             score = tl.where(outlier, tl.abs(res), -1.0)
-            _store_largest(score, res, c, idx_ptr + n * (2 * PER_SIDE), val_ptr + n * (2 * PER_SIDE), 2 * PER_SIDE)
+            one = tl.arange(0, 1)  # the token is one row
+            _store_largest_rows(tl.reshape(score, (1, C)), tl.reshape(res, (1, C)), tl.reshape(c, (1, C)),
+                                idx_ptr + n * (2 * PER_SIDE), val_ptr + n * (2 * PER_SIDE), one, one < 1, C, 2 * PER_SIDE)
 
 
 def _pow2_ok(*sizes: int) -> bool:

@@ -64,6 +64,14 @@ VARIANT_SETS["round5"] = [
     ("kivi", 4, {"max_registers": 168}), ("kivi", 4, {"max_registers": 128}), ("kivi", 4, {"num_stages": 2, "max_registers": 168}),
     ("nuq", 4, {"num_stages": 2}), ("nuq", 4, {"num_stages": 1}),
 ]
+VARIANT_SETS["round6"] = [  # generic path with the heads padded to 4 instead of 16 (mma.sync)
+    ("nuq", 4, {}), ("nuq", 4, {"block_t": 64, "num_warps": 4, "num_stages": 2}),
+    ("nuq", 4, {"block_t": 32, "num_warps": 2, "num_stages": 2}), ("nuq", 4, {"block_t": 32, "num_warps": 1, "num_stages": 2}),
+    ("nuq", 4, {"block_t": 16, "num_warps": 1, "num_stages": 2}), ("nuq", 4, {"block_t": 64, "num_warps": 2, "num_stages": 2}),
+    ("nuq", 4, {"block_t": 32, "num_warps": 4, "num_stages": 2, "max_registers": 128}),
+    ("nuq", 4, {"block_t": 32, "num_warps": 4, "num_stages": 1}), ("nuq", 4, {"programs_per_sm": 8}),
+    ("nuq", 4, {"programs_per_sm": 32}), ("nuq", 2, {}), ("nuq", 2, {"block_t": 32, "num_warps": 2, "num_stages": 2}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

@@ -208,6 +208,8 @@ def bench_generate_command(
     context: int = typer.Option(32768, help="Tokens already in the cache of every row."),
     batch: list[int] | None = typer.Option(None, help="Batch sizes to time (repeatable; default 1 and 8)."),
     steps: int = typer.Option(16, help="Timed decode steps."),
+    mode: list[str] | None = typer.Option(None, help="eager (a Python forward per step) and/or graph (one captured "
+                                          "CUDA graph replayed; codecs whose steps are static). Repeatable; default both."),
     max_batch: bool = typer.Option(True, help="Also search the largest batch that fits at this context."),
     dtype: str = typer.Option("bfloat16", help="Model dtype."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the records as JSON."),
@@ -219,8 +221,12 @@ def bench_generate_command(
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
-    from kvcal.runtime.bench_generate import largest_batch, run_case
+    from kvcal.runtime.bench_generate import capture_refusal, largest_batch, run_case
 
+    modes = mode or ["eager", "graph"]
+    for m in modes:
+        if m not in ("eager", "graph"):
+            raise KvcalError(f"unknown mode '{m}' (eager or graph)")
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench generate needs a CUDA device")
     loaded = load_model(model, dtype, "cuda")
@@ -231,23 +237,40 @@ def bench_generate_command(
     for path in artifact or []:
         method, codec = codec_for_artifact(load_artifact(path), loaded, path)
         cases.append((Path(path).stem, method, codec))
-    records, largest = [], {}
-    table = Table("codec", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred", "peak GiB")
+    records, largest, not_captured = [], {}, {}
+    table = Table("codec", "mode", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred",
+                  "peak GiB")
     for name, method, codec in cases:
+        graph_flags = [m == "graph" for m in modes]
+        refusal = capture_refusal(loaded, codec) if "graph" in modes else None
+        if refusal:
+            not_captured[name] = refusal
+            graph_flags = [g for g in graph_flags if not g]
         for b in batch or [1, 8]:
-            r = run_case(loaded, name, method, codec, b, context, steps)
-            records.append(r)
-            table.add_row(name, str(b), f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
-                          f"{r['cache_bytes'] / 2**30:.2f}", f"{r['cache_bytes_predicted'] / 2**30:.2f}",
-                          f"{r['cache_vs_prediction']:.3f}", f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
+            for graph in graph_flags:
+                try:
+                    r = run_case(loaded, name, method, codec, b, context, steps, graph=graph)
+                except torch.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    records.append({"codec": name, "mode": "cuda-graph" if graph else "eager", "batch": b,
+                                    "context": context, "out_of_memory": True})
+                    table.add_row(name, records[-1]["mode"], str(b), "out of memory", *[""] * 5)
+                    continue
+                records.append(r)
+                table.add_row(name, r["mode"], str(b), f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
+                              f"{r['cache_bytes'] / 2**30:.2f}", f"{r['cache_bytes_predicted'] / 2**30:.2f}",
+                              f"{r['cache_vs_prediction']:.3f}", f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
         if max_batch:
             largest[name] = largest_batch(loaded, method, codec, context, [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256])
     console.print(table)
+    for name, refusal in not_captured.items():
+        console.print(f"{name}: eager only ({refusal})", markup=False, highlight=False)
     if largest:
         console.print("largest batch at context " + str(context) + ": " + ", ".join(f"{k} {v}" for k, v in largest.items()))
     if json_out:
         write_json_atomic(json_out, {"device": torch.cuda.get_device_name(), "model": model, "dtype": dtype,
                                      "context": context, "records": records, "largest_batch": largest,
+                                     "not_captured": not_captured,
                                      "command": invoked_command()})
 
 

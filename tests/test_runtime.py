@@ -91,6 +91,9 @@ def test_decode_mode_equals_simulation(tiny, name, config, protocol, prompt_len)
 
 
 KVQUANT_CONFIG = {"bits": 3, "outliers": 0.05}
+# Calibration text for the tiny KVQuant artifacts: fixed, so adding a test does not change what they calibrate on
+# (it used to be this file's own text; a new test once moved a float64 overflow check below its threshold).
+CALIBRATION_TEXT = " ".join(f"key{(i * 7919) % 251} value {(i * 104729) % 97}." for i in range(4000))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,7 @@ def kvquant_artifact(tiny, tmp_path_factory):
     from kvcal.calib.run import run_calibration
 
     text = tmp_path_factory.mktemp("t") / "text.txt"
-    text.write_text(open(__file__).read() * 3)
+    text.write_text(CALIBRATION_TEXT)
     method = build_method("kvquant", KVQUANT_CONFIG)
     return run_calibration(tiny, method, text.parent / "a.safetensors", str(text), nsamples=4, seqlen=64)
 
@@ -348,3 +351,102 @@ def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
     per_token = dequantize_lut_dynamic(*quantize_lut_dynamic(x, encode, decode, 3, per_side=1)[:3], decode, 3, 16)
     per_head = dequantize_lut_dynamic(codes, scale, zero, decode, 3, 16)
     assert (per_head - x).abs().mean() < (per_token - x).abs().mean()  # head 0 has the smaller channels
+
+
+@pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant"])
+def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
+    """Static decode steps (device-side slots only: what a CUDA graph replays) give the eager steps' logits:
+    bit for bit for the packed codecs (same codes, same attention inputs), to float32 rounding for the fp16
+    cache (a masked attention over the preallocated buffer instead of one over the filled part). After
+    end_static the two caches keep decoding alike (the host counters followed)."""
+    config = {"bits": 4} if which == "rtn" else {}
+    codec = kvquant_codec if which == "kvquant" else build_method(which, config).build_codec({}, tiny.dims)
+    gen = torch.Generator().manual_seed(7)
+    prompt, steps = torch.randint(0, 256, (2, 20), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)
+    eager, static = (KvcalCache(codec, tiny.dims.num_layers, capacity_hint=40) for _ in range(2))
+    exact = which != "fp16"
+    with torch.inference_mode():
+        for cache in (eager, static):
+            tiny.model(prompt, past_key_values=cache, use_cache=True)
+        static.begin_static()
+        room = static.static_room()
+        for t in range(6):
+            ids, pos = steps[:, t : t + 1], 20 + t
+            want = tiny.model(ids, past_key_values=eager, use_cache=True).logits
+            got = tiny.model(ids, position_ids=torch.full((2, 1), pos), cache_position=torch.tensor([pos]),
+                             past_key_values=static, use_cache=True).logits
+            static.advance_static()
+            if exact:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert static.static_room() == room - 6 and static.get_seq_length() == eager.get_seq_length() == 26
+        static.end_static()
+        ids = steps[:, 6:7]
+        want = tiny.model(ids, past_key_values=eager, use_cache=True).logits
+        got = tiny.model(ids, past_key_values=static, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+    if exact:
+        assert static.layers[0].lengths.tolist() == static.layers[0].compressed == eager.layers[0].compressed
+
+
+def test_static_steps_are_refused_where_the_host_decides(tiny):
+    """KIVI flushes its residual window in blocks at host-chosen ring positions: no static steps, one line."""
+    from kvcal.errors import KvcalError
+
+    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny.dims)
+    cache = KvcalCache(codec, tiny.dims.num_layers)
+    with torch.inference_mode():
+        tiny.model(torch.randint(0, 256, (1, 20)), past_key_values=cache, use_cache=True)
+    with pytest.raises(KvcalError, match="residual 8, block 4"):
+        cache.begin_static()
+
+
+def _small_llama_cuda(dtype):
+    """Llama-3.1-8B's attention shapes per head (head_dim 128, GQA 4:1) in a 2-layer random model on CUDA."""
+    from kvcal.models import LoadedModel, ModelDims
+    from kvcal.models.adapter import install_adapter
+    from kvcal.models.tiny import build_random_model, byte_tokenizer, llama31_8b_config
+
+    config = llama31_8b_config()
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 1024, 2048
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 8, 2, 512
+    loaded = LoadedModel("small-llama", build_random_model(config, dtype, "cuda"), byte_tokenizer(),
+                         ModelDims.from_config(config))
+    install_adapter(loaded)
+    return loaded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant"])
+def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
+    """A replayed CUDA graph gives what the same static steps give eagerly, step after step (bf16 model,
+    Triton kernels): bit for bit for fp16 and rtn; for KVQuant to float32 summation order (its value outliers
+    are added with atomics, in a run-dependent order)."""
+    from kvcal.calib.run import run_calibration
+    from kvcal.runtime.bench_generate import GraphDecoder
+
+    loaded = _small_llama_cuda(torch.bfloat16)
+    if which == "kvquant":
+        text = tmp_path / "text.txt"
+        text.write_text(CALIBRATION_TEXT)
+        method = build_method("kvquant", {"bits": 4})
+        artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
+        codec = method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
+    else:
+        codec = build_method(which, {"bits": 4} if which == "rtn" else {}).build_codec({}, loaded.dims)
+    prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    caches = [KvcalCache(codec, 2, capacity_hint=340) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            loaded.model(prompt, past_key_values=cache, use_cache=True)
+    first = prompt[:, -1:]
+    replayed, eager = GraphDecoder(loaded, caches[0], first), GraphDecoder(loaded, caches[1], first, capture=False)
+    for _ in range(8):
+        got, want = replayed.step().clone(), eager.step()
+        if which == "kvquant":
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.05)
+        else:
+            assert torch.equal(got, want)
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 310

@@ -2,9 +2,11 @@
 
 The cache of every row is filled with `context` synthetic tokens (random codes and parameters, exactly
 the buffers a prefill would leave; the weights are random too, so values do not matter for speed),
-then `steps` greedy decode steps run through the real model, cache and kernels. Reported per codec and
-batch: decode tokens/s, the cache's bytes against what bits per element predicts, the process's peak
-GPU memory beyond the weights, and the largest batch that fits.
+then `steps` greedy decode steps run through the real model, cache and kernels: eagerly (a Python
+forward per step, as generate() runs it) or replayed from one captured CUDA graph (no host work per step;
+codecs whose steps are static). Reported per codec, mode and batch: decode tokens/s, the cache's bytes
+against what bits per element predicts, the process's peak GPU memory beyond the weights, and the largest
+batch that fits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import torch
 
 from kvcal.accounting import bits_per_element, kv_elements
+from kvcal.errors import KvcalError
 from kvcal.runtime.cache import KvcalCache
 
 
@@ -33,18 +36,91 @@ def _decode_steps(loaded, cache, batch: int, steps: int, generator) -> float:
     return time.perf_counter() - start
 
 
-def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int) -> dict:
+class GraphDecoder:
+    """Greedy decode steps of `loaded.model` over `cache`, replayed from one captured CUDA graph.
+
+    The step's inputs live in fixed buffers updated in place between replays, and the cache reads and
+    writes device-side positions only (KvcalCache.begin_static), so the one recorded step is right at
+    every later length. Construction runs `warmup` eager steps on that same static path (off the default
+    stream, as torch.cuda.graphs asks; they compile the Triton kernels and consume tokens), then records
+    the step without running it. capture=False runs the identical static step eagerly (for comparisons)."""
+
+    def __init__(self, loaded, cache, ids: torch.Tensor, capture: bool = True, warmup: int = 2):
+        self.model, self.cache = loaded.model, cache
+        start = cache.get_seq_length()
+        self.ids = ids.clone()
+        self.position_ids = torch.full((ids.shape[0], 1), start, dtype=torch.long, device=ids.device)
+        self.cache_position = torch.full((1,), start, dtype=torch.long, device=ids.device)
+        self.graph = None
+        with torch.inference_mode():  # the cache's buffers are inference tensors
+            cache.begin_static()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self._advance(self._forward())
+            torch.cuda.current_stream().wait_stream(side)
+            if capture:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._forward()
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(self.ids, position_ids=self.position_ids, cache_position=self.cache_position,
+                          past_key_values=self.cache, use_cache=True).logits
+
+    def _advance(self, logits: torch.Tensor) -> None:
+        self.ids.copy_(logits[:, -1:].argmax(-1))
+        self.position_ids.add_(1)
+        self.cache_position.add_(1)
+        self.cache.advance_static()
+
+    def step(self) -> torch.Tensor:
+        """One decode step; returns its logits [B, 1, vocab] (the graph's buffer: the next step overwrites it)."""
+        if self.cache.static_room() < 1:
+            raise KvcalError("the cache's preallocated buffers are full (static steps cannot grow them)")
+        with torch.inference_mode():
+            if self.graph is None:
+                logits = self._forward()
+            else:
+                self.graph.replay()
+                logits = self.logits
+            self._advance(logits)
+        return logits
+
+
+def _decode_steps_graph(loaded, cache, batch: int, steps: int, generator) -> float:
+    """Seconds for `steps` decode steps replayed from one CUDA graph (after the warm-up and the capture)."""
+    vocab = loaded.model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, 1), device=loaded.device, generator=generator)
+    decoder = GraphDecoder(loaded, cache, ids)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - begin
+    cache.end_static()
+    return seconds
+
+
+def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int, graph: bool = False) -> dict:
+    """One timed case. graph=True replays a captured decode step (codecs whose steps can be static; the caller
+    checks can_capture first)."""
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     cache = KvcalCache(codec, loaded.dims.num_layers)
     cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 8)
     generator = torch.Generator(device=loaded.device).manual_seed(1)
-    seconds = _decode_steps(loaded, cache, batch, steps, generator)
+    if graph:
+        seconds = _decode_steps_graph(loaded, cache, batch, steps, generator)
+    else:
+        seconds = _decode_steps(loaded, cache, batch, steps, generator)
     allocated, used = cache.nbytes()
     tokens = cache.get_seq_length()
     predicted = batch * bits_per_element(method, loaded.dims, tokens).bits_per_element * kv_elements(loaded.dims, tokens) / 8
     record = {
-        "codec": name, "batch": batch, "context": context, "steps": steps,
+        "codec": name, "mode": "cuda-graph" if graph else "eager", "batch": batch, "context": context, "steps": steps,
         "tokens_per_s": batch * steps / seconds, "ms_per_step": 1000 * seconds / steps,
         "cache_bytes": used, "cache_bytes_allocated": allocated, "cache_bytes_predicted": predicted,
         "cache_vs_prediction": used / predicted, "peak_bytes_beyond_weights": torch.cuda.max_memory_allocated() - weights,
@@ -52,6 +128,18 @@ def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: 
     del cache
     torch.cuda.empty_cache()
     return record
+
+
+def capture_refusal(loaded, codec) -> str | None:
+    """Why decode steps of `codec` cannot be captured in a CUDA graph (None when they can): a tiny synthetic
+    cache is asked, so the answer is the codec's, not a batch size's."""
+    cache = KvcalCache(codec, loaded.dims.num_layers)
+    cache.fill_synthetic(1, 256, loaded.dims, loaded.dtype, loaded.device, headroom=1)
+    try:
+        cache.begin_static()
+    except KvcalError as err:
+        return str(err)
+    return None
 
 
 def largest_batch(loaded, method, codec, context: int, candidates: list[int]) -> int:

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
-from kvcal.models.attention import attention
+from kvcal.models.attention import attention, decode_attention_masked
 from kvcal.quant.nonuniform import range_params
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.runtime import ops
@@ -146,6 +146,7 @@ class PackedLayer(_LayerBase):
         self.count: list[int] = []  # valid tokens per row (sinks + packed + residual)
         self.ring_start: list[int] = []
         self.ring_count: list[int] = []
+        self.static = False  # static decode steps (KvcalCache.begin_static): what a CUDA graph replays
 
     # ---- allocation ---------------------------------------------------------------------------------
     def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq) -> None:
@@ -391,6 +392,8 @@ class PackedLayer(_LayerBase):
                 self._prefill_row(b, pad, k_src, k_rot, inp.v)
             self.length = length
             return out
+        if self.static:
+            return self._attend_static(q, k_src, inp.v, inp.scale)
         outs = []
         for t in range(length):  # decode, one token at a time (several tokens are decoded in sequence)
             self._append_step(k_src[:, :, t], k_rot[:, :, t], inp.v[:, :, t])
@@ -399,6 +402,43 @@ class PackedLayer(_LayerBase):
             outs.append(ops.decode_attention(q[:, :, t], self.packed(), self.fp_k, self.fp_v, self.fp_valid,
                                              inp.scale))
         return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
+
+    # ---- static decode steps (CUDA graphs) ------------------------------------------------------------
+    def static_refusal(self) -> str | None:
+        """Why this layer cannot take static decode steps now, or None. A static step must not depend on
+        host-side state that changes from step to step (a captured graph replays fixed kernels and indices)."""
+        policy = self.policy
+        if policy.residual or policy.block != 1:
+            return (f"its full-precision window is flushed in blocks (residual {policy.residual}, block "
+                    f"{policy.block}): which tokens a step packs depends on host-side ring positions")
+        if not self.buffers or min(self.count) < policy.sink:
+            return "a row does not hold its sink tokens yet (static steps start after the prefill)"
+        return None
+
+    def begin_static(self) -> None:
+        self.static = True  # the device mirror `lengths` is already what the kernels read
+
+    def static_room(self) -> int:
+        """Static steps left before the packed buffers are full (they cannot grow inside a graph)."""
+        return self.capacity - max(self.compressed)
+
+    def _attend_static(self, q, k_src, v, scale) -> torch.Tensor:
+        """One token per row packed straight into slot lengths[b] (read on the device) and attention over
+        the packed cache: no host-side index, no host-to-device copy, the same kernels every step. Equal to
+        the ring path for policies that compress every token at once (residual 0, block 1), where the ring
+        only ever holds the token being packed. Host counters move in advance_static()."""
+        if q.shape[2] != 1:
+            raise KvcalError("static decode steps take one token per row")
+        self._pack(list(range(self.batch)), k_src.transpose(1, 2), v.transpose(1, 2))
+        self.lengths += 1
+        out = ops.decode_attention(q[:, :, 0], self.packed(), self.fp_k, self.fp_v, self.fp_valid, scale)
+        return out[:, :, None]
+
+    def advance_static(self) -> None:
+        for b in range(self.batch):
+            self.compressed[b] += 1
+            self.count[b] += 1
+        self.length += 1
 
     def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
                        headroom: int = 0, generator=None) -> None:
@@ -452,6 +492,8 @@ class LosslessLayer(_LayerBase):
         super().__init__(codec, layer_idx)
         self.capacity_hint = capacity_hint
         self.k_buf = self.v_buf = None
+        self.static = False
+        self.filled = self.positions = None  # static steps: tokens held (device [1]) and slot positions
 
     def _reserve(self, needed: int, like: torch.Tensor) -> None:
         if self.k_buf is not None and needed <= self.k_buf.shape[2]:
@@ -468,6 +510,8 @@ class LosslessLayer(_LayerBase):
 
     def attend(self, inp) -> torch.Tensor:
         q, k = apply_rope(inp.q, inp.cos, inp.sin), apply_rope(inp.k_pre, inp.cos, inp.sin)
+        if self.static:
+            return self._attend_static(q, k, inp.v, inp.scale)
         new = k.shape[2]
         self._reserve(self.length + new, k)
         self.k_buf[:, :, self.length : self.length + new] = k
@@ -476,6 +520,36 @@ class LosslessLayer(_LayerBase):
         self.is_initialized = True
         end = self.length
         return attention(q, self.k_buf[:, :, :end], self.v_buf[:, :, :end], inp.mask, inp.scale)
+
+    # ---- static decode steps (CUDA graphs): the fp16 baseline as a static cache does it
+    def static_refusal(self) -> str | None:
+        return None if self.k_buf is not None else "the cache is empty (static steps start after the prefill)"
+
+    def begin_static(self) -> None:
+        # the masked slots get probability 0, but 0 x (an inf or nan bit pattern of uninitialized memory) is
+        # nan: clear them (the GPU test gave nan logits in one test order before this)
+        self.k_buf[:, :, self.length :].zero_()
+        self.v_buf[:, :, self.length :].zero_()
+        self.filled = torch.full((1,), self.length, dtype=torch.long, device=self.k_buf.device)
+        self.positions = torch.arange(self.k_buf.shape[2], device=self.k_buf.device)
+        self.static = True
+
+    def static_room(self) -> int:
+        return self.k_buf.shape[2] - self.length
+
+    def _attend_static(self, q, k, v, scale) -> torch.Tensor:
+        """Write at slot `filled` (device) and attend over the whole preallocated buffer with the slots past it
+        masked: shapes that do not change from step to step, as transformers' StaticCache does (every row has
+        the same length here: the benchmark's synthetic fill, no padding)."""
+        if q.shape[2] != 1:
+            raise KvcalError("static decode steps take one token per row")
+        self.k_buf.index_copy_(2, self.filled, k)
+        self.v_buf.index_copy_(2, self.filled, v)
+        self.filled += 1
+        return decode_attention_masked(q, self.k_buf, self.v_buf, self.positions < self.filled, scale)
+
+    def advance_static(self) -> None:
+        self.length += 1
 
     def nbytes(self) -> tuple[int, int]:
         if self.k_buf is None:
@@ -514,6 +588,30 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         return self.layers[inp.layer_idx].attend(inp)
+
+    # ---- static decode steps: what a CUDA graph can capture and replay (kvcal bench generate)
+    def begin_static(self) -> None:
+        """From now on a decode step reads and writes only device-side positions, so one captured step
+        replays correctly at every later length. The caller moves the host-side counters with
+        advance_static() after each step (a replayed graph runs no Python) and checks static_room()."""
+        for i, layer in enumerate(self.layers):
+            reason = layer.static_refusal() if hasattr(layer, "static_refusal") else "dequantized reference backend"
+            if reason:
+                raise KvcalError(f"no static decode steps (CUDA graphs) for {type(self.codec).__name__}: layer {i}: "
+                                 f"{reason}")
+        for layer in self.layers:
+            layer.begin_static()
+
+    def end_static(self) -> None:
+        for layer in self.layers:
+            layer.static = False
+
+    def advance_static(self) -> None:
+        for layer in self.layers:
+            layer.advance_static()
+
+    def static_room(self) -> int:
+        return min(layer.static_room() for layer in self.layers)
 
     def fill_synthetic(self, batch: int, tokens: int, dims, dtype, device, headroom: int = 0, seed: int = 0):
         """Every layer holds `tokens` random tokens per row (see PackedLayer.fill_synthetic)."""

@@ -106,7 +106,7 @@ def _decode_steps_graph(loaded, cache, batch: int, steps: int, generator) -> flo
 
 def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int, graph: bool = False) -> dict:
     """One timed case. graph=True replays a captured decode step (codecs whose steps can be static; the caller
-    checks can_capture first)."""
+    checks capture_refusal first)."""
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     cache = KvcalCache(codec, loaded.dims.num_layers)

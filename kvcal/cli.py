@@ -179,11 +179,15 @@ def generate_command(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     backend: str = typer.Option("packed", help="packed (the runtime) or dequantized (reference; methods without kernels)."),
+    graph: bool | None = typer.Option(None, "--graph/--no-graph", help="Replay decode steps from a CUDA graph "
+                                      "(default: on CUDA where the codec's steps are static, e.g. rtn, kvquant, fp16; "
+                                      "KIVI runs eagerly)."),
 ):
-    """Generate with the compressed cache; print the text and the cache size against fp16."""
+    """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
     from kvcal.runtime.generate import generate_text
 
-    result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend)
+    mode = "auto" if graph is None else ("graph" if graph else "eager")
+    result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend, mode)
     console.print(result["text"], highlight=False, markup=False)
     console.print(f"\n[dim]{result['summary']}[/dim]", highlight=False)
 

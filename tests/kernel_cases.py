@@ -228,6 +228,76 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
                 b = Q.quantize_lut_dynamic_triton(x, levels, levels * 0.9, bits, 2, per_head)
                 res[f"lut_dynamic_{tag}{'_per_head' if per_head else ''}"] = all(
                     torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(x, a[3], a[4], b[3], b[4])
+        for bits in (2, 4):
+            res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
+    return res
+
+
+def _into_checks(x, bits: int, gen, tag: str) -> dict:
+    """The *_into kernels write each token into its (row, slot) of cache-layout buffers exactly as the reference
+    does, and touch nothing else (buffers start random). Token n goes to row rows[n], slot slots[n]: rows out of
+    order, slots scattered (one decode step passes the cache's lengths as slots)."""
+    n, h, d = x.shape
+    dev = x.device
+    rows_n, tcap = 3, n + 4
+    rows = torch.arange(n, device=dev) % rows_n
+    slots = (torch.arange(n, device=dev) * 5 + 1) % tcap  # distinct (row, slot) pairs for n <= tcap
+    slots = slots.to(torch.int32)
+    w = words_per_vector(d, bits)
+    levels = torch.sort(torch.rand(1 << bits, generator=gen, device=dev) * 2 - 1).values
+    lo = torch.randn(h * d, generator=gen, device=dev) * 0.5 - 1.5
+    hi = lo + 3 + torch.rand(h * d, generator=gen, device=dev)
+
+    def buffers(specs):
+        made = {}
+        for name, (shape, dtype) in specs.items():
+            if dtype == torch.int32:
+                made[name] = torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, device=dev, dtype=torch.int64).to(dtype)
+            elif dtype == torch.int16:
+                made[name] = torch.randint(-1, h * d, shape, generator=gen, device=dev).to(dtype)
+            else:
+                made[name] = torch.randn(shape, generator=gen, device=dev).to(dtype)
+        return made, {k: v.clone() for k, v in made.items()}
+
+    def same(a, b, outliers=()):
+        plain = all(torch.equal(a[k], b[k]) for k in a if k not in outliers)
+        if not outliers:
+            return plain
+        ia, va, ib, vb = (t[rows.long(), slots.long()] for t in (a[outliers[0]], a[outliers[1]], b[outliers[0]],
+                                                                  b[outliers[1]]))
+        untouched = [torch.ones_like(a[k], dtype=torch.bool) for k in outliers]
+        for m in untouched:
+            m[rows.long(), slots.long()] = False
+        rest = all(torch.equal(a[k][m], b[k][m]) for k, m in zip(outliers, untouched))
+        return plain and rest and _same_outliers(x, ia, va, ib, vb)
+
+    res = {}
+    codes = ((rows_n, h, tcap, w), torch.int32)
+    ref, fast = buffers({"codes": codes, "scale": ((rows_n, h, tcap, 2), torch.float16),
+                         "zero": ((rows_n, h, tcap, 2), torch.float16)})
+    Q.quantize_affine_channels_into(x, bits, d // 2, *ref.values(), rows, slots)
+    Q.quantize_affine_channels_into_triton(x, bits, d // 2, *fast.values(), rows, slots)
+    res[f"affine_channels_into_{tag}"] = same(ref, fast)
+    one_row = torch.ones(1, dtype=torch.int64, device=dev).expand(n)  # stride 0, as a prompt's row index
+    ref, fast = buffers({"codes": codes, "scale": ((rows_n, h, tcap, 1), torch.float16),
+                         "zero": ((rows_n, h, tcap, 1), torch.float16)})
+    Q.quantize_affine_channels_into(x, bits, d, *ref.values(), one_row, torch.arange(n, device=dev))
+    Q.quantize_affine_channels_into_triton(x, bits, d, *fast.values(), one_row, torch.arange(n, device=dev))
+    res[f"affine_channels_into_one_row_{tag}"] = same(ref, fast)
+    ref, fast = buffers({"codes": codes, "idx": ((rows_n, tcap, h, 3), torch.int16),
+                         "val": ((rows_n, tcap, h, 3), torch.float16)})
+    Q.quantize_lut_static_into(x, lo, hi, levels, levels + 0.01, bits, 3, *ref.values(), rows, slots)
+    Q.quantize_lut_static_into_triton(x, lo, hi, levels, levels + 0.01, bits, 3, *fast.values(), rows, slots)
+    res[f"lut_static_into_{tag}"] = same(ref, fast, ("idx", "val"))
+    for per_head in (False, True):
+        heads = (h,) if per_head else ()
+        scale = ((rows_n, *heads, tcap), torch.float16)
+        slots_shape = (rows_n, tcap, *heads, 4)
+        ref, fast = buffers({"codes": codes, "scale": scale, "zero": scale, "idx": (slots_shape, torch.int16),
+                             "val": (slots_shape, torch.float16)})
+        Q.quantize_lut_dynamic_into(x, levels, levels * 0.9, bits, 2, per_head, *ref.values(), rows, slots)
+        Q.quantize_lut_dynamic_into_triton(x, levels, levels * 0.9, bits, 2, per_head, *fast.values(), rows, slots)
+        res[f"lut_dynamic_into_{tag}{'_per_head' if per_head else ''}"] = same(ref, fast, ("idx", "val"))
     return res
 
 

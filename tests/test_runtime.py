@@ -355,19 +355,29 @@ def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
 
 @pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant"])
 def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
-    """Static decode steps (device-side slots only: what a CUDA graph replays) give the eager steps' logits:
-    bit for bit for the packed codecs (same codes, same attention inputs), to float32 rounding for the fp16
-    cache (a masked attention over the preallocated buffer instead of one over the filled part). After
-    end_static the two caches keep decoding alike (the host counters followed)."""
+    """Static decode steps (device-side slots only: what a CUDA graph replays) give the logits of eager steps
+    through the residual ring (append, then flush): bit for bit for the packed codecs (same codes, same
+    attention inputs), to float32 rounding for the fp16 cache (a masked attention over the preallocated buffer
+    instead of one over the filled part). After end_static the two caches keep decoding alike (the host
+    counters followed). Eager steps of the packed codecs take the static path by default (`direct`: the token
+    goes straight into its packed slot, the ring never holds it); the reference cache is held on the ring."""
     config = {"bits": 4} if which == "rtn" else {}
     codec = kvquant_codec if which == "kvquant" else build_method(which, config).build_codec({}, tiny.dims)
     gen = torch.Generator().manual_seed(7)
     prompt, steps = torch.randint(0, 256, (2, 20), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)
-    eager, static = (KvcalCache(codec, tiny.dims.num_layers, capacity_hint=40) for _ in range(2))
+    eager, static, direct = (KvcalCache(codec, tiny.dims.num_layers, capacity_hint=40) for _ in range(3))
+    for layer in eager.layers:
+        layer._direct_steps = lambda: False  # the ring path (an instance attribute shadows the method)
     exact = which != "fp16"
     with torch.inference_mode():
-        for cache in (eager, static):
+        for cache in (eager, static, direct):
             tiny.model(prompt, past_key_values=cache, use_cache=True)
+        for layer in direct.layers:  # its decode steps must not touch the ring
+
+            def ring_used(*args):
+                raise AssertionError("an eager step of a residual-0, block-1 codec went through the ring")
+
+            layer._append_step = ring_used
         static.begin_static()
         room = static.static_room()
         for t in range(6):
@@ -378,6 +388,7 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
             static.advance_static()
             if exact:
                 assert torch.equal(got, want)
+                assert torch.equal(tiny.model(ids, past_key_values=direct, use_cache=True).logits, want)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert static.static_room() == room - 6 and static.get_seq_length() == eager.get_seq_length() == 26
@@ -425,7 +436,7 @@ def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
     Triton kernels): bit for bit for fp16 and rtn; for KVQuant to float32 summation order (its value outliers
     are added with atomics, in a run-dependent order)."""
     from kvcal.calib.run import run_calibration
-    from kvcal.runtime.bench_generate import GraphDecoder
+    from kvcal.runtime.graph import GraphDecoder
 
     loaded = _small_llama_cuda(torch.bfloat16)
     if which == "kvquant":
@@ -450,3 +461,59 @@ def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
         else:
             assert torch.equal(got, want)
     assert caches[0].get_seq_length() == caches[1].get_seq_length() == 310
+
+
+@pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
+def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, which):
+    """`kvcal generate`'s loop (runtime.graph.greedy_decode): its eager steps and the CUDA graph's static steps
+    (run eagerly here, on CPU) choose the tokens transformers' generate(do_sample=False) chooses with the same
+    cache. KIVI cannot take static steps: 'static' is refused in one line, 'auto' runs eagerly."""
+    from kvcal.errors import KvcalError
+    from kvcal.runtime.graph import greedy_decode
+
+    configs = {"rtn": {"bits": 4}, "kivi": {"bits": 2, "group_size": 4, "residual": 8}}
+    codec = kvquant_codec if which == "kvquant" else build_method(which, configs[which]).build_codec({}, tiny.dims)
+    prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    eos = tiny.model.generation_config.eos_token_id
+    with torch.inference_mode():
+        want = tiny.model.generate(prompt, past_key_values=KvcalCache(codec, tiny.dims.num_layers), max_new_tokens=9,
+                                   do_sample=False, pad_token_id=eos)[:, 12:]
+    for mode in ("eager", "static", "auto"):
+        cache = KvcalCache(codec, tiny.dims.num_layers, capacity_hint=21)
+        if which == "kivi" and mode == "static":
+            with pytest.raises(KvcalError, match="residual 8, block 4"):
+                greedy_decode(tiny, cache, prompt, 9, eos, mode)
+            continue
+        got = greedy_decode(tiny, cache, prompt, 9, eos, mode)
+        assert torch.equal(got["tokens"], want), mode
+        assert got["mode"] == ("static" if mode == "static" else "eager") and cache.get_seq_length() == 12 + 8
+    with pytest.raises(KvcalError, match="needs a CUDA device"):
+        greedy_decode(tiny, KvcalCache(codec, tiny.dims.num_layers), prompt, 9, eos, "graph")
+
+
+def test_greedy_decode_stops_at_eos_like_generate():
+    """Rows that emitted eos are padded with eos after it; the output ends where the last row ended."""
+    from kvcal.runtime.graph import _all_ended, _cut_after_eos
+
+    tokens = torch.tensor([[5, 2, 7, 8, 9], [5, 6, 7, 2, 3]])
+    assert _cut_after_eos(tokens, 2).tolist() == [[5, 2, 2, 2], [5, 6, 7, 2]]
+    assert _cut_after_eos(tokens, None).tolist() == tokens.tolist() == _cut_after_eos(tokens, 4).tolist()
+    assert _all_ended(list(tokens.split(1, 1)), 2) and not _all_ended(list(tokens[:, :3].split(1, 1)), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_decode_replayed_gives_the_tokens_generate_gives_on_gpu():
+    """`kvcal generate` on CUDA: an rtn cache's decode steps replayed from a CUDA graph choose the tokens of
+    transformers' generate() with the same cache (bf16 model, Triton kernels: the same arithmetic eager and
+    replayed)."""
+    from kvcal.runtime.graph import greedy_decode
+
+    loaded = _small_llama_cuda(torch.bfloat16)
+    codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
+    prompt = torch.randint(0, 512, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        want = loaded.model.generate(prompt, past_key_values=KvcalCache(codec, 2), max_new_tokens=24, do_sample=False,
+                                     pad_token_id=0)[:, 50:]
+    got = greedy_decode(loaded, KvcalCache(codec, 2, capacity_hint=80), prompt, 24, None, "auto")
+    assert got["mode"] == "cuda-graph" and torch.equal(got["tokens"], want)

@@ -18,9 +18,10 @@ import torch
 from kvcal.accounting import bits_per_element, kv_elements
 from kvcal.errors import KvcalError
 from kvcal.runtime.cache import KvcalCache
+from kvcal.runtime.graph import GraphDecoder
 
 
-def _decode_steps(loaded, cache, batch: int, steps: int, generator) -> float:
+def eager_decode_seconds(loaded, cache, batch: int, steps: int, generator) -> float:
     """Seconds for `steps` decode steps (after 2 warm-up steps)."""
     vocab = loaded.model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, 1), device=loaded.device, generator=generator)
@@ -34,59 +35,6 @@ def _decode_steps(loaded, cache, batch: int, steps: int, generator) -> float:
             ids = logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-class GraphDecoder:
-    """Greedy decode steps of `loaded.model` over `cache`, replayed from one captured CUDA graph.
-
-    The step's inputs live in fixed buffers updated in place between replays, and the cache reads and
-    writes device-side positions only (KvcalCache.begin_static), so the one recorded step is right at
-    every later length. Construction runs `warmup` eager steps on that same static path (off the default
-    stream, as torch.cuda.graphs asks; they compile the Triton kernels and consume tokens), then records
-    the step without running it. capture=False runs the identical static step eagerly (for comparisons)."""
-
-    def __init__(self, loaded, cache, ids: torch.Tensor, capture: bool = True, warmup: int = 2):
-        self.model, self.cache = loaded.model, cache
-        start = cache.get_seq_length()
-        self.ids = ids.clone()
-        self.position_ids = torch.full((ids.shape[0], 1), start, dtype=torch.long, device=ids.device)
-        self.cache_position = torch.full((1,), start, dtype=torch.long, device=ids.device)
-        self.graph = None
-        with torch.inference_mode():  # the cache's buffers are inference tensors
-            cache.begin_static()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    self._advance(self._forward())
-            torch.cuda.current_stream().wait_stream(side)
-            if capture:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.logits = self._forward()
-
-    def _forward(self) -> torch.Tensor:
-        return self.model(self.ids, position_ids=self.position_ids, cache_position=self.cache_position,
-                          past_key_values=self.cache, use_cache=True).logits
-
-    def _advance(self, logits: torch.Tensor) -> None:
-        self.ids.copy_(logits[:, -1:].argmax(-1))
-        self.position_ids.add_(1)
-        self.cache_position.add_(1)
-        self.cache.advance_static()
-
-    def step(self) -> torch.Tensor:
-        """One decode step; returns its logits [B, 1, vocab] (the graph's buffer: the next step overwrites it)."""
-        if self.cache.static_room() < 1:
-            raise KvcalError("the cache's preallocated buffers are full (static steps cannot grow them)")
-        with torch.inference_mode():
-            if self.graph is None:
-                logits = self._forward()
-            else:
-                self.graph.replay()
-                logits = self.logits
-            self._advance(logits)
-        return logits
 
 
 def _decode_steps_graph(loaded, cache, batch: int, steps: int, generator) -> float:
@@ -115,7 +63,7 @@ def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: 
     if graph:
         seconds = _decode_steps_graph(loaded, cache, batch, steps, generator)
     else:
-        seconds = _decode_steps(loaded, cache, batch, steps, generator)
+        seconds = eager_decode_seconds(loaded, cache, batch, steps, generator)
     allocated, used = cache.nbytes()
     tokens = cache.get_seq_length()
     predicted = batch * bits_per_element(method, loaded.dims, tokens).bits_per_element * kv_elements(loaded.dims, tokens) / 8

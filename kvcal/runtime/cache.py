@@ -314,20 +314,24 @@ class PackedLayer(_LayerBase):
 
     def _pack(self, rows: list[int], k_src: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
-        kf, vf, buf = self.key_format, self.value_format, self.buffers
         nrows, count = k_src.shape[:2]
         row_ids = self._index(rows)
         start = self.lengths[row_ids].long()  # packed tokens so far: the rows' next free slots
         slot = (start[:, None] + torch.arange(count, device=self.device)[None]).reshape(-1)  # [R*N]
         row = row_ids[:, None].expand(-1, count).reshape(-1)
-        keys = k_src.reshape(nrows * count, self.heads, self.dim)
-        values = v.reshape(nrows * count, self.heads, self.dim)
-        # keys
+        self._store(k_src.reshape(nrows * count, self.heads, self.dim), v.reshape(nrows * count, self.heads, self.dim),
+                    row, slot, nrows)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, slot: torch.Tensor, nrows: int):
+        """Quantize tokens [M, H, D] straight into row row[m], slot slot[m] of the buffers (device index tensors:
+        one kernel per side on CUDA, no intermediate codes). The M tokens are nrows runs of consecutive slots of
+        one row each (KIVI's key blocks are quantized per run)."""
+        kf, vf, buf = self.key_format, self.value_format, self.buffers
         if kf.kind == "affine_channels":
-            codes, scale, zero = ops.quantize_affine_channels(keys, kf.bits, kf.group)
-            buf["k_scale"][row, :, slot] = scale
-            buf["k_zero"][row, :, slot] = zero
+            ops.quantize_affine_channels_into(keys, kf.bits, kf.group, buf["k_codes"], buf["k_scale"], buf["k_zero"],
+                                              row, slot)
         elif kf.kind == "affine_tokens":
+            count = keys.shape[0] // nrows
             blocks = count // kf.block
             if blocks == 1:  # a decode-time flush: the kernel, one block per row
                 parts = [ops.quantize_affine_tokens(keys[i * count : (i + 1) * count], kf.bits) for i in range(nrows)]
@@ -336,31 +340,21 @@ class PackedLayer(_LayerBase):
             else:  # a prompt: every block at once
                 codes, scale, zero = quantize_affine_token_blocks(keys, kf.bits, kf.block)
             block_idx = (slot // kf.block).reshape(nrows, count)[:, :: kf.block].reshape(-1)
-            block_row = row_ids[:, None].expand(-1, blocks).reshape(-1)
+            block_row = row.reshape(nrows, count)[:, :: kf.block].reshape(-1)
             buf["k_scale"][block_row, :, block_idx] = scale.reshape(-1, self.heads, self.dim)
             buf["k_zero"][block_row, :, block_idx] = zero.reshape(-1, self.heads, self.dim)
+            buf["k_codes"][row, :, slot] = codes
         else:
-            codes, idx, val = ops.quantize_lut_static(keys, buf["k_lo"], buf["k_hi"], buf["k_encode"],
-                                                      buf["k_decode"], kf.bits, kf.capacity)
-            if kf.capacity:
-                buf["k_out_idx"][row, slot] = idx
-                buf["k_out_val"][row, slot] = val
-        buf["k_codes"][row, :, slot] = codes
-        # values
+            ops.quantize_lut_static_into(keys, buf["k_lo"], buf["k_hi"], buf["k_encode"], buf["k_decode"], kf.bits,
+                                         kf.capacity, buf["k_codes"], buf.get("k_out_idx"), buf.get("k_out_val"), row,
+                                         slot)
         if vf.kind == "affine_channels":
-            codes, scale, zero = ops.quantize_affine_channels(values, vf.bits, vf.group)
-            buf["v_scale"][row, :, slot] = scale
-            buf["v_zero"][row, :, slot] = zero
+            ops.quantize_affine_channels_into(values, vf.bits, vf.group, buf["v_codes"], buf["v_scale"],
+                                              buf["v_zero"], row, slot)
         else:
-            codes, scale, zero, idx, val = ops.quantize_lut_dynamic(values, buf["v_encode"], buf["v_decode"],
-                                                                    vf.bits, vf.per_side, vf.per_head)
-            at = (row, slice(None), slot) if vf.per_head else (row, slot)
-            buf["v_scale"][at] = scale
-            buf["v_zero"][at] = zero
-            if vf.per_side:
-                buf["v_out_idx"][row, slot] = idx
-                buf["v_out_val"][row, slot] = val
-        buf["v_codes"][row, :, slot] = codes
+            ops.quantize_lut_dynamic_into(values, buf["v_encode"], buf["v_decode"], vf.bits, vf.per_side,
+                                          vf.per_head, buf["v_codes"], buf["v_scale"], buf["v_zero"],
+                                          buf.get("v_out_idx"), buf.get("v_out_val"), row, slot)
 
     def packed(self) -> PackedKV:
         kf, vf, buf = self.key_format, self.value_format, self.buffers
@@ -394,6 +388,12 @@ class PackedLayer(_LayerBase):
             return out
         if self.static:
             return self._attend_static(q, k_src, inp.v, inp.scale)
+        if length == 1 and self._direct_steps():  # the static step, run eagerly (fewer kernels than the ring)
+            if max(self.compressed) >= self.capacity:
+                self._grow(max(self.compressed) + 1)
+            out = self._attend_static(q, k_src, inp.v, inp.scale)
+            self.advance_static()
+            return out
         outs = []
         for t in range(length):  # decode, one token at a time (several tokens are decoded in sequence)
             self._append_step(k_src[:, :, t], k_rot[:, :, t], inp.v[:, :, t])
@@ -415,6 +415,12 @@ class PackedLayer(_LayerBase):
             return "a row does not hold its sink tokens yet (static steps start after the prefill)"
         return None
 
+    def _direct_steps(self) -> bool:
+        """Whether a decode step may pack its token straight into slot lengths[b] (what static steps do): the
+        policy compresses every token at once and every row holds its sinks, so the ring would only ever
+        hold the token being packed."""
+        return self.policy.residual == 0 and self.policy.block == 1 and min(self.count) >= self.policy.sink
+
     def begin_static(self) -> None:
         self.static = True  # the device mirror `lengths` is already what the kernels read
 
@@ -429,7 +435,7 @@ class PackedLayer(_LayerBase):
         only ever holds the token being packed. Host counters move in advance_static()."""
         if q.shape[2] != 1:
             raise KvcalError("static decode steps take one token per row")
-        self._pack(list(range(self.batch)), k_src.transpose(1, 2), v.transpose(1, 2))
+        self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths, self.batch)
         self.lengths += 1
         out = ops.decode_attention(q[:, :, 0], self.packed(), self.fp_k, self.fp_v, self.fp_valid, scale)
         return out[:, :, None]

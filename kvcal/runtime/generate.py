@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvcal.accounting import bits_per_element, kv_elements
 from kvcal.errors import KvcalError
 from kvcal.runtime.cache import KvcalCache
@@ -45,14 +43,19 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, **ru
 
 
 def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device,
-                  backend: str = "packed") -> dict:
+                  backend: str = "packed", mode: str = "auto") -> dict:
+    """Greedy continuation of `prompt` with the compressed cache (mode: see runtime.graph.greedy_decode; 'auto'
+    replays decode steps from a CUDA graph on CUDA where the codec's steps are static, else runs them eagerly)."""
     from kvcal.artifact import load_artifact
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
+    from kvcal.runtime.graph import DECODE_MODES, greedy_decode
 
     if max_new_tokens <= 0:
         raise KvcalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if mode not in DECODE_MODES:
+        raise KvcalError(f"unknown decode mode '{mode}' (one of {', '.join(DECODE_MODES)})")
     art = None
     if artifact_path is not None:
         art = load_artifact(artifact_path)
@@ -69,10 +72,11 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
         raise KvcalError(f"{loaded.name} has no tokenizer")
     ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids.to(loaded.device)
     cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=ids.shape[1] + max_new_tokens)
-    with torch.inference_mode():
-        out = loaded.model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=loaded.tokenizer.eos_token_id)
-    new_tokens = out[0, ids.shape[1]:]
+    result = greedy_decode(loaded, cache, ids, max_new_tokens, loaded.tokenizer.eos_token_id, mode)
+    new_tokens = result["tokens"][0]
+    steps = new_tokens.shape[0] - 1
+    speed = (f"decode: {steps} steps in {result['decode_seconds']:.2f} s ({steps / result['decode_seconds']:.1f} "
+             f"tokens/s, {result['mode']})" if steps else "decode: no step after the prefill")
     tokens = int(cache.get_seq_length())
     allocated, used = cache.nbytes()
     fp16 = 2 * kv_elements(loaded.dims, tokens)
@@ -81,11 +85,12 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     if backend == "dequantized" and not codec.lossless:
         summary = (f"{method.name} through the dequantized reference cache: the values the codec reconstructs, held "
                    f"in {loaded.dtype} (no memory saving); the method's storage is {predicted:.2f} bits/element "
-                   f"for {tokens} tokens")
-        return {"text": text, "summary": summary, "cache_bytes": None, "fp16_bytes": fp16, "tokens": tokens}
+                   f"for {tokens} tokens; {speed}")
+        return {"text": text, "summary": summary, "cache_bytes": None, "fp16_bytes": fp16, "tokens": tokens,
+                "mode": result["mode"]}
     measured = 8 * used / kv_elements(loaded.dims, tokens)
     summary = (f"{method.name} ({loaded.dtype}, full-precision slots in that dtype): KV cache {used / 2**20:.2f} MiB for {tokens} tokens ({measured:.2f} bits/element; "
                f"accounting predicts {predicted:.2f}; {allocated / 2**20:.2f} MiB allocated) vs fp16 "
-               f"{fp16 / 2**20:.2f} MiB: {fp16 / max(used, 1):.1f}x smaller")
-    return {"text": text, "summary": summary,
-            "cache_bytes": used, "fp16_bytes": fp16, "tokens": tokens}
+               f"{fp16 / 2**20:.2f} MiB: {fp16 / max(used, 1):.1f}x smaller; {speed}")
+    return {"text": text, "summary": summary, "cache_bytes": used, "fp16_bytes": fp16, "tokens": tokens,
+            "mode": result["mode"]}

@@ -48,6 +48,21 @@ def quantize_lut_dynamic(x, encode, decode, bits, per_side, per_head=False):
     return _pick(quantize, "quantize_lut_dynamic", x)(x, encode, decode, bits, per_side, per_head)
 
 
+def quantize_affine_channels_into(x, bits, group, codes, scale, zero, rows, slots):
+    _pick(quantize, "quantize_affine_channels_into", x)(x, bits, group, codes, scale, zero, rows, slots)
+
+
+def quantize_lut_static_into(x, lo, hi, encode, decode, bits, capacity, codes, out_idx, out_val, rows, slots):
+    _pick(quantize, "quantize_lut_static_into", x)(x, lo, hi, encode, decode, bits, capacity, codes, out_idx, out_val,
+                                                   rows, slots)
+
+
+def quantize_lut_dynamic_into(x, encode, decode, bits, per_side, per_head, codes, scale, zero, out_idx, out_val, rows,
+                              slots):
+    _pick(quantize, "quantize_lut_dynamic_into", x)(x, encode, decode, bits, per_side, per_head, codes, scale, zero,
+                                                    out_idx, out_val, rows, slots)
+
+
 def decode_attention(q, kv, fp_k, fp_v, fp_valid, scale):
     impl = getattr(attention, "decode_attention_triton", None)
     if impl is not None and use_triton(q):

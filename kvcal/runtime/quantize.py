@@ -98,7 +98,7 @@ def quantize_lut_static(x, lo, hi, encode, decode, bits: int, capacity: int):
 
 def quantize_lut_dynamic(x, encode, decode, bits: int, per_side: int, per_head: bool = False):
     if per_head:
-        return _per_head(quantize_lut_dynamic, x, encode, decode, bits, per_side)
+        return _per_head(x, encode, decode, bits, per_side)
     n, h, d = x.shape
     rows = x.to(torch.float32).reshape(n, h * d)
     lo, hi, outlier = outlier_bounds(rows, per_side, dim=-1)
@@ -109,11 +109,11 @@ def quantize_lut_dynamic(x, encode, decode, bits: int, per_side: int, per_head: 
     return pack_codes(codes.reshape(n, h, d), bits), s[:, 0].half(), z[:, 0].half(), idx, val
 
 
-def _per_head(quantize, x, encode, decode, bits: int, per_side: int):
+def _per_head(x, encode, decode, bits: int, per_side: int):
     """lut_dynamic with one vector per (token, head): the per-token quantizer on [N*H, 1, D], reshaped back;
     outlier channels made global (head * D + channel) as everywhere else."""
     n, h, d = x.shape
-    codes, scale, zero, idx, val = quantize(x.reshape(n * h, 1, d), encode, decode, bits, per_side)
+    codes, scale, zero, idx, val = quantize_lut_dynamic(x.reshape(n * h, 1, d), encode, decode, bits, per_side)
     codes, scale, zero = codes.reshape(n, h, -1), scale.reshape(n, h), zero.reshape(n, h)
     if idx is not None:
         idx, val = _global_channels(idx.reshape(n, h, -1), d), val.reshape(n, h, -1)
@@ -196,9 +196,22 @@ if triton is not None:
         return tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS - 1.0).to(tl.int32)
 
     @triton.jit
-    def _affine_channels_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, H, sxn, sxh,
+    def _destinations(n, nm, row_ptr, slot_ptr, DEST: tl.constexpr):
+        """(row, slot) that token n is written to: read from the device (DEST, a cache's buffers) or (0, n)
+        (a fresh [N, ...] output seen as one row: its batch stride is 0)."""
+        if DEST:
+            b = tl.load(row_ptr + n, mask=nm, other=0).to(tl.int64)
+            t = tl.load(slot_ptr + n, mask=nm, other=0).to(tl.int64)
+        else:
+            b = n.to(tl.int64) * 0
+            t = n.to(tl.int64)
+        return b, t
+
+    @triton.jit
+    def _affine_channels_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, row_ptr, slot_ptr, N, sxn, sxh,
+                                scb, sct, sch, spb, spt, sph,
                                 D: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
-                                W: tl.constexpr, WP: tl.constexpr, R: tl.constexpr):
+                                W: tl.constexpr, WP: tl.constexpr, R: tl.constexpr, DEST: tl.constexpr):
         GS: tl.constexpr = D // GROUPS
         LEVELS: tl.constexpr = 1 << BITS
         h = tl.program_id(1)
@@ -214,11 +227,13 @@ if triton is not None:
         codes = tl.reshape(_affine_codes(x3, zero[:, :, None], scale[:, :, None], LEVELS), (R, D))
         words = pack_tile(codes, R, D, BITS, WP)
         w = tl.arange(0, WP)
-        row = n * H + h
-        tl.store(codes_ptr + row[:, None] * W + w[None, :], words, mask=nm[:, None] & (w < W)[None, :])
+        b, t = _destinations(n, nm, row_ptr, slot_ptr, DEST)
+        tl.store(codes_ptr + (b * scb + t * sct + h * sch)[:, None] + w[None, :], words,
+                 mask=nm[:, None] & (w < W)[None, :])
         gi = tl.arange(0, GROUPS)
-        tl.store(scale_ptr + row[:, None] * GROUPS + gi[None, :], scale.to(tl.float16), mask=nm[:, None])
-        tl.store(zero_ptr + row[:, None] * GROUPS + gi[None, :], zero.to(tl.float16), mask=nm[:, None])
+        at = (b * spb + t * spt + h * sph)[:, None] + gi[None, :]
+        tl.store(scale_ptr + at, scale.to(tl.float16), mask=nm[:, None])
+        tl.store(zero_ptr + at, zero.to(tl.float16), mask=nm[:, None])
 
     @triton.jit
     def _affine_tokens_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, H, sxn, sxh,
@@ -259,10 +274,10 @@ if triton is not None:
         return code
 
     @triton.jit
-    def _store_largest_rows(score, res, c, idx_ptr, val_ptr, hh, hm, D: tl.constexpr, CAP: tl.constexpr):
+    def _store_largest_rows(score, res, c, idx_ptr, val_ptr, rowoff, hm, D: tl.constexpr, CAP: tl.constexpr):
         """Per row of [R, D] (a head, or a whole token as one row): store the CAP largest scores' channels c
-        and fp16 residuals at idx_ptr + row * CAP + k (-1 / 0 where the score is < 0); hh are the row indices,
-        hm masks the real rows."""
+        and fp16 residuals at idx_ptr + rowoff + k (-1 / 0 where the score is < 0); rowoff [R] are the rows'
+        slot offsets, hm masks the real rows."""
         for k in tl.static_range(CAP):
             best = tl.max(score, 1)
             at = tl.argmax(score, 1)
@@ -270,14 +285,15 @@ if triton is not None:
             valid = best >= 0.0
             val = tl.sum(tl.where(hit, res, 0.0), 1)
             chan = tl.sum(tl.where(hit, c, 0), 1)
-            tl.store(idx_ptr + hh * CAP + k, tl.where(valid, chan, -1).to(tl.int16), mask=hm)
-            tl.store(val_ptr + hh * CAP + k, tl.where(valid, val, 0.0).to(tl.float16), mask=hm)
+            tl.store(idx_ptr + rowoff + k, tl.where(valid, chan, -1).to(tl.int16), mask=hm)
+            tl.store(val_ptr + rowoff + k, tl.where(valid, val, 0.0).to(tl.float16), mask=hm)
             score = tl.where(hit, -2.0, score)
 
     @triton.jit
-    def _lut_static_kernel(x_ptr, lo_ptr, hi_ptr, enc_ptr, dec_ptr, codes_ptr, idx_ptr, val_ptr, sxn, sxh, H,
+    def _lut_static_kernel(x_ptr, lo_ptr, hi_ptr, enc_ptr, dec_ptr, codes_ptr, idx_ptr, val_ptr, row_ptr, slot_ptr,
+                           sxn, sxh, H, scb, sct, sch, sob, sot, soh,
                            HP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
-                           WP: tl.constexpr, CAP: tl.constexpr):
+                           WP: tl.constexpr, CAP: tl.constexpr, DEST: tl.constexpr):
         n = tl.program_id(0)
         hh = tl.arange(0, HP)  # heads padded to a power of two
         hm = (hh < H)[:, None]
@@ -292,26 +308,33 @@ if triton is not None:
         codes = _nearest(xn, enc_ptr, 1 << BITS)
         words = pack_tile(codes, HP, D, BITS, WP)
         w = tl.arange(0, WP)
-        tl.store(codes_ptr + (n * H + hh[:, None]) * W + w[None, :], words, mask=hm & (w < W)[None, :])
+        b, t = _destinations(n, n >= 0, row_ptr, slot_ptr, DEST)
+        tl.store(codes_ptr + b * scb + t * sct + hh[:, None] * sch + w[None, :], words, mask=hm & (w < W)[None, :])
         if CAP > 0:
             res = x - (tl.load(dec_ptr + codes) * scale + zero)
             score = tl.where(((x > hi) | (x < lo)) & hm, tl.abs(res), -1.0)
-            _store_largest_rows(score, res, c, idx_ptr + n * H * CAP, val_ptr + n * H * CAP, hh, hh < H,
-                                    D, CAP)
+            _store_largest_rows(score, res, c, idx_ptr, val_ptr, b * sob + t * sot + hh * soh, hh < H, D, CAP)
 
     @triton.jit
-    def _lut_dynamic_kernel(x_ptr, enc_ptr, dec_ptr, codes_ptr, scale_ptr, zero_ptr, idx_ptr, val_ptr, sxn, sxh, H,
+    def _lut_dynamic_kernel(x_ptr, enc_ptr, dec_ptr, codes_ptr, scale_ptr, zero_ptr, idx_ptr, val_ptr, row_ptr,
+                            slot_ptr, sxn, sxh, H, scb, sct, sch, ssb, sst, ssh, sob, sot, soh,
                             HP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
-                            WP: tl.constexpr, PER_SIDE: tl.constexpr):
+                            WP: tl.constexpr, PER_SIDE: tl.constexpr, PER_HEAD: tl.constexpr, DEST: tl.constexpr):
+        """One vector per program: a token over all heads (grid (N, 1)), or with PER_HEAD one (token, head)
+        (grid (N, H), HP = 1)."""
         n = tl.program_id(0)
-        hh = tl.arange(0, HP)  # heads padded to a power of two
+        if PER_HEAD:
+            h0 = tl.program_id(1)
+        else:
+            h0 = 0
+        hh = h0 + tl.arange(0, HP)  # heads padded to a power of two
         hm = (hh < H)[:, None]
         d = tl.arange(0, D)
         x = tl.load(x_ptr + n * sxn + hh[:, None] * sxh + d[None, :], mask=hm, other=0.0).to(tl.float32)
         C: tl.constexpr = HP * D
         row = tl.reshape(x, (C,))
         real = tl.reshape(hm & (d < D)[None, :], (C,))
-        c = tl.arange(0, C)
+        c = tl.arange(0, C)  # position in the vector; its channel is h0 * D + c
         outlier = tl.zeros((C,), tl.int1)
         top = tl.where(real, row, float("-inf"))
         bottom = tl.where(real, row, float("inf"))
@@ -330,21 +353,22 @@ if triton is not None:
             lo = tl.min(bottom, 0)
         zero16 = ((hi + lo) * 0.5).to(tl.float16)
         scale16 = ((hi - lo) * 0.5).to(tl.float16)
-        tl.store(scale_ptr + n, scale16)
-        tl.store(zero_ptr + n, zero16)
+        b, t = _destinations(n, n >= 0, row_ptr, slot_ptr, DEST)
+        tl.store(scale_ptr + b * ssb + t * sst + h0 * ssh, scale16)
+        tl.store(zero_ptr + b * ssb + t * sst + h0 * ssh, zero16)
         z = zero16.to(tl.float32)
         s = tl.maximum(scale16.to(tl.float32), 1e-8)
         xn = tl.minimum(tl.maximum(tl.math.div_rn(x - z, s), -1.0), 1.0)
         codes = _nearest(xn, enc_ptr, 1 << BITS)
         words = pack_tile(codes, HP, D, BITS, WP)
         w = tl.arange(0, WP)
-        tl.store(codes_ptr + (n * H + hh[:, None]) * W + w[None, :], words, mask=hm & (w < W)[None, :])
+        tl.store(codes_ptr + b * scb + t * sct + hh[:, None] * sch + w[None, :], words, mask=hm & (w < W)[None, :])
         if PER_SIDE > 0:
             res = tl.reshape(x - (tl.load(dec_ptr + codes) * s + z), (C,))
             score = tl.where(outlier, tl.abs(res), -1.0)
-            one = tl.arange(0, 1)  # the token is one row
-            _store_largest_rows(tl.reshape(score, (1, C)), tl.reshape(res, (1, C)), tl.reshape(c, (1, C)),
-                                idx_ptr + n * (2 * PER_SIDE), val_ptr + n * (2 * PER_SIDE), one, one < 1, C, 2 * PER_SIDE)
+            one = tl.arange(0, 1)  # the vector is one row; its channels are global (h0 * D + c)
+            _store_largest_rows(tl.reshape(score, (1, C)), tl.reshape(res, (1, C)), tl.reshape(h0 * D + c, (1, C)),
+                                idx_ptr, val_ptr, b * sob + t * sot + h0 * soh + one, one < 1, C, 2 * PER_SIDE)
 
 
 def _pow2_ok(*sizes: int) -> bool:
@@ -355,21 +379,94 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# ---- writing straight into a cache's buffers -------------------------------------------------------
+# `*_into(x, ..., rows, slots)`: token n of x [N, H, D] is quantized as above and written to row rows[n], slot
+# slots[n] of a cache's buffers (kvcal/runtime/cache.py layouts: codes [B, H, T, W], affine scale/zero
+# [B, H, T, G], key outlier slots [B, T, H, cap], value scale/zero [B, T] or [B, H, T], value outlier slots
+# [B, T, cap] or [B, T, H, cap]). rows/slots are device tensors: a decode step passes the cache's own
+# `lengths` as the slots, so appending a token is one kernel per side and no host-side index.
+
+
+def quantize_affine_channels_into(x, bits: int, group: int, codes, scale, zero, rows, slots) -> None:
+    c, s, z = quantize_affine_channels(x, bits, group)
+    rows, slots = rows.long(), slots.long()
+    codes[rows, :, slots], scale[rows, :, slots], zero[rows, :, slots] = c, s, z
+
+
+def quantize_lut_static_into(x, lo, hi, encode, decode, bits: int, capacity: int, codes, out_idx, out_val,
+                             rows, slots) -> None:
+    c, idx, val = quantize_lut_static(x, lo, hi, encode, decode, bits, capacity)
+    rows, slots = rows.long(), slots.long()
+    codes[rows, :, slots] = c
+    if capacity:
+        out_idx[rows, slots], out_val[rows, slots] = idx, val
+
+
+def quantize_lut_dynamic_into(x, encode, decode, bits: int, per_side: int, per_head: bool, codes, scale, zero,
+                              out_idx, out_val, rows, slots) -> None:
+    c, s, z, idx, val = quantize_lut_dynamic(x, encode, decode, bits, per_side, per_head)
+    rows, slots = rows.long(), slots.long()
+    codes[rows, :, slots] = c
+    at = (rows, slice(None), slots) if per_head else (rows, slots)
+    scale[at], zero[at] = s, z
+    if per_side:
+        out_idx[rows, slots], out_val[rows, slots] = idx, val
+
+
+def _fresh(t: torch.Tensor, head_axis: bool = True) -> tuple[int, int, int]:
+    """(row, slot, head) strides of a fresh output [N, H, ...] (or [N, ...] without a head axis): one row."""
+    return 0, t.stride(0), t.stride(1) if head_axis else 0
+
+
+def _cache(t: torch.Tensor, token_axis: int, head_axis: int | None) -> tuple[int, int, int]:
+    """(row, slot, head) strides of a cache buffer whose axis 0 is the row."""
+    return t.stride(0), t.stride(token_axis), 0 if head_axis is None else t.stride(head_axis)
+
+
+def _destination_args(rows, slots, dev):
+    if rows is None:
+        dummy = torch.empty(1, dtype=torch.int32, device=dev)
+        return dummy, dummy, 0
+    return rows.contiguous(), slots.contiguous(), 1  # the kernels index them densely (an expanded row has stride 0)
+
+
+def _f32(t: torch.Tensor, dev) -> torch.Tensor:
+    return t.to(device=dev, dtype=torch.float32).contiguous()
+
+
+def _affine_channels_launch(x, bits, group, codes, cs, scale, zero, ps, rows=None, slots=None) -> None:
+    n, h, d = x.shape
+    w = words_per_vector(d, bits)
+    block = 4  # tokens per program
+    row_arg, slot_arg, dest = _destination_args(rows, slots, x.device)
+    with launch_device(x):
+        _affine_channels_kernel[(triton.cdiv(n, block), h)](
+            x, codes, scale, zero, row_arg, slot_arg, n, x.stride(0), x.stride(1), *cs, *ps,
+            d, d // group, bits, w, _pow2(w), block, dest, enable_fp_fusion=False)
+
+
+def _affine_channels_ok(x, bits, group) -> bool:
+    n, _, d = x.shape
+    return triton is not None and _pow2_ok(d, d // group) and not d % group and d >= 32 and bits <= 8 and n > 0
+
+
 def quantize_affine_channels_triton(x: torch.Tensor, bits: int, group: int):
     n, h, d = x.shape
-    if triton is None or not _pow2_ok(d, d // group) or d % group or d < 32 or bits > 8 or n == 0:
+    if not _affine_channels_ok(x, bits, group):
         return quantize_affine_channels(x, bits, group)
     x = _rows(x)
-    w = words_per_vector(d, bits)
-    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
+    codes = torch.empty(n, h, words_per_vector(d, bits), dtype=torch.int32, device=x.device)
     scale = torch.empty(n, h, d // group, dtype=torch.float16, device=x.device)
     zero = torch.empty_like(scale)
-    rows = 4
-    with launch_device(x):
-        _affine_channels_kernel[(triton.cdiv(n, rows), h)](
-            x, codes, scale, zero, n, h, x.stride(0), x.stride(1), d, d // group, bits, w, _pow2(w), rows,
-            enable_fp_fusion=False)
+    _affine_channels_launch(x, bits, group, codes, _fresh(codes), scale, zero, _fresh(scale))
     return codes, scale, zero
+
+
+def quantize_affine_channels_into_triton(x, bits: int, group: int, codes, scale, zero, rows, slots) -> None:
+    if not _affine_channels_ok(x, bits, group):
+        return quantize_affine_channels_into(x, bits, group, codes, scale, zero, rows, slots)
+    _affine_channels_launch(_rows(x), bits, group, codes, _cache(codes, 2, 1), scale, zero, _cache(scale, 2, 1),
+                            rows, slots)
 
 
 def quantize_affine_tokens_triton(x: torch.Tensor, bits: int):
@@ -387,7 +484,13 @@ def quantize_affine_tokens_triton(x: torch.Tensor, bits: int):
     return codes, scale, zero
 
 
+def _lut_ok(x, bits) -> bool:
+    n, _, d = x.shape
+    return triton is not None and _pow2_ok(d) and d >= 32 and bits <= 8 and n > 0
+
+
 def _outlier_buffers(shape: tuple[int, ...], device):
+    """(idx, val) for a fresh outlier store and the kernel's arguments (placeholders without slots)."""
     if not shape[-1]:
         return None, None, torch.empty(1, dtype=torch.int16, device=device), torch.empty(1, dtype=torch.float16, device=device)
     idx = torch.empty(shape, dtype=torch.int16, device=device)
@@ -395,37 +498,76 @@ def _outlier_buffers(shape: tuple[int, ...], device):
     return idx, val, idx, val
 
 
+def _lut_static_launch(x, lo, hi, encode, decode, bits, capacity, codes, cs, idx, val, os_, rows=None,
+                       slots=None) -> None:
+    n, h, d = x.shape
+    w = words_per_vector(d, bits)
+    row_arg, slot_arg, dest = _destination_args(rows, slots, x.device)
+    dev = x.device
+    with launch_device(x):
+        _lut_static_kernel[(n,)](x, _f32(lo, dev), _f32(hi, dev), _f32(encode, dev), _f32(decode, dev), codes, idx,
+                                 val, row_arg, slot_arg, x.stride(0), x.stride(1), h, *cs, *os_,
+                                 _pow2(h), d, bits, w, _pow2(w), capacity, dest, enable_fp_fusion=False)
+
+
 def quantize_lut_static_triton(x, lo, hi, encode, decode, bits: int, capacity: int):
     n, h, d = x.shape
-    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
+    if not _lut_ok(x, bits):
         return quantize_lut_static(x, lo, hi, encode, decode, bits, capacity)
     x = _rows(x)
-    w = words_per_vector(d, bits)
-    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
+    codes = torch.empty(n, h, words_per_vector(d, bits), dtype=torch.int32, device=x.device)
     idx, val, idx_arg, val_arg = _outlier_buffers((n, h, capacity), x.device)
-    f32 = lambda t: t.to(device=x.device, dtype=torch.float32).contiguous()  # noqa: E731
-    with launch_device(x):
-        _lut_static_kernel[(n,)](x, f32(lo), f32(hi), f32(encode), f32(decode), codes, idx_arg, val_arg,
-                                 x.stride(0), x.stride(1), h, _pow2(h), d, bits, w, _pow2(w), capacity,
-                                 enable_fp_fusion=False)
+    _lut_static_launch(x, lo, hi, encode, decode, bits, capacity, codes, _fresh(codes), idx_arg, val_arg,
+                       _fresh(idx_arg) if capacity else (0, 0, 0))
     return codes, idx, val
 
 
-def quantize_lut_dynamic_triton(x, encode, decode, bits: int, per_side: int, per_head: bool = False):
-    if per_head:
-        return _per_head(quantize_lut_dynamic_triton, x, encode, decode, bits, per_side)
+def quantize_lut_static_into_triton(x, lo, hi, encode, decode, bits: int, capacity: int, codes, out_idx, out_val,
+                                    rows, slots) -> None:
+    if not _lut_ok(x, bits):
+        return quantize_lut_static_into(x, lo, hi, encode, decode, bits, capacity, codes, out_idx, out_val, rows, slots)
+    if not capacity:
+        _, _, out_idx, out_val = _outlier_buffers((0,), x.device)
+    _lut_static_launch(_rows(x), lo, hi, encode, decode, bits, capacity, codes, _cache(codes, 2, 1), out_idx, out_val,
+                       _cache(out_idx, 1, 2) if capacity else (0, 0, 0), rows, slots)
+
+
+def _lut_dynamic_launch(x, encode, decode, bits, per_side, per_head, codes, cs, scale, zero, ss, idx, val, os_,
+                        rows=None, slots=None) -> None:
     n, h, d = x.shape
-    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
-        return quantize_lut_dynamic(x, encode, decode, bits, per_side)
-    x = _rows(x)
     w = words_per_vector(d, bits)
-    codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
-    scale = torch.empty(n, dtype=torch.float16, device=x.device)
-    zero = torch.empty_like(scale)
-    idx, val, idx_arg, val_arg = _outlier_buffers((n, 2 * per_side), x.device)
-    f32 = lambda t: t.to(device=x.device, dtype=torch.float32).contiguous()  # noqa: E731
+    row_arg, slot_arg, dest = _destination_args(rows, slots, x.device)
+    dev = x.device
     with launch_device(x):
-        _lut_dynamic_kernel[(n,)](x, f32(encode), f32(decode), codes, scale, zero, idx_arg, val_arg,
-                                  x.stride(0), x.stride(1), h, _pow2(h), d, bits, w, _pow2(w), per_side,
-                                  enable_fp_fusion=False)
+        _lut_dynamic_kernel[(n, h if per_head else 1)](
+            x, _f32(encode, dev), _f32(decode, dev), codes, scale, zero, idx, val, row_arg, slot_arg,
+            x.stride(0), x.stride(1), h, *cs, *ss, *os_, 1 if per_head else _pow2(h), d, bits, w, _pow2(w),
+            per_side, int(per_head), dest, enable_fp_fusion=False)
+
+
+def quantize_lut_dynamic_triton(x, encode, decode, bits: int, per_side: int, per_head: bool = False):
+    n, h, d = x.shape
+    if not _lut_ok(x, bits):
+        return quantize_lut_dynamic(x, encode, decode, bits, per_side, per_head)
+    x = _rows(x)
+    heads = (h,) if per_head else ()
+    codes = torch.empty(n, h, words_per_vector(d, bits), dtype=torch.int32, device=x.device)
+    scale = torch.empty(n, *heads, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    idx, val, idx_arg, val_arg = _outlier_buffers((n, *heads, 2 * per_side), x.device)
+    _lut_dynamic_launch(x, encode, decode, bits, per_side, per_head, codes, _fresh(codes), scale, zero,
+                        _fresh(scale, per_head), idx_arg, val_arg, _fresh(idx_arg, per_head) if per_side else (0, 0, 0))
     return codes, scale, zero, idx, val
+
+
+def quantize_lut_dynamic_into_triton(x, encode, decode, bits: int, per_side: int, per_head: bool, codes, scale, zero,
+                                     out_idx, out_val, rows, slots) -> None:
+    if not _lut_ok(x, bits):
+        return quantize_lut_dynamic_into(x, encode, decode, bits, per_side, per_head, codes, scale, zero, out_idx,
+                                         out_val, rows, slots)
+    if not per_side:
+        _, _, out_idx, out_val = _outlier_buffers((0,), x.device)
+    ss = _cache(scale, 2, 1) if per_head else _cache(scale, 1, None)
+    os_ = (_cache(out_idx, 1, 2 if per_head else None)) if per_side else (0, 0, 0)
+    _lut_dynamic_launch(_rows(x), encode, decode, bits, per_side, per_head, codes, _cache(codes, 2, 1), scale, zero,
+                        ss, out_idx, out_val, os_, rows, slots)

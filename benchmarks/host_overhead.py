@@ -1,0 +1,86 @@
+"""Where the host time of an eager decode step goes (GPU): cProfile over eager steps of `kvcal bench generate`'s
+model and cache, and the per-call host cost of each runtime launch alone (no synchronization between calls, so
+the timing is what the CPU spends issuing the call while the GPU keeps up).
+
+    python benchmarks/host_overhead.py [RECIPE ...]      (default rtn-int4; CONTEXT, BATCH, STEPS from the env)
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcal.models import load_model  # noqa: E402
+from kvcal.recipes import resolve  # noqa: E402
+from kvcal.runtime import ops  # noqa: E402
+from kvcal.runtime.bench_generate import eager_decode_seconds  # noqa: E402
+from kvcal.runtime.cache import KvcalCache  # noqa: E402
+
+
+def per_call_us(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / calls
+
+
+def _per_call_costs(layer, loaded, batch: int) -> None:
+    """Host microseconds per call of the pieces of one packed layer's decode step."""
+    if not hasattr(layer, "packed"):
+        return
+    hkv, d = loaded.dims.num_kv_heads, loaded.dims.head_dim
+    q = torch.randn(batch, loaded.dims.num_heads, d, device="cuda", dtype=loaded.dtype)
+    kv = layer.packed()
+    attend_us = per_call_us(lambda: ops.decode_attention(q, kv, layer.fp_k, layer.fp_v, layer.fp_valid, 0.088))
+    print(f"decode_attention: {attend_us:.1f} us/call host")
+    x = torch.randn(batch, hkv, d, device="cuda", dtype=loaded.dtype)
+    rows = layer._index(range(batch))
+    slots = layer.lengths.clone()
+    kf, buf = layer.key_format, layer.buffers
+    if kf.kind == "affine_channels":
+        quantize_us = per_call_us(lambda: ops.quantize_affine_channels_into(
+            x, kf.bits, kf.group, buf["k_codes"], buf["k_scale"], buf["k_zero"], rows, slots))
+        print(f"quantize_affine_channels_into: {quantize_us:.1f} us/call host")
+    print(f"packed(): {per_call_us(layer.packed):.1f} us/call host")
+    print(f"lengths += 1: {per_call_us(lambda: slots.add_(1)):.1f} us/call host")
+
+
+def main():
+    recipes = sys.argv[1:] or ["rtn-int4"]
+    context, batch = int(os.environ.get("CONTEXT", 32768)), int(os.environ.get("BATCH", 1))
+    steps = int(os.environ.get("STEPS", 10))
+    loaded = load_model("random-llama-3.1-8b", "bfloat16", "cuda")
+    ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # the profiled steps' input
+    for name in recipes:
+        method, _, _ = resolve(None, name, None)
+        cache = KvcalCache(method.build_codec({}, loaded.dims), loaded.dims.num_layers)
+        cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 64)
+        seconds = eager_decode_seconds(loaded, cache, batch, steps, torch.Generator(device="cuda").manual_seed(0))
+        print(f"== {name}: {seconds / steps * 1000:.1f} ms/step eager (batch {batch}, context {context})")
+        with torch.inference_mode():
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(steps):
+                loaded.model(ids, past_key_values=cache, use_cache=True)
+            torch.cuda.synchronize()
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            _per_call_costs(cache.layers[0], loaded, batch)
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

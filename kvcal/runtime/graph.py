@@ -1,0 +1,151 @@
+"""Decode steps replayed from a CUDA graph, and the greedy loop `kvcal generate` runs on them.
+
+A graph replays fixed kernels on fixed buffers, so a step must not depend on host-side state that changes
+from step to step: the cache's static steps (`KvcalCache.begin_static`) read and write device-side positions
+only, and the step's inputs (token ids, positions) live in buffers updated in place between replays.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvcal.errors import KvcalError
+
+
+class GraphDecoder:
+    """Greedy decode steps of `loaded.model` over `cache`, replayed from one captured CUDA graph.
+
+    `ids` [B, 1] are the next input tokens (every row at the same position: no padding). Construction runs
+    `warmup` eager steps on the same static path (off the default stream, as torch.cuda.graphs asks; they
+    compile the Triton kernels and are real decode steps: they consume and emit tokens), then records one step
+    without running it. capture=False runs the identical static steps eagerly (comparisons; CPU). With
+    `record`, the tokens each step chooses are kept in `emitted` (device tensors [B, 1], no synchronization)."""
+
+    def __init__(self, loaded, cache, ids: torch.Tensor, capture: bool = True, warmup: int = 2, record: bool = False):
+        self.model, self.cache = loaded.model, cache
+        start = cache.get_seq_length()
+        self.ids = ids.clone()
+        self.position_ids = torch.full((ids.shape[0], 1), start, dtype=torch.long, device=ids.device)
+        self.cache_position = torch.full((1,), start, dtype=torch.long, device=ids.device)
+        self.graph = None
+        self.emitted: list[torch.Tensor] | None = [] if record else None
+        with torch.inference_mode():  # the cache's buffers are inference tensors
+            cache.begin_static()
+            if capture:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        self._advance(self._forward())
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._forward()
+            else:
+                for _ in range(warmup):
+                    self._advance(self._forward())
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(self.ids, position_ids=self.position_ids, cache_position=self.cache_position,
+                          past_key_values=self.cache, use_cache=True).logits
+
+    def _advance(self, logits: torch.Tensor) -> None:
+        self.ids.copy_(logits[:, -1:].argmax(-1))
+        self.position_ids.add_(1)
+        self.cache_position.add_(1)
+        self.cache.advance_static()
+        if self.emitted is not None:
+            self.emitted.append(self.ids.clone())
+
+    def step(self) -> torch.Tensor:
+        """One decode step; returns its logits [B, 1, vocab] (the graph's buffer: the next step overwrites it)."""
+        if self.cache.static_room() < 1:
+            raise KvcalError("the cache's preallocated buffers are full (static steps cannot grow them)")
+        with torch.inference_mode():
+            if self.graph is None:
+                logits = self._forward()
+            else:
+                self.graph.replay()
+                logits = self.logits
+            self._advance(logits)
+        return logits
+
+
+DECODE_MODES = ("auto", "eager", "graph", "static")
+
+
+def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, eos: int | None = None,
+                  mode: str = "auto") -> dict:
+    """Greedy continuation of `prompt_ids` [B, T] (no padding) through `cache`: what generate(do_sample=False)
+    computes, token for token. mode: 'eager' (a Python forward per step, as generate() runs it), 'graph' (decode
+    steps replayed from a CUDA graph; a one-line error where the cache cannot take static steps), 'static' (the
+    graph's steps run eagerly: CPU, comparisons), 'auto' (graph on CUDA where the cache allows it, else eager).
+    Stops after max_new_tokens or once every row has emitted `eos` (tokens after a row's eos are dropped).
+    Returns {'tokens' [B, n] (n <= max_new_tokens), 'mode', 'decode_seconds' (after the prefill)}."""
+    if mode not in DECODE_MODES:
+        raise KvcalError(f"unknown decode mode '{mode}' (one of {', '.join(DECODE_MODES)})")
+    if max_new_tokens <= 0:
+        raise KvcalError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    cuda = prompt_ids.is_cuda
+    if mode == "graph" and not cuda:
+        raise KvcalError("CUDA-graph decoding needs a CUDA device (--device cuda), or pass --no-graph")
+    with torch.inference_mode():
+        logits = loaded.model(prompt_ids, past_key_values=cache, use_cache=True).logits
+        tokens = [logits[:, -1:].argmax(-1)]
+    _sync(cuda)
+    start = time.perf_counter()
+    steps = max_new_tokens - 1
+    decoder = None
+    if steps and (mode in ("graph", "static") or (mode == "auto" and cuda)):
+        capture = mode != "static" and steps > 2
+        try:
+            decoder = GraphDecoder(loaded, cache, tokens[0], capture=capture, warmup=min(2, steps), record=True)
+        except KvcalError:
+            if mode != "auto":
+                raise
+            cache.end_static()
+    if decoder is not None:
+        used = "cuda-graph" if decoder.graph is not None else "static"
+        tokens += decoder.emitted
+        while len(tokens) <= steps and not _all_ended(tokens, eos):
+            decoder.step()
+            tokens.append(decoder.emitted[-1])
+        cache.end_static()
+    else:
+        used = "eager"
+        with torch.inference_mode():
+            while len(tokens) <= steps and not _all_ended(tokens, eos):
+                logits = loaded.model(tokens[-1], past_key_values=cache, use_cache=True).logits
+                tokens.append(logits[:, -1:].argmax(-1))
+    _sync(cuda)
+    seconds = time.perf_counter() - start
+    return {"tokens": _cut_after_eos(torch.cat(tokens, 1), eos), "mode": used, "decode_seconds": seconds}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _all_ended(tokens: list[torch.Tensor], eos: int | None) -> bool:
+    """Whether every row has emitted eos (one host synchronization per step, as generate() makes)."""
+    if eos is None:
+        return False
+    return bool((torch.cat(tokens, 1) == eos).any(1).all())
+
+
+def _cut_after_eos(tokens: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """Drop the columns after the last row's first eos; a row that ended earlier is padded with eos, as
+    generate() pads with its pad token (here: eos)."""
+    if eos is None:
+        return tokens
+    hit = tokens == eos
+    ended = hit.cumsum(1) > 0
+    after = ended & ~(hit & (hit.cumsum(1) == 1))  # strictly after each row's first eos
+    tokens = torch.where(after, torch.full_like(tokens, eos), tokens)
+    if bool(ended.all(0).any()):
+        last = int(ended.all(0).nonzero()[0])
+        tokens = tokens[:, : last + 1]
+    return tokens

@@ -180,8 +180,8 @@ def generate_command(
     device: str = DeviceOpt,
     backend: str = typer.Option("packed", help="packed (the runtime) or dequantized (reference; methods without kernels)."),
     graph: bool | None = typer.Option(None, "--graph/--no-graph", help="Replay decode steps from a CUDA graph "
-                                      "(default: on CUDA where the codec's steps are static, e.g. rtn, kvquant, fp16; "
-                                      "KIVI runs eagerly)."),
+                                      "(default: on CUDA with the packed or fp16 cache; the dequantized backend runs "
+                                      "eagerly)."),
 ):
     """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
     from kvcal.runtime.generate import generate_text

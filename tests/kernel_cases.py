@@ -216,6 +216,11 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
                 res[f"affine_channels_{tag}_g{group}"] = all(torch.equal(u, v) for u, v in zip(a, b))
             a, b = Q.quantize_affine_tokens(x, bits), Q.quantize_affine_tokens_triton(x, bits)
             res[f"affine_tokens_{tag}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+            block = max(2, n // 4)  # several blocks at once (a prompt's keys, a static step's block per row)
+            blocks = x[: n // block * block]
+            a = Q.quantize_affine_token_blocks(blocks, bits, block)
+            b = Q.quantize_affine_token_blocks_triton(blocks, bits, block)
+            res[f"affine_token_blocks_{tag}"] = all(torch.equal(u, v) for u, v in zip(a, b))
             levels = torch.sort(torch.rand(1 << bits, generator=gen, device=device) * 2 - 1).values
             c = h * d
             lo = torch.randn(c, generator=gen, device=device) * 0.5 - 1.5

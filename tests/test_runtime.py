@@ -353,16 +353,19 @@ def test_lut_formats_reconstruct_what_the_kvquant_codec_computes():
     assert (per_head - x).abs().mean() < (per_token - x).abs().mean()  # head 0 has the smaller channels
 
 
-@pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant"])
+@pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant", "kivi"])
 def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
     """Static decode steps (device-side slots only: what a CUDA graph replays) give the logits of eager steps
     through the residual ring (append, then flush): bit for bit for the packed codecs (same codes, same
     attention inputs), to float32 rounding for the fp16 cache (a masked attention over the preallocated buffer
     instead of one over the filled part). After end_static the two caches keep decoding alike (the host
-    counters followed). Eager steps of the packed codecs take the static path by default (`direct`: the token
-    goes straight into its packed slot, the ring never holds it); the reference cache is held on the ring."""
-    config = {"bits": 4} if which == "rtn" else {}
-    codec = kvquant_codec if which == "kvquant" else build_method(which, config).build_codec({}, tiny.dims)
+    counters followed). Eager steps of rtn and KVQuant take the static path by default (`direct`: the token
+    goes straight into its packed slot, the ring never holds it); the reference cache is held on the ring.
+    KIVI (residual 8, blocks of 4) flushes a block at the 4th static step: on the device, as eager steps do on
+    the host, and its ring positions end where the eager cache's are."""
+    configs = {"rtn": {"bits": 4}, "kivi": {"bits": 2, "group_size": 4, "residual": 8}}
+    codec = (kvquant_codec if which == "kvquant"
+             else build_method(which, configs.get(which, {})).build_codec({}, tiny.dims))
     gen = torch.Generator().manual_seed(7)
     prompt, steps = torch.randint(0, 256, (2, 20), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)
     eager, static, direct = (KvcalCache(codec, tiny.dims.num_layers, capacity_hint=40) for _ in range(3))
@@ -372,7 +375,7 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
     with torch.inference_mode():
         for cache in (eager, static, direct):
             tiny.model(prompt, past_key_values=cache, use_cache=True)
-        for layer in direct.layers:  # its decode steps must not touch the ring
+        for layer in direct.layers if which in ("rtn", "kvquant") else ():  # its steps must not touch the ring
 
             def ring_used(*args):
                 raise AssertionError("an eager step of a residual-0, block-1 codec went through the ring")
@@ -398,18 +401,24 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
         got = tiny.model(ids, past_key_values=static, use_cache=True).logits
     torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
     if exact:
-        assert static.layers[0].lengths.tolist() == static.layers[0].compressed == eager.layers[0].compressed
+        for mine, ref in zip(static.layers, eager.layers):
+            assert mine.lengths.tolist() == mine.compressed == ref.compressed
+            assert (mine.ring_start, mine.ring_count, mine.count) == (ref.ring_start, ref.ring_count, ref.count)
+            assert torch.equal(mine.fp_valid, ref.fp_valid)
+    if which == "kivi":
+        assert eager.layers[0].compressed == [16, 16]  # 12 after the prompt, one block flushed during the steps
 
 
-def test_static_steps_are_refused_where_the_host_decides(tiny):
-    """KIVI flushes its residual window in blocks at host-chosen ring positions: no static steps, one line."""
+def test_static_steps_are_refused_for_the_dequantized_backend(tiny):
+    """The dequantized reference cache has no static steps: one line naming it, and greedy decoding in 'auto'
+    falls back to eager steps."""
     from kvcal.errors import KvcalError
 
-    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny.dims)
-    cache = KvcalCache(codec, tiny.dims.num_layers)
+    codec = build_method("rtn", {"bits": 4}).build_codec({}, tiny.dims)
+    cache = KvcalCache(codec, tiny.dims.num_layers, backend="dequantized")
     with torch.inference_mode():
         tiny.model(torch.randint(0, 256, (1, 20)), past_key_values=cache, use_cache=True)
-    with pytest.raises(KvcalError, match="residual 8, block 4"):
+    with pytest.raises(KvcalError, match="layer 0: dequantized reference backend"):
         cache.begin_static()
 
 
@@ -430,11 +439,12 @@ def _small_llama_cuda(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant"])
+@pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant", "kivi"])
 def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
     """A replayed CUDA graph gives what the same static steps give eagerly, step after step (bf16 model,
-    Triton kernels): bit for bit for fp16 and rtn; for KVQuant to float32 summation order (its value outliers
-    are added with atomics, in a run-dependent order)."""
+    Triton kernels): bit for bit for fp16, rtn and KIVI (whose ring, 140 tokens after the prompt, fills at the
+    20th step and flushes a block of 32); for KVQuant to float32 summation order (its value outliers are added
+    with atomics, in a run-dependent order)."""
     from kvcal.calib.run import run_calibration
     from kvcal.runtime.graph import GraphDecoder
 
@@ -454,20 +464,22 @@ def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
             loaded.model(prompt, past_key_values=cache, use_cache=True)
     first = prompt[:, -1:]
     replayed, eager = GraphDecoder(loaded, caches[0], first), GraphDecoder(loaded, caches[1], first, capture=False)
-    for _ in range(8):
+    for _ in range(24):
         got, want = replayed.step().clone(), eager.step()
         if which == "kvquant":
             torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.05)
         else:
             assert torch.equal(got, want)
-    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 310
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 326
+    if which == "kivi":
+        assert caches[0].layers[0].lengths.tolist() == caches[0].layers[0].compressed == [192] * 3
 
 
 @pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
 def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, which):
     """`kvcal generate`'s loop (runtime.graph.greedy_decode): its eager steps and the CUDA graph's static steps
     (run eagerly here, on CPU) choose the tokens transformers' generate(do_sample=False) chooses with the same
-    cache. KIVI cannot take static steps: 'static' is refused in one line, 'auto' runs eagerly."""
+    cache (KIVI: residual 8, blocks of 4: two flushes during the 8 steps)."""
     from kvcal.errors import KvcalError
     from kvcal.runtime.graph import greedy_decode
 
@@ -479,11 +491,7 @@ def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, whic
         want = tiny.model.generate(prompt, past_key_values=KvcalCache(codec, tiny.dims.num_layers), max_new_tokens=9,
                                    do_sample=False, pad_token_id=eos)[:, 12:]
     for mode in ("eager", "static", "auto"):
-        cache = KvcalCache(codec, tiny.dims.num_layers, capacity_hint=21)
-        if which == "kivi" and mode == "static":
-            with pytest.raises(KvcalError, match="residual 8, block 4"):
-                greedy_decode(tiny, cache, prompt, 9, eos, mode)
-            continue
+        cache = KvcalCache(codec, tiny.dims.num_layers, capacity_hint=12)  # static steps reserve their room
         got = greedy_decode(tiny, cache, prompt, 9, eos, mode)
         assert torch.equal(got["tokens"], want), mode
         assert got["mode"] == ("static" if mode == "static" else "eager") and cache.get_seq_length() == 12 + 8

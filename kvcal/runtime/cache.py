@@ -27,7 +27,6 @@ from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.runtime import ops
 from kvcal.runtime.attention import PackedKV
 from kvcal.runtime.packing import words_per_vector
-from kvcal.runtime.quantize import quantize_affine_token_blocks
 
 
 class _LayerBase(DynamicLayer):
@@ -330,15 +329,9 @@ class PackedLayer(_LayerBase):
         if kf.kind == "affine_channels":
             ops.quantize_affine_channels_into(keys, kf.bits, kf.group, buf["k_codes"], buf["k_scale"], buf["k_zero"],
                                               row, slot)
-        elif kf.kind == "affine_tokens":
+        elif kf.kind == "affine_tokens":  # every run is whole key blocks: one (scale, zero) per block
             count = keys.shape[0] // nrows
-            blocks = count // kf.block
-            if blocks == 1:  # a decode-time flush: the kernel, one block per row
-                parts = [ops.quantize_affine_tokens(keys[i * count : (i + 1) * count], kf.bits) for i in range(nrows)]
-                codes = torch.cat([p[0] for p in parts])
-                scale, zero = torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts])  # [R, H, D]
-            else:  # a prompt: every block at once
-                codes, scale, zero = quantize_affine_token_blocks(keys, kf.bits, kf.block)
+            codes, scale, zero = ops.quantize_affine_token_blocks(keys, kf.bits, kf.block)
             block_idx = (slot // kf.block).reshape(nrows, count)[:, :: kf.block].reshape(-1)
             block_row = row.reshape(nrows, count)[:, :: kf.block].reshape(-1)
             buf["k_scale"][block_row, :, block_idx] = scale.reshape(-1, self.heads, self.dim)
@@ -387,11 +380,11 @@ class PackedLayer(_LayerBase):
             self.length = length
             return out
         if self.static:
-            return self._attend_static(q, k_src, inp.v, inp.scale)
+            return self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
         if length == 1 and self._direct_steps():  # the static step, run eagerly (fewer kernels than the ring)
             if max(self.compressed) >= self.capacity:
                 self._grow(max(self.compressed) + 1)
-            out = self._attend_static(q, k_src, inp.v, inp.scale)
+            out = self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
             self.advance_static()
             return out
         outs = []
@@ -407,11 +400,7 @@ class PackedLayer(_LayerBase):
     def static_refusal(self) -> str | None:
         """Why this layer cannot take static decode steps now, or None. A static step must not depend on
         host-side state that changes from step to step (a captured graph replays fixed kernels and indices)."""
-        policy = self.policy
-        if policy.residual or policy.block != 1:
-            return (f"its full-precision window is flushed in blocks (residual {policy.residual}, block "
-                    f"{policy.block}): which tokens a step packs depends on host-side ring positions")
-        if not self.buffers or min(self.count) < policy.sink:
+        if not self.buffers or min(self.count) < self.policy.sink:
             return "a row does not hold its sink tokens yet (static steps start after the prefill)"
         return None
 
@@ -423,27 +412,88 @@ class PackedLayer(_LayerBase):
 
     def begin_static(self) -> None:
         self.static = True  # the device mirror `lengths` is already what the kernels read
+        if not self._direct_steps():  # the ring's positions, mirrored on the device (updated in place)
+            self.ring_start_dev = torch.tensor(self.ring_start, dtype=torch.int64, device=self.device)
+            self.ring_count_dev = torch.tensor(self.ring_count, dtype=torch.int64, device=self.device)
+            # a device True per row: `fp_valid[...] = True` copies a CPU scalar, which a graph capture refuses
+            self.valid_dev = torch.ones(self.batch, dtype=torch.bool, device=self.device)
+
+    def _capacity_for(self, steps: int) -> int:
+        """Packed slots that `steps` more static steps need. A ring step writes a whole block at slot lengths[b]
+        (see _ring_step_static), and lengths[b] <= count - sink - residual - block + 1 before that write."""
+        p = self.policy
+        return max(self.count) + steps + p.block - 1 - p.sink - p.residual
 
     def static_room(self) -> int:
         """Static steps left before the packed buffers are full (they cannot grow inside a graph)."""
-        return self.capacity - max(self.compressed)
+        p = self.policy
+        return self.capacity - (p.block - 1 - p.sink - p.residual) - max(self.count)
 
-    def _attend_static(self, q, k_src, v, scale) -> torch.Tensor:
-        """One token per row packed straight into slot lengths[b] (read on the device) and attention over
-        the packed cache: no host-side index, no host-to-device copy, the same kernels every step. Equal to
-        the ring path for policies that compress every token at once (residual 0, block 1), where the ring
-        only ever holds the token being packed. Host counters move in advance_static()."""
+    def reserve_static(self, steps: int) -> None:
+        """Grow the buffers now (outside any graph) so that `steps` static steps fit."""
+        if self.buffers and self._capacity_for(steps) > self.capacity:
+            self._grow(self._capacity_for(steps))
+
+    def _attend_static(self, q, k_src, k_rot, v, scale) -> torch.Tensor:
+        """One decode step on device-side positions only: no host-side index, no host-to-device copy, the same
+        kernels every step. Policies that compress every token at once (residual 0, block 1) pack the token
+        straight into slot lengths[b] (equal to the ring path, whose ring would only ever hold that token);
+        the others go through the ring as eager steps do (_ring_step_static). Host counters move in
+        advance_static()."""
         if q.shape[2] != 1:
             raise KvcalError("static decode steps take one token per row")
-        self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths, self.batch)
-        self.lengths += 1
+        if self._direct_steps():
+            self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths, self.batch)
+            self.lengths += 1
+        else:
+            self._ring_step_static(k_src[:, :, 0], k_rot[:, :, 0], v[:, :, 0])
         out = ops.decode_attention(q[:, :, 0], self.packed(), self.fp_k, self.fp_v, self.fp_valid, scale)
         return out[:, :, None]
 
+    def _ring_step_static(self, k_src, k_rot, v) -> None:
+        """_append_step then _flush_rows with the ring positions on the device: the token [B, H, D] goes to its
+        row's ring slot, and the rows whose ring is full pack its oldest block. Which rows flush is known only
+        on the device, so every row's oldest block is quantized into slots [lengths[b], lengths[b] + block)
+        every step, and only the flushing rows count them (lengths, ring start and count move by a block,
+        their fp slots are released): the others' writes land past their packed tokens, where their own
+        flush later overwrites them. That is `block` tokens of quantize work per step instead of one token
+        per step on average: what a fixed sequence of kernels costs."""
+        sink, block, ring = self.policy.sink, self.policy.block, self.ring_capacity
+        rows = self._index(range(self.batch))
+        offsets = self._index(range(block))
+        slot = sink + (self.ring_start_dev + self.ring_count_dev) % ring
+        self.fp_k[rows, :, slot] = k_rot
+        if self.fp_src is not self.fp_k:
+            self.fp_src[rows, :, slot] = k_src
+        self.fp_v[rows, :, slot] = v
+        self.fp_valid[rows, slot] = self.valid_dev
+        self.ring_count_dev += 1
+        flush = self.ring_count_dev >= self.policy.residual + block  # [B]: what _flush_rows decides on the host
+        oldest = sink + (self.ring_start_dev[:, None] + offsets) % ring  # [B, block] ring slots, oldest first
+        shape = (self.batch * block, self.heads, self.dim)
+        keys = self.fp_src[rows[:, None], :, oldest].reshape(shape)
+        values = self.fp_v[rows[:, None], :, oldest].reshape(shape)
+        self._store(keys, values, rows.repeat_interleave(block), (self.lengths[:, None] + offsets).reshape(-1),
+                    self.batch)
+        self.fp_valid[rows[:, None], oldest] = self.fp_valid[rows[:, None], oldest] & ~flush[:, None]
+        moved = flush.to(torch.int64) * block
+        self.lengths += moved.to(self.lengths.dtype)
+        self.ring_start_dev.copy_((self.ring_start_dev + moved) % ring)
+        self.ring_count_dev -= moved
+
     def advance_static(self) -> None:
+        """The host counters after one static step (what the device did, replayed in Python)."""
+        block, direct = self.policy.block, self._direct_steps()
         for b in range(self.batch):
-            self.compressed[b] += 1
             self.count[b] += 1
+            if not direct:
+                self.ring_count[b] += 1
+                if self.compressed[b] < self.policy.compressed_count(self.count[b]):
+                    self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
+                    self.ring_count[b] -= block
+                    self.compressed[b] += block
+            else:
+                self.compressed[b] += 1
         self.length += 1
 
     def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
@@ -452,7 +502,8 @@ class PackedLayer(_LayerBase):
         memory benchmarks: decoding then runs through the real buffers and kernels)."""
         self._init(batch, heads, dim, dtype, device, inv_freq)
         packed = self.policy.compressed_count(tokens)
-        self._grow(packed + headroom)
+        self.count = [tokens] * batch
+        self._grow(max(packed, self._capacity_for(headroom)))  # room for `headroom` steps, static ones included
         for name, t in self.buffers.items():
             if name in self.STATIC:
                 continue
@@ -469,7 +520,6 @@ class PackedLayer(_LayerBase):
         sinks = min(self.policy.sink, tokens)
         self.compressed = [packed] * batch
         self.lengths.fill_(packed)
-        self.count = [tokens] * batch
         self.ring_start = [0] * batch
         self.ring_count = [fp_tokens - sinks] * batch
         self.length = tokens
@@ -542,6 +592,10 @@ class LosslessLayer(_LayerBase):
 
     def static_room(self) -> int:
         return self.k_buf.shape[2] - self.length
+
+    def reserve_static(self, steps: int) -> None:
+        if self.k_buf is not None:
+            self._reserve(self.length + steps, self.k_buf)
 
     def _attend_static(self, q, k, v, scale) -> torch.Tensor:
         """Write at slot `filled` (device) and attend over the whole preallocated buffer with the slots past it
@@ -618,6 +672,12 @@ class KvcalCache(Cache):
 
     def static_room(self) -> int:
         return min(layer.static_room() for layer in self.layers)
+
+    def reserve_static(self, steps: int) -> None:
+        """Grow every layer's buffers now so that `steps` static steps fit (a graph cannot grow them)."""
+        for layer in self.layers:
+            if hasattr(layer, "reserve_static"):  # the others are refused by begin_static
+                layer.reserve_static(steps)
 
     def fill_synthetic(self, batch: int, tokens: int, dims, dtype, device, headroom: int = 0, seed: int = 0):
         """Every layer holds `tokens` random tokens per row (see PackedLayer.fill_synthetic)."""

@@ -101,6 +101,7 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
     if steps and (mode in ("graph", "static") or (mode == "auto" and cuda)):
         capture = mode != "static" and steps > 2
         try:
+            cache.reserve_static(steps)
             decoder = GraphDecoder(loaded, cache, tokens[0], capture=capture, warmup=min(2, steps), record=True)
         except KvcalError:
             if mode != "auto":

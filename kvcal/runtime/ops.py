@@ -40,6 +40,10 @@ def quantize_affine_tokens(x, bits):
     return _pick(quantize, "quantize_affine_tokens", x)(x, bits)
 
 
+def quantize_affine_token_blocks(x, bits, block):
+    return _pick(quantize, "quantize_affine_token_blocks", x)(x, bits, block)
+
+
 def quantize_lut_static(x, lo, hi, encode, decode, bits, capacity):
     return _pick(quantize, "quantize_lut_static", x)(x, lo, hi, encode, decode, bits, capacity)
 

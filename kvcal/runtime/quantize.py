@@ -239,9 +239,12 @@ if triton is not None:
     def _affine_tokens_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, H, sxn, sxh,
                               D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                               R: tl.constexpr):
+        """Program (h, j): head h of the j-th block of N consecutive tokens (one scale/zero per channel)."""
         LEVELS: tl.constexpr = 1 << BITS
         h = tl.program_id(0)
+        j = tl.program_id(1)
         d = tl.arange(0, D)
+        x_ptr += j * N * sxn
         mn = tl.full((D,), float("inf"), tl.float32)
         mx = tl.full((D,), float("-inf"), tl.float32)
         for n0 in range(0, N, R):
@@ -252,8 +255,8 @@ if triton is not None:
             mx = tl.maximum(mx, tl.max(tl.where(nm[:, None], x, float("-inf")), 0))
         zero = mn.to(tl.float16).to(tl.float32)
         scale = tl.math.div_rn(mx - mn, LEVELS - 1.0).to(tl.float16).to(tl.float32)
-        tl.store(scale_ptr + h * D + d, scale.to(tl.float16))
-        tl.store(zero_ptr + h * D + d, zero.to(tl.float16))
+        tl.store(scale_ptr + (j * H + h) * D + d, scale.to(tl.float16))
+        tl.store(zero_ptr + (j * H + h) * D + d, zero.to(tl.float16))
         w = tl.arange(0, WP)
         for n0 in range(0, N, R):
             n = n0 + tl.arange(0, R)
@@ -261,7 +264,7 @@ if triton is not None:
             x = tl.load(x_ptr + n[:, None] * sxn + h * sxh + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
             codes = _affine_codes(x, zero[None, :], scale[None, :], LEVELS)
             words = pack_tile(codes, R, D, BITS, WP)
-            row = n * H + h
+            row = (j * N + n) * H + h
             tl.store(codes_ptr + row[:, None] * W + w[None, :], words, mask=nm[:, None] & (w < W)[None, :])
 
     @triton.jit
@@ -469,19 +472,24 @@ def quantize_affine_channels_into_triton(x, bits: int, group: int, codes, scale,
                             rows, slots)
 
 
-def quantize_affine_tokens_triton(x: torch.Tensor, bits: int):
+def quantize_affine_token_blocks_triton(x: torch.Tensor, bits: int, block: int):
     n, h, d = x.shape
-    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0:
-        return quantize_affine_tokens(x, bits)
+    if triton is None or not _pow2_ok(d) or d < 32 or bits > 8 or n == 0 or n % block:
+        return quantize_affine_token_blocks(x, bits, block)
     x = _rows(x)
     w = words_per_vector(d, bits)
     codes = torch.empty(n, h, w, dtype=torch.int32, device=x.device)
-    scale = torch.empty(h, d, dtype=torch.float16, device=x.device)
+    scale = torch.empty(n // block, h, d, dtype=torch.float16, device=x.device)
     zero = torch.empty_like(scale)
     with launch_device(x):
-        _affine_tokens_kernel[(h,)](x, codes, scale, zero, n, h, x.stride(0), x.stride(1), d, bits, w, _pow2(w), 4,
-                                    enable_fp_fusion=False)
+        _affine_tokens_kernel[(h, n // block)](x, codes, scale, zero, block, h, x.stride(0), x.stride(1), d, bits, w,
+                                               _pow2(w), 4, enable_fp_fusion=False)
     return codes, scale, zero
+
+
+def quantize_affine_tokens_triton(x: torch.Tensor, bits: int):
+    codes, scale, zero = quantize_affine_token_blocks_triton(x, bits, max(x.shape[0], 1))
+    return codes, scale[0], zero[0]
 
 
 def _lut_ok(x, bits) -> bool:

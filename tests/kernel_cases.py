@@ -235,7 +235,51 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
                     torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(x, a[3], a[4], b[3], b[4])
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
+    for dtype in (torch.float16, torch.bfloat16):
+        for sink, residual, bits in ((0, 4, 2), (1, 0, 4)):
+            res[f"ring_step_{str(dtype)[6:]}_s{sink}_r{residual}_b{bits}"] = _ring_checks(dtype, sink, residual, bits,
+                                                                                       gen, device)
     return res
+
+
+def _ring_checks(dtype, sink: int, residual: int, bits: int, gen, device, batch=3, h=2, d=64, block=4) -> bool:
+    """runtime.ring: the step kernel leaves every buffer as the torch reference does after each of 9 steps from
+    random buffers, with rows at different ring positions (each flushes at a different step; residual 0: the
+    block holds the token just appended)."""
+    from kvcal.runtime import ring
+
+    ring_len, tcap = residual + block, 6 * block  # room for 3 flushes past the last lengths + a block
+    w = words_per_vector(d, bits)
+
+    def rand_int(shape, high):
+        return torch.randint(0, high, shape, generator=gen, device=device)
+
+    state = {
+        "fp_k": torch.randn(batch, h, sink + ring_len, d, generator=gen, device=device).to(dtype),
+        "fp_v": torch.randn(batch, h, sink + ring_len, d, generator=gen, device=device).to(dtype),
+        "fp_valid": rand_int((batch, sink + ring_len), 2).bool(),
+        "ring_start": rand_int((batch,), ring_len),
+        "ring_count": torch.tensor([ring_len - 1, ring_len - 3, max(residual - 1, 0)], device=device)[:batch],
+        "lengths": torch.tensor([0, block, 2 * block], dtype=torch.int32, device=device)[:batch],
+        "k_codes": rand_int((batch, h, tcap, w), 2**30).to(torch.int32),
+        "k_scale": torch.randn(batch, h, tcap // block, d, generator=gen, device=device).half(),
+        "k_zero": torch.randn(batch, h, tcap // block, d, generator=gen, device=device).half(),
+        "v_codes": rand_int((batch, h, tcap, w), 2**30).to(torch.int32),
+        "v_scale": torch.randn(batch, h, tcap, d // 32, generator=gen, device=device).half(),
+        "v_zero": torch.randn(batch, h, tcap, d // 32, generator=gen, device=device).half(),
+    }
+    ref, fast = state, {k: t.clone() for k, t in state.items()}
+    start_lengths = state["lengths"].clone()
+    settings = dict(sink=sink, residual=residual, block=block, key_bits=bits, value_bits=bits, value_group=32)
+    same = True
+    for _ in range(9):  # compared after every step
+        k = (torch.randn(batch, h, d, generator=gen, device=device) * 2).to(dtype)
+        v = torch.randn(batch, h, d, generator=gen, device=device).to(dtype)
+        ring.ring_step(k, v, *ref.values(), **settings)
+        ring.ring_step_triton(k, v, *fast.values(), **settings)
+        same = same and all(torch.equal(ref[name], fast[name]) for name in state)
+    flushed = (ref["lengths"] > start_lengths).all()  # every row packed at least one block
+    return bool(flushed) and same
 
 
 def _into_checks(x, bits: int, gen, tag: str) -> dict:

@@ -359,26 +359,26 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
     through the residual ring (append, then flush): bit for bit for the packed codecs (same codes, same
     attention inputs), to float32 rounding for the fp16 cache (a masked attention over the preallocated buffer
     instead of one over the filled part). After end_static the two caches keep decoding alike (the host
-    counters followed). Eager steps of rtn and KVQuant take the static path by default (`direct`: the token
-    goes straight into its packed slot, the ring never holds it); the reference cache is held on the ring.
-    KIVI (residual 8, blocks of 4) flushes a block at the 4th static step: on the device, as eager steps do on
-    the host, and its ring positions end where the eager cache's are."""
+    counters followed). One-token eager steps take the static path by default (`direct`: rtn and KVQuant pack
+    the token straight into its slot, KIVI runs the device-side ring step); the reference cache is held on the
+    host-side ring path. KIVI (residual 8, blocks of 4) flushes a block at the 4th static step: on the device,
+    as the reference does on the host, and its ring positions end where the reference's are."""
     configs = {"rtn": {"bits": 4}, "kivi": {"bits": 2, "group_size": 4, "residual": 8}}
     codec = (kvquant_codec if which == "kvquant"
              else build_method(which, configs.get(which, {})).build_codec({}, tiny.dims))
     gen = torch.Generator().manual_seed(7)
-    prompt, steps = torch.randint(0, 256, (2, 20), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)
+    prompt, steps = torch.randint(0, 256, (2, 20), generator=gen), torch.randint(0, 256, (2, 11), generator=gen)
     eager, static, direct = (KvcalCache(codec, tiny.dims.num_layers, capacity_hint=40) for _ in range(3))
     for layer in eager.layers:
-        layer._direct_steps = lambda: False  # the ring path (an instance attribute shadows the method)
+        layer._static_eager_steps = lambda: False  # the host-side ring path (an instance attribute shadows the method)
     exact = which != "fp16"
     with torch.inference_mode():
         for cache in (eager, static, direct):
             tiny.model(prompt, past_key_values=cache, use_cache=True)
-        for layer in direct.layers if which in ("rtn", "kvquant") else ():  # its steps must not touch the ring
+        for layer in direct.layers if which != "fp16" else ():  # its steps must not take the host-side ring path
 
             def ring_used(*args):
-                raise AssertionError("an eager step of a residual-0, block-1 codec went through the ring")
+                raise AssertionError("an eager one-token step took the host-side ring path")
 
             layer._append_step = ring_used
         static.begin_static()
@@ -396,17 +396,20 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert static.static_room() == room - 6 and static.get_seq_length() == eager.get_seq_length() == 26
         static.end_static()
-        ids = steps[:, 6:7]
-        want = tiny.model(ids, past_key_values=eager, use_cache=True).logits
-        got = tiny.model(ids, past_key_values=static, use_cache=True).logits
-    torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+        # one token at a time (KIVI flushes at 28 tokens), two at once (the host-side ring path in both caches, no
+        # flush), one again (KIVI: the device's ring positions refreshed from the host's)
+        for span in (slice(6, 7), slice(7, 8), slice(8, 10), slice(10, 11)):
+            ids = steps[:, span]
+            want = tiny.model(ids, past_key_values=eager, use_cache=True).logits
+            got = tiny.model(ids, past_key_values=static, use_cache=True).logits
+            torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
     if exact:
         for mine, ref in zip(static.layers, eager.layers):
             assert mine.lengths.tolist() == mine.compressed == ref.compressed
             assert (mine.ring_start, mine.ring_count, mine.count) == (ref.ring_start, ref.ring_count, ref.count)
             assert torch.equal(mine.fp_valid, ref.fp_valid)
     if which == "kivi":
-        assert eager.layers[0].compressed == [16, 16]  # 12 after the prompt, one block flushed during the steps
+        assert eager.layers[0].compressed == [20, 20]  # 12 after the prompt, blocks flushed at 24 and 28 tokens
 
 
 def test_static_steps_are_refused_for_the_dequantized_backend(tiny):

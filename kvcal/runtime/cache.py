@@ -167,6 +167,7 @@ class PackedLayer(_LayerBase):
         self.count = [0] * batch
         self.ring_start = [0] * batch
         self.ring_count = [0] * batch
+        self.ring_on_device = False  # whether ring_start_dev / ring_count_dev mirror the two lists above
         # The per-row bookkeeping above lives on the host (it decides what to flush); the device copies
         # below mirror what kernels need, updated in place, so a decode step never waits on a
         # host-to-device copy (each such copy synchronizes the stream and stalls the CPU's kernel queue).
@@ -269,6 +270,7 @@ class PackedLayer(_LayerBase):
         self.fp_v[b, :, ring] = v[b, :, rest]
         self.fp_valid[b, ring] = True
         self.ring_start[b], self.ring_count[b], self.count[b] = 0, n_rest, total
+        self.ring_on_device = False
 
     def _append_step(self, k_src, k_rot, v) -> None:
         """Append one token per row ([B, H, D] each) to its sinks or its residual ring, all rows at once."""
@@ -290,6 +292,7 @@ class PackedLayer(_LayerBase):
             self.fp_src[rows, :, slot] = k_src
         self.fp_v[rows, :, slot] = v
         self.fp_valid[rows, slot] = True
+        self.ring_on_device = False
 
     def _flush_rows(self) -> None:
         """Pack the oldest residual block of every row that the policy allows to (at most one per step)."""
@@ -310,6 +313,7 @@ class PackedLayer(_LayerBase):
             self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
             self.ring_count[b] -= block
             self.compressed[b] += block
+        self.ring_on_device = False
 
     def _pack(self, rows: list[int], k_src: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
@@ -381,9 +385,9 @@ class PackedLayer(_LayerBase):
             return out
         if self.static:
             return self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
-        if length == 1 and self._direct_steps():  # the static step, run eagerly (fewer kernels than the ring)
-            if max(self.compressed) >= self.capacity:
-                self._grow(max(self.compressed) + 1)
+        if length == 1 and self._static_eager_steps():  # fewer kernels than the host-side ring path
+            self.reserve_static(1)
+            self._mirror_ring()
             out = self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
             self.advance_static()
             return out
@@ -402,6 +406,11 @@ class PackedLayer(_LayerBase):
         host-side state that changes from step to step (a captured graph replays fixed kernels and indices)."""
         if not self.buffers or min(self.count) < self.policy.sink:
             return "a row does not hold its sink tokens yet (static steps start after the prefill)"
+        ring_formats = (self.key_format.kind, self.value_format.kind) == ("affine_tokens", "affine_channels")
+        if not self._direct_steps() and not (ring_formats and self.fp_src is self.fp_k):
+            return (f"static steps through a residual ring (residual {self.policy.residual}, block "
+                    f"{self.policy.block}) are implemented for KIVI's formats only (post-RoPE affine_tokens keys, "
+                    f"affine_channels values), not {self.key_format.kind} / {self.value_format.kind}")
         return None
 
     def _direct_steps(self) -> bool:
@@ -410,13 +419,28 @@ class PackedLayer(_LayerBase):
         hold the token being packed."""
         return self.policy.residual == 0 and self.policy.block == 1 and min(self.count) >= self.policy.sink
 
+    def _static_eager_steps(self) -> bool:
+        """Whether eager decode steps take the static path too (one token per row, then advance_static): it
+        launches fewer kernels than _append_step + _flush_rows and gives the same cache."""
+        return self.static_refusal() is None
+
+    def _mirror_ring(self) -> None:
+        """Device copies of the ring positions, which static steps read and move in place (advance_static moves
+        the lists alike); refreshed after the host-side ring path moved them (a host-to-device copy)."""
+        if self._direct_steps() or self.ring_on_device:
+            return
+        start = torch.tensor(self.ring_start, dtype=torch.int64, device=self.device)
+        count = torch.tensor(self.ring_count, dtype=torch.int64, device=self.device)
+        if getattr(self, "ring_start_dev", None) is not None and self.ring_start_dev.shape == start.shape:
+            self.ring_start_dev.copy_(start)  # in place: the tensors keep their addresses
+            self.ring_count_dev.copy_(count)
+        else:
+            self.ring_start_dev, self.ring_count_dev = start, count
+        self.ring_on_device = True
+
     def begin_static(self) -> None:
         self.static = True  # the device mirror `lengths` is already what the kernels read
-        if not self._direct_steps():  # the ring's positions, mirrored on the device (updated in place)
-            self.ring_start_dev = torch.tensor(self.ring_start, dtype=torch.int64, device=self.device)
-            self.ring_count_dev = torch.tensor(self.ring_count, dtype=torch.int64, device=self.device)
-            # a device True per row: `fp_valid[...] = True` copies a CPU scalar, which a graph capture refuses
-            self.valid_dev = torch.ones(self.batch, dtype=torch.bool, device=self.device)
+        self._mirror_ring()
 
     def _capacity_for(self, steps: int) -> int:
         """Packed slots that `steps` more static steps need. A ring step writes a whole block at slot lengths[b]
@@ -446,40 +470,18 @@ class PackedLayer(_LayerBase):
             self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths, self.batch)
             self.lengths += 1
         else:
-            self._ring_step_static(k_src[:, :, 0], k_rot[:, :, 0], v[:, :, 0])
+            self._ring_step_static(k_rot[:, :, 0], v[:, :, 0])
         out = ops.decode_attention(q[:, :, 0], self.packed(), self.fp_k, self.fp_v, self.fp_valid, scale)
         return out[:, :, None]
 
-    def _ring_step_static(self, k_src, k_rot, v) -> None:
-        """_append_step then _flush_rows with the ring positions on the device: the token [B, H, D] goes to its
-        row's ring slot, and the rows whose ring is full pack its oldest block. Which rows flush is known only
-        on the device, so every row's oldest block is quantized into slots [lengths[b], lengths[b] + block)
-        every step, and only the flushing rows count them (lengths, ring start and count move by a block,
-        their fp slots are released): the others' writes land past their packed tokens, where their own
-        flush later overwrites them. That is `block` tokens of quantize work per step instead of one token
-        per step on average: what a fixed sequence of kernels costs."""
-        sink, block, ring = self.policy.sink, self.policy.block, self.ring_capacity
-        rows = self._index(range(self.batch))
-        offsets = self._index(range(block))
-        slot = sink + (self.ring_start_dev + self.ring_count_dev) % ring
-        self.fp_k[rows, :, slot] = k_rot
-        if self.fp_src is not self.fp_k:
-            self.fp_src[rows, :, slot] = k_src
-        self.fp_v[rows, :, slot] = v
-        self.fp_valid[rows, slot] = self.valid_dev
-        self.ring_count_dev += 1
-        flush = self.ring_count_dev >= self.policy.residual + block  # [B]: what _flush_rows decides on the host
-        oldest = sink + (self.ring_start_dev[:, None] + offsets) % ring  # [B, block] ring slots, oldest first
-        shape = (self.batch * block, self.heads, self.dim)
-        keys = self.fp_src[rows[:, None], :, oldest].reshape(shape)
-        values = self.fp_v[rows[:, None], :, oldest].reshape(shape)
-        self._store(keys, values, rows.repeat_interleave(block), (self.lengths[:, None] + offsets).reshape(-1),
-                    self.batch)
-        self.fp_valid[rows[:, None], oldest] = self.fp_valid[rows[:, None], oldest] & ~flush[:, None]
-        moved = flush.to(torch.int64) * block
-        self.lengths += moved.to(self.lengths.dtype)
-        self.ring_start_dev.copy_((self.ring_start_dev + moved) % ring)
-        self.ring_count_dev -= moved
+    def _ring_step_static(self, k_rot, v) -> None:
+        """_append_step then _flush_rows with the ring positions on the device (runtime/ring.py: one kernel
+        for the step, one for the counters on CUDA)."""
+        kf, vf, buf = self.key_format, self.value_format, self.buffers
+        ops.ring_step(k_rot, v, self.fp_k, self.fp_v, self.fp_valid, self.ring_start_dev, self.ring_count_dev,
+                      self.lengths, buf["k_codes"], buf["k_scale"], buf["k_zero"], buf["v_codes"], buf["v_scale"],
+                      buf["v_zero"], sink=self.policy.sink, residual=self.policy.residual, block=self.policy.block,
+                      key_bits=kf.bits, value_bits=vf.bits, value_group=vf.group)
 
     def advance_static(self) -> None:
         """The host counters after one static step (what the device did, replayed in Python)."""
@@ -522,6 +524,7 @@ class PackedLayer(_LayerBase):
         self.lengths.fill_(packed)
         self.ring_start = [0] * batch
         self.ring_count = [fp_tokens - sinks] * batch
+        self.ring_on_device = False
         self.length = tokens
 
     # per layer, not per token

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kvcal.runtime import attention, quantize
+from kvcal.runtime import attention, quantize, ring
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -65,6 +65,10 @@ def quantize_lut_dynamic_into(x, encode, decode, bits, per_side, per_head, codes
                               slots):
     _pick(quantize, "quantize_lut_dynamic_into", x)(x, encode, decode, bits, per_side, per_head, codes, scale, zero,
                                                     out_idx, out_val, rows, slots)
+
+
+def ring_step(k, v, *buffers, **settings):
+    _pick(ring, "ring_step", k)(k, v, *buffers, **settings)
 
 
 def decode_attention(q, kv, fp_k, fp_v, fp_valid, scale):

@@ -326,9 +326,10 @@ class PackedLayer(_LayerBase):
                     row, slot, nrows)
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, slot: torch.Tensor, nrows: int):
-        """Quantize tokens [M, H, D] straight into row row[m], slot slot[m] of the buffers (device index tensors:
-        one kernel per side on CUDA, no intermediate codes). The M tokens are nrows runs of consecutive slots of
-        one row each (KIVI's key blocks are quantized per run)."""
+        """Quantize tokens [M, H, D] into row row[m], slot slot[m] of the buffers (device index tensors). The M
+        tokens are nrows runs of consecutive slots of one row each. On CUDA each side is one kernel that writes
+        straight into the buffers, except KIVI's keys (prompts and host-side flushes): their blocks of
+        consecutive slots are quantized at once, then written with index writes."""
         kf, vf, buf = self.key_format, self.value_format, self.buffers
         if kf.kind == "affine_channels":
             ops.quantize_affine_channels_into(keys, kf.bits, kf.group, buf["k_codes"], buf["k_scale"], buf["k_zero"],
@@ -443,8 +444,9 @@ class PackedLayer(_LayerBase):
         self._mirror_ring()
 
     def _capacity_for(self, steps: int) -> int:
-        """Packed slots that `steps` more static steps need. A ring step writes a whole block at slot lengths[b]
-        (see _ring_step_static), and lengths[b] <= count - sink - residual - block + 1 before that write."""
+        """Packed slots that `steps` more static steps need. A ring step may write a whole block from slot
+        lengths[b] (runtime/ring.py), where lengths[b] <= max(0, n - 1 - sink - residual) for a row holding n
+        tokens after the step (a direct step writes one slot: block 1, residual 0)."""
         p = self.policy
         return max(self.count) + steps + p.block - 1 - p.sink - p.residual
 

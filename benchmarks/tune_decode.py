@@ -72,6 +72,35 @@ VARIANT_SETS["round6"] = [  # generic path with the heads padded to 4 instead of
     ("nuq", 4, {"block_t": 32, "num_warps": 4, "num_stages": 1}), ("nuq", 4, {"programs_per_sm": 8}),
     ("nuq", 4, {"programs_per_sm": 32}), ("nuq", 2, {}), ("nuq", 2, {"block_t": 32, "num_warps": 2, "num_stages": 2}),
 ]
+ONE_WARP = {"block_t": 32, "num_warps": 1, "num_stages": 2, "max_registers": 128}  # the int path's default
+VARIANT_SETS["round7"] = [  # kivi with a tile inside one key block (q scaled once per tile, no column groups)
+    ("int", 4, {}), ("kivi", 4, {}), ("kivi", 4, ONE_WARP), ("kivi", 4, {**ONE_WARP, "max_registers": 168}),
+    ("kivi", 4, {"block_t": 32, "num_warps": 1, "num_stages": 2}), ("kivi", 4, {"block_t": 32, "num_warps": 1}),
+    ("kivi", 4, {"block_t": 32, "num_warps": 2, "num_stages": 2}), ("kivi", 4, {"block_t": 32, "num_warps": 4}),
+    ("kivi", 4, {"block_t": 16, "num_warps": 1, "num_stages": 2}), ("kivi", 3, {}), ("kivi", 3, ONE_WARP),
+    ("kivi", 2, {}), ("kivi", 2, ONE_WARP),
+]
+NO_CAP = {"block_t": 32, "num_warps": 1, "num_stages": 2}
+# rounds 8 and 9 timed a kernel option of that session, since removed (benchmarks/NOTES-kernels.md)
+VARIANT_SETS["round8"] = [  # + value groups as a batched dot (accumulator [D, heads] instead of [D, 4 x heads])
+    ("int", 4, {}), ("kivi", 4, {}), ("kivi", 4, ONE_WARP), ("kivi", 4, NO_CAP),
+    ("kivi", 4, {**ONE_WARP, "max_registers": 96}), ("kivi", 4, {**NO_CAP, "num_stages": 3}),
+    ("kivi", 4, {**NO_CAP, "block_t": 64}), ("kivi", 4, {**ONE_WARP, "block_t": 64}),
+    ("kivi", 4, {"block_t": 32, "num_warps": 2, "num_stages": 2}), ("kivi", 4, {**NO_CAP, "programs_per_sm": 32}),
+    ("kivi", 3, ONE_WARP), ("kivi", 3, NO_CAP), ("kivi", 2, ONE_WARP), ("kivi", 2, NO_CAP), ("int", 4, {}),
+]
+OFF = {"batched_value_groups": False}
+VARIANT_SETS["round9"] = [  # value groups batched (default) or as columns, in the same run
+    ("int", 4, {}), ("kivi", 4, NO_CAP), ("kivi", 4, {**NO_CAP, **OFF}), ("kivi", 4, {**NO_CAP, "num_stages": 3}),
+    ("kivi", 4, {**NO_CAP, "num_stages": 3, **OFF}), ("kivi", 4, {**NO_CAP, "programs_per_sm": 32}),
+    ("kivi", 4, {**NO_CAP, "programs_per_sm": 32, **OFF}), ("kivi", 4, {**NO_CAP, "num_stages": 3, "programs_per_sm": 32}),
+    ("kivi", 4, {**NO_CAP, "num_stages": 3, "programs_per_sm": 32, **OFF}), ("kivi", 4, {**ONE_WARP, "max_registers": 168}),
+    ("kivi", 2, {**NO_CAP, "num_stages": 3, "programs_per_sm": 32}),
+    ("kivi", 2, {**NO_CAP, "num_stages": 3, "programs_per_sm": 32, **OFF}),
+    ("kivi", 3, {**NO_CAP, "num_stages": 3, "programs_per_sm": 32}),
+    ("int", 4, {"num_stages": 3}), ("int", 4, {"programs_per_sm": 32}), ("int", 2, {}), ("int", 2, {"num_stages": 3}),
+    ("int", 4, {}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

@@ -66,7 +66,9 @@ GPU_CASES = [
 ] + [("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True}, {}, {}),
      ("nuq4_vhead_bfloat16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "pre_rope": True, "value_per_head": True},
       {}, {}),
-     ("fp_only_fp16", None, 4, torch.float16, {}, {}, {})]
+     ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),
+     ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
+     ("kivi4_nb2_bf16", "kivi", 4, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {})]  # 2 blocks per tile
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -169,7 +169,7 @@ LOG2E = 1.4426950408889634
 # (block_t, num_warps, num_stages, max registers or None).
 DEFAULTS = {
     "affine_channels": (32, 1, 2, 128),  # one-warp programs: every reduction stays in the warp
-    "affine_tokens": (64, 4, None, None),  # one warpgroup (wgmma); its per-tile q scaling needs registers
+    "affine_tokens": (32, 1, 3, None),  # kivi: one warp, a tile inside one key block (q scaled once per tile)
     "generic": (32, 4, 2, None),  # lut_static / pre-RoPE keys
 }
 
@@ -304,6 +304,11 @@ if triton is not None:
             off = t[:, None] * skst + tl.arange(0, GK)[None, :]
             m = (t < end)[:, None]
             return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
+        elif NB == 1:  # [D]: the tile lies inside one token block
+            ch = mma_channels(0, D, BITS)
+            off = (t0 // KEY_BLOCK) * skst + ch
+            m = (t0 + ch * 0) < end
+            return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
         else:  # [16, D]: rows = the tile's token blocks
             r = tl.arange(0, 16)
             off = (t0 // KEY_BLOCK + r)[:, None] * skst + mma_channels(0, D, BITS)[None, :]
@@ -330,7 +335,8 @@ if triton is not None:
         fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
         m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
         D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GK: tl.constexpr, GPV: tl.constexpr,
-        GV: tl.constexpr, GPF: tl.constexpr, GPQ: tl.constexpr,
+        GV: tl.constexpr, GPF: tl.constexpr, GPQ: tl.constexpr, KALIGN: tl.constexpr,
+        VALIGN: tl.constexpr,
         KEY_FORMAT: tl.constexpr, KBITS: tl.constexpr, KEY_BLOCK: tl.constexpr, KCAP: tl.constexpr,
         GENERIC_K: tl.constexpr, ROPE: tl.constexpr,
         VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
@@ -443,7 +449,9 @@ if triton is not None:
                 for t0 in range(start, end, BLOCK_T):
                     t = t0 + tl.arange(0, BLOCK_T)
                     tm = t < end
-                    kptr = kc_ptr + b * skb + h * skh + t * skt
+                    # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton
+                    # assumes 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
+                    kptr = kc_ptr + tl.multiple_of(b * skb + h * skh + t * skt, KALIGN)
                     ks_cur, kz_cur, vs_cur, vz_cur = kp_s, kp_z, vp_s, vp_z
                     kp_s, kp_z = _key_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, KEY_FORMAT, GENERIC_K, GK,
                                              KEY_BLOCK, NB, D, KBITS, BLOCK_T)
@@ -495,7 +503,12 @@ if triton is not None:
                         kscale = ks_cur.to(ACC) * (qk_scale * 16777216.0)  # codes are c * 2^-24
                         kzero = kz_cur.to(ACC) * qk_scale
                         s = tl.sum(kscale[:, None, :] * raw + kzero[:, None, :] * sq[None, :, :], 2)
-                    else:  # affine_tokens: NB blocks of KEY_BLOCK tokens per tile (or a tile inside one block)
+                    elif NB == 1:  # affine_tokens, the tile inside one block: q.k = (q * s_blk) . c + q . z_blk
+                        qs = _opnd(qf * ks_cur.to(ACC)[:, None], PREC)  # [D, GPK]
+                        zq = tl.sum(qf * kz_cur.to(ACC)[:, None], 0)  # [GPK]
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)
+                        s = (_dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
+                    else:  # affine_tokens: NB blocks of KEY_BLOCK tokens per tile
                         # q.k = (q * s_blk) . c + q . z_blk: one column group of q * s_blk per block, the
                         # per-block sums over channels as a small dot with rows [z_blk..., ones].
                         zrows = _opnd(kz_cur, PREC)  # [16, D] (stored fp16): rows = the tile's blocks
@@ -518,7 +531,7 @@ if triton is not None:
                     pr = _regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
                     ar = tl.reshape(_regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
                     # ---- values: acc^T [D, MV] += codes^T [D, BLOCK_T] x (p * scale) [BLOCK_T, MV]
-                    vptr = vc_ptr + b * svb + h * svh + t * svt
+                    vptr = vc_ptr + tl.multiple_of(b * svb + h * svh + t * svt, VALIGN)
                     if VALUE_FORMAT == 0:
                         vscale = vs_cur.to(ACC)  # [T, GV]
                         vzero = vz_cur.to(ACC)
@@ -683,6 +696,15 @@ def _unsupported(q, kv: PackedKV | None, fp_k) -> str | None:
     return None
 
 
+def _word_alignment(codes: torch.Tensor, strides) -> int:
+    """Largest of 4, 2, 1 words that divides every row start of `codes` (its (batch, head, token) strides and
+    its address): the kernel's hint for 16-byte loads."""
+    align = 4
+    while align > 1 and (any(s % align for s in strides) or codes.data_ptr() % (4 * align)):
+        align //= 2
+    return align
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor):
     if a.stride() == b.stride():
         return a, b
@@ -755,8 +777,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                 path = "generic"
                 bt = block_t or DEFAULTS[path][0]
                 default_warps = DEFAULTS[path][1]
-            elif bt <= key_block or bt % key_block:
-                while key_block % bt:  # the tile lies inside one block
+            elif bt <= key_block or bt % key_block or block_t is None:
+                while key_block % bt:  # the tile lies inside one block (by default always: q is scaled once per tile)
                     bt //= 2
             elif bt // key_block > 8:
                 bt = 8 * key_block
@@ -867,7 +889,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             fk, fv, *f_strides, fval, sfvb, nf,
             m_part, l_part, acc_part, hkv, qk_hi, float(scale) * LOG2E - qk_hi, nsplit,
             D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KCAPP=_pow2(max(kcap, 1)),
-            VCAPP=_pow2(max(vcap, 1)),
+            VCAPP=_pow2(max(vcap, 1)), KALIGN=_word_alignment(kc, kc_strides), VALIGN=_word_alignment(vc, vc_strides),
             KEY_FORMAT=key_code, KBITS=kbits, KEY_BLOCK=key_block, KCAP=kcap, GENERIC_K=generic, ROPE=rope,
             VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),

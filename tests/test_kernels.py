@@ -39,6 +39,24 @@ def interpreted():
     return json.loads(lines[-1][len("KERNEL_CHECKS "):])
 
 
+def test_word_alignment_hint_follows_strides_and_address():
+    # the decode kernel tells Triton that code rows start on this many int32 words; the interpreter ignores the
+    # hint, so a wrong value would only show on the GPU as misaligned vector loads: check the host rule here
+    from kvcal.runtime.attention import _word_alignment
+
+    def align(t):
+        return _word_alignment(t, t.stride()[:3])
+
+    assert align(torch.zeros(2, 3, 5, 8, dtype=torch.int32)) == 4  # 2-bit rows at head_dim 128
+    assert align(torch.zeros(2, 3, 5, 12, dtype=torch.int32)) == 4  # 3-bit
+    assert align(torch.zeros(2, 3, 5, 6, dtype=torch.int32)) == 2  # 3-bit at head_dim 64
+    assert align(torch.zeros(2, 3, 5, 3, dtype=torch.int32)) == 1
+    buf = torch.zeros(2, 3, 5, 9, dtype=torch.int32)
+    assert align(buf[..., 1:]) == 1  # 8-word rows, but a 9-word stride
+    flat = torch.zeros(2 * 3 * 5 * 8 + 2, dtype=torch.int32)
+    assert align(flat[2:].view(2, 3, 5, 8)) == 2  # rows 8 words apart from an address 8 bytes past alignment
+    assert align(flat[1:-1].view(2, 3, 5, 8)) == 1
+
 
 def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]

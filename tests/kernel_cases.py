@@ -141,7 +141,7 @@ ATTENTION_CASES = [
     ("int4_g16_generic_fp16", "int", 4, torch.float16, {"group": 16}, {"generic_keys": True}, {}),
     ("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True, "pos_offset": 5}, {}, {}),
     ("kivi4_b16_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {}),
-    ("kivi3_nb2_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {}),
+    ("kivi3_block_t64_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {}),  # runs 32-token tiles
     ("kivi2_b24_generic_bf16", "kivi", 2, torch.bfloat16, {"key_block": 24}, {}, {}),
     ("nuq4_prerope_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True,
                                                               "pos_offset": 3}, {}, {}),

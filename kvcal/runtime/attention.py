@@ -133,7 +133,7 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 # Packed keys and values are never dequantized element by element on the fast paths; scales and zeros
 # are folded around tensor-core dots (post-scaling):
 #   affine_channels keys, group g:  q.k = s_g (q_g . c_g) + z_g sum(q_g)
-#   affine_tokens keys (per channel): q.k = (q * s_blk) . c + q . z_blk  (a column group per token block)
+#   affine_tokens keys (per channel): q.k = (q * s_blk) . c + q . z_blk  (a tile lies inside one token block)
 #   affine_channels values, group g: sum_t p_t v_t = (p * s_g) . c_g + (p . z_g)
 #   lut_dynamic values (per token):  sum_t p_t v_t = (p * s) . T[c] + p . z  (+ sparse residuals, below)
 # Codes enter the dot as exact fp16 values made without int-to-float conversions (packing.unpack_mma: the
@@ -292,8 +292,8 @@ if triton is not None:
 
     @triton.jit
     def _key_params(ks_base, kz_base, t0, end, skst, KEY_FORMAT: tl.constexpr, GENERIC_K: tl.constexpr,
-                    GK: tl.constexpr, KEY_BLOCK: tl.constexpr, NB: tl.constexpr, D: tl.constexpr,
-                    BITS: tl.constexpr, BLOCK_T: tl.constexpr):
+                    GK: tl.constexpr, KEY_BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
         """Per-tile key scales/zeros of the fast paths, loaded one tile ahead (they are not pipelined by
         Triton, and waiting for them each tile made the loop latency-bound)."""
         if GENERIC_K:
@@ -304,15 +304,10 @@ if triton is not None:
             off = t[:, None] * skst + tl.arange(0, GK)[None, :]
             m = (t < end)[:, None]
             return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
-        elif NB == 1:  # [D]: the tile lies inside one token block
+        else:  # affine_tokens, [D]: the tile lies inside one token block
             ch = mma_channels(0, D, BITS)
             off = (t0 // KEY_BLOCK) * skst + ch
             m = (t0 + ch * 0) < end
-            return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
-        else:  # [16, D]: rows = the tile's token blocks
-            r = tl.arange(0, 16)
-            off = (t0 // KEY_BLOCK + r)[:, None] * skst + mma_channels(0, D, BITS)[None, :]
-            m = ((r < NB) & (t0 + r * 0 < end))[:, None]
             return tl.load(ks_base + off, mask=m, other=0.0), tl.load(kz_base + off, mask=m, other=0.0)
 
     @triton.jit
@@ -375,7 +370,6 @@ if triton is not None:
                 GS: tl.constexpr = D // GK
                 MQ: tl.constexpr = GPK * GK
                 MV: tl.constexpr = GPV * GV
-                NB: tl.constexpr = BLOCK_T // KEY_BLOCK if BLOCK_T > KEY_BLOCK else 1  # token blocks per tile
                 rk = tl.arange(0, GPK)
                 ks_base = ks_ptr + b * sksb + h * sksh
                 kz_base = kz_ptr + b * sksb + h * sksh
@@ -420,9 +414,6 @@ if triton is not None:
                 else:
                     kch = mma_channels(0, D, KBITS)
                     qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-                    q16 = _opnd(qf, PREC)
-                    r16 = tl.arange(0, 16)
-                    jb = tl.arange(0, NB)
                 if VALUE_FORMAT == 0:
                     vch = mma_channels(0, D, VBITS)
                 else:
@@ -443,7 +434,7 @@ if triton is not None:
                     if VCAP > 0 and not EXACT_OUTLIERS:
                         tl.store(acc_glob, tl.zeros((D, GPV), ACC), mask=(rv < G)[None, :])
                         tl.debug_barrier()
-                kp_s, kp_z = _key_params(ks_base, kz_base, start, end, skst, KEY_FORMAT, GENERIC_K, GK, KEY_BLOCK, NB, D,
+                kp_s, kp_z = _key_params(ks_base, kz_base, start, end, skst, KEY_FORMAT, GENERIC_K, GK, KEY_BLOCK, D,
                                          KBITS, BLOCK_T)
                 vp_s, vp_z = _value_params(vs_base, vz_base, start, end, svst, VALUE_FORMAT, GV, BLOCK_T)
                 for t0 in range(start, end, BLOCK_T):
@@ -454,7 +445,7 @@ if triton is not None:
                     kptr = kc_ptr + tl.multiple_of(b * skb + h * skh + t * skt, KALIGN)
                     ks_cur, kz_cur, vs_cur, vz_cur = kp_s, kp_z, vp_s, vp_z
                     kp_s, kp_z = _key_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, KEY_FORMAT, GENERIC_K, GK,
-                                             KEY_BLOCK, NB, D, KBITS, BLOCK_T)
+                                             KEY_BLOCK, D, KBITS, BLOCK_T)
                     vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, VALUE_FORMAT, GV, BLOCK_T)
                     # ---- scores [BLOCK_T, GPK], log2 domain
                     if GENERIC_K:
@@ -503,23 +494,11 @@ if triton is not None:
                         kscale = ks_cur.to(ACC) * (qk_scale * 16777216.0)  # codes are c * 2^-24
                         kzero = kz_cur.to(ACC) * qk_scale
                         s = tl.sum(kscale[:, None, :] * raw + kzero[:, None, :] * sq[None, :, :], 2)
-                    elif NB == 1:  # affine_tokens, the tile inside one block: q.k = (q * s_blk) . c + q . z_blk
+                    else:  # affine_tokens, the tile inside one block (the host sizes it): q.k = (q * s_blk) . c + q . z_blk
                         qs = _opnd(qf * ks_cur.to(ACC)[:, None], PREC)  # [D, GPK]
                         zq = tl.sum(qf * kz_cur.to(ACC)[:, None], 0)  # [GPK]
                         kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)
                         s = (_dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
-                    else:  # affine_tokens: NB blocks of KEY_BLOCK tokens per tile
-                        # q.k = (q * s_blk) . c + q . z_blk: one column group of q * s_blk per block, the
-                        # per-block sums over channels as a small dot with rows [z_blk..., ones].
-                        zrows = _opnd(kz_cur, PREC)  # [16, D] (stored fp16): rows = the tile's blocks
-                        ks_nb = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], ks_cur.to(ACC)[None, :, :], 0.0), 1)
-                        qs = _opnd(tl.reshape(tl.trans(ks_nb)[:, :, None] * qf[:, None, :], (D, NB * GPK)), PREC)
-                        zsum = _dot(zrows, q16, INTERP)  # [16, GPK]: row j = q . z_j
-                        zq = tl.sum(tl.where((r16[None, :] == jb[:, None])[:, :, None], zsum[None, :, :], 0.0), 1)  # [NB, GPK]
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)
-                        raw = tl.reshape(_dot(kcodes, qs, INTERP), (BLOCK_T, NB, GPK))
-                        own = ((tl.arange(0, BLOCK_T) // KEY_BLOCK)[:, None] == jb[None, :])[:, :, None]
-                        s = tl.sum(tl.where(own, raw * 16777216.0 + zq[None, :, :], 0.0), 1) * qk_scale
                     s = tl.where(tm[:, None], s, float("-inf"))
                     # ---- online softmax (fp32)
                     m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -726,7 +705,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int = 16,
                             block_f: int | None = None, max_registers: int | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
-    block_t (tokens per tile), num_splits (token splits per row; default from programs_per_sm x SMs),
+    block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
     'angle', 'table' for float32 and float64 inputs: angle addition rotates by fl(p0 t) + fl(j t) instead of the table's
     fl((p0 + j) t): with Llama-3.1's frequencies up to 2e-3 rad apart below 32K positions and 8e-3 below 128K,
@@ -777,11 +756,11 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                 path = "generic"
                 bt = block_t or DEFAULTS[path][0]
                 default_warps = DEFAULTS[path][1]
-            elif bt <= key_block or bt % key_block or block_t is None:
-                while key_block % bt:  # the tile lies inside one block (by default always: q is scaled once per tile)
-                    bt //= 2
-            elif bt // key_block > 8:
-                bt = 8 * key_block
+            # a tile lies inside one key block (q is scaled once per tile) and holds at most 32 tokens: 64-token
+            # tiles on 4 warps (wgmma) hit an illegal address on the H100 (not debugged; 32 is also the fastest)
+            bt = min(bt, 32)
+            while key_block % bt:
+                bt //= 2
         tcap = kv.k_codes.shape[2]
         if num_splits:
             nsplit = int(num_splits)
@@ -805,8 +784,6 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     wide = (num_warps or default_warps) >= 4 and bt >= 64
     if generic:  # padded only for wgmma: 16 columns cost nuq4 1897 us at 32K x 8, 4 (mma.sync) 1473 us
         gpk = max(gp, 16) if wide else gp
-    elif key_code == 1:  # the key dot has NB * GPK columns
-        gpk = max(gp, 16 // max(1, bt // key_block)) if wide else gp
     else:
         gpk = max(gp, 16 // gk) if wide else gp
     gpv = max(gp, 16 // gv) if wide else gp

@@ -407,8 +407,7 @@ class PackedLayer(_LayerBase):
         host-side state that changes from step to step (a captured graph replays fixed kernels and indices)."""
         if not self.buffers or min(self.count) < self.policy.sink:
             return "a row does not hold its sink tokens yet (static steps start after the prefill)"
-        ring_formats = (self.key_format.kind, self.value_format.kind) == ("affine_tokens", "affine_channels")
-        if not self._direct_steps() and not (ring_formats and self.fp_src is self.fp_k):
+        if not self._direct_steps() and not self._ring_steps():
             return (f"static steps through a residual ring (residual {self.policy.residual}, block "
                     f"{self.policy.block}) are implemented for KIVI's formats only (post-RoPE affine_tokens keys, "
                     f"affine_channels values), not {self.key_format.kind} / {self.value_format.kind}")
@@ -419,6 +418,11 @@ class PackedLayer(_LayerBase):
         policy compresses every token at once and every row holds its sinks, so the ring would only ever
         hold the token being packed."""
         return self.policy.residual == 0 and self.policy.block == 1 and min(self.count) >= self.policy.sink
+
+    def _ring_steps(self) -> bool:
+        """Whether the device-side ring step (runtime/ring.py) handles this layer: KIVI's formats, keys after RoPE."""
+        kinds = (self.key_format.kind, self.value_format.kind)
+        return kinds == ("affine_tokens", "affine_channels") and self.fp_src is self.fp_k
 
     def _static_eager_steps(self) -> bool:
         """Whether eager decode steps take the static path too (one token per row, then advance_static): it
@@ -452,8 +456,7 @@ class PackedLayer(_LayerBase):
 
     def static_room(self) -> int:
         """Static steps left before the packed buffers are full (they cannot grow inside a graph)."""
-        p = self.policy
-        return self.capacity - (p.block - 1 - p.sink - p.residual) - max(self.count)
+        return self.capacity - self._capacity_for(0)
 
     def reserve_static(self, steps: int) -> None:
         """Grow the buffers now (outside any graph) so that `steps` static steps fit."""

@@ -190,6 +190,13 @@ if triton is not None:
         return tl.where(up, f + 1.0, f)
 
     @triton.jit
+    def _affine_params(mn, mx, LEVELS: tl.constexpr):
+        """(zero, scale) of a min-max range as minmax_params rounds them: fp16 values, returned as float32."""
+        zero = mn.to(tl.float16).to(tl.float32)
+        scale = tl.math.div_rn(mx - mn, LEVELS - 1.0).to(tl.float16).to(tl.float32)
+        return zero, scale
+
+    @triton.jit
     def _affine_codes(x, zero, scale, LEVELS: tl.constexpr):
         safe = tl.where(scale == 0.0, 1.0, scale)
         y = tl.math.div_rn(x - zero, safe)
@@ -220,10 +227,7 @@ if triton is not None:
         d = tl.arange(0, D)
         x = tl.load(x_ptr + n[:, None] * sxn + h * sxh + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
         x3 = tl.reshape(x, (R, GROUPS, GS))
-        mn = tl.min(x3, 2)
-        mx = tl.max(x3, 2)
-        zero = mn.to(tl.float16).to(tl.float32)
-        scale = tl.math.div_rn(mx - mn, LEVELS - 1.0).to(tl.float16).to(tl.float32)
+        zero, scale = _affine_params(tl.min(x3, 2), tl.max(x3, 2), LEVELS)
         codes = tl.reshape(_affine_codes(x3, zero[:, :, None], scale[:, :, None], LEVELS), (R, D))
         words = pack_tile(codes, R, D, BITS, WP)
         w = tl.arange(0, WP)
@@ -253,8 +257,7 @@ if triton is not None:
             x = tl.load(x_ptr + n[:, None] * sxn + h * sxh + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
             mn = tl.minimum(mn, tl.min(tl.where(nm[:, None], x, float("inf")), 0))
             mx = tl.maximum(mx, tl.max(tl.where(nm[:, None], x, float("-inf")), 0))
-        zero = mn.to(tl.float16).to(tl.float32)
-        scale = tl.math.div_rn(mx - mn, LEVELS - 1.0).to(tl.float16).to(tl.float32)
+        zero, scale = _affine_params(mn, mx, LEVELS)
         tl.store(scale_ptr + (j * H + h) * D + d, scale.to(tl.float16))
         tl.store(zero_ptr + (j * H + h) * D + d, zero.to(tl.float16))
         w = tl.arange(0, WP)

@@ -70,7 +70,7 @@ from kvcal.runtime.packing import _pow2, launch_device, words_per_vector  # noqa
 
 if triton is not None:
     from kvcal.runtime.packing import pack_tile
-    from kvcal.runtime.quantize import _affine_codes
+    from kvcal.runtime.quantize import _affine_codes, _affine_params
 
     @triton.jit
     def _ring_step_kernel(k_ptr, skb, skh, v_ptr, svb, svh, fpk_ptr, fpv_ptr, sfb, sfh, sft, valid_ptr, sval,
@@ -102,9 +102,7 @@ if triton is not None:
             KLEVELS: tl.constexpr = 1 << KBITS
             ts = SINK + (start + tl.arange(0, BLOCK)) % RING
             x = tl.load(fpk_ptr + fp_row + ts[:, None] * sft + d[None, :]).to(tl.float32)
-            mn = tl.min(x, 0)
-            zero = mn.to(tl.float16).to(tl.float32)
-            scale = tl.math.div_rn(tl.max(x, 0) - mn, KLEVELS - 1.0).to(tl.float16).to(tl.float32)
+            zero, scale = _affine_params(tl.min(x, 0), tl.max(x, 0), KLEVELS)
             at = b * sksb + h * sksh + (length // BLOCK) * skst + d
             tl.store(ks_ptr + at, scale.to(tl.float16))
             tl.store(kz_ptr + at, zero.to(tl.float16))
@@ -124,9 +122,7 @@ if triton is not None:
                          mask=(kw < KW)[None, :])
                 y = tl.reshape(tl.load(fpv_ptr + fp_row + tj[:, None] * sft + d[None, :]).to(tl.float32),
                                (R, VGROUPS, GS))
-                vmn = tl.min(y, 2)
-                vzero = vmn.to(tl.float16).to(tl.float32)
-                vscale = tl.math.div_rn(tl.max(y, 2) - vmn, VLEVELS - 1.0).to(tl.float16).to(tl.float32)
+                vzero, vscale = _affine_params(tl.min(y, 2), tl.max(y, 2), VLEVELS)
                 codes = tl.reshape(_affine_codes(y, vzero[:, :, None], vscale[:, :, None], VLEVELS), (R, D))
                 tl.store(vc_ptr + b * svcb + h * svch + dest[:, None] * svct + vw[None, :],
                          pack_tile(codes, R, D, VBITS, VWP), mask=(vw < VW)[None, :])

@@ -236,7 +236,7 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
     for dtype in (torch.float16, torch.bfloat16):
-        for sink, residual, bits in ((0, 4, 2), (1, 0, 4)):
+        for sink, residual, bits in ((0, 4, 2), (1, 0, 4), (2, 4, 3)):
             res[f"ring_step_{str(dtype)[6:]}_s{sink}_r{residual}_b{bits}"] = _ring_checks(dtype, sink, residual, bits,
                                                                                        gen, device)
     return res

@@ -86,8 +86,12 @@ GPU_CASES = [
       {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),
      ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
-     # asks for 64-token tiles on 4 warps (which crashed): runs 32-token tiles
-     ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {})]
+     # asks for 64-token tiles on 4 warps (Triton 3.6 lowers them to a wrong wgmma): runs 32-token tiles
+     ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {}),
+     # the int and nuq paths do take wgmma tiles when asked (64 tokens, 4 warps)
+     ("int4_wgmma_bf16", "int", 4, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
+     ("nuq4_wgmma_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
+      {"block_t": 64, "num_warps": 4}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -26,6 +26,11 @@ def test_packing_hand_cases_and_round_trip():
     # 3-bit: eleven 7s fill bits 0..32; the eleventh code straddles into the second word
     words = pack_codes(torch.full((1, 11), 7), 3)[0].tolist()
     assert [w & 0xFFFFFFFF for w in words] == [0xFFFFFFFF, 0x1]
+    # 3-bit, 64 codes = two groups of 32, stored as word planes (a0 a1 b0 b1 c0 c1): code 10 = 7 straddles
+    # group 0's words a and b, code 32 = 5 starts group 1's word a
+    codes = torch.zeros(1, 64, dtype=torch.long)
+    codes[0, 10], codes[0, 32] = 7, 5
+    assert [w & 0xFFFFFFFF for w in pack_codes(codes, 3)[0].tolist()] == [0xC0000000, 5, 1, 0, 0, 0]
     for bits in (2, 3, 4):
         codes = torch.randint(0, 1 << bits, (3, 4, 64))
         packed = pack_codes(codes, bits)

@@ -221,7 +221,7 @@ if triton is not None:
                   KEY_FORMAT: tl.constexpr, ks_base, kz_base, skst, GS: tl.constexpr, KEY_BLOCK: tl.constexpr,
                   ktab_ptr, kscl, kzer):
         """Dequantized channels [C0, C0 + HD) of a key tile, fp32 [BLOCK_T, HD] (generic path)."""
-        c = unpack_tile(kptr, tm, C0, HD, BITS, BLOCK_T)
+        c = unpack_tile(kptr, tm, C0, HD, 2 * HD, BITS, BLOCK_T)
         ch = C0 + tl.arange(0, HD)
         if KEY_FORMAT == 0:
             off = t[:, None] * skst + (ch // GS)[None, :]
@@ -489,7 +489,7 @@ if triton is not None:
                                           GPQ, GPK, BLOCK_T)
                         s = s * qk_scale
                     elif KEY_FORMAT == 0:
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)  # exact either way
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC)  # exact either way
                         raw = tl.reshape(_dot(kcodes, qg, INTERP), (BLOCK_T, GPK, GK))
                         kscale = ks_cur.to(ACC) * (qk_scale * 16777216.0)  # codes are c * 2^-24
                         kzero = kz_cur.to(ACC) * qk_scale
@@ -497,7 +497,7 @@ if triton is not None:
                     else:  # affine_tokens, the tile inside one block (the host sizes it): q.k = (q * s_blk) . c + q . z_blk
                         qs = _opnd(qf * ks_cur.to(ACC)[:, None], PREC)  # [D, GPK]
                         zq = tl.sum(qf * kz_cur.to(ACC)[:, None], 0)  # [GPK]
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, KBITS, BLOCK_T), PREC)
+                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC)
                         s = (_dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
                     s = tl.where(tm[:, None], s, float("-inf"))
                     # ---- online softmax (fp32)
@@ -517,11 +517,11 @@ if triton is not None:
                         pw = _opnd(tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)), PREC)
                         pz = tl.reshape(tl.sum(pr[:, :, None] * vzero[:, None, :], 0), (MV,))
                         arow = tl.reshape(tl.broadcast_to(ar[:, None], (GPV, GV)), (MV,))
-                        vcodes = _opnd(unpack_mma(vptr, tm, 0, D, VBITS, BLOCK_T), PREC)
+                        vcodes = _opnd(unpack_mma(vptr, tm, 0, D, D, VBITS, BLOCK_T), PREC)
                         acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
                         corr = corr * arow + pz
                     else:
-                        vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, VBITS, BLOCK_T).to(tl.int32), 1)
+                        vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
                         if VCAP > 0 and not EXACT_OUTLIERS:
                             # sparse residuals: sum_t p r_t added with relaxed atomics straight into this program's
                             # partial (zeroed above), scaled to the reference max cref so the online-softmax
@@ -756,8 +756,11 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                 path = "generic"
                 bt = block_t or DEFAULTS[path][0]
                 default_warps = DEFAULTS[path][1]
-            # a tile lies inside one key block (q is scaled once per tile) and holds at most 32 tokens: 64-token
-            # tiles on 4 warps (wgmma) hit an illegal address on the H100 (not debugged; 32 is also the fastest)
+            # a tile lies inside one key block (q is scaled once per tile) and holds at most 32 tokens: with 64
+            # tokens on 4+ warps Triton 3.6 lowers the key dot (its B operand, q x the block's scales, is made
+            # every tile) to wgmma, and that gives wrong sums or an illegal address on the H100; the same kernel
+            # with DISABLE_MMA_V3=1 (mma.sync) and the int / nuq paths' 64 x 4 tiles are right
+            # (benchmarks/NOTES-kernels.md). 32-token tiles never take wgmma and are also the fastest.
             bt = min(bt, 32)
             while key_block % bt:
                 bt //= 2

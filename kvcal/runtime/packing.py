@@ -4,6 +4,12 @@ Layout (shared by every packed cache and kernel): the D codes of one (token, hea
 bit stream; code d occupies bits [d*b, d*b + b). Word w holds stream bits [32w, 32w + 32). With b = 3 some
 codes straddle two words (their high bits continue at bit 0 of the next word), so 3-bit codes cost
 exactly 3 bits. A (token, head) takes `words_per_vector(D, b)` = ceil(D*b/32) int32 words.
+
+3 bits, word order: every 32 codes fill three stream words (a, b, c). The NG = D // 32 whole groups are
+stored plane by plane: words [0, NG) are each group's a, [NG, 2NG) its b, [2NG, 3NG) its c (the D % 32
+codes left over, if any, follow as plain stream words). A kernel then loads a row's a, b and c words as
+three contiguous runs (16-byte loads at D = 128) instead of NG runs of 3 words, which could only be read
+4 bytes at a time.
 """
 
 from __future__ import annotations
@@ -32,14 +38,25 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     out.scatter_add_(-1, word.expand_as(c), (c << shift) & 0xFFFFFFFF)  # disjoint bits: add == or
     spill = torch.where(shift + bits > 32, c >> (32 - shift), torch.zeros_like(c))
     out.scatter_add_(-1, (word + 1).expand_as(c), spill)
-    out = out[..., :nwords]
+    out = _planes_from_stream(out[..., :nwords], dim, bits)
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)  # two's complement view
+
+
+def _planes_from_stream(words: torch.Tensor, dim: int, bits: int, inverse: bool = False) -> torch.Tensor:
+    """3 bits: stream word order <-> the plane order of the module docstring (other widths: unchanged)."""
+    ng = dim // 32
+    if bits != 3 or ng < 2:
+        return words
+    head, tail = words[..., : 3 * ng], words[..., 3 * ng :]
+    shape = (ng, 3) if not inverse else (3, ng)
+    head = head.reshape(*head.shape[:-1], *shape).transpose(-1, -2).reshape(head.shape)
+    return torch.cat([head, tail], -1)
 
 
 def unpack_codes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of pack_codes: int32 words [..., W] -> codes [..., dim] as int64."""
     word, shift = _positions(dim, bits, words.device)
-    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = _planes_from_stream(words.to(torch.int64) & 0xFFFFFFFF, dim, bits, inverse=True)
     w = torch.cat([w, torch.zeros_like(w[..., :1])], dim=-1)
     lo = w.index_select(-1, word) >> shift
     hi = w.index_select(-1, word + 1) << (32 - shift)
@@ -69,7 +86,11 @@ if triton is not None:
         c = codes.to(tl.uint32, bitcast=True)
         d = tl.arange(0, D)
         w = tl.arange(0, WP)
-        s = d[None, :] * BITS - w[:, None] * 32  # [WP, D] start of code d relative to word w
+        if BITS == 3:  # stored word w is stream word 3 * (w % NG) + w // NG (planes; tail words as they are)
+            NG: tl.constexpr = D // 32
+            if NG > 1:
+                w = tl.where(w < 3 * NG, 3 * (w % NG) + w // NG, w)
+        s = d[None, :] * BITS - w[:, None] * 32  # [WP, D] start of code d relative to (stream) word w
         left = c[:, None, :] << tl.minimum(tl.maximum(s, 0), 31).to(tl.uint32)[None, :, :]
         right = c[:, None, :] >> tl.minimum(tl.maximum(-s, 0), 31).to(tl.uint32)[None, :, :]
         zero = tl.zeros_like(left)
@@ -89,21 +110,23 @@ if triton is not None:
             return x
 
     @triton.jit
-    def unpack_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr):
-        """Load and unpack channels [C0, C0 + NC) of R packed vectors: rowptr [R] points at each vector's
-        first int32 word (rows with rmask False read as zeros). Returns codes [R, NC] uint32.
+    def unpack_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                    R: tl.constexpr):
+        """Load and unpack channels [C0, C0 + NC) of R packed D-channel vectors: rowptr [R] points at each
+        vector's first int32 word (rows with rmask False read as zeros). Returns codes [R, NC] uint32.
 
-        BITS in {1, 2, 4, 8}: a word holds 32/BITS whole codes. BITS == 3: every 3 words hold 32 codes,
-        cut into four 24-bit chunks of 8 codes (chunks 1 and 2 straddle two words). C0 and NC are
-        multiples of 32. Fields are split by halving (see _split_bits)."""
+        BITS in {1, 2, 4, 8}: a word holds 32/BITS whole codes. BITS == 3: the three words of each group of
+        32 codes come from the three word planes (module docstring), cut into four 24-bit chunks of 8 codes
+        (chunks 1 and 2 straddle two words). C0, NC and D are multiples of 32. Fields are split by halving
+        (see _split_bits)."""
         if BITS == 3:
             NG: tl.constexpr = NC // 32
-            g = C0 // 32 + tl.arange(0, NG)
-            p = rowptr[:, None] + g[None, :] * 3
+            PLANE: tl.constexpr = D // 32
+            p = rowptr[:, None] + (C0 // 32 + tl.arange(0, NG))[None, :]  # group g's words: p, p + PLANE, p + 2 PLANE
             m = rmask[:, None]
             wa = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True)
-            wb = tl.load(p + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
-            wc = tl.load(p + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
+            wb = tl.load(p + PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
+            wc = tl.load(p + 2 * PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
             c0 = wa & 0xFFFFFF
             c1 = ((wa >> 24) | (wb << 8)) & 0xFFFFFF
             c2 = ((wb >> 16) | (wc << 16)) & 0xFFFFFF
@@ -128,7 +151,8 @@ if triton is not None:
             return x
 
     @triton.jit
-    def unpack_mma(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr):
+    def unpack_mma(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                   R: tl.constexpr):
         """Like unpack_tile, but returns a tensor-core operand: fp16 values code * 2^-24, in the column
         order of mma_channels. A code in the low bits of a 16-bit field *is* the fp16 subnormal
         code * 2^-24, so no int-to-float conversion, no exponent or and no subtraction is needed; the
@@ -140,7 +164,9 @@ if triton is not None:
         a word's codes come out in the order k0, k0 + PER/2, k1, k1 + PER/2, ... BITS == 3: natural
         order, via unpack_tile."""
         if BITS == 3:
-            c = unpack_tile(rowptr, rmask, C0, NC, BITS, R)
+            # no pairing trick here: the codes land one row per thread (the planes' [R, NC / 32] loads decide
+            # the layout), and a version that paired codes k and k + 16 in 32-bit words took more instructions
+            c = unpack_tile(rowptr, rmask, C0, NC, D, BITS, R)
             return c.to(tl.uint16).to(tl.float16, bitcast=True)
         else:
             PER: tl.constexpr = 32 // BITS
@@ -180,7 +206,7 @@ if triton is not None:
                        R: tl.constexpr):
         n = tl.program_id(0) * R + tl.arange(0, R)
         nm = n < N
-        c = unpack_tile(words_ptr + n * W, nm, 0, D, BITS, R)
+        c = unpack_tile(words_ptr + n * W, nm, 0, D, D, BITS, R)
         d = tl.arange(0, D)
         tl.store(out_ptr + n[:, None] * D + d[None, :], c.to(tl.int32, bitcast=True), mask=nm[:, None])
 
@@ -192,7 +218,7 @@ if triton is not None:
                            R: tl.constexpr):
         n = tl.program_id(0) * R + tl.arange(0, R)
         nm = n < N
-        v = unpack_mma(words_ptr + n * W, nm, 0, D, BITS, R).to(tl.float32) * 16777216.0
+        v = unpack_mma(words_ptr + n * W, nm, 0, D, D, BITS, R).to(tl.float32) * 16777216.0
         ch = mma_channels(0, D, BITS)
         tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
 

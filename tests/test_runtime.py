@@ -503,6 +503,10 @@ def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, whic
         got = greedy_decode(tiny, cache, prompt, 9, eos, mode)
         assert torch.equal(got["tokens"], want), mode
         assert got["mode"] == ("static" if mode == "static" else "eager") and cache.get_seq_length() == 12 + 8
+        # 8 decode steps: the first 2 (kernel compilation, a graph's capture) are timed apart from the other 6
+        assert (got["warmup_steps"], got["timed_steps"]) == (2, 6) and got["decode_seconds"] > 0
+    short = greedy_decode(tiny, KvcalCache(codec, tiny.dims.num_layers), prompt, 2, eos, "eager")
+    assert (short["warmup_steps"], short["timed_steps"]) == (0, 1)  # one step, nothing after it: timed as is
     with pytest.raises(KvcalError, match="needs a CUDA device"):
         greedy_decode(tiny, KvcalCache(codec, tiny.dims.num_layers), prompt, 9, eos, "graph")
 

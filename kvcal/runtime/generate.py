@@ -74,9 +74,16 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=ids.shape[1] + max_new_tokens)
     result = greedy_decode(loaded, cache, ids, max_new_tokens, loaded.tokenizer.eos_token_id, mode)
     new_tokens = result["tokens"][0]
-    steps = new_tokens.shape[0] - 1
-    speed = (f"decode: {steps} steps in {result['decode_seconds']:.2f} s ({steps / result['decode_seconds']:.1f} "
-             f"tokens/s, {result['mode']})" if steps else "decode: no step after the prefill")
+    timed, seconds = result["timed_steps"], result["decode_seconds"]
+    if not timed:
+        speed = "decode: no step after the prefill"
+    else:
+        plural = "s" if timed > 1 else ""
+        speed = f"decode: {timed} step{plural} in {seconds:.2f} s ({timed / seconds:.1f} tokens/s, {result['mode']})"
+        if result["warmup_steps"]:
+            what = {"cuda-graph": ", with kernel compilation and graph capture"}.get(
+                result["mode"], ", with kernel compilation" if ids.is_cuda else "")
+            speed += f"; not counted: the first {result['warmup_steps']} steps ({result['warmup_seconds']:.2f} s{what})"
     tokens = int(cache.get_seq_length())
     allocated, used = cache.nbytes()
     fp16 = 2 * kv_elements(loaded.dims, tokens)

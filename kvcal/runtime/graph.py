@@ -74,6 +74,7 @@ class GraphDecoder:
 
 
 DECODE_MODES = ("auto", "eager", "graph", "static")
+WARMUP_STEPS = 2  # decode steps timed apart from the rest: they compile the step's kernels (and precede a capture)
 
 
 def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, eos: int | None = None,
@@ -83,7 +84,11 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
     steps replayed from a CUDA graph; a one-line error where the cache cannot take static steps), 'static' (the
     graph's steps run eagerly: CPU, comparisons), 'auto' (graph on CUDA where the cache allows it, else eager).
     Stops after max_new_tokens or once every row has emitted `eos` (tokens after a row's eos are dropped).
-    Returns {'tokens' [B, n] (n <= max_new_tokens), 'mode', 'decode_seconds' (after the prefill)}."""
+    Returns {'tokens' [B, n] (n <= max_new_tokens), 'mode', 'warmup_seconds', 'warmup_steps', 'decode_seconds',
+    'timed_steps'}:
+    the first WARMUP_STEPS decode steps after the prefill compile the step's Triton kernels (and, replayed, come
+    before the capture), so they and the capture are timed apart ('warmup_seconds'); 'decode_seconds' times the
+    'timed_steps' steps after them (all steps, warmup included, when there are no others)."""
     if mode not in DECODE_MODES:
         raise KvcalError(f"unknown decode mode '{mode}' (one of {', '.join(DECODE_MODES)})")
     if max_new_tokens <= 0:
@@ -97,12 +102,21 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
     _sync(cuda)
     start = time.perf_counter()
     steps = max_new_tokens - 1
+    warm = min(WARMUP_STEPS, steps)
+    warmed = None  # (time, steps done) once the warmup steps are done
+
+    def mark_warm():
+        nonlocal warmed
+        if warmed is None and len(tokens) - 1 >= warm:
+            _sync(cuda)
+            warmed = (time.perf_counter(), len(tokens) - 1)
+
     decoder = None
     if steps and (mode in ("graph", "static") or (mode == "auto" and cuda)):
-        capture = mode != "static" and steps > 2
+        capture = mode != "static" and steps > warm
         try:
             cache.reserve_static(steps)
-            decoder = GraphDecoder(loaded, cache, tokens[0], capture=capture, warmup=min(2, steps), record=True)
+            decoder = GraphDecoder(loaded, cache, tokens[0], capture=capture, warmup=warm, record=True)
         except KvcalError:
             if mode != "auto":
                 raise
@@ -110,6 +124,7 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
     if decoder is not None:
         used = "cuda-graph" if decoder.graph is not None else "static"
         tokens += decoder.emitted
+        mark_warm()  # the warmup steps and the capture
         while len(tokens) <= steps and not _all_ended(tokens, eos):
             decoder.step()
             tokens.append(decoder.emitted[-1])
@@ -117,12 +132,17 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
     else:
         used = "eager"
         with torch.inference_mode():
+            mark_warm()
             while len(tokens) <= steps and not _all_ended(tokens, eos):
                 logits = loaded.model(tokens[-1], past_key_values=cache, use_cache=True).logits
                 tokens.append(logits[:, -1:].argmax(-1))
+                mark_warm()
     _sync(cuda)
-    seconds = time.perf_counter() - start
-    return {"tokens": _cut_after_eos(torch.cat(tokens, 1), eos), "mode": used, "decode_seconds": seconds}
+    end, done = time.perf_counter(), len(tokens) - 1
+    if warmed is None or done == warmed[1]:  # no step after the warmup: time them all
+        warmed = (start, 0)
+    return {"tokens": _cut_after_eos(torch.cat(tokens, 1), eos), "mode": used, "warmup_seconds": warmed[0] - start,
+            "warmup_steps": warmed[1], "decode_seconds": end - warmed[0], "timed_steps": done - warmed[1]}
 
 
 def _sync(cuda: bool) -> None:

@@ -88,7 +88,7 @@ if triton is not None:
         w = tl.arange(0, WP)
         if BITS == 3:  # stored word w is stream word 3 * (w % NG) + w // NG (planes; tail words as they are)
             NG: tl.constexpr = D // 32
-            if NG > 1:
+            if NG > 1:  # one group (D < 64): planes and stream coincide
                 w = tl.where(w < 3 * NG, 3 * (w % NG) + w // NG, w)
         s = d[None, :] * BITS - w[:, None] * 32  # [WP, D] start of code d relative to (stream) word w
         left = c[:, None, :] << tl.minimum(tl.maximum(s, 0), 31).to(tl.uint32)[None, :, :]

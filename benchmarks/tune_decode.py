@@ -102,6 +102,21 @@ VARIANT_SETS["round9"] = [  # value groups batched (default) or as columns, in t
     ("int", 4, {"num_stages": 3}), ("int", 4, {"programs_per_sm": 32}), ("int", 2, {}), ("int", 2, {"num_stages": 3}),
     ("int", 4, {}),
 ]
+VARIANT_SETS["round10"] = [  # unpack by masks in place + kWidth-2 operands (fewer instructions per tile)
+    ("int", 4, {}), ("int", 4, {**ONE_WARP, "max_registers": 96}), ("int", 4, NO_CAP), ("int", 4, {"num_stages": 3}),
+    ("int", 4, {"programs_per_sm": 32}), ("int", 4, {**ONE_WARP, "block_t": 64}),
+    ("int", 4, {"block_t": 64, "num_warps": 4, "num_stages": 2}), ("int", 4, {"block_t": 64, "num_warps": 2, "num_stages": 2}),
+    ("int", 2, {}), ("int", 2, {"num_stages": 3}), ("int", 2, {**ONE_WARP, "block_t": 64}), ("int", 2, {**ONE_WARP, "max_registers": 96}),
+    ("int", 3, {}), ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "max_registers": 168}), ("kivi", 4, {**NO_CAP, "num_stages": 2}),
+    ("kivi", 4, {**NO_CAP, "programs_per_sm": 32}), ("kivi", 2, {}), ("kivi", 3, {}), ("nuq", 4, {}),
+]
+VARIANT_SETS["round11"] = [  # + code words loaded into registers one tile ahead (instead of Triton's cp.async)
+    ("int", 4, {}), ("int", 4, {**ONE_WARP, "max_registers": 168}), ("int", 4, NO_CAP), ("int", 4, {**ONE_WARP, "num_stages": 1}),
+    ("int", 4, {**ONE_WARP, "max_registers": 168, "num_stages": 1}), ("int", 4, {"block_t": 64, "num_warps": 2, "num_stages": 2}),
+    ("int", 2, {}), ("int", 2, {**ONE_WARP, "max_registers": 168}), ("int", 2, {**ONE_WARP, "num_stages": 1}),
+    ("int", 3, {}), ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "num_stages": 1}), ("kivi", 4, {**ONE_WARP, "max_registers": 168}),
+    ("kivi", 2, {}), ("kivi", 3, {}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

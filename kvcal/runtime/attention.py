@@ -136,8 +136,9 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 #   affine_tokens keys (per channel): q.k = (q * s_blk) . c + q . z_blk  (a tile lies inside one token block)
 #   affine_channels values, group g: sum_t p_t v_t = (p * s_g) . c_g + (p . z_g)
 #   lut_dynamic values (per token):  sum_t p_t v_t = (p * s) . T[c] + p . z  (+ sparse residuals, below)
-# Codes enter the dot as exact fp16 values made without int-to-float conversions (packing.unpack_mma: the
-# code's bits are the fp16 subnormal c * 2^-24, two codes per 32-bit and+shift; 2^24 goes into the scales).
+# Codes enter the dot as exact fp16 values made without int-to-float conversions (packing.unpack_mma: a
+# code's field, masked in place, is the fp16 subnormal c * f * 2^-24 with f a power of two per column, two
+# codes per 32-bit and; 2^24 goes into the scales, 1/f into q's columns for keys and the output rows for values).
 # The generic key path (lut_static, or any key format stored before RoPE) dequantizes a tile in fp32
 # in two halves (LUT by tl.gather from a register table), rotates and calls two dots; the sparse key
 # residuals are added to the scores per slot (2 gathered query entries x cos/sin, not a pass over every
@@ -174,7 +175,7 @@ DEFAULTS = {
 }
 
 if triton is not None:
-    from kvcal.runtime.packing import mma_channels, unpack_mma, unpack_tile
+    from kvcal.runtime.packing import mma_channels, mma_code_scale, unpack_mma, unpack_tile
 
     @triton.jit
     def _dot(a, b, INTERP: tl.constexpr):
@@ -203,6 +204,21 @@ if triton is not None:
             return x.to(tl.float32)
         else:
             return x.to(tl.float16)
+
+    @triton.jit
+    def _mma_operand(x, PREC: tl.constexpr, INTERP: tl.constexpr):
+        """_opnd for a dot operand built in registers from packed codes. On the GPU an fp16 operand also goes
+        through an opaque identity (one mov per register pair): Triton 3.6 picks the operands' kWidth from
+        the narrowest type in their backward slice of pure elementwise/view ops and halves it when a tl.join
+        is in it, so unpacked codes got kWidth 4, whose A operand is read back from shared memory with 64-bit
+        loads and register moves instead of ldmatrix. A non-pure inline asm ends that slice (kWidth 2). SASS
+        for sm_90, int4 decode main loop: 815 -> 627 instructions per 32-token tile, the 161 IMAD.MOV gone."""
+        y = _opnd(x, PREC)
+        if INTERP or PREC != 16:  # the interpreter has no inline asm; fp32/fp64 operands are not affected
+            return y
+        else:
+            return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float16, is_pure=False,
+                                             pack=2)
 
     @triton.jit
     def _regroup(x, SRC: tl.constexpr, DST: tl.constexpr, N: tl.constexpr):
@@ -411,9 +427,13 @@ if triton is not None:
                                  mask=((rq // GK) < G)[None, :] & ((kch // GS)[:, None] == (rq % GK)[None, :]),
                                  other=0.0), PREC)  # [D, MQ]
                     sq = tl.reshape(tl.sum(qg.to(ACC), 0), (GPK, GK))
+                    # code columns hold code * f (unpack_mma): q / f, exact (a power of two; an entry below
+                    # fp16's normal range keeps an absolute error under 2^-25 * f <= 2^-18)
+                    qg = _opnd(qg.to(ACC) / mma_code_scale(D, KBITS).to(ACC)[:, None], PREC)
                 else:
                     kch = mma_channels(0, D, KBITS)
                     qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+                    kinv = 1.0 / mma_code_scale(D, KBITS).to(ACC)  # code columns hold code * f (unpack_mma)
                 if VALUE_FORMAT == 0:
                     vch = mma_channels(0, D, VBITS)
                 else:
@@ -489,15 +509,15 @@ if triton is not None:
                                           GPQ, GPK, BLOCK_T)
                         s = s * qk_scale
                     elif KEY_FORMAT == 0:
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC)  # exact either way
+                        kcodes = _mma_operand(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC, INTERP)
                         raw = tl.reshape(_dot(kcodes, qg, INTERP), (BLOCK_T, GPK, GK))
                         kscale = ks_cur.to(ACC) * (qk_scale * 16777216.0)  # codes are c * 2^-24
                         kzero = kz_cur.to(ACC) * qk_scale
                         s = tl.sum(kscale[:, None, :] * raw + kzero[:, None, :] * sq[None, :, :], 2)
                     else:  # affine_tokens, the tile inside one block (the host sizes it): q.k = (q * s_blk) . c + q . z_blk
-                        qs = _opnd(qf * ks_cur.to(ACC)[:, None], PREC)  # [D, GPK]
+                        qs = _opnd(qf * (ks_cur.to(ACC) * kinv)[:, None], PREC)  # [D, GPK]
                         zq = tl.sum(qf * kz_cur.to(ACC)[:, None], 0)  # [GPK]
-                        kcodes = _opnd(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC)
+                        kcodes = _mma_operand(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC, INTERP)
                         s = (_dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
                     s = tl.where(tm[:, None], s, float("-inf"))
                     # ---- online softmax (fp32)
@@ -517,7 +537,7 @@ if triton is not None:
                         pw = _opnd(tl.reshape(pr[:, :, None] * vscale[:, None, :], (BLOCK_T, MV)), PREC)
                         pz = tl.reshape(tl.sum(pr[:, :, None] * vzero[:, None, :], 0), (MV,))
                         arow = tl.reshape(tl.broadcast_to(ar[:, None], (GPV, GV)), (MV,))
-                        vcodes = _opnd(unpack_mma(vptr, tm, 0, D, D, VBITS, BLOCK_T), PREC)
+                        vcodes = _mma_operand(unpack_mma(vptr, tm, 0, D, D, VBITS, BLOCK_T), PREC, INTERP)
                         acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
                         corr = corr * arow + pz
                     else:
@@ -558,7 +578,8 @@ if triton is not None:
                             acc = acc * ar[None, :] + _dot(tl.trans(_opnd(vt, PREC)), pw, INTERP)
                             corr = corr * ar + tl.sum(pr * vz_cur.to(ACC)[:, None], 0)
                 if VALUE_FORMAT == 0:
-                    out = acc * 16777216.0 + corr[None, :]  # [D, MV], rows in vch order; codes were c * 2^-24
+                    # [D, MV], rows in vch order; codes were c * f * 2^-24
+                    out = acc * (16777216.0 / mma_code_scale(D, VBITS).to(ACC))[:, None] + corr[None, :]
                 else:
                     out = acc + corr[None, :]
                 if GV > 1:  # columns (head, value group) -> heads: each channel from its group's column

@@ -142,27 +142,33 @@ if triton is not None:
             return tl.reshape(_split_bits(words, 32, BITS), (R, NC))
 
     @triton.jit
-    def _shift_tree(x, SH: tl.constexpr, N: tl.constexpr):
-        """x >> (SH * k) for k in [0, N), appended as minor axes (k's high bit first), inside the thread."""
+    def _mask_tree(x, BITS: tl.constexpr, J0: tl.constexpr, STRIDE: tl.constexpr, N: tl.constexpr):
+        """x & ((M | M << 16) << BITS * j) for j = J0, J0 + STRIDE, ... (N of them), appended as minor axes
+        in the order of j (the even j's tree first, so the last axis is j's low bit), inside the thread."""
         if N > 1:
-            x = tl.join(x, x >> (SH * (N // 2)))
-            return _shift_tree(x, SH, N // 2)
+            return tl.join(_mask_tree(x, BITS, J0, 2 * STRIDE, N // 2),
+                           _mask_tree(x, BITS, J0 + STRIDE, 2 * STRIDE, N // 2))
         else:
-            return x
+            MASK: tl.constexpr = (((1 << BITS) - 1) * 65537) << (BITS * J0)
+            return x & MASK
 
     @triton.jit
     def unpack_mma(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                    R: tl.constexpr):
-        """Like unpack_tile, but returns a tensor-core operand: fp16 values code * 2^-24, in the column
-        order of mma_channels. A code in the low bits of a 16-bit field *is* the fp16 subnormal
-        code * 2^-24, so no int-to-float conversion, no exponent or and no subtraction is needed; the
-        tensor cores multiply subnormals exactly, and callers fold 2^24 into the scales.
+        """Like unpack_tile, but returns a tensor-core operand: fp16 values code * f * 2^-24, in the column
+        order of mma_channels, f = mma_code_scale of the column. A field inside the low 10 bits (the
+        mantissa) of a 16-bit half *is* the fp16 subnormal (field value) * 2^-24, so no int-to-float
+        conversion, no exponent or and no subtraction is needed; the tensor cores multiply subnormals
+        exactly, and callers fold 2^24 / f into the other operand or the result.
 
-        BITS in {1, 2, 4, 8}: codes k and k + PER/2 of a word (PER = 32 / BITS) are 16 bits apart, so
-        (word >> BITS*k) & (M | M << 16) holds both as a pair of fp16 in one 32-bit register: two integer
-        operations per two codes (after FasterTransformer's int4 converters, without their magic bias);
-        a word's codes come out in the order k0, k0 + PER/2, k1, k1 + PER/2, ... BITS == 3: natural
-        order, via unpack_tile."""
+        BITS in {1, 2, 4, 8}: codes k and k + PER/2 of a word (PER = 32 / BITS) are 16 bits apart, so a mask
+        (M | M << 16) << BITS*j keeps both as a pair of fp16 in one 32-bit register, each worth code * 2^(BITS*j)
+        (after FasterTransformer's int4 converters, without their magic bias). The fields of a half's low byte
+        are masked in place (j < PER/4: scale 2^(BITS*j), at most 2^7 = 128 for 1 bit, 64 for 2 bits, 16 for
+        4 bits), those of its high byte after one shift by 8: one and per two codes plus one shift per word
+        (shifting every field down to bit 0 took ~10 instructions per 4-bit word instead of 5; measured in the
+        SASS of the decode kernel). Codes come out in the order k0, k0 + PER/2, k1, k1 + PER/2, ...
+        BITS == 3: natural order and scale 1, via unpack_tile."""
         if BITS == 3:
             # no pairing trick here: the codes land one row per thread (the planes' [R, NC / 32] loads decide
             # the layout), and a version that paired codes k and k + 16 in 32-bit words took more instructions
@@ -171,10 +177,10 @@ if triton is not None:
         else:
             PER: tl.constexpr = 32 // BITS
             NW: tl.constexpr = NC // PER
-            M: tl.constexpr = (1 << BITS) - 1
             w = C0 // PER + tl.arange(0, NW)
             words = tl.load(rowptr[:, None] + w[None, :], mask=rmask[:, None], other=0).to(tl.uint32, bitcast=True)
-            x = _shift_tree(words, BITS, PER // 2) & (M | (M << 16))
+            # [R, NW, 2 (low / high byte), PER / 4 (j)]: code k = (PER / 4) * byte + j and its partner k + PER/2
+            x = _mask_tree(tl.join(words, words >> 8), BITS, 0, 1, PER // 4)
             lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
             hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
             return tl.reshape(tl.join(lo, hi), (R, NC))
@@ -189,6 +195,18 @@ if triton is not None:
             PER: tl.constexpr = 32 // BITS
             r = p % PER
             return C0 + (p - r) + r // 2 + (r % 2) * (PER // 2)
+
+    @triton.jit
+    def mma_code_scale(NC: tl.constexpr, BITS: tl.constexpr):
+        """float32 [NC]: the power of two f by which each column of unpack_mma's result holds its code
+        (value = code * f * 2^-24)."""
+        p = tl.arange(0, NC)
+        if BITS == 3:
+            return tl.full((NC,), 1.0, tl.float32)
+        else:
+            PER: tl.constexpr = 32 // BITS
+            j = (p % PER) // 2 % (PER // 4)  # k = (p % PER) // 2; j = k % (PER / 4)
+            return (tl.full((NC,), 1, tl.int32) << (BITS * j)).to(tl.float32)
 
     @triton.jit
     def _pack_kernel(codes_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
@@ -219,6 +237,7 @@ if triton is not None:
         n = tl.program_id(0) * R + tl.arange(0, R)
         nm = n < N
         v = unpack_mma(words_ptr + n * W, nm, 0, D, D, BITS, R).to(tl.float32) * 16777216.0
+        v = v / mma_code_scale(D, BITS)[None, :]
         ch = mma_channels(0, D, BITS)
         tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
 

@@ -117,6 +117,14 @@ VARIANT_SETS["round11"] = [  # + code words loaded into registers one tile ahead
     ("int", 3, {}), ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "num_stages": 1}), ("kivi", 4, {**ONE_WARP, "max_registers": 168}),
     ("kivi", 2, {}), ("kivi", 3, {}),
 ]
+VARIANT_SETS["round12"] = [  # register caps that fit more one-warp programs per SM after round 10 (18 at 112, 19 at 104)
+    ("int", 4, {}), ("int", 4, {**ONE_WARP, "max_registers": 112, "programs_per_sm": 18}),
+    ("int", 4, {**ONE_WARP, "max_registers": 104, "programs_per_sm": 19}), ("int", 4, {**ONE_WARP, "max_registers": 112}),
+    ("int", 2, {}), ("int", 2, {**ONE_WARP, "max_registers": 112, "programs_per_sm": 18}),
+    ("int", 3, {}), ("int", 3, {**ONE_WARP, "max_registers": 112, "programs_per_sm": 18}),
+    ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "programs_per_sm": 8}), ("kivi", 4, {**NO_CAP, "max_registers": 168, "programs_per_sm": 12}),
+    ("kivi", 2, {}), ("kivi", 2, {**NO_CAP, "programs_per_sm": 8}), ("int", 4, {}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

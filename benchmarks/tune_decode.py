@@ -110,7 +110,8 @@ VARIANT_SETS["round10"] = [  # unpack by masks in place + kWidth-2 operands (few
     ("int", 3, {}), ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "max_registers": 168}), ("kivi", 4, {**NO_CAP, "num_stages": 2}),
     ("kivi", 4, {**NO_CAP, "programs_per_sm": 32}), ("kivi", 2, {}), ("kivi", 3, {}), ("nuq", 4, {}),
 ]
-VARIANT_SETS["round11"] = [  # + code words loaded into registers one tile ahead (instead of Triton's cp.async)
+# round 11 timed a kernel option of that session (code words loaded into registers one tile ahead), since removed
+VARIANT_SETS["round11"] = [
     ("int", 4, {}), ("int", 4, {**ONE_WARP, "max_registers": 168}), ("int", 4, NO_CAP), ("int", 4, {**ONE_WARP, "num_stages": 1}),
     ("int", 4, {**ONE_WARP, "max_registers": 168, "num_stages": 1}), ("int", 4, {"block_t": 64, "num_warps": 2, "num_stages": 2}),
     ("int", 2, {}), ("int", 2, {**ONE_WARP, "max_registers": 168}), ("int", 2, {**ONE_WARP, "num_stages": 1}),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
@@ -126,7 +128,44 @@ VARIANT_SETS["round12"] = [  # register caps that fit more one-warp programs per
     ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "programs_per_sm": 8}), ("kivi", 4, {**NO_CAP, "max_registers": 168, "programs_per_sm": 12}),
     ("kivi", 2, {}), ("kivi", 2, {**NO_CAP, "programs_per_sm": 8}), ("int", 4, {}),
 ]
+VARIANT_SETS["round13"] = [  # unpacked codes stored to shared memory without bank conflicts (words reordered)
+    ("int", 4, {}), ("int", 4, {**ONE_WARP, "num_stages": 1}), ("int", 4, {"num_stages": 3}),
+    ("int", 4, {**ONE_WARP, "max_registers": 112, "programs_per_sm": 18}), ("int", 4, {"programs_per_sm": 32}),
+    ("int", 2, {}), ("int", 2, {**ONE_WARP, "num_stages": 1}), ("int", 2, {"num_stages": 3}),
+    ("int", 3, {}), ("int", 3, {**ONE_WARP, "num_stages": 1}),
+    ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "num_stages": 1}), ("kivi", 4, {**NO_CAP, "num_stages": 2}),
+    ("kivi", 2, {}), ("kivi", 3, {}), ("int", 4, {}),
+]
+VARIANT_SETS["round14"] = [  # round 13's candidates again, meant for --repeat (round 13's single pass drifted)
+    ("int", 4, {}), ("int", 4, {**ONE_WARP, "num_stages": 1}), ("int", 2, {}), ("int", 2, {**ONE_WARP, "num_stages": 1}),
+    ("int", 3, {}), ("int", 3, {**ONE_WARP, "num_stages": 1}), ("kivi", 4, {}), ("kivi", 4, {**NO_CAP, "num_stages": 1}),
+    ("kivi", 4, {**NO_CAP, "num_stages": 2}), ("kivi", 2, {}), ("kivi", 2, {**NO_CAP, "num_stages": 1}), ("kivi", 3, {}),
+]
+VARIANT_SETS["round15"] = [  # L2 prefetch of the code tiles `prefetch` tiles ahead (CUDA-graph timing, --repeat 2)
+    ("int", 4, {}), ("int", 4, {"prefetch": 1}), ("int", 4, {"prefetch": 2}), ("int", 4, {"prefetch": 4}),
+    ("int", 4, {"prefetch": 8}), ("int", 2, {}), ("int", 2, {"prefetch": 2}), ("int", 2, {"prefetch": 4}),
+    ("int", 2, {"prefetch": 8}), ("int", 3, {}), ("int", 3, {"prefetch": 4}), ("kivi", 4, {}), ("kivi", 4, {"prefetch": 2}),
+    ("kivi", 4, {"prefetch": 4}), ("kivi", 2, {}), ("kivi", 2, {"prefetch": 4}), ("nuq", 4, {}), ("nuq", 4, {"prefetch": 4}),
+    ("int", 4, {**ONE_WARP, "num_stages": 1, "prefetch": 4}), ("int", 2, {**ONE_WARP, "num_stages": 1, "prefetch": 4}),
+]
+VARIANT_SETS["round16"] = [  # 3-bit codes paired in place; prefetch one tile ahead (CUDA-graph timing, --repeat 2)
+    ("int", 4, {}), ("int", 4, {"prefetch": 1}), ("int", 2, {}), ("int", 2, {"prefetch": 1}), ("int", 3, {}),
+    ("int", 3, {"prefetch": 1}), ("int", 3, {**ONE_WARP, "num_stages": 1}), ("kivi", 4, {}), ("kivi", 4, {"prefetch": 1}),
+    ("kivi", 2, {}), ("kivi", 2, {"prefetch": 1}), ("kivi", 2, {"prefetch": 2}), ("kivi", 3, {}), ("kivi", 3, {"prefetch": 1}),
+    ("nuq", 4, {}), ("nuq", 4, {"prefetch": 1}), ("nuq", 4, {"prefetch": 2}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
+
+
+def sm_clock() -> str:
+    """The SM clock and active clock-event reasons as nvidia-smi reports them (latency-bound kernels follow
+    the SM clock, SDPA does not), or '?' without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks_event_reasons.active", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        return out or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def main(argv=None):
@@ -135,6 +174,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--variants", default=None, help="JSON list of [codec, bits, options], or a set name")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time the whole list (and SDPA) this many times, interleaved; report the median per variant")
+    ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     args = ap.parse_args(argv)
     if args.variants in VARIANT_SETS:
         variants = VARIANT_SETS[args.variants]
@@ -143,29 +185,39 @@ def main(argv=None):
     dev = torch.device("cuda")
     name = torch.cuda.get_device_properties(dev).name
     copy = copy_bandwidth(dev)
-    sdpa_us, sdpa_bytes, backend = time_sdpa(args.batch, 32, 8, 128, args.context)
-    rows = [dict(method="sdpa", bits=16, options={"backend": backend}, us=sdpa_us, bytes=sdpa_bytes)]
-    print(f"{name}: copy {copy:.0f} GB/s; sdpa ({backend}) {sdpa_us:.1f} us {sdpa_bytes / sdpa_us / 1e3:.0f} GB/s", flush=True)
-    for codec, bits, opts in variants:
-        t0 = time.time()
-        try:
-            us, nbytes = time_kvcal(codec, bits, args.batch, 32, 8, 128, args.context, **opts)
-        except Exception as e:  # keep going: one failing variant must not lose the others
-            print(f"{codec}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        rows.append(dict(method=codec, bits=bits, options=opts, us=us, bytes=nbytes))
-        print(f"{codec}{bits:<2d} {json.dumps(opts):45s} {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
-              f"{100 * nbytes / us / 1e3 / copy:5.1f}% copy  x{sdpa_us / us:5.2f}  ({time.time() - t0:.0f} s)", flush=True)
+    sdpa_runs, runs = [], [[] for _ in variants]
+    for rep in range(args.repeat):
+        sdpa_us, sdpa_bytes, backend = time_sdpa(args.batch, 32, 8, 128, args.context, graph=not args.eager)
+        sdpa_runs.append(sdpa_us)
+        print(f"{name} (pass {rep + 1}/{args.repeat}): copy {copy:.0f} GB/s; sdpa ({backend}) {sdpa_us:.1f} us "
+              f"{sdpa_bytes / sdpa_us / 1e3:.0f} GB/s; SM clock {sm_clock()}", flush=True)
+        for i, (codec, bits, opts) in enumerate(variants):
+            t0 = time.time()
+            try:
+                us, nbytes = time_kvcal(codec, bits, args.batch, 32, 8, 128, args.context, graph=not args.eager, **opts)
+            except Exception as e:  # keep going: one failing variant must not lose the others
+                print(f"{codec}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            runs[i].append((us, nbytes))
+            print(f"{codec}{bits:<2d} {json.dumps(opts):45s} {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+                  f"{100 * nbytes / us / 1e3 / copy:5.1f}% copy  x{sdpa_us / us:5.2f}  ({time.time() - t0:.0f} s, "
+                  f"SM clock {sm_clock()})", flush=True)
+    sdpa_us = statistics.median(sdpa_runs)
+    rows = [dict(method="sdpa", bits=16, options={"backend": backend}, us=sdpa_us, bytes=sdpa_bytes, runs=sdpa_runs)]
+    for (codec, bits, opts), r in zip(variants, runs):
+        if r:
+            rows.append(dict(method=codec, bits=bits, options=opts, us=statistics.median(u for u, _ in r),
+                             bytes=r[0][1], runs=[u for u, _ in r]))
     for r in rows:
         r["gbps"] = r["bytes"] / r["us"] / 1e3
         r["pct_copy"] = 100 * r["gbps"] / copy
         r["speedup"] = sdpa_us / r["us"]
     res = dict(device=name, context=args.context, batch=args.batch, copy_gbps=copy, torch=torch.__version__,
-               rows=rows)
+               timing="eager calls" if args.eager else "CUDA graph replays", repeat=args.repeat, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    print("\n| method | options | us | GB/s | % copy | x SDPA |\n|---|---|---|---|---|---|")
+    print(f"\nmedians over {args.repeat} pass(es)\n| method | options | us | GB/s | % copy | x SDPA |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']}{r['bits']} | {json.dumps(r['options'])} | {r['us']:.1f} | {r['gbps']:.0f} | "
               f"{r['pct_copy']:.0f} | {r['speedup']:.2f} |")

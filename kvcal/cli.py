@@ -287,6 +287,8 @@ def bench_decode_command(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float16 queries and fp window."),
     window: int = typer.Option(128, help="Full-precision tokens of each kvcal cache."),
     rep: int = typer.Option(100, help="do_bench repetition time in ms."),
+    graph: bool = typer.Option(True, "--graph/--no-graph",
+                               help="Time CUDA-graph replays (GPU time, the default) or eager calls (adds host launch cost)."),
     json_out: Path | None = typer.Option(None, "--json", help="JSON path (default results/bench/decode-DEVICE.json)."),
 ):
     """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each packed codec, same run."""
@@ -301,7 +303,7 @@ def bench_decode_command(
     result = bench.run_decode_bench(
         contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)),
         codecs=tuple(codec or bench.CODECS), bits=tuple(bits or (4, 3, 2)), dtype=getattr(torch, dtype),
-        window=window, rep=rep)
+        window=window, rep=rep, graph=graph)
     result["command"] = invoked_command()
     out = json_out or Path("results") / "bench" / f"decode-{bench.device_slug(result['device'])}.json"
     write_json_atomic(out, result)

@@ -4,7 +4,8 @@ in the same process, with the bandwidth each kernel achieves from the bytes it m
 
 Speed does not depend on the values, so caches are random (random code words, random fp16 scales, random
 outlier positions); nothing is ever timed on zeros. Times are medians of triton.testing.do_bench, which
-flushes the L2 cache before every call, so each call reads its cache from HBM.
+flushes the L2 cache before every call, so each call reads its cache from HBM; by default the call is replayed
+from a CUDA graph, so the time is the GPU's (see time_device).
 
 Codecs (the shapes the runtime stores):
   int<b>:  affine_channels keys and values, one fp16 (scale, zero) per token, head and group of head_dim
@@ -122,8 +123,29 @@ def _sdpa(q4, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True), "default"
 
 
-def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", warmup=25, rep=100):
+def time_device(fn, warmup=25, rep=100, graph=True) -> float:
+    """Median time of fn() in ms (triton.testing.do_bench, L2 flushed before every call). graph=True replays
+    fn captured in a CUDA graph, as the decode loop runs it (`kvcal generate --graph`): the time is then the
+    GPU's alone. Without a graph, Python argument handling and two launches per call (~100-200 us on the H100
+    machine's host) overlap the kernel only as long as do_bench's L2 flush keeps the GPU busy, and a 150 us
+    kernel measured anywhere from 128 to 368 us from one pass to the next."""
     import triton.testing
+
+    if not graph:
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
+
+
+def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", warmup=25, rep=100, graph=True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator(device=device).manual_seed(1)
@@ -139,17 +161,15 @@ def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", 
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+    ms = time_device(step, warmup, rep, graph)
     nbytes = _nbytes(q) * 2 + _nbytes(k) + _nbytes(v)
     return ms * 1e3, nbytes, backend
 
 
 def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
-               warmup=25, rep=100, kv: PackedKV | None = None, **options):
+               warmup=25, rep=100, kv: PackedKV | None = None, graph: bool = True, **options):
     """Median time (us) of one decode step over `tokens` tokens (tokens - window packed + window fp), and
     the bytes it must read. `kv` replaces the random cache of the codec (e.g. one with parts removed)."""
-    import triton.testing
-
     window = min(window, tokens)
     if kv is None:
         kv = random_packed(codec, bits, batch, hkv, dim, tokens - window, device=device)
@@ -162,8 +182,7 @@ def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=to
     out = decode_attention_triton(q, kv, fk, fv, valid, scale, **options)
     if not torch.isfinite(out.float()).all():
         raise RuntimeError(f"{codec}{bits}: non-finite output")
-    ms = triton.testing.do_bench(lambda: decode_attention_triton(q, kv, fk, fv, valid, scale, **options),
-                                 warmup=warmup, rep=rep, return_mode="median")
+    ms = time_device(lambda: decode_attention_triton(q, kv, fk, fv, valid, scale, **options), warmup, rep, graph)
     nbytes = packed_bytes(kv) + _nbytes(fk) + _nbytes(fv) + _nbytes(valid) + 2 * _nbytes(q)
     return ms * 1e3, nbytes
 
@@ -171,7 +190,7 @@ def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=to
 def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), codecs=CODECS, bits=(4, 3, 2),
                      hq: int = 32, hkv: int = 8, dim: int = 128, window: int = 128, dtype=torch.bfloat16,
                      device="cuda", warmup: int = 25, rep: int = 100, options: dict | None = None,
-                     log=print) -> dict:
+                     log=print, graph: bool = True) -> dict:
     """Benchmark grid; returns a JSON-ready dict (device, versions, copy bandwidth, one row per
     (context, batch, method)). options: {codec or codec+bits: kwargs for decode_attention_triton}."""
     import triton
@@ -189,7 +208,7 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
             if 3 * sdpa_bytes > free:
                 log(f"skip context {tokens} batch {batch}: {sdpa_bytes / 1e9:.1f} GB of fp16 K/V")
                 continue
-            us, nbytes, backend = time_sdpa(batch, hq, hkv, dim, tokens, dtype, device, warmup, rep)
+            us, nbytes, backend = time_sdpa(batch, hq, hkv, dim, tokens, dtype, device, warmup, rep, graph)
             base = dict(context=tokens, batch=batch)
             rows.append(dict(base, method="sdpa", bits=16, backend=backend, us=us, bytes=nbytes,
                              gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy, speedup=1.0))
@@ -200,7 +219,7 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
                     opts = dict(options.get(codec, {}), **options.get(f"{codec}{b}", {}))
                     t0 = time.time()
                     kus, kbytes = time_kvcal(codec, b, batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
-                                             device=device, warmup=warmup, rep=rep, **opts)
+                                             device=device, warmup=warmup, rep=rep, graph=graph, **opts)
                     gbps = kbytes / kus / 1e3
                     rows.append(dict(base, method=codec, bits=b, us=kus, bytes=kbytes, gbps=gbps,
                                      pct_copy=100 * gbps / copy, speedup=us / kus, options=opts))
@@ -210,7 +229,9 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
     return dict(
         device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), dtype=str(dtype).replace("torch.", ""), hq=hq, hkv=hkv, head_dim=dim,
-        window=window, copy_gbps=copy, timing="triton.testing.do_bench median (L2 flushed before each call)",
+        window=window, copy_gbps=copy,
+        timing="triton.testing.do_bench median (L2 flushed before each call)"
+               + (" of a CUDA graph replay (GPU time only)" if graph else ", eager calls (host launch cost included)"),
         kernel_defaults={k: dict(zip(("block_t", "num_warps", "num_stages", "max_registers"), v))
                          for k, v in KERNEL_DEFAULTS.items()},
         codecs={"int": "affine_channels keys+values, group=head_dim",
@@ -238,4 +259,4 @@ def device_slug(name: str) -> str:
 
 
 __all__ = ["run_decode_bench", "format_table", "random_packed", "packed_bytes", "copy_bandwidth", "time_sdpa",
-           "time_kvcal", "device_slug"]
+           "time_kvcal", "time_device", "device_slug"]

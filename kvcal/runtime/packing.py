@@ -110,6 +110,24 @@ if triton is not None:
             return x
 
     @triton.jit
+    def _chunks3(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+        """3-bit rows: the 24-bit chunks of 8 codes of channels [C0, C0 + NC), [R, NC / 32, 2, 2] uint32 with
+        chunk 2i + o of each group of 32 at [i, o]. The group's words a, b, c come from the three word planes
+        (module docstring); chunks 1 and 2 straddle two words."""
+        NG: tl.constexpr = NC // 32
+        PLANE: tl.constexpr = D // 32
+        p = rowptr[:, None] + (C0 // 32 + tl.arange(0, NG))[None, :]  # group g's words: p, p + PLANE, p + 2 PLANE
+        m = rmask[:, None]
+        wa = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True)
+        wb = tl.load(p + PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
+        wc = tl.load(p + 2 * PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
+        c0 = wa & 0xFFFFFF
+        c1 = ((wa >> 24) | (wb << 8)) & 0xFFFFFF
+        c2 = ((wb >> 16) | (wc << 16)) & 0xFFFFFF
+        c3 = wc >> 8
+        return tl.join(tl.join(c0, c2), tl.join(c1, c3))
+
+    @triton.jit
     def unpack_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                     R: tl.constexpr):
         """Load and unpack channels [C0, C0 + NC) of R packed D-channel vectors: rowptr [R] points at each
@@ -120,18 +138,7 @@ if triton is not None:
         (chunks 1 and 2 straddle two words). C0, NC and D are multiples of 32. Fields are split by halving
         (see _split_bits)."""
         if BITS == 3:
-            NG: tl.constexpr = NC // 32
-            PLANE: tl.constexpr = D // 32
-            p = rowptr[:, None] + (C0 // 32 + tl.arange(0, NG))[None, :]  # group g's words: p, p + PLANE, p + 2 PLANE
-            m = rmask[:, None]
-            wa = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True)
-            wb = tl.load(p + PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
-            wc = tl.load(p + 2 * PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
-            c0 = wa & 0xFFFFFF
-            c1 = ((wa >> 24) | (wb << 8)) & 0xFFFFFF
-            c2 = ((wb >> 16) | (wc << 16)) & 0xFFFFFF
-            c3 = wc >> 8
-            x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [R, NG, 2, 2]: chunk 2i + o at [i, o]
+            x = _chunks3(rowptr, rmask, C0, NC, D)
             x = _split_bits(x, 24, 3)
             return tl.reshape(x, (R, NC))
         else:
@@ -168,12 +175,20 @@ if triton is not None:
         4 bits), those of its high byte after one shift by 8: one and per two codes plus one shift per word
         (shifting every field down to bit 0 took ~10 instructions per 4-bit word instead of 5; measured in the
         SASS of the decode kernel). Codes come out in the order k0, k0 + PER/2, k1, k1 + PER/2, ...
-        BITS == 3: natural order and scale 1, via unpack_tile."""
+        BITS == 3: chunks of 8 codes as pairs (k, k + 4), scales 1, 8, 64, 1 (below)."""
         if BITS == 3:
-            # no pairing trick here: the codes land one row per thread (the planes' [R, NC / 32] loads decide
-            # the layout), and a version that paired codes k and k + 16 in 32-bit words took more instructions
-            c = unpack_tile(rowptr, rmask, C0, NC, D, BITS, R)
-            return c.to(tl.uint16).to(tl.float16, bitcast=True)
+            # Each 24-bit chunk x of 8 codes (code k at bit 3k; chunks as in unpack_tile) becomes four fp16 pairs
+            # (k, k + 4): pa = x bits 0-8 | x bits 12-20 << 4 holds codes 0-2 and 4-6 at the same offsets of the
+            # two halves, masked in place (scales 1, 8, 64); codes 3 and 7 (bits 9-11, 21-23) are shifted down
+            # (scale 1). Before, every code was its own 32-bit value and the operand went to shared memory by
+            # 2-byte stores (260 STS.U16 per 32-token tile, bank conflicts among them): int3 was the slowest int.
+            x = _chunks3(rowptr, rmask, C0, NC, D)
+            pa = (x & 0x1FF) | ((x << 4) & 0x1FF0000)
+            pb = ((x >> 9) & 0x7) | ((x >> 5) & 0x70000)
+            y = tl.join(tl.join(pa & 0x70007, pa & 0x1C001C0), tl.join(pa & 0x380038, pb))  # pair j = 2a + b at [a, b]
+            lo = y.to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            return tl.reshape(tl.join(lo, hi), (R, NC))
         else:
             PER: tl.constexpr = 32 // BITS
             NW: tl.constexpr = NC // PER
@@ -183,18 +198,39 @@ if triton is not None:
             x = _mask_tree(tl.join(words, words >> 8), BITS, 0, 1, PER // 4)
             lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
             hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-            return tl.reshape(tl.join(lo, hi), (R, NC))
+            y = tl.join(lo, hi)  # [R, NW, PER]: a word's columns (byte, j, half) are contiguous
+            # Whole words change places (see mma_channels) so that the kernel's 16-byte shared-memory stores of
+            # this operand do not conflict: the loads give each thread V consecutive words of a row and TW
+            # threads span a row, so with words in order the 8 lanes of a quarter warp (RQ rows x TW threads)
+            # stored to only 8 / NJL distinct bank groups of the swizzled tile (2-way conflicts at 4 bits, D =
+            # 128: ncu counted 512 wavefronts per 256 ideal for these stores). Putting the thread index g in the
+            # chunk bits the rows' swizzle does not cover (chunk = (j_hi * TW + g) * NJL + j_lo words) spreads
+            # them; the column order is free because mma_channels tells the kernel which channel each column is.
+            V: tl.constexpr = 4 if NW >= 4 else NW  # words per thread (16-byte loads)
+            TW: tl.constexpr = NW // V
+            RQ: tl.constexpr = 8 // TW if TW <= 8 else 1  # rows per quarter warp
+            NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
+            if NJL < V:
+                y = tl.permute(tl.reshape(y, (R, TW, V // NJL, NJL, PER)), (0, 2, 1, 3, 4))
+            return tl.reshape(y, (R, NC))
 
     @triton.jit
     def mma_channels(C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
         """Channel index of each column of unpack_mma's result."""
         p = tl.arange(0, NC)
-        if BITS == 3:
-            return C0 + p
+        if BITS == 3:  # column ((chunk * 4 + j) * 2 + half) -> code j + 4 * half of the 8-code chunk
+            return C0 + (p // 8) * 8 + (p // 2) % 4 + (p % 2) * 4
         else:
             PER: tl.constexpr = 32 // BITS
+            NW: tl.constexpr = NC // PER
+            V: tl.constexpr = 4 if NW >= 4 else NW  # the word order of unpack_mma (same constants)
+            TW: tl.constexpr = NW // V
+            RQ: tl.constexpr = 8 // TW if TW <= 8 else 1
+            NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
             r = p % PER
-            return C0 + (p - r) + r // 2 + (r % 2) * (PER // 2)
+            slot = p // PER  # word position -> word: slot = (j_hi * TW + g) * NJL + j_lo, word = g * V + j_hi * NJL + j_lo
+            word = (slot // NJL) % TW * V + slot // (NJL * TW) * NJL + slot % NJL
+            return C0 + word * PER + r // 2 + (r % 2) * (PER // 2)
 
     @triton.jit
     def mma_code_scale(NC: tl.constexpr, BITS: tl.constexpr):
@@ -202,7 +238,8 @@ if triton is not None:
         (value = code * f * 2^-24)."""
         p = tl.arange(0, NC)
         if BITS == 3:
-            return tl.full((NC,), 1.0, tl.float32)
+            j = (p // 2) % 4
+            return tl.where(j == 1, 8.0, tl.where(j == 2, 64.0, 1.0))
         else:
             PER: tl.constexpr = 32 // BITS
             j = (p % PER) // 2 % (PER // 4)  # k = (p % PER) // 2; j = k % (PER / 4)

@@ -203,7 +203,7 @@ if triton is not None:
             # this operand do not conflict: the loads give each thread V consecutive words of a row and TW
             # threads span a row, so with words in order the 8 lanes of a quarter warp (RQ rows x TW threads)
             # stored to only 8 / NJL distinct bank groups of the swizzled tile (2-way conflicts at 4 bits, D =
-            # 128: ncu counted 512 wavefronts per 256 ideal for these stores). Putting the thread index g in the
+            # 128: ncu counted 8 wavefronts per 16-byte store instead of 4). Putting the thread index g in the
             # chunk bits the rows' swizzle does not cover (chunk = (j_hi * TW + g) * NJL + j_lo words) spreads
             # them; the column order is free because mma_channels tells the kernel which channel each column is.
             V: tl.constexpr = 4 if NW >= 4 else NW  # words per thread (16-byte loads)

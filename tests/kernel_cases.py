@@ -149,6 +149,11 @@ ATTENTION_CASES = [
     ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
     ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
                                                          "value_per_head": True}, {}, {}),
+    # head_dim 128 on the small shapes: the code-word order of packing.unpack_mma (chosen against shared-memory
+    # bank conflicts) only differs from the natural order there (at 64 the natural order is already conflict-free)
+    ("int4_d128_bf16", "int", 4, torch.bfloat16, {}, {}, {"d": 128}),
+    ("int2_d128_fp16", "int", 2, torch.float16, {}, {}, {"d": 128}),
+    ("kivi4_d128_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"d": 128}),
     ("int4_mha_fp16", "int", 4, torch.float16, {}, {}, {"hq": 2}),
     ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
@@ -173,7 +178,7 @@ def run_attention_case(case, *, small=True, device="cpu"):
 
     name, codec, bits, dtype, cache_kw, kernel_kw, step_kw = case
     if small:
-        d, hkv, lengths, tcap, nfp = 64, 2, [37, 0, 70], 80, 19
+        d, hkv, lengths, tcap, nfp = step_kw.get("d", 64), 2, [37, 0, 70], 80, 19
         kernel_kw = {"num_splits": 2, "block_t": 16, **kernel_kw}
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
@@ -206,6 +211,10 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
         res[f"pack{bits}"] = torch.equal(P.pack_codes_triton(c, bits), w)
         res[f"unpack{bits}"] = torch.equal(P.unpack_codes_triton(w, bits, d), c)
         res[f"unpack_mma{bits}"] = torch.equal(P.unpack_codes_mma_triton(w, bits, d), c)
+        # at head_dim 128 unpack_mma reorders whole words (4 and 2 bits; see its comment): columns map back through
+        # mma_channels, checked against the torch unpacking
+        c128 = torch.randint(0, 1 << bits, (n, 128), generator=gen, device=device)
+        res[f"unpack_mma{bits}_d128"] = torch.equal(P.unpack_codes_mma_triton(P.pack_codes(c128, bits), bits, 128), c128)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # all that the cache may hold
         x = (torch.randn(n, h, d, generator=gen, device=device) * 3).to(dtype)
         x[0, 0, :8] = 0.0  # a constant group: scale 0

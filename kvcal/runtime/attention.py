@@ -667,9 +667,18 @@ if triton is not None:
 _SM_COUNT: dict = {}
 
 
+_SM90: dict = {}
+
+
 def _bulk_prefetch_supported(device) -> bool:
-    """cp.async.bulk.prefetch.L2 needs sm_90 or newer (and a real GPU: the interpreter has no inline asm)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """cp.async.bulk.prefetch.L2 needs sm_90 or newer (and a real GPU: the interpreter has no inline asm).
+    Looked up once per device: this runs on every decode-attention call."""
+    if device.type != "cuda":
+        return False
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM90:
+        _SM90[key] = torch.cuda.get_device_capability(key)[0] >= 9
+    return _SM90[key]
 
 
 def _sm_count(device) -> int:
@@ -912,11 +921,11 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     # L2 prefetch of code tiles (bulk prefetch: sm_90+, a tile's rows contiguous, 16-byte aligned, a multiple
     # of 16 bytes each)
     krow = vrow = prefetch_tiles = 0
+    kalign, valign = _word_alignment(kc, kc_strides), _word_alignment(vc, vc_strides)  # 16-byte rows: 4 words
     if has_packed:
         krow, vrow = 4 * kc.shape[-1], 4 * vc.shape[-1]
         can = (_bulk_prefetch_supported(dev) and krow % 16 == 0 and vrow % 16 == 0
-               and kc_strides[2] == kc.shape[-1] and vc_strides[2] == vc.shape[-1]
-               and _word_alignment(kc, kc_strides) == 4 and _word_alignment(vc, vc_strides) == 4)
+               and kc_strides[2] == kc.shape[-1] and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
         prefetch_tiles = (PREFETCH_DEFAULTS[path] if prefetch is None else int(prefetch)) if can else 0
     qk_hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]  # float32 part; the rest as qk_lo
     with launch_device(q):
@@ -928,7 +937,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             fk, fv, *f_strides, fval, sfvb, nf,
             m_part, l_part, acc_part, hkv, qk_hi, float(scale) * LOG2E - qk_hi, nsplit,
             D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KCAPP=_pow2(max(kcap, 1)),
-            VCAPP=_pow2(max(vcap, 1)), KALIGN=_word_alignment(kc, kc_strides), VALIGN=_word_alignment(vc, vc_strides),
+            VCAPP=_pow2(max(vcap, 1)), KALIGN=kalign, VALIGN=valign,
             KEY_FORMAT=key_code, KBITS=kbits, KEY_BLOCK=key_block, KCAP=kcap, GENERIC_K=generic, ROPE=rope,
             VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),

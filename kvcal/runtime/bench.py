@@ -126,9 +126,9 @@ def _sdpa(q4, k, v):
 def time_device(fn, warmup=25, rep=100, graph=True) -> float:
     """Median time of fn() in ms (triton.testing.do_bench, L2 flushed before every call). graph=True replays
     fn captured in a CUDA graph, as the decode loop runs it (`kvcal generate --graph`): the time is then the
-    GPU's alone. Without a graph, Python argument handling and two launches per call (~100-200 us on the H100
-    machine's host) overlap the kernel only as long as do_bench's L2 flush keeps the GPU busy, and a 150 us
-    kernel measured anywhere from 128 to 368 us from one pass to the next."""
+    GPU's alone. Without a graph, the host side of a decode-attention call (about 220 us on the H100 machine,
+    benchmarks/host_overhead.py) overlaps the kernel only as long as do_bench's L2 flush keeps the GPU busy:
+    the int4 kernel (~141-149 us replayed) read 150 to 368 us from one eager pass to the next."""
     import triton.testing
 
     if not graph:

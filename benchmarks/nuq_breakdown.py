@@ -21,7 +21,9 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--options", default="{}", help="decode-kernel options as JSON, e.g. '{\"lut_mma\": false}'")
     a = ap.parse_args()
+    options = json.loads(a.options)
     hq, hkv, dim = 32, 8, 128
     kv = random_packed("nuq", a.bits, a.batch, hkv, dim, a.context - 128, device="cuda")
     variants = {
@@ -33,10 +35,11 @@ def main():
                                                                    device="cuda", value_per_head=True),
         "int (affine, same bits)": random_packed("int", a.bits, a.batch, hkv, dim, a.context - 128, device="cuda"),
     }
-    rows = {name: time_kvcal(None, a.bits, a.batch, hq, hkv, dim, a.context, kv=v)[0] for name, v in variants.items()}
+    rows = {name: time_kvcal(None, a.bits, a.batch, hq, hkv, dim, a.context, kv=v, **(options if name[:3] == "nuq" else {}))[0]
+            for name, v in variants.items()}
     rows["sdpa bf16"] = time_sdpa(a.batch, hq, hkv, dim, a.context)[0]
     result = {"device": torch.cuda.get_device_name(), "context": a.context, "batch": a.batch, "bits": a.bits,
-              "us": rows}
+              "options": options, "us": rows}
     for name, us in rows.items():
         print(f"{name:32s} {us:9.1f} us")
     if a.json:

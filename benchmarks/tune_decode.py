@@ -154,6 +154,25 @@ VARIANT_SETS["round16"] = [  # 3-bit codes paired in place; prefetch one tile ah
     ("kivi", 2, {}), ("kivi", 2, {"prefetch": 1}), ("kivi", 2, {"prefetch": 2}), ("kivi", 3, {}), ("kivi", 3, {"prefetch": 1}),
     ("nuq", 4, {}), ("nuq", 4, {"prefetch": 1}), ("nuq", 4, {"prefetch": 2}),
 ]
+VARIANT_SETS["round17"] = [  # nuq: table values straight into fp16 operands (lut_mma) against the float32 generic path
+    ("nuq", 4, {"lut_mma": False}), ("nuq", 4, {}), ("nuq", 4, {"num_warps": 1, "block_t": 32}),
+    ("nuq", 4, {"num_warps": 2, "block_t": 32}), ("nuq", 4, {"num_warps": 4, "block_t": 64}),
+    ("nuq", 4, {"num_warps": 1, "block_t": 16}), ("nuq", 4, {"num_warps": 2, "block_t": 64}),
+    ("nuq", 4, {"num_warps": 4, "block_t": 32, "num_stages": 3}), ("nuq", 3, {}), ("nuq", 2, {}),
+    ("nuq", 3, {"lut_mma": False}), ("nuq", 2, {"lut_mma": False}), ("int", 4, {}),
+]
+VARIANT_SETS["round18"] = [  # lut_mma with key outliers read from memory: one-warp tiles
+    ("nuq", 4, {"num_warps": 1, "block_t": 16}), ("nuq", 4, {"num_warps": 1, "block_t": 16, "num_stages": 3}),
+    ("nuq", 4, {"num_warps": 1, "block_t": 16, "programs_per_sm": 32}),
+    ("nuq", 4, {"num_warps": 1, "block_t": 16, "max_registers": 128}),
+    ("nuq", 4, {"num_warps": 1, "block_t": 16, "prefetch": 0}), ("nuq", 4, {"num_warps": 1, "block_t": 32}),
+    ("nuq", 4, {"num_warps": 2, "block_t": 32}), ("nuq", 4, {}),
+]
+VARIANT_SETS["round19"] = [  # lut_mma, lane table entries loaded once per program (correct without outliers too)
+    ("nuq", 4, {"lut_mma": False}), ("nuq", 4, {}), ("nuq", 4, {"num_warps": 2, "block_t": 32}),
+    ("nuq", 4, {"num_warps": 4, "block_t": 32}), ("nuq", 4, {"num_warps": 1, "block_t": 32}),
+    ("nuq", 3, {}), ("nuq", 3, {"num_warps": 2, "block_t": 32}), ("nuq", 2, {}), ("nuq", 2, {"num_warps": 2, "block_t": 32}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

@@ -149,11 +149,16 @@ ATTENTION_CASES = [
     ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
     ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
                                                          "value_per_head": True}, {}, {}),
+    # the float32 generic path, which lut_mma replaced for fp16/bf16 lookup-table caches (still used for float32,
+    # rope_mode="table" and codes of more than 4 bits)
+    ("nuq4_prerope_generic_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
+     {"lut_mma": False}, {}),
     # head_dim 128 on the small shapes: the code-word order of packing.unpack_mma (chosen against shared-memory
     # bank conflicts) only differs from the natural order there (at 64 the natural order is already conflict-free)
     ("int4_d128_bf16", "int", 4, torch.bfloat16, {}, {}, {"d": 128}),
     ("int2_d128_fp16", "int", 2, torch.float16, {}, {}, {"d": 128}),
     ("kivi4_d128_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"d": 128}),
+    ("nuq4_d128_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True}, {}, {"d": 128}),
     ("int4_mha_fp16", "int", 4, torch.float16, {}, {}, {"hq": 2}),
     ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
@@ -215,6 +220,12 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
         # mma_channels, checked against the torch unpacking
         c128 = torch.randint(0, 1 << bits, (n, 128), generator=gen, device=device)
         res[f"unpack_mma{bits}_d128"] = torch.equal(P.unpack_codes_mma_triton(P.pack_codes(c128, bits), bits, 128), c128)
+        if bits <= 4:  # lookup-table operands (nuq): table values in fp16, by warp shuffles on the GPU
+            table = torch.randn(1 << bits, generator=gen, device=device) * 3
+            for cc in (c, c128):
+                ref = table.half().float()[cc]
+                res[f"unpack_lut{bits}_d{cc.shape[-1]}"] = torch.equal(
+                    P.unpack_lut_triton(P.pack_codes(cc, bits), bits, cc.shape[-1], table), ref)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # all that the cache may hold
         x = (torch.randn(n, h, d, generator=gen, device=device) * 3).to(dtype)
         x[0, 0, :8] = 0.0  # a constant group: scale 0

@@ -85,6 +85,12 @@ GPU_CASES = [
      ("nuq4_vhead_bfloat16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "pre_rope": True, "value_per_head": True},
       {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),
+     # lut_mma without outliers (a per-lane table load once read as one lane's entry there: a wrong lookup table),
+     # and the float32 generic path it replaced
+     ("nuq4_no_outliers_bf16", "nuq", 4, torch.bfloat16, {"pre_rope": True, "pos_offset": 7}, {}, {}),
+     ("nuq2_no_outliers_fp16", "nuq", 2, torch.float16, {"pre_rope": True}, {}, {}),
+     ("nuq4_generic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {"lut_mma": False},
+      {}),
      ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
      # asks for 64-token tiles on 4 warps (Triton 3.6 lowers them to a wrong wgmma): runs 32-token tiles
      ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {}),

@@ -139,8 +139,12 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 # Codes enter the dot as exact fp16 values made without int-to-float conversions (packing.unpack_mma: a
 # code's field, masked in place, is the fp16 subnormal c * f * 2^-24 with f a power of two per column, two
 # codes per 32-bit and; 2^24 goes into the scales, 1/f into q's columns for keys and the output rows for values).
-# The generic key path (lut_static, or any key format stored before RoPE) dequantizes a tile in fp32
-# in two halves (LUT by tl.gather from a register table), rotates and calls two dots; the sparse key
+# Lookup-table codes (lut_static keys, lut_dynamic values; LUT_MMA, fp16/bf16 queries, <= 4 bits) enter the dot
+# the same way as fp16 table values T[c] (packing.unpack_lut: two warp shuffles per 32-bit pair, in unpack_mma's
+# register pairs and column order); the keys' static per-channel scale/zero and R(j) are applied to the two halves
+# in fp16 pairs (_dequant_rotate).
+# The generic key path (float32 queries, rope_mode="table", or any key format stored before RoPE) dequantizes a
+# tile in fp32 in two halves (LUT by tl.gather from a register table), rotates and calls two dots; the sparse key
 # residuals are added to the scores per slot (2 gathered query entries x cos/sin, not a pass over every
 # channel); the sparse value residuals go into the program's partial with relaxed atomics, scaled to a
 # per-program reference max so online-softmax rescaling never touches them. RoPE by angle addition (default):
@@ -172,14 +176,22 @@ DEFAULTS = {
     "affine_channels": (32, 1, 2, 128),  # one-warp programs: every reduction stays in the warp
     "affine_tokens": (32, 1, 3, None),  # kivi: one warp, a tile inside one key block (q scaled once per tile)
     "generic": (32, 4, 2, None),  # lut_static / pre-RoPE keys
+    "lut": (16, 1, 2, None),  # lut_static keys and lut_dynamic values, fp16 operands from table lookups
 }
 # Tiles ahead whose code rows are prefetched into L2 (0: none), measured at 32K x 8 on the H100 (tune rounds
 # 15-16): one tile ahead saves 5% for int4 and 4% for nuq4, nothing for kivi4; two or more tiles ahead thrash the
 # L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against 50 MB): int4 183 us at 4 ahead
-PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1}
+PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lut": 1}
 
 if triton is not None:
-    from kvcal.runtime.packing import mma_channels, mma_code_scale, unpack_mma, unpack_tile
+    from kvcal.runtime.packing import (
+        lane_entry,
+        mma_channels,
+        mma_code_scale,
+        unpack_lut,
+        unpack_mma,
+        unpack_tile,
+    )
 
     @triton.jit
     def _dot(a, b, INTERP: tl.constexpr):
@@ -223,6 +235,45 @@ if triton is not None:
         else:
             return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float16, is_pure=False,
                                              pack=2)
+
+    @triton.jit
+    def _rotate_query(q1, q2, cos_ptr, sin_ptr, p0, ch, D: tl.constexpr):
+        """R(-p0) q for the query halves q1, q2 [HD, heads] whose rows are channels ch: (q1 c + q2 s, q2 c - q1 s)."""
+        c0 = tl.load(cos_ptr + p0 * D + ch)[:, None]
+        s0 = tl.load(sin_ptr + p0 * D + ch)[:, None]
+        return q1 * c0 + q2 * s0, q2 * c0 - q1 * s0
+
+    @triton.jit
+    def _dequant_rotate(t1, t2, s1, z1, s2, z2, c, sn, ROPE: tl.constexpr, INTERP: tl.constexpr):
+        """Key halves k1 = t1 * s1 + z1, k2 = t2 * s2 + z2 (t: table values [T, HD] fp16; s, z: per-channel [HD]
+        float32) rotated by R(j): (k1 c - k2 sn, k2 c + k1 sn), c and sn [T, HD] fp16 (ROPE == 0: not rotated).
+        On the GPU in fp16 pairs (one fma.f16x2 per two elements for the dequantization, two per pair of halves
+        for the rotation): 3 roundings to fp16 instead of the float32 path's one, ~4e-4 relative on a key, far
+        below a 4-bit code's step. The interpreter computes in float32 and rounds once."""
+        s1 = tl.broadcast_to(s1.to(tl.float16)[None, :], t1.shape)
+        z1 = tl.broadcast_to(z1.to(tl.float16)[None, :], t1.shape)
+        s2 = tl.broadcast_to(s2.to(tl.float16)[None, :], t1.shape)
+        z2 = tl.broadcast_to(z2.to(tl.float16)[None, :], t1.shape)
+        if INTERP:
+            k1 = t1.to(tl.float32) * s1.to(tl.float32) + z1.to(tl.float32)
+            k2 = t2.to(tl.float32) * s2.to(tl.float32) + z2.to(tl.float32)
+            if ROPE == 1:
+                cf = c.to(tl.float32)
+                sf = sn.to(tl.float32)
+                return (k1 * cf - k2 * sf).to(tl.float16), (k2 * cf + k1 * sf).to(tl.float16)
+            else:
+                return k1.to(tl.float16), k2.to(tl.float16)
+        elif ROPE == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 k1, k2, ns, u, v; fma.rn.f16x2 k1, $2, $4, $5; fma.rn.f16x2 k2, $3, $6, $7; "
+                "xor.b32 ns, $9, 0x80008000; mul.rn.f16x2 u, k2, ns; fma.rn.f16x2 $0, k1, $8, u; "
+                "mul.rn.f16x2 v, k1, $9; fma.rn.f16x2 $1, k2, $8, v; }",
+                "=r,=r,r,r,r,r,r,r,r,r", [t1, t2, s1, z1, s2, z2, c, sn], dtype=(tl.float16, tl.float16),
+                is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ fma.rn.f16x2 $0, $2, $4, $5; fma.rn.f16x2 $1, $3, $6, $7; }",
+                "=r,=r,r,r,r,r,r,r", [t1, t2, s1, z1, s2, z2], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
     def _prefetch_l2(ptr, nbytes):
@@ -300,6 +351,11 @@ if triton is not None:
                 c = tl.gather(cj, i, 1)[:, :, None]
                 sn = tl.gather(sj, i, 1)[:, :, None]
                 eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
+            elif ROPE == 3:  # R(j) read from the table rows j = pos (the tile offsets), not from registers
+                prow = pos[:, None] * D
+                c = tl.load(cos_ptr + prow + i, mask=om, other=1.0)[:, :, None]
+                sn = tl.load(sin_ptr + prow + i, mask=om, other=0.0)[:, :, None]
+                eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
             elif ROPE == 2:  # general tables: k*cos + rotate_half(k)*sin at the token's own position
                 prow = (pos[:, None] * D)
                 c = tl.load(cos_ptr + prow + oc, mask=om, other=0.0)[:, :, None]
@@ -369,7 +425,7 @@ if triton is not None:
         VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
         VCAPP: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-        PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr,
+        PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr, LUT_MMA: tl.constexpr,
     ):
         DT: tl.constexpr = q_ptr.dtype.element_ty
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
@@ -411,25 +467,34 @@ if triton is not None:
                 # ---- per-program key setup
                 if GENERIC_K:
                     hh = tl.arange(0, HD)
-                    q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-                    q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+                    # LUT_MMA: the key halves come from unpack_lut in mma_channels' column order, so every per-channel
+                    # operand of the dot (q, the static scale and zero, R(j)) is loaded in that order
+                    if LUT_MMA:
+                        kch = mma_channels(0, HD, KBITS)
+                    else:
+                        kch = hh
+                    q1 = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+                    q2 = tl.load(q_row + rk[None, :] * sqh + HD + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
                     rq4 = tl.arange(0, GPQ)
                     q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(ACC)
                     q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(ACC)
                     if KEY_FORMAT == 2:  # per-channel static range: the zero/scale quantization used (fp32)
-                        kzer1 = tl.load(kz_ptr + h * D + hh)
-                        kscl1 = tl.load(ks_ptr + h * D + hh)
-                        kzer2 = tl.load(kz_ptr + h * D + HD + hh)
-                        kscl2 = tl.load(ks_ptr + h * D + HD + hh)
+                        kzer1 = tl.load(kz_ptr + h * D + kch)
+                        kscl1 = tl.load(ks_ptr + h * D + kch)
+                        kzer2 = tl.load(kz_ptr + h * D + HD + kch)
+                        kscl2 = tl.load(ks_ptr + h * D + HD + kch)
                     else:
                         kzer1 = tl.zeros((HD,), tl.float32)
                         kscl1 = kzer1
                         kzer2 = kzer1
                         kscl2 = kzer1
-                    if ROPE == 1:  # R(j) for the offsets j of a tile, kept in registers
+                    if ROPE == 1:  # R(j) for the offsets j of a tile, kept in registers (LUT_MMA: fp16, column order)
                         jr = tl.arange(0, BLOCK_T)
-                        cj = tl.load(cos_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=1.0)
-                        sj = tl.load(sin_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=0.0)
+                        cj = tl.load(cos_ptr + jr[:, None] * D + kch[None, :], mask=(jr < TMAX)[:, None], other=1.0)
+                        sj = tl.load(sin_ptr + jr[:, None] * D + kch[None, :], mask=(jr < TMAX)[:, None], other=0.0)
+                        if LUT_MMA:
+                            cj = cj.to(tl.float16)
+                            sj = sj.to(tl.float16)
                     else:
                         cj = tl.zeros((BLOCK_T, HD), tl.float32)
                         sj = cj
@@ -451,7 +516,7 @@ if triton is not None:
                     kch = mma_channels(0, D, KBITS)
                     qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
                     kinv = 1.0 / mma_code_scale(D, KBITS).to(ACC)  # code columns hold code * f (unpack_mma)
-                if VALUE_FORMAT == 0:
+                if VALUE_FORMAT == 0 or LUT_MMA:
                     vch = mma_channels(0, D, VBITS)
                 else:
                     vch = dd
@@ -464,13 +529,20 @@ if triton is not None:
                 vz_base = vz_ptr + b * svsb + h * svsh
                 rv = tl.arange(0, GPV)
                 if VALUE_FORMAT == 1:
-                    NL: tl.constexpr = 1 << VBITS
-                    vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
+                    if not LUT_MMA:
+                        NL: tl.constexpr = 1 << VBITS
+                        vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
                     acc_glob = acc_ptr + (part * G + rv)[None, :] * D + vch[:, None]
                     cref = tl.full((GPV,), float("-inf"), ACC)
                     if VCAP > 0 and not EXACT_OUTLIERS:
                         tl.store(acc_glob, tl.zeros((D, GPV), ACC), mask=(rv < G)[None, :])
                         tl.debug_barrier()
+                if LUT_MMA and not INTERP:  # each lane's table entries for unpack_lut's shuffles, once per program
+                    kent = lane_entry(ktab_ptr, KBITS)
+                    vent = lane_entry(vtab_ptr, VBITS)
+                else:
+                    kent = 0
+                    vent = 0
                 kp_s, kp_z = _key_params(ks_base, kz_base, start, end, skst, KEY_FORMAT, GENERIC_K, GK, KEY_BLOCK, D,
                                          KBITS, BLOCK_T)
                 vp_s, vp_z = _value_params(vs_base, vz_base, start, end, svst, VALUE_FORMAT, GV, BLOCK_T)
@@ -490,7 +562,31 @@ if triton is not None:
                                              KEY_BLOCK, D, KBITS, BLOCK_T)
                     vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, VALUE_FORMAT, GV, BLOCK_T)
                     # ---- scores [BLOCK_T, GPK], log2 domain
-                    if GENERIC_K:
+                    if LUT_MMA:
+                        # table values straight into fp16 operands (unpack_lut), scaled, shifted and rotated in fp16
+                        # pairs (_dequant_rotate); key outliers as on the generic path, R(j) read from the table rows
+                        if ROPE == 1:
+                            p0 = pos_offset + t0
+                            ra, rb = _rotate_query(q1, q2, cos_ptr, sin_ptr, p0, kch, D)
+                            qa = _opnd(ra, PREC)
+                            qb = _opnd(rb, PREC)
+                        t1 = unpack_lut(kptr, tm, 0, HD, D, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
+                        t2 = unpack_lut(kptr, tm, HD, HD, D, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
+                        ka, kb = _dequant_rotate(t1, t2, kscl1, kzer1, kscl2, kzer2, cj, sj, ROPE, INTERP)
+                        s = _dot(_mma_operand(ka, PREC, INTERP), qa, INTERP) + _dot(_mma_operand(kb, PREC, INTERP), qb,
+                                                                                      INTERP)
+                        if KCAP > 0:
+                            if ROPE == 1:  # the outlier corrections gather q by channel: natural order here
+                                qa4, qb4 = _rotate_query(q1s, q2s, cos_ptr, sin_ptr, p0, hh, D)
+                            # R(j) comes from the table rows (ROPE 3): LUT_MMA keeps only fp16 copies in column order
+                            # in registers. (Reading the query entries from memory too was slower: 1220 us against
+                            # 1083 at 32K x 8, one warp, 16-token tiles.)
+                            s += _regroup(_key_outlier_scores(koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D,
+                                                              KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
+                                                              t - t0, 3 if ROPE == 1 else 0, D, GPQ, BLOCK_T, ACC),
+                                          GPQ, GPK, BLOCK_T)
+                        s = s * qk_scale
+                    elif GENERIC_K:
                         # dequantized in float32 as the reference does, rotated in ACC (float64 for float64)
                         k1 = _key_half(kptr, tm, t, 0, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
                                        KEY_BLOCK, ktab_ptr, kscl1, kzer1)
@@ -504,12 +600,10 @@ if triton is not None:
                         k2 = k2.to(ACC)
                         if ROPE == 1:
                             p0 = pos_offset + t0
-                            c0 = tl.load(cos_ptr + p0 * D + hh)[:, None]
-                            s0 = tl.load(sin_ptr + p0 * D + hh)[:, None]
-                            qa = _opnd(q1 * c0 + q2 * s0, PREC)  # R(-p0) q
-                            qb = _opnd(q2 * c0 - q1 * s0, PREC)
-                            qa4 = q1s * c0 + q2s * s0
-                            qb4 = q2s * c0 - q1s * s0
+                            ra, rb = _rotate_query(q1, q2, cos_ptr, sin_ptr, p0, hh, D)
+                            qa = _opnd(ra, PREC)
+                            qb = _opnd(rb, PREC)
+                            qa4, qb4 = _rotate_query(q1s, q2s, cos_ptr, sin_ptr, p0, hh, D)
                             ka = k1 * cj - k2 * sj  # R(j) k
                             kb = k2 * cj + k1 * sj
                         elif ROPE == 2:
@@ -563,7 +657,10 @@ if triton is not None:
                         acc = acc * arow[None, :] + _dot(tl.trans(vcodes), pw, INTERP)
                         corr = corr * arow + pz
                     else:
-                        vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
+                        if LUT_MMA:  # fp16 table values in mma_channels order
+                            vt = unpack_lut(vptr, tm, 0, D, D, VBITS, BLOCK_T, vtab_ptr, vent, INTERP)
+                        else:
+                            vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
                         if VCAP > 0 and not EXACT_OUTLIERS:
                             # sparse residuals: sum_t p r_t added with relaxed atomics straight into this program's
                             # partial (zeroed above), scaled to the reference max cref so the online-softmax
@@ -597,7 +694,11 @@ if triton is not None:
                             acc = acc * ar[None, :] + _dot(tl.trans(vdq.to(ACC)), pr, INTERP)
                         else:
                             pw = _opnd(pr * vsc[:, None], PREC)
-                            acc = acc * ar[None, :] + _dot(tl.trans(_opnd(vt, PREC)), pw, INTERP)
+                            if LUT_MMA:
+                                vop = tl.trans(_mma_operand(vt, PREC, INTERP))
+                            else:
+                                vop = tl.trans(_opnd(vt, PREC))
+                            acc = acc * ar[None, :] + _dot(vop, pw, INTERP)
                             corr = corr * ar + tl.sum(pr * vz_cur.to(ACC)[:, None], 0)
                 if VALUE_FORMAT == 0:
                     # [D, MV], rows in vch order; codes were c * f * 2^-24
@@ -761,7 +862,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                             rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int = 16,
                             block_f: int | None = None, max_registers: int | None = None,
-                            prefetch: int | None = None):
+                            prefetch: int | None = None, lut_mma: bool | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
@@ -769,7 +870,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     fl((p0 + j) t): with Llama-3.1's frequencies up to 2e-3 rad apart below 32K positions and 8e-3 below 128K,
     far below a 4-bit key's quantization error, not below float32 rounding),
     generic_keys (force the elementwise key path, for tests), prefetch (tiles ahead whose code rows are
-    prefetched into L2 on sm_90+; 0 = off; default per path)."""
+    prefetched into L2 on sm_90+; 0 = off; default per path), lut_mma (lookup-table codes of up to 4 bits with
+    fp16/bf16 queries: table values straight into fp16 dot operands and fp16-pair key dequantization and rotation;
+    default on where it applies, False: the float32 generic path)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -786,6 +889,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     dummy, dummy_i = _dummies(dev)
     gp = _pow2(group)
     # ---- packed segment
+    use_lut = False
     key_code = value_code = 0
     kbits = vbits = 4
     gk = gv = 1
@@ -833,6 +937,13 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             kcap = kv.k_out_idx.shape[-1]
         if kv.v_out_idx is not None and value_code == 1:
             vcap = kv.v_out_idx.shape[-1]
+        lut_ok = (key_code == 2 and value_code == 1 and rope in (0, 1) and q.dtype in (torch.float16, torch.bfloat16)
+                  and max(kbits, vbits) <= 4)
+        use_lut = lut_ok if lut_mma is None else bool(lut_mma) and lut_ok
+        if use_lut:
+            path = "lut"
+            bt = block_t or DEFAULTS[path][0]
+            default_warps = DEFAULTS[path][1]
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles
         # except on the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)
@@ -943,7 +1054,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),
             BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
             INTERP=os.environ.get("TRITON_INTERPRET") == "1", PREC=_PREC.get(q.dtype, 16),
-            PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, **opts,
+            PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, LUT_MMA=int(use_lut), **opts,
         )
         _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
     return out

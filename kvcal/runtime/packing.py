@@ -206,13 +206,95 @@ if triton is not None:
             # 128: ncu counted 8 wavefronts per 16-byte store instead of 4). Putting the thread index g in the
             # chunk bits the rows' swizzle does not cover (chunk = (j_hi * TW + g) * NJL + j_lo words) spreads
             # them; the column order is free because mma_channels tells the kernel which channel each column is.
-            V: tl.constexpr = 4 if NW >= 4 else NW  # words per thread (16-byte loads)
-            TW: tl.constexpr = NW // V
-            RQ: tl.constexpr = 8 // TW if TW <= 8 else 1  # rows per quarter warp
-            NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
-            if NJL < V:
-                y = tl.permute(tl.reshape(y, (R, TW, V // NJL, NJL, PER)), (0, 2, 1, 3, 4))
-            return tl.reshape(y, (R, NC))
+            return _mma_word_order(y, R, NW, BITS)
+
+    @triton.jit
+    def _mma_word_order(y, R: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr):
+        """[R, NW, PER] columns of whole words -> [R, NW * PER] in the word order of mma_channels (unpack_mma's
+        comment says why)."""
+        PER: tl.constexpr = 32 // BITS
+        V: tl.constexpr = 4 if NW >= 4 else NW  # words per thread (16-byte loads)
+        TW: tl.constexpr = NW // V
+        RQ: tl.constexpr = 8 // TW if TW <= 8 else 1  # rows per quarter warp
+        NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
+        if NJL < V:
+            y = tl.permute(tl.reshape(y, (R, TW, V // NJL, NJL, PER)), (0, 2, 1, 3, 4))
+        return tl.reshape(y, (R, NW * PER))
+
+    @triton.jit
+    def lane_entry(tab_ptr, BITS: tl.constexpr):
+        """This lane's entry T[laneid mod 2^BITS] of a float32 table, as fp16 bits (uint32): the source of the
+        warp-shuffle lookups in unpack_lut. Call it once, before a loop. The lane index and the load stay inside
+        one asm block: a Triton scalar is assumed to be the same in every thread, and a per-lane scalar load in a
+        loop was pipelined into one shared-memory word (every lane then saw one lane's entry)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 l; .reg .b64 a; .reg .f32 v; .reg .b16 h; mov.u32 l, %laneid; and.b32 l, l, $2; "
+            "mul.wide.u32 a, l, 4; add.s64 a, a, $1; ld.global.nc.f32 v, [a]; cvt.rn.f16.f32 h, v; "
+            "cvt.u32.u16 $0, h; }",
+            "=r,l,r", [tab_ptr.to(tl.int64), tl.program_id(0) * 0 + ((1 << BITS) - 1)], dtype=tl.uint32,
+            is_pure=True, pack=1)
+
+    @triton.jit
+    def _lut_pair(x, entry, DIST: tl.constexpr):
+        """Table lookups of the two codes held in x at bit 0 and bit DIST: (T[lo] | T[hi] << 16) as fp16 bits.
+        Each lookup is one warp shuffle from the lane whose `entry` is T[code]: shfl reads only the low 5 bits of
+        the lane index, and every lane L holds T[L mod 2^BITS], so the code needs no masking (bits of the next
+        code above it only pick another lane with the same entry)."""
+        if DIST == 16:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 j, a, b; shr.b32 j, $1, 16; shfl.sync.idx.b32 a, $2, $1, 31, 0xffffffff; "
+                "shfl.sync.idx.b32 b, $2, j, 31, 0xffffffff; prmt.b32 $0, a, b, 0x5410; }",
+                "=r,r,r", [x, entry], dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 j, a, b; shr.b32 j, $1, 12; shfl.sync.idx.b32 a, $2, $1, 31, 0xffffffff; "
+                "shfl.sync.idx.b32 b, $2, j, 31, 0xffffffff; prmt.b32 $0, a, b, 0x5410; }",
+                "=r,r,r", [x, entry], dtype=tl.uint32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _lut_tree(x, entry, BITS: tl.constexpr, DIST: tl.constexpr, J0: tl.constexpr, STRIDE: tl.constexpr,
+                  N: tl.constexpr):
+        """_lut_pair of the code pairs starting at bit BITS * j for j = J0, J0 + STRIDE, ... (N of them), appended
+        as minor axes in the order of j like _mask_tree (joins keep them inside the thread, so the operand's
+        columns stay contiguous per thread: 16-byte shared-memory stores as for unpack_mma)."""
+        if N > 1:
+            return tl.join(_lut_tree(x, entry, BITS, DIST, J0, 2 * STRIDE, N // 2),
+                           _lut_tree(x, entry, BITS, DIST, J0 + STRIDE, 2 * STRIDE, N // 2))
+        else:
+            return _lut_pair(x >> (BITS * J0), entry, DIST)
+
+    @triton.jit
+    def unpack_lut(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                   R: tl.constexpr, tab_ptr, entry, INTERP: tl.constexpr):
+        """Like unpack_mma, but each column holds T[code] in fp16 (T: the float32 table at tab_ptr, 2^BITS entries),
+        in the column order of mma_channels: a non-uniform (lookup-table) code's dot operand. On the GPU the
+        lookups are warp shuffles of two codes per 32-bit result (_lut_pairs): the pairs unpack_mma would mask
+        out of a word (codes k, k + PER/2 of 2- and 4-bit words, 16 bits apart; codes k, k + 4 of a 3-bit
+        chunk, 12 bits apart) become the two halves of one register, so the operand has unpack_mma's layout.
+        entry: lane_entry(tab_ptr, BITS) (GPU; unused by the interpreter, which has no inline asm and gathers from
+        the table instead)."""
+        NL: tl.constexpr = 1 << BITS
+        if INTERP:
+            codes = unpack_tile(rowptr, rmask, C0, NC, D, BITS, R).to(tl.int32)
+            order = tl.broadcast_to((mma_channels(C0, NC, BITS) - C0)[None, :], (R, NC))
+            tab = tl.broadcast_to(tl.load(tab_ptr + tl.arange(0, NL))[None, :], (R, NL))
+            return tl.gather(tab, tl.gather(codes, order, 1), 1).to(tl.float16)
+        else:
+            if BITS == 3:  # chunks of 8 codes: pairs (k, k + 4) 12 bits apart
+                y = _lut_tree(_chunks3(rowptr, rmask, C0, NC, D), entry, 3, 12, 0, 1, 4)
+            else:
+                PER: tl.constexpr = 32 // BITS
+                NW: tl.constexpr = NC // PER
+                w = C0 // PER + tl.arange(0, NW)
+                words = tl.load(rowptr[:, None] + w[None, :], mask=rmask[:, None], other=0).to(tl.uint32, bitcast=True)
+                y = _lut_tree(words, entry, BITS, 16, 0, 1, PER // 2)  # [R, NW, (PER / 2 as joined axes)]
+            lo = y.to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            z = tl.join(lo, hi)
+            if BITS == 3:
+                return tl.reshape(z, (R, NC))
+            else:
+                return _mma_word_order(tl.reshape(z, (R, NW, 32 // BITS)), R, NW, BITS)
 
     @triton.jit
     def mma_channels(C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
@@ -277,6 +359,37 @@ if triton is not None:
         v = v / mma_code_scale(D, BITS)[None, :]
         ch = mma_channels(0, D, BITS)
         tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
+
+
+    @triton.jit
+    def _unpack_lut_kernel(words_ptr, tab_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                           R: tl.constexpr, INTERP: tl.constexpr):
+        n = tl.program_id(0) * R + tl.arange(0, R)
+        nm = n < N
+        if INTERP:
+            entry = 0
+        else:
+            entry = lane_entry(tab_ptr, BITS)
+        v = unpack_lut(words_ptr + n * W, nm, 0, D, D, BITS, R, tab_ptr, entry, INTERP).to(tl.float32)
+        ch = mma_channels(0, D, BITS)
+        tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
+
+
+def unpack_lut_triton(words: torch.Tensor, bits: int, dim: int, table: torch.Tensor) -> torch.Tensor:
+    """table[codes] in fp16 (as float32) through the attention kernel's lookup-table operand path (unpack_lut +
+    mma_channels): on the GPU by warp shuffles; under the interpreter by gathers. Reference:
+    table.half().float()[unpack_codes(words)]."""
+    import os
+
+    nwords = words.shape[-1]
+    flat = words.reshape(-1, nwords).contiguous()
+    out = torch.empty(flat.shape[0], dim, dtype=torch.float32, device=words.device)
+    rows = 16
+    with launch_device(words):
+        _unpack_lut_kernel[(triton.cdiv(flat.shape[0], rows),)](
+            flat, table.float().contiguous(), out, flat.shape[0], dim, bits, nwords, rows,
+            os.environ.get("TRITON_INTERPRET") == "1")
+    return out.reshape(*words.shape[:-1], dim)
 
 
 def _launch_unpack(kernel, words: torch.Tensor, bits: int, dim: int, out_dtype) -> torch.Tensor:

@@ -161,7 +161,8 @@ VARIANT_SETS["round17"] = [  # nuq: table values straight into fp16 operands (lu
     ("nuq", 4, {"num_warps": 4, "block_t": 32, "num_stages": 3}), ("nuq", 3, {}), ("nuq", 2, {}),
     ("nuq", 3, {"lut_mma": False}), ("nuq", 2, {"lut_mma": False}), ("int", 4, {}),
 ]
-VARIANT_SETS["round18"] = [  # lut_mma with key outliers read from memory: one-warp tiles
+VARIANT_SETS["round18"] = [  # lut_mma with key outliers read from memory (since reverted: re-running this set times
+    # the current code): one-warp tiles
     ("nuq", 4, {"num_warps": 1, "block_t": 16}), ("nuq", 4, {"num_warps": 1, "block_t": 16, "num_stages": 3}),
     ("nuq", 4, {"num_warps": 1, "block_t": 16, "programs_per_sm": 32}),
     ("nuq", 4, {"num_warps": 1, "block_t": 16, "max_registers": 128}),

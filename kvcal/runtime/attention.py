@@ -247,9 +247,11 @@ if triton is not None:
     def _dequant_rotate(t1, t2, s1, z1, s2, z2, c, sn, ROPE: tl.constexpr, INTERP: tl.constexpr):
         """Key halves k1 = t1 * s1 + z1, k2 = t2 * s2 + z2 (t: table values [T, HD] fp16; s, z: per-channel [HD]
         float32) rotated by R(j): (k1 c - k2 sn, k2 c + k1 sn), c and sn [T, HD] fp16 (ROPE == 0: not rotated).
-        On the GPU in fp16 pairs (one fma.f16x2 per two elements for the dequantization, two per pair of halves
-        for the rotation): 3 roundings to fp16 instead of the float32 path's one, ~4e-4 relative on a key, far
-        below a 4-bit code's step. The interpreter computes in float32 and rounds once."""
+        On the GPU in fp16 pairs: per pair of registers (two channels of each half) one fma.f16x2 per half for the
+        dequantization, two mul.f16x2, two fma.f16x2 and one xor (-sn) for the rotation. A key is rounded to fp16
+        three times instead of the float32 path's once (not measured per key; the kernel's output differs from
+        the reference by 1.44e-3 against the float32 path's 1.41e-3, bf16, 2 x 3000 tokens, H100). The interpreter
+        computes in float32 and rounds once."""
         s1 = tl.broadcast_to(s1.to(tl.float16)[None, :], t1.shape)
         z1 = tl.broadcast_to(z1.to(tl.float16)[None, :], t1.shape)
         s2 = tl.broadcast_to(s2.to(tl.float16)[None, :], t1.shape)
@@ -347,14 +349,13 @@ if triton is not None:
             ii = tl.reshape(tl.broadcast_to(i[:, :, None], (BLOCK_T, SC, GP)), (BLOCK_T * SC, GP))
             ga = tl.reshape(tl.gather(qa4, ii, 0), (BLOCK_T, SC, GP))  # query entry at channel i
             gb = tl.reshape(tl.gather(qb4, ii, 0), (BLOCK_T, SC, GP))  # ... at channel i + HD
-            if ROPE == 1:  # R(j) e_d: (cos, sin) at (i, i + HD) for d < HD; (-sin, cos) for d >= HD
-                c = tl.gather(cj, i, 1)[:, :, None]
-                sn = tl.gather(sj, i, 1)[:, :, None]
-                eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
-            elif ROPE == 3:  # R(j) read from the table rows j = pos (the tile offsets), not from registers
-                prow = pos[:, None] * D
-                c = tl.load(cos_ptr + prow + i, mask=om, other=1.0)[:, :, None]
-                sn = tl.load(sin_ptr + prow + i, mask=om, other=0.0)[:, :, None]
+            if ROPE == 1 or ROPE == 3:  # R(j) e_d: (cos, sin) at (i, i + HD) for d < HD; (-sin, cos) for d >= HD
+                if ROPE == 1:  # R(j) gathered from the registers cj / sj
+                    c = tl.gather(cj, i, 1)[:, :, None]
+                    sn = tl.gather(sj, i, 1)[:, :, None]
+                else:  # read from the table rows j = pos (the tile offsets)
+                    c = tl.load(cos_ptr + pos[:, None] * D + i, mask=om, other=1.0)[:, :, None]
+                    sn = tl.load(sin_ptr + pos[:, None] * D + i, mask=om, other=0.0)[:, :, None]
                 eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
             elif ROPE == 2:  # general tables: k*cos + rotate_half(k)*sin at the token's own position
                 prow = (pos[:, None] * D)
@@ -580,7 +581,7 @@ if triton is not None:
                                 qa4, qb4 = _rotate_query(q1s, q2s, cos_ptr, sin_ptr, p0, hh, D)
                             # R(j) comes from the table rows (ROPE 3): LUT_MMA keeps only fp16 copies in column order
                             # in registers. (Reading the query entries from memory too was slower: 1220 us against
-                            # 1083 at 32K x 8, one warp, 16-token tiles.)
+                            # 1083 at 32K x 8, one warp, 16-token tiles, in two runs: tune rounds 18 and 17.)
                             s += _regroup(_key_outlier_scores(koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D,
                                                               KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
                                                               t - t0, 3 if ROPE == 1 else 0, D, GPQ, BLOCK_T, ACC),

@@ -15,6 +15,7 @@ three contiguous runs (16-byte loads at D = 128) instead of NG runs of 3 words, 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -240,16 +241,10 @@ if triton is not None:
         Each lookup is one warp shuffle from the lane whose `entry` is T[code]: shfl reads only the low 5 bits of
         the lane index, and every lane L holds T[L mod 2^BITS], so the code needs no masking (bits of the next
         code above it only pick another lane with the same entry)."""
-        if DIST == 16:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 j, a, b; shr.b32 j, $1, 16; shfl.sync.idx.b32 a, $2, $1, 31, 0xffffffff; "
-                "shfl.sync.idx.b32 b, $2, j, 31, 0xffffffff; prmt.b32 $0, a, b, 0x5410; }",
-                "=r,r,r", [x, entry], dtype=tl.uint32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 j, a, b; shr.b32 j, $1, 12; shfl.sync.idx.b32 a, $2, $1, 31, 0xffffffff; "
-                "shfl.sync.idx.b32 b, $2, j, 31, 0xffffffff; prmt.b32 $0, a, b, 0x5410; }",
-                "=r,r,r", [x, entry], dtype=tl.uint32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 31, 0xffffffff; "
+            "shfl.sync.idx.b32 b, $3, $2, 31, 0xffffffff; prmt.b32 $0, a, b, 0x5410; }",
+            "=r,r,r,r", [x, x >> DIST, entry], dtype=tl.uint32, is_pure=True, pack=1)
 
     @triton.jit
     def _lut_tree(x, entry, BITS: tl.constexpr, DIST: tl.constexpr, J0: tl.constexpr, STRIDE: tl.constexpr,
@@ -268,7 +263,7 @@ if triton is not None:
                    R: tl.constexpr, tab_ptr, entry, INTERP: tl.constexpr):
         """Like unpack_mma, but each column holds T[code] in fp16 (T: the float32 table at tab_ptr, 2^BITS entries),
         in the column order of mma_channels: a non-uniform (lookup-table) code's dot operand. On the GPU the
-        lookups are warp shuffles of two codes per 32-bit result (_lut_pairs): the pairs unpack_mma would mask
+        lookups are warp shuffles of two codes per 32-bit result (_lut_pair): the pairs unpack_mma would mask
         out of a word (codes k, k + PER/2 of 2- and 4-bit words, 16 bits apart; codes k, k + 4 of a 3-bit
         chunk, 12 bits apart) become the two halves of one register, so the operand has unpack_mma's layout.
         entry: lane_entry(tab_ptr, BITS) (GPU; unused by the interpreter, which has no inline asm and gathers from
@@ -379,8 +374,6 @@ def unpack_lut_triton(words: torch.Tensor, bits: int, dim: int, table: torch.Ten
     """table[codes] in fp16 (as float32) through the attention kernel's lookup-table operand path (unpack_lut +
     mma_channels): on the GPU by warp shuffles; under the interpreter by gathers. Reference:
     table.half().float()[unpack_codes(words)]."""
-    import os
-
     nwords = words.shape[-1]
     flat = words.reshape(-1, nwords).contiguous()
     out = torch.empty(flat.shape[0], dim, dtype=torch.float32, device=words.device)

@@ -174,6 +174,20 @@ VARIANT_SETS["round19"] = [  # lut_mma, lane table entries loaded once per progr
     ("nuq", 4, {"num_warps": 4, "block_t": 32}), ("nuq", 4, {"num_warps": 1, "block_t": 32}),
     ("nuq", 3, {}), ("nuq", 3, {"num_warps": 2, "block_t": 32}), ("nuq", 2, {}), ("nuq", 2, {"num_warps": 2, "block_t": 32}),
 ]
+VARIANT_SETS["round20"] = [  # three pipeline stages (a load gets a whole iteration; two stages wait for it at the
+    # top of the next one), split counts that fit one wave at the occupancy the shared memory allows
+    ("int", 4, {}), ("int", 4, {"num_splits": 32}), ("int", 4, {"num_stages": 3, "num_splits": 19}),
+    ("int", 4, {"num_stages": 3, "num_splits": 19, "max_registers": 200}),
+    ("int", 4, {"num_stages": 3, "num_splits": 19, "prefetch": 2}), ("int", 4, {"num_stages": 3, "num_splits": 19, "prefetch": 0}),
+    ("int", 4, {"num_stages": 4, "num_splits": 13, "max_registers": 200}),
+    ("int", 2, {}), ("int", 2, {"num_stages": 3, "num_splits": 19}), ("int", 2, {"num_stages": 3, "num_splits": 19, "max_registers": 200}),
+    ("int", 2, {"num_stages": 3, "num_splits": 19, "prefetch": 2}), ("kivi", 4, {}), ("kivi", 2, {}),
+    ("nuq", 4, {}), ("nuq", 4, {"num_splits": 15}), ("nuq", 4, {"num_splits": 31}),
+]
+VARIANT_SETS["round21"] = [  # lut_mma: code words and key-outlier slots loaded one tile ahead into registers
+    ("nuq", 4, {}), ("nuq", 4, {"lut_ahead": True}), ("nuq", 4, {"lut_mma": False}), ("nuq", 3, {}), ("nuq", 2, {}),
+    ("nuq", 3, {"lut_ahead": True}), ("nuq", 2, {"lut_ahead": True}), ("int", 4, {}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

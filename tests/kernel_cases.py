@@ -149,6 +149,10 @@ ATTENTION_CASES = [
     ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
     ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
                                                          "value_per_head": True}, {}, {}),
+    # tiles loaded one iteration ahead (lut_ahead): on by default with key outliers only, asked for with both kinds
+    ("nuq3_key_outliers_fp16", "nuq", 3, torch.float16, {"kcap": 3, "pre_rope": True, "pos_offset": 2}, {}, {}),
+    ("nuq4_ahead_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
+     {"lut_ahead": True}, {}),
     # the float32 generic path, which lut_mma replaced for fp16/bf16 lookup-table caches (still used for float32,
     # rope_mode="table" and codes of more than 4 bits)
     ("nuq4_prerope_generic_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
@@ -226,6 +230,12 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
                 ref = table.half().float()[cc]
                 res[f"unpack_lut{bits}_d{cc.shape[-1]}"] = torch.equal(
                     P.unpack_lut_triton(P.pack_codes(cc, bits), bits, cc.shape[-1], table), ref)
+            # mma_column (the column holding a channel: the key-outlier gathers of the lookup-table path) inverts
+            # mma_channels at the widths the kernels use (key halves and whole rows of head_dim 64 and 128)
+            for nc in (32, 64, 128):
+                channels, columns = P.mma_order_triton(nc, bits, device)
+                res[f"mma_column{bits}_n{nc}"] = (torch.equal(channels.sort().values, torch.arange(nc, device=device))
+                                                  and torch.equal(columns, torch.arange(nc, device=device)))
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # all that the cache may hold
         x = (torch.randn(n, h, d, generator=gen, device=device) * 3).to(dtype)
         x[0, 0, :8] = 0.0  # a constant group: scale 0

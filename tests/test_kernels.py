@@ -89,6 +89,9 @@ GPU_CASES = [
      # and the float32 generic path it replaced
      ("nuq4_no_outliers_bf16", "nuq", 4, torch.bfloat16, {"pre_rope": True, "pos_offset": 7}, {}, {}),
      ("nuq2_no_outliers_fp16", "nuq", 2, torch.float16, {"pre_rope": True}, {}, {}),
+     ("nuq3_key_outliers_bf16", "nuq", 3, torch.bfloat16, {"kcap": 3, "pre_rope": True, "pos_offset": 7}, {}, {}),
+     ("nuq4_ahead_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True},
+      {"lut_ahead": True}, {}),
      ("nuq4_generic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {"lut_mma": False},
       {}),
      ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block

@@ -186,9 +186,11 @@ PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lu
 if triton is not None:
     from kvcal.runtime.packing import (
         lane_entry,
+        load_words,
         mma_channels,
         mma_code_scale,
-        unpack_lut,
+        mma_column,
+        unpack_lut_words,
         unpack_mma,
         unpack_tile,
     )
@@ -324,48 +326,101 @@ if triton is not None:
             return tl.gather(tab, c.to(tl.int32), 1) * kscl[None, :] + kzer[None, :]
 
     @triton.jit
-    def _key_outlier_scores(koi_ptr, kov_ptr, rowoff, tm, head_base, CAP: tl.constexpr, CAPP: tl.constexpr,
-                            qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr, D: tl.constexpr,
-                            GP: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
-        """Score contribution [BLOCK_T, GP] of the sparse pre-RoPE key residuals of one tile.
+    def _slots(idx_ptr, val_ptr, rowoff, tm, j0, N: tl.constexpr, CAP: tl.constexpr, ACC: tl.constexpr):
+        """Outlier slots j0 .. j0 + N - 1 of a tile's tokens: channel indices [BLOCK_T, N] int32 (-1 where empty or
+        past CAP or the tile) and residuals (ACC). Both loads depend only on the tile, not on each other."""
+        jc = j0 + tl.arange(0, N)
+        om = tm[:, None] & (jc < CAP)[None, :]
+        oi = tl.load(idx_ptr + rowoff[:, None] + jc[None, :], mask=om, other=-1).to(tl.int32)
+        ov = tl.load(val_ptr + rowoff[:, None] + jc[None, :], mask=om, other=0.0).to(ACC)
+        return oi, ov
+
+    @triton.jit
+    def _lut_tile_loads(krow, vrow, koi_ptr, kov_ptr, t0, end, skt, svt, skot, KALIGN: tl.constexpr,
+                        VALIGN: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                        KCAP: tl.constexpr, KCAPP: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
+        """The loads of one lookup-table tile (tokens t0 .. t0 + BLOCK_T - 1, those < end): load_words of the key
+        halves and the value row (3 + 3 + 3 tensors) and the key-outlier slots (index, residual)."""
+        HD: tl.constexpr = D // 2
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < end
+        kptr = krow + tl.multiple_of(t * skt, KALIGN)  # rows start on KALIGN-word boundaries (the host checked)
+        ka0, ka1, ka2 = load_words(kptr, tm, 0, HD, D, KBITS)
+        kb0, kb1, kb2 = load_words(kptr, tm, HD, HD, D, KBITS)
+        va0, va1, va2 = load_words(vrow + tl.multiple_of(t * svt, VALIGN), tm, 0, D, D, VBITS)
+        oi, ov = _slots(koi_ptr, kov_ptr, t * skot, tm, 0, KCAPP, KCAP, ACC)
+        return ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, oi, ov
+
+    @triton.jit
+    def _key_outlier_terms(oi, ov, head_base, qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr,
+                           COLS: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr,
+                           SC: tl.constexpr, ACC: tl.constexpr):
+        """Score contribution [BLOCK_T, GP] of the key residuals in slots oi / ov [BLOCK_T, SC] (_slots).
 
         A residual r at channel d of token t adds r * (R(p_t)^T q)[d] to each head's score; per slot that is
         two query entries (d and its rotate-half partner) times cos/sin, so the cost is per slot, not per
         slot and channel. qa4/qb4 [HD, GP] (ACC) are the query halves as the rotated keys see them (R(-p0) q
-        for ROPE == 1, where cj/sj hold R(j); plain q otherwise). Slots go 8 at a time (register pressure)."""
+        for ROPE == 1 and 3, where cj/sj (ROPE 1) or the table rows pos (ROPE 3: tile offsets j) hold R(j); plain q
+        otherwise). COLS > 0: qa4/qb4 rows are in mma_channels(0, HD, COLS) order (the lookup-table path's
+        operands), so channel i is gathered from row mma_column(i). (That path reads R(j) from the table rows:
+        gathering it from its fp16 registers cj/sj, also in column order, took 1986 instead of 1628 SASS
+        instructions per tile with key outliers alone: Triton's in-warp gather selects among registers.)"""
         HD: tl.constexpr = D // 2
+        oi = oi - head_base
+        ok = (oi >= 0) & (oi < D)
+        ov = tl.where(ok, ov, 0.0)
+        oc = tl.where(ok, oi, 0)
+        i = oc % HD
+        if COLS > 0:
+            row = mma_column(i, HD, COLS)
+        else:
+            row = i
+        upper = (oc >= HD)[:, :, None]
+        ii = tl.reshape(tl.broadcast_to(row[:, :, None], (BLOCK_T, SC, GP)), (BLOCK_T * SC, GP))
+        ga = tl.reshape(tl.gather(qa4, ii, 0), (BLOCK_T, SC, GP))  # query entry at channel i
+        gb = tl.reshape(tl.gather(qb4, ii, 0), (BLOCK_T, SC, GP))  # ... at channel i + HD
+        if ROPE == 1 or ROPE == 3:  # R(j) e_d: (cos, sin) at (i, i + HD) for d < HD; (-sin, cos) above
+            if ROPE == 1:  # from the registers cj / sj (natural order)
+                c = tl.gather(cj, i, 1)[:, :, None]
+                sn = tl.gather(sj, i, 1)[:, :, None]
+            else:  # from the table rows j = pos
+                c = tl.load(cos_ptr + pos[:, None] * D + i, mask=ok, other=1.0)[:, :, None]
+                sn = tl.load(sin_ptr + pos[:, None] * D + i, mask=ok, other=0.0)[:, :, None]
+            eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
+        elif ROPE == 2:  # general tables: k*cos + rotate_half(k)*sin at the token's own position
+            prow = (pos[:, None] * D)
+            c = tl.load(cos_ptr + prow + oc, mask=ok, other=0.0)[:, :, None]
+            sp = tl.load(sin_ptr + prow + tl.where(oc >= HD, oc - HD, oc + HD), mask=ok, other=0.0)[:, :, None]
+            eff = tl.where(upper, gb * c - ga * sp, ga * c + gb * sp)
+        else:
+            eff = tl.where(upper, gb, ga)
+        return tl.sum(eff * ov[:, :, None], 1)
+
+    @triton.jit
+    def _key_outlier_scores(koi_ptr, kov_ptr, rowoff, tm, head_base, CAP: tl.constexpr, CAPP: tl.constexpr,
+                            qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr, D: tl.constexpr,
+                            GP: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
+        """_key_outlier_terms of all CAP slots of a tile, loaded 8 at a time (register pressure; float32 generic
+        path, natural channel order)."""
         SC: tl.constexpr = 8 if CAPP > 8 else CAPP
         acc = tl.zeros((BLOCK_T, GP), ACC)
         for j0 in range(0, CAP, SC):
-            jc = j0 + tl.arange(0, SC)
-            om = tm[:, None] & (jc < CAP)[None, :]
-            oi = tl.load(koi_ptr + rowoff[:, None] + jc[None, :], mask=om, other=-1).to(tl.int32) - head_base
-            ov = tl.load(kov_ptr + rowoff[:, None] + jc[None, :], mask=om, other=0.0).to(ACC)
-            ok = (oi >= 0) & (oi < D)
-            ov = tl.where(ok, ov, 0.0)
-            oc = tl.where(ok, oi, 0)
-            i = oc % HD
-            upper = (oc >= HD)[:, :, None]
-            ii = tl.reshape(tl.broadcast_to(i[:, :, None], (BLOCK_T, SC, GP)), (BLOCK_T * SC, GP))
-            ga = tl.reshape(tl.gather(qa4, ii, 0), (BLOCK_T, SC, GP))  # query entry at channel i
-            gb = tl.reshape(tl.gather(qb4, ii, 0), (BLOCK_T, SC, GP))  # ... at channel i + HD
-            if ROPE == 1 or ROPE == 3:  # R(j) e_d: (cos, sin) at (i, i + HD) for d < HD; (-sin, cos) for d >= HD
-                if ROPE == 1:  # R(j) gathered from the registers cj / sj
-                    c = tl.gather(cj, i, 1)[:, :, None]
-                    sn = tl.gather(sj, i, 1)[:, :, None]
-                else:  # read from the table rows j = pos (the tile offsets)
-                    c = tl.load(cos_ptr + pos[:, None] * D + i, mask=om, other=1.0)[:, :, None]
-                    sn = tl.load(sin_ptr + pos[:, None] * D + i, mask=om, other=0.0)[:, :, None]
-                eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
-            elif ROPE == 2:  # general tables: k*cos + rotate_half(k)*sin at the token's own position
-                prow = (pos[:, None] * D)
-                c = tl.load(cos_ptr + prow + oc, mask=om, other=0.0)[:, :, None]
-                sp = tl.load(sin_ptr + prow + tl.where(oc >= HD, oc - HD, oc + HD), mask=om, other=0.0)[:, :, None]
-                eff = tl.where(upper, gb * c - ga * sp, ga * c + gb * sp)
-            else:
-                eff = tl.where(upper, gb, ga)
-            acc += tl.sum(eff * ov[:, :, None], 1)
+            oi, ov = _slots(koi_ptr, kov_ptr, rowoff, tm, j0, SC, CAP, ACC)
+            acc += _key_outlier_terms(oi, ov, head_base, qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE, 0, D, GP,
+                                      BLOCK_T, SC, ACC)
         return acc
+
+    @triton.jit
+    def _add_value_outliers(acc_ptr, part, oi, ov, pq, head_base, G: tl.constexpr, GPQ: tl.constexpr,
+                            D: tl.constexpr):
+        """Add p_t * r to channel d of the program's partial output rows (relaxed atomics) for the value residuals
+        in slots oi / ov [BLOCK_T, N] (_slots) that belong to this KV head; pq [BLOCK_T, GPQ]: p per query head."""
+        rq = tl.arange(0, GPQ)
+        oi = oi - head_base
+        ok = (oi >= 0) & (oi < D)
+        w = pq[:, None, :] * ov[:, :, None]  # [T, N, GPQ]
+        tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
+                      mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
 
     @triton.jit
     def _add_residuals(x, oi_ptr, ov_ptr, rowoff, tm, ch0, W: tl.constexpr, CAP: tl.constexpr):
@@ -427,6 +482,7 @@ if triton is not None:
         VCAPP: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
         PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr, LUT_MMA: tl.constexpr,
+        LUT_AHEAD: tl.constexpr,
     ):
         DT: tl.constexpr = q_ptr.dtype.element_ty
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
@@ -476,14 +532,22 @@ if triton is not None:
                         kch = hh
                     q1 = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
                     q2 = tl.load(q_row + rk[None, :] * sqh + HD + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-                    rq4 = tl.arange(0, GPQ)
-                    q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(ACC)
-                    q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :], other=0.0).to(ACC)
+                    if not LUT_MMA:  # natural-order copies for the key-outlier gathers (LUT_MMA gathers by column)
+                        rq4 = tl.arange(0, GPQ)
+                        q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :],
+                                      other=0.0).to(ACC)
+                        q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :],
+                                      other=0.0).to(ACC)
                     if KEY_FORMAT == 2:  # per-channel static range: the zero/scale quantization used (fp32)
                         kzer1 = tl.load(kz_ptr + h * D + kch)
                         kscl1 = tl.load(ks_ptr + h * D + kch)
                         kzer2 = tl.load(kz_ptr + h * D + HD + kch)
                         kscl2 = tl.load(ks_ptr + h * D + HD + kch)
+                        if LUT_MMA:  # _dequant_rotate works in fp16: convert once, not every tile
+                            kzer1 = kzer1.to(tl.float16)
+                            kscl1 = kscl1.to(tl.float16)
+                            kzer2 = kzer2.to(tl.float16)
+                            kscl2 = kscl2.to(tl.float16)
                     else:
                         kzer1 = tl.zeros((HD,), tl.float32)
                         kscl1 = kzer1
@@ -501,8 +565,9 @@ if triton is not None:
                         sj = cj
                         qa = _opnd(q1, PREC)
                         qb = _opnd(q2, PREC)
-                        qa4 = q1s
-                        qb4 = q2s
+                        if not LUT_MMA:
+                            qa4 = q1s
+                            qb4 = q2s
                 elif KEY_FORMAT == 0:
                     kch = mma_channels(0, D, KBITS)  # channel of each code column
                     rq = tl.arange(0, MQ)  # columns (head, key group): q restricted to the group's channels
@@ -547,12 +612,22 @@ if triton is not None:
                 kp_s, kp_z = _key_params(ks_base, kz_base, start, end, skst, KEY_FORMAT, GENERIC_K, GK, KEY_BLOCK, D,
                                          KBITS, BLOCK_T)
                 vp_s, vp_z = _value_params(vs_base, vz_base, start, end, svst, VALUE_FORMAT, GV, BLOCK_T)
+                krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
+                vrow0 = vc_ptr + b * svb + h * svh
+                if LUT_MMA and LUT_AHEAD:
+                    # LUT_AHEAD: the lookup-table path loads each tile's code words and key-outlier slots one iteration
+                    # ahead into registers. Triton did not pipeline these loads (ncu, nuq4 at 32K x 8: 44% of the
+                    # stall samples were waits on them), but the registers cost spills where both outlier kinds
+                    # are present (the host's default: benchmarks/NOTES-kernels.md).
+                    ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n = _lut_tile_loads(
+                        krow0, vrow0, koi_ptr + ko, kov_ptr + ko, start, end, skt, svt, skot, KALIGN, VALIGN, D,
+                        KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
                 for t0 in range(start, end, BLOCK_T):
                     t = t0 + tl.arange(0, BLOCK_T)
                     tm = t < end
                     # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton
                     # assumes 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
-                    kptr = kc_ptr + tl.multiple_of(b * skb + h * skh + t * skt, KALIGN)
+                    kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
                     if PREFETCH > 0 and not INTERP:  # the code rows of the tile PREFETCH tiles ahead into L2
                         tp = t0 + PREFETCH * BLOCK_T  # rows are contiguous (the host checked): one range each
                         nrow = tl.minimum(end - tp, BLOCK_T)
@@ -564,28 +639,32 @@ if triton is not None:
                     vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, VALUE_FORMAT, GV, BLOCK_T)
                     # ---- scores [BLOCK_T, GPK], log2 domain
                     if LUT_MMA:
-                        # table values straight into fp16 operands (unpack_lut), scaled, shifted and rotated in fp16
-                        # pairs (_dequant_rotate); key outliers as on the generic path, R(j) read from the table rows
+                        # table values straight into fp16 operands (unpack_lut_words), scaled, shifted and rotated in
+                        # fp16 pairs (_dequant_rotate)
+                        if LUT_AHEAD:  # this tile's words and key slots came last iteration; load the next tile's
+                            kw = (ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n)
+                            ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n = _lut_tile_loads(
+                                krow0, vrow0, koi_ptr + ko, kov_ptr + ko, t0 + BLOCK_T, end, skt, svt, skot, KALIGN,
+                                VALIGN, D, KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
+                        else:
+                            kw = _lut_tile_loads(krow0, vrow0, koi_ptr + ko, kov_ptr + ko, t0, end, skt, svt, skot,
+                                                 KALIGN, VALIGN, D, KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
                         if ROPE == 1:
                             p0 = pos_offset + t0
                             ra, rb = _rotate_query(q1, q2, cos_ptr, sin_ptr, p0, kch, D)
-                            qa = _opnd(ra, PREC)
-                            qb = _opnd(rb, PREC)
-                        t1 = unpack_lut(kptr, tm, 0, HD, D, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
-                        t2 = unpack_lut(kptr, tm, HD, HD, D, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
+                        else:
+                            ra = q1
+                            rb = q2
+                        qa = _opnd(ra, PREC)
+                        qb = _opnd(rb, PREC)
+                        t1 = unpack_lut_words(kw[0], kw[1], kw[2], HD, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
+                        t2 = unpack_lut_words(kw[3], kw[4], kw[5], HD, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
                         ka, kb = _dequant_rotate(t1, t2, kscl1, kzer1, kscl2, kzer2, cj, sj, ROPE, INTERP)
                         s = _dot(_mma_operand(ka, PREC, INTERP), qa, INTERP) + _dot(_mma_operand(kb, PREC, INTERP), qb,
                                                                                       INTERP)
-                        if KCAP > 0:
-                            if ROPE == 1:  # the outlier corrections gather q by channel: natural order here
-                                qa4, qb4 = _rotate_query(q1s, q2s, cos_ptr, sin_ptr, p0, hh, D)
-                            # R(j) comes from the table rows (ROPE 3): LUT_MMA keeps only fp16 copies in column order
-                            # in registers. (Reading the query entries from memory too was slower: 1220 us against
-                            # 1083 at 32K x 8, one warp, 16-token tiles, in two runs: tune rounds 18 and 17.)
-                            s += _regroup(_key_outlier_scores(koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D,
-                                                              KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
-                                                              t - t0, 3 if ROPE == 1 else 0, D, GPQ, BLOCK_T, ACC),
-                                          GPQ, GPK, BLOCK_T)
+                        if KCAP > 0:  # query entries gathered by operand row, R(j) from the table rows j = t - t0
+                            s += _key_outlier_terms(kw[9], kw[10], h * D, ra, rb, cj, sj, cos_ptr, sin_ptr, t - t0,
+                                                    3 if ROPE == 1 else 0, KBITS, D, GPK, BLOCK_T, KCAPP, ACC)
                         s = s * qk_scale
                     elif GENERIC_K:
                         # dequantized in float32 as the reference does, rotated in ACC (float64 for float64)
@@ -659,7 +738,7 @@ if triton is not None:
                         corr = corr * arow + pz
                     else:
                         if LUT_MMA:  # fp16 table values in mma_channels order
-                            vt = unpack_lut(vptr, tm, 0, D, D, VBITS, BLOCK_T, vtab_ptr, vent, INTERP)
+                            vt = unpack_lut_words(kw[6], kw[7], kw[8], D, VBITS, BLOCK_T, vtab_ptr, vent, INTERP)
                         else:
                             vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
                         if VCAP > 0 and not EXACT_OUTLIERS:
@@ -675,18 +754,12 @@ if triton is not None:
                                 tl.debug_barrier()
                                 cref = mv
                             pq = _regroup(pr * tl.exp2(mv - cref)[None, :], GPV, GPQ, BLOCK_T)  # [T, GPQ]: real heads
-                            rq = tl.arange(0, GPQ)
+                            # slots 8 at a time (register pressure; loading them a tile ahead like the key slots
+                            # cost more in spills than it saved: nuq4 1171 us against 904 at 32K x 8)
                             VSC: tl.constexpr = 8 if VCAPP > 8 else VCAPP
-                            for j0 in range(0, VCAP, VSC):  # slots 8 at a time (register pressure)
-                                jv = j0 + tl.arange(0, VSC)
-                                om = tm[:, None] & (jv < VCAP)[None, :]
-                                vrow = vo + t[:, None] * svot + jv[None, :]
-                                oi = tl.load(voi_ptr + vrow, mask=om, other=-1).to(tl.int32) - h * D
-                                ok = om & (oi >= 0) & (oi < D)
-                                ov = tl.load(vov_ptr + vrow, mask=ok, other=0.0).to(ACC)
-                                w = pq[:, None, :] * ov[:, :, None]  # [T, VSC, GPQ]
-                                tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
-                                              mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
+                            for j0 in range(0, VCAP, VSC):
+                                oi, ov = _slots(voi_ptr + vo, vov_ptr + vo, t * svot, tm, j0, VSC, VCAP, ACC)
+                                _add_value_outliers(acc_ptr, part, oi, ov, pq, h * D, G, GPQ, D)
                         vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
                         if PREC == 64:  # float64: dequantize in float32 as the reference does (T[c] s rounds)
                             vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
@@ -863,7 +936,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                             rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int = 16,
                             block_f: int | None = None, max_registers: int | None = None,
-                            prefetch: int | None = None, lut_mma: bool | None = None):
+                            prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
@@ -873,7 +946,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     generic_keys (force the elementwise key path, for tests), prefetch (tiles ahead whose code rows are
     prefetched into L2 on sm_90+; 0 = off; default per path), lut_mma (lookup-table codes of up to 4 bits with
     fp16/bf16 queries: table values straight into fp16 dot operands and fp16-pair key dequantization and rotation;
-    default on where it applies, False: the float32 generic path)."""
+    default on where it applies, False: the float32 generic path), lut_ahead (lut_mma: load each tile's code words
+    and key-outlier slots one iteration ahead into registers; default on unless both key and value outliers are
+    present, where the extra registers spill: measured at 32K x 8 on the H100, benchmarks/NOTES-kernels.md)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1055,7 +1130,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),
             BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
             INTERP=os.environ.get("TRITON_INTERPRET") == "1", PREC=_PREC.get(q.dtype, 16),
-            PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, LUT_MMA=int(use_lut), **opts,
+            PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, LUT_MMA=int(use_lut),
+            LUT_AHEAD=int(use_lut and (not (kcap and vcap) if lut_ahead is None else bool(lut_ahead))), **opts,
         )
         _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
     return out

@@ -111,10 +111,9 @@ if triton is not None:
             return x
 
     @triton.jit
-    def _chunks3(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
-        """3-bit rows: the 24-bit chunks of 8 codes of channels [C0, C0 + NC), [R, NC / 32, 2, 2] uint32 with
-        chunk 2i + o of each group of 32 at [i, o]. The group's words a, b, c come from the three word planes
-        (module docstring); chunks 1 and 2 straddle two words."""
+    def _planes3(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+        """3-bit rows: the words a, b, c [R, NC / 32] of each group of 32 codes in channels [C0, C0 + NC), from the
+        three word planes (module docstring)."""
         NG: tl.constexpr = NC // 32
         PLANE: tl.constexpr = D // 32
         p = rowptr[:, None] + (C0 // 32 + tl.arange(0, NG))[None, :]  # group g's words: p, p + PLANE, p + 2 PLANE
@@ -122,11 +121,23 @@ if triton is not None:
         wa = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True)
         wb = tl.load(p + PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
         wc = tl.load(p + 2 * PLANE, mask=m, other=0).to(tl.uint32, bitcast=True)
+        return wa, wb, wc
+
+    @triton.jit
+    def _chunks3_of(wa, wb, wc):
+        """The 24-bit chunks of 8 codes of 3-bit groups with words wa, wb, wc [R, NG]: [R, NG, 2, 2] uint32 with
+        chunk 2i + o of each group at [i, o] (chunks 1 and 2 straddle two words)."""
         c0 = wa & 0xFFFFFF
         c1 = ((wa >> 24) | (wb << 8)) & 0xFFFFFF
         c2 = ((wb >> 16) | (wc << 16)) & 0xFFFFFF
         c3 = wc >> 8
         return tl.join(tl.join(c0, c2), tl.join(c1, c3))
+
+    @triton.jit
+    def _chunks3(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+        """_chunks3_of the groups of channels [C0, C0 + NC) of R rows."""
+        wa, wb, wc = _planes3(rowptr, rmask, C0, NC, D)
+        return _chunks3_of(wa, wb, wc)
 
     @triton.jit
     def unpack_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
@@ -259,6 +270,47 @@ if triton is not None:
             return _lut_pair(x >> (BITS * J0), entry, DIST)
 
     @triton.jit
+    def load_words(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """The packed words of channels [C0, C0 + NC) of R rows, as unpack_lut_words takes them: BITS 3: the
+        words a, b, c [R, NC / 32] of each group (_planes3); otherwise (words [R, NC * BITS / 32], 0, 0). A
+        kernel can load a tile's words one iteration before it unpacks them."""
+        if BITS == 3:
+            return _planes3(rowptr, rmask, C0, NC, D)
+        else:
+            PER: tl.constexpr = 32 // BITS
+            w = C0 // PER + tl.arange(0, NC // PER)
+            words = tl.load(rowptr[:, None] + w[None, :], mask=rmask[:, None], other=0).to(tl.uint32, bitcast=True)
+            z = tl.zeros((1,), tl.uint32)
+            return words, z, z
+
+    @triton.jit
+    def unpack_lut_words(w0, w1, w2, NC: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr, tab_ptr, entry,
+                         INTERP: tl.constexpr):
+        """unpack_lut of words already loaded by load_words (w0, w1, w2 as it returns them)."""
+        NL: tl.constexpr = 1 << BITS
+        if INTERP:
+            if BITS == 3:
+                codes = tl.reshape(_split_bits(_chunks3_of(w0, w1, w2), 24, 3), (R, NC))
+            else:
+                codes = tl.reshape(_split_bits(w0, 32, BITS), (R, NC))
+            order = tl.broadcast_to(mma_channels(0, NC, BITS)[None, :], (R, NC))
+            tab = tl.broadcast_to(tl.load(tab_ptr + tl.arange(0, NL))[None, :], (R, NL))
+            return tl.gather(tab, tl.gather(codes.to(tl.int32), order, 1), 1).to(tl.float16)
+        else:
+            if BITS == 3:  # chunks of 8 codes: pairs (k, k + 4) 12 bits apart
+                y = _lut_tree(_chunks3_of(w0, w1, w2), entry, 3, 12, 0, 1, 4)
+            else:
+                PER: tl.constexpr = 32 // BITS
+                y = _lut_tree(w0, entry, BITS, 16, 0, 1, PER // 2)  # [R, NW, (PER / 2 as joined axes)]
+            lo = y.to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            z = tl.join(lo, hi)
+            if BITS == 3:
+                return tl.reshape(z, (R, NC))
+            else:
+                return _mma_word_order(tl.reshape(z, (R, NC * BITS // 32, 32 // BITS)), R, NC * BITS // 32, BITS)
+
+    @triton.jit
     def unpack_lut(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                    R: tl.constexpr, tab_ptr, entry, INTERP: tl.constexpr):
         """Like unpack_mma, but each column holds T[code] in fp16 (T: the float32 table at tab_ptr, 2^BITS entries),
@@ -267,29 +319,9 @@ if triton is not None:
         out of a word (codes k, k + PER/2 of 2- and 4-bit words, 16 bits apart; codes k, k + 4 of a 3-bit
         chunk, 12 bits apart) become the two halves of one register, so the operand has unpack_mma's layout.
         entry: lane_entry(tab_ptr, BITS) (GPU; unused by the interpreter, which has no inline asm and gathers from
-        the table instead)."""
-        NL: tl.constexpr = 1 << BITS
-        if INTERP:
-            codes = unpack_tile(rowptr, rmask, C0, NC, D, BITS, R).to(tl.int32)
-            order = tl.broadcast_to((mma_channels(C0, NC, BITS) - C0)[None, :], (R, NC))
-            tab = tl.broadcast_to(tl.load(tab_ptr + tl.arange(0, NL))[None, :], (R, NL))
-            return tl.gather(tab, tl.gather(codes, order, 1), 1).to(tl.float16)
-        else:
-            if BITS == 3:  # chunks of 8 codes: pairs (k, k + 4) 12 bits apart
-                y = _lut_tree(_chunks3(rowptr, rmask, C0, NC, D), entry, 3, 12, 0, 1, 4)
-            else:
-                PER: tl.constexpr = 32 // BITS
-                NW: tl.constexpr = NC // PER
-                w = C0 // PER + tl.arange(0, NW)
-                words = tl.load(rowptr[:, None] + w[None, :], mask=rmask[:, None], other=0).to(tl.uint32, bitcast=True)
-                y = _lut_tree(words, entry, BITS, 16, 0, 1, PER // 2)  # [R, NW, (PER / 2 as joined axes)]
-            lo = y.to(tl.uint16).to(tl.float16, bitcast=True)
-            hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-            z = tl.join(lo, hi)
-            if BITS == 3:
-                return tl.reshape(z, (R, NC))
-            else:
-                return _mma_word_order(tl.reshape(z, (R, NW, 32 // BITS)), R, NW, BITS)
+        the table instead). load_words + unpack_lut_words."""
+        w0, w1, w2 = load_words(rowptr, rmask, C0, NC, D, BITS)
+        return unpack_lut_words(w0, w1, w2, NC, BITS, R, tab_ptr, entry, INTERP)
 
     @triton.jit
     def mma_channels(C0: tl.constexpr, NC: tl.constexpr, BITS: tl.constexpr):
@@ -308,6 +340,25 @@ if triton is not None:
             slot = p // PER  # word position -> word: slot = (j_hi * TW + g) * NJL + j_lo, word = g * V + j_hi * NJL + j_lo
             word = (slot // NJL) % TW * V + slot // (NJL * TW) * NJL + slot % NJL
             return C0 + word * PER + r // 2 + (r % 2) * (PER // 2)
+
+    @triton.jit
+    def mma_column(c, NC: tl.constexpr, BITS: tl.constexpr):
+        """Inverse of mma_channels(0, NC, BITS): the column of unpack_mma's / unpack_lut's result that holds
+        channel c (an integer tensor of any shape, 0 <= c < NC). The constants are mma_channels' (the tests check
+        mma_column(mma_channels(p)) == p)."""
+        if BITS == 3:
+            return (c // 8) * 8 + (c % 4) * 2 + (c % 8) // 4
+        else:
+            PER: tl.constexpr = 32 // BITS
+            NW: tl.constexpr = NC // PER
+            V: tl.constexpr = 4 if NW >= 4 else NW
+            TW: tl.constexpr = NW // V
+            RQ: tl.constexpr = 8 // TW if TW <= 8 else 1
+            NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
+            w = c // PER
+            k = c % PER
+            slot = ((w % V) // NJL * TW + w // V) * NJL + (w % V) % NJL
+            return slot * PER + 2 * (k % (PER // 2)) + k // (PER // 2)
 
     @triton.jit
     def mma_code_scale(NC: tl.constexpr, BITS: tl.constexpr):
@@ -357,6 +408,12 @@ if triton is not None:
 
 
     @triton.jit
+    def _mma_order_kernel(out_ptr, NC: tl.constexpr, BITS: tl.constexpr):
+        ch = mma_channels(0, NC, BITS)
+        tl.store(out_ptr + tl.arange(0, NC), ch)
+        tl.store(out_ptr + NC + tl.arange(0, NC), mma_column(ch, NC, BITS))
+
+    @triton.jit
     def _unpack_lut_kernel(words_ptr, tab_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
                            R: tl.constexpr, INTERP: tl.constexpr):
         n = tl.program_id(0) * R + tl.arange(0, R)
@@ -368,6 +425,15 @@ if triton is not None:
         v = unpack_lut(words_ptr + n * W, nm, 0, D, D, BITS, R, tab_ptr, entry, INTERP).to(tl.float32)
         ch = mma_channels(0, D, BITS)
         tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
+
+
+def mma_order_triton(nc: int, bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mma_channels(0, nc, bits), mma_column(mma_channels(0, nc, bits), nc, bits)) as int64 tensors: the
+    channel of each operand column and, mapped back, each column's own index if mma_column inverts it."""
+    out = torch.empty(2, nc, dtype=torch.int32, device=device)
+    with launch_device(out):
+        _mma_order_kernel[(1,)](out, nc, bits)
+    return out[0].long(), out[1].long()
 
 
 def unpack_lut_triton(words: torch.Tensor, bits: int, dim: int, table: torch.Tensor) -> torch.Tensor:

@@ -543,7 +543,7 @@ if triton is not None:
                         kscl1 = tl.load(ks_ptr + h * D + kch)
                         kzer2 = tl.load(kz_ptr + h * D + HD + kch)
                         kscl2 = tl.load(ks_ptr + h * D + HD + kch)
-                        if LUT_MMA:  # _dequant_rotate works in fp16: convert once, not every tile
+                        if LUT_MMA:  # _dequant_rotate works in fp16: convert before the loop (ptxas may hoist it anyway)
                             kzer1 = kzer1.to(tl.float16)
                             kscl1 = kscl1.to(tl.float16)
                             kzer2 = kzer2.to(tl.float16)

@@ -149,7 +149,7 @@ ATTENTION_CASES = [
     ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
     ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
                                                          "value_per_head": True}, {}, {}),
-    # tiles loaded one iteration ahead (lut_ahead): on by default with key outliers only, asked for with both kinds
+    # tiles loaded one iteration ahead (lut_ahead): on by default without value outliers, asked for with them
     ("nuq3_key_outliers_fp16", "nuq", 3, torch.float16, {"kcap": 3, "pre_rope": True, "pos_offset": 2}, {}, {}),
     ("nuq4_ahead_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
      {"lut_ahead": True}, {}),

@@ -58,6 +58,15 @@ def test_word_alignment_hint_follows_strides_and_address():
     assert align(flat[1:-1].view(2, 3, 5, 8)) == 1
 
 
+def test_lut_ahead_default_follows_value_outliers():
+    # the look-ahead was measured slower wherever value outlier slots are present (its registers spill) and faster
+    # without them; an explicit choice wins
+    from kvcal.runtime.attention import lut_ahead_default
+
+    assert lut_ahead_default(0) and not lut_ahead_default(12) and not lut_ahead_default(2)
+    assert lut_ahead_default(12, True) and not lut_ahead_default(0, False)
+
+
 def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]

@@ -363,7 +363,7 @@ if triton is not None:
         for ROPE == 1 and 3, where cj/sj (ROPE 1) or the table rows pos (ROPE 3: tile offsets j) hold R(j); plain q
         otherwise). COLS > 0: qa4/qb4 rows are in mma_channels(0, HD, COLS) order (the lookup-table path's
         operands), so channel i is gathered from row mma_column(i). (That path reads R(j) from the table rows:
-        gathering it from its fp16 registers cj/sj, also in column order, took 1986 instead of 1628 SASS
+        gathering it from its fp16 registers cj/sj, also in column order, took 1986 instead of 1541 SASS
         instructions per tile with key outliers alone: Triton's in-warp gather selects among registers.)"""
         HD: tl.constexpr = D // 2
         oi = oi - head_base
@@ -617,8 +617,8 @@ if triton is not None:
                 if LUT_MMA and LUT_AHEAD:
                     # LUT_AHEAD: the lookup-table path loads each tile's code words and key-outlier slots one iteration
                     # ahead into registers. Triton did not pipeline these loads (ncu, nuq4 at 32K x 8: 44% of the
-                    # stall samples were waits on them), but the registers cost spills where both outlier kinds
-                    # are present (the host's default: benchmarks/NOTES-kernels.md).
+                    # stall samples were waits on them), but with value outliers the registers it holds cost more
+                    # than it saves (the host's default: lut_ahead_default).
                     ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n = _lut_tile_loads(
                         krow0, vrow0, koi_ptr + ko, kov_ptr + ko, start, end, skt, svt, skot, KALIGN, VALIGN, D,
                         KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
@@ -631,8 +631,8 @@ if triton is not None:
                     if PREFETCH > 0 and not INTERP:  # the code rows of the tile PREFETCH tiles ahead into L2
                         tp = t0 + PREFETCH * BLOCK_T  # rows are contiguous (the host checked): one range each
                         nrow = tl.minimum(end - tp, BLOCK_T)
-                        _prefetch_l2(kc_ptr + b * skb + h * skh + tp * skt, nrow * KROW)
-                        _prefetch_l2(vc_ptr + b * svb + h * svh + tp * svt, nrow * VROW)
+                        _prefetch_l2(krow0 + tp * skt, nrow * KROW)
+                        _prefetch_l2(vrow0 + tp * svt, nrow * VROW)
                     ks_cur, kz_cur, vs_cur, vz_cur = kp_s, kp_z, vp_s, vp_z
                     kp_s, kp_z = _key_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, KEY_FORMAT, GENERIC_K, GK,
                                              KEY_BLOCK, D, KBITS, BLOCK_T)
@@ -845,6 +845,15 @@ _SM_COUNT: dict = {}
 _SM90: dict = {}
 
 
+def lut_ahead_default(vcap: int, lut_ahead: bool | None = None) -> bool:
+    """Whether the lookup-table path loads tiles one iteration ahead: as asked, else only without value outlier
+    slots. Measured on the H100, nuq4 at 32K x 8, look-ahead on / off (`python benchmarks/nuq_breakdown.py
+    --options ...`, results/bench/nuq-breakdown-h100-review-ahead-{on,off}.json): no outliers 295.4 / 343.5 us,
+    key outliers only 515.2 / 569.9, value outliers only 573.2 / 540.6, both 950.0 / 753.9 (its registers spill),
+    per-head values 885.2 / 813.6."""
+    return bool(lut_ahead) if lut_ahead is not None else vcap == 0
+
+
 def _bulk_prefetch_supported(device) -> bool:
     """cp.async.bulk.prefetch.L2 needs sm_90 or newer (and a real GPU: the interpreter has no inline asm).
     Looked up once per device: this runs on every decode-attention call."""
@@ -947,8 +956,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     prefetched into L2 on sm_90+; 0 = off; default per path), lut_mma (lookup-table codes of up to 4 bits with
     fp16/bf16 queries: table values straight into fp16 dot operands and fp16-pair key dequantization and rotation;
     default on where it applies, False: the float32 generic path), lut_ahead (lut_mma: load each tile's code words
-    and key-outlier slots one iteration ahead into registers; default on unless both key and value outliers are
-    present, where the extra registers spill: measured at 32K x 8 on the H100, benchmarks/NOTES-kernels.md)."""
+    and key-outlier slots one iteration ahead into registers; default: only without value outliers, as measured
+    at 32K x 8 on the H100, lut_ahead_default)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1131,7 +1140,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
             INTERP=os.environ.get("TRITON_INTERPRET") == "1", PREC=_PREC.get(q.dtype, 16),
             PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, LUT_MMA=int(use_lut),
-            LUT_AHEAD=int(use_lut and (not (kcap and vcap) if lut_ahead is None else bool(lut_ahead))), **opts,
+            LUT_AHEAD=int(use_lut and lut_ahead_default(vcap, lut_ahead)), **opts,
         )
         _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
     return out

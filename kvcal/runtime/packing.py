@@ -331,34 +331,34 @@ if triton is not None:
             return C0 + (p // 8) * 8 + (p // 2) % 4 + (p % 2) * 4
         else:
             PER: tl.constexpr = 32 // BITS
-            NW: tl.constexpr = NC // PER
-            V: tl.constexpr = 4 if NW >= 4 else NW  # the word order of unpack_mma (same constants)
-            TW: tl.constexpr = NW // V
-            RQ: tl.constexpr = 8 // TW if TW <= 8 else 1
-            NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
             r = p % PER
-            slot = p // PER  # word position -> word: slot = (j_hi * TW + g) * NJL + j_lo, word = g * V + j_hi * NJL + j_lo
-            word = (slot // NJL) % TW * V + slot // (NJL * TW) * NJL + slot % NJL
+            word = _word_of_slot(p // PER, NC // PER, BITS, False)
             return C0 + word * PER + r // 2 + (r % 2) * (PER // 2)
+
+    @triton.jit
+    def _word_of_slot(x, NW: tl.constexpr, BITS: tl.constexpr, INVERSE: tl.constexpr):
+        """unpack_mma's word order (its comment says why; the constants are _mma_word_order's): the word at word
+        position x, or with INVERSE the position of word x. Position (j_hi * TW + g) * NJL + j_lo holds word
+        g * V + j_hi * NJL + j_lo."""
+        V: tl.constexpr = 4 if NW >= 4 else NW
+        TW: tl.constexpr = NW // V
+        RQ: tl.constexpr = 8 // TW if TW <= 8 else 1
+        NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
+        if INVERSE:
+            return ((x % V) // NJL * TW + x // V) * NJL + (x % V) % NJL
+        else:
+            return (x // NJL) % TW * V + x // (NJL * TW) * NJL + x % NJL
 
     @triton.jit
     def mma_column(c, NC: tl.constexpr, BITS: tl.constexpr):
         """Inverse of mma_channels(0, NC, BITS): the column of unpack_mma's / unpack_lut's result that holds
-        channel c (an integer tensor of any shape, 0 <= c < NC). The constants are mma_channels' (the tests check
-        mma_column(mma_channels(p)) == p)."""
+        channel c (an integer tensor of any shape, 0 <= c < NC); the tests check mma_column(mma_channels(p)) == p."""
         if BITS == 3:
             return (c // 8) * 8 + (c % 4) * 2 + (c % 8) // 4
         else:
             PER: tl.constexpr = 32 // BITS
-            NW: tl.constexpr = NC // PER
-            V: tl.constexpr = 4 if NW >= 4 else NW
-            TW: tl.constexpr = NW // V
-            RQ: tl.constexpr = 8 // TW if TW <= 8 else 1
-            NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
-            w = c // PER
             k = c % PER
-            slot = ((w % V) // NJL * TW + w // V) * NJL + (w % V) % NJL
-            return slot * PER + 2 * (k % (PER // 2)) + k // (PER // 2)
+            return _word_of_slot(c // PER, NC // PER, BITS, True) * PER + 2 * (k % (PER // 2)) + k // (PER // 2)
 
     @triton.jit
     def mma_code_scale(NC: tl.constexpr, BITS: tl.constexpr):

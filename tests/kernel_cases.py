@@ -136,6 +136,11 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.flo
 # (name, codec, bits, dtype, cache kwargs, kernel kwargs, step kwargs)
 ATTENTION_CASES = [
     ("int4_bf16", "int", 4, torch.bfloat16, {}, {}, {}),
+    # attention_frag's register-fragment kernel (rtn layout: one scale per token and head), asked for explicitly
+    # (its default needs 64 (row, KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the fp segment
+    ("int4_frag_bf16", "int", 4, torch.bfloat16, {}, {"frag": True}, {}),
+    ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128}),
+    ("int4_frag_d128_g3_fp16", "int", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
     ("int3_g32_fp16", "int", 3, torch.float16, {"group": 32}, {}, {}),
     ("int2_bf16", "int", 2, torch.bfloat16, {}, {}, {}),
     ("int4_g16_generic_fp16", "int", 4, torch.float16, {"group": 16}, {"generic_keys": True}, {}),

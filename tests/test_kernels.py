@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from tests.kernel_cases import ATTENTION_CASES, TOL, run_attention_case, run_quantize_checks
+from tests.kernel_cases import ATTENTION_CASES, TOL, build_cache, run_attention_case, run_quantize_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,6 +58,23 @@ def test_word_alignment_hint_follows_strides_and_address():
     assert align(flat[1:-1].view(2, 3, 5, 8)) == 1
 
 
+def test_frag_kernel_takes_the_rtn_layout_only():
+    """attention_frag applies to one-scale-per-token int caches with head_dim * bits >= 256 (so the frag cases
+    above do run it), not to grouped scales, KIVI, pre-RoPE keys or 2-bit head_dim 64."""
+    from kvcal.runtime.attention import _frag_applies
+
+    q = torch.zeros(3, 8, 64, dtype=torch.float16)
+    q128 = torch.zeros(3, 8, 128, dtype=torch.float16)
+    assert _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10), 4)
+    assert _frag_applies(q128, build_cache("int", 2, [5, 0, 9], 2, 128, tcap=10), 4)
+    assert not _frag_applies(q, build_cache("int", 2, [5, 0, 9], 2, 64, tcap=10), 4)
+    assert _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=11), 4)
+    assert not _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10, group=32), 4)
+    assert not _frag_applies(q, build_cache("kivi", 4, [5, 0, 9], 2, 64, tcap=64), 4)
+    assert not _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10, pre_rope=True), 4)
+    assert not _frag_applies(q.float(), build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10), 4)
+
+
 def test_lut_ahead_default_follows_value_outliers():
     # the look-ahead was measured slower wherever value outlier slots are present (its registers spill) and faster
     # without them; an explicit choice wins
@@ -91,6 +108,11 @@ GPU_CASES = [
       for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 3, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
       for dtype in (torch.float32, torch.float64)
 ] + [("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True}, {}, {}),
+     # attention_frag (the default from 64 (row, KV head) pairs; these 4 x 8 are asked for explicitly)
+     ("int4_frag_bf16", "int", 4, torch.bfloat16, {}, {"frag": True}, {}),
+     ("int4_frag_fp16", "int", 4, torch.float16, {}, {"frag": True}, {}),
+     ("int2_frag_bf16", "int", 2, torch.bfloat16, {}, {"frag": True}, {}),
+     ("int2_frag_fp16", "int", 2, torch.float16, {}, {"frag": True}, {}),
      ("nuq4_vhead_bfloat16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "pre_rope": True, "value_per_head": True},
       {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),

@@ -182,6 +182,7 @@ DEFAULTS = {
 # 15-16): one tile ahead saves 5% for int4 and 4% for nuq4, nothing for kivi4; two or more tiles ahead thrash the
 # L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against 50 MB): int4 183 us at 4 ahead
 PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lut": 1}
+FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which int caches take attention_frag's kernel by default
 
 if triton is not None:
     from kvcal.runtime.packing import (
@@ -466,6 +467,53 @@ if triton is not None:
             return tl.load(vs_base + t * svst, mask=t < end, other=1.0), tl.load(vz_base + t * svst, mask=t < end, other=0.0)
 
     @triton.jit
+    def _fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, b, h, part, m_ptr, l_ptr,
+                    acc_ptr, qk_scale, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
+                    INTERP: tl.constexpr):
+        """The full-precision segment (sinks, window, residual; post-RoPE) of one (row, KV head): its softmax
+        partial (m, l, acc) into partial `part`. Shared by the packed-cache kernels."""
+        DT: tl.constexpr = q_row.dtype.element_ty
+        ACC: tl.constexpr = m_ptr.dtype.element_ty
+        dd = tl.arange(0, D)
+        rf = tl.arange(0, GPF)
+        qx = tl.load(q_row + rf[:, None] * sqh + dd[None, :], mask=(rf < G)[:, None], other=0.0)
+        mf = tl.full((GPF,), float("-inf"), ACC)
+        lf = tl.zeros((GPF,), ACC)
+        af = tl.zeros((GPF, D), ACC)
+        for f0 in range(0, F, BLOCK_F):
+            f = f0 + tl.arange(0, BLOCK_F)
+            fin = f < F
+            ok = (tl.load(fval_ptr + b * sfvb + f, mask=fin, other=0) != 0) & fin
+            fo = b * sfb + h * sfh + f[:, None] * sft + dd[None, :]
+            kf = tl.load(fk_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
+            s = tl.where(ok[None, :], _dot(qx, tl.trans(kf), INTERP) * qk_scale, float("-inf"))
+            m_new = tl.maximum(mf, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(mf - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            lf = lf * alpha + tl.sum(p, 1)
+            mf = m_new
+            vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
+            p_hi = p.to(DT)  # p = p_hi + p_lo: two dots keep P at ~fp32 precision (F is small)
+            p_lo = (p - p_hi.to(ACC)).to(DT)
+            af = af * alpha[:, None] + _dot(p_hi, vf, INTERP) + _dot(p_lo, vf, INTERP)
+        tl.store(acc_ptr + (part * G + rf)[:, None] * D + dd[None, :], af, mask=(rf < G)[:, None])
+        tl.store(m_ptr + part * G + rf, mf, mask=rf < G)
+        tl.store(l_ptr + part * G + rf, lf, mask=rf < G)
+
+    @triton.jit
+    def _fp_kernel(q_ptr, sqb, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, m_ptr, l_ptr, acc_ptr, HKV,
+                   qk_scale, S, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
+                   INTERP: tl.constexpr):
+        """The full-precision segment alone, into the last of each (row, KV head)'s S partials: its own launch
+        where the packed kernel should not carry the segment's shared-memory tiles (attention_frag)."""
+        pid = tl.program_id(0)
+        b = pid // HKV
+        h = pid % HKV
+        _fp_segment(q_ptr + b * sqb + h * G * sqh, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, b, h,
+                    pid * S + S - 1, m_ptr, l_ptr, acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, sqb, sqh, len_ptr,
         kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, ktab_ptr, koi_ptr, kov_ptr, skob, skot, skoh,
@@ -484,7 +532,6 @@ if triton is not None:
         PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr, LUT_MMA: tl.constexpr,
         LUT_AHEAD: tl.constexpr,
     ):
-        DT: tl.constexpr = q_ptr.dtype.element_ty
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
         # (not a tl.dtype launch argument: a run with one, and a torch scalar built per call, timed int4 at
         # 301 us instead of 200 us at 32K x 8, small shapes slower still; the two were not separated)
@@ -793,31 +840,8 @@ if triton is not None:
                 tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
         if HAS_FP:
             if split == NSPLIT:  # the full-precision segment (sinks, window, residual), post-RoPE
-                rf = tl.arange(0, GPF)
-                qx = tl.load(q_row + rf[:, None] * sqh + dd[None, :], mask=(rf < G)[:, None], other=0.0)
-                mf = tl.full((GPF,), float("-inf"), ACC)
-                lf = tl.zeros((GPF,), ACC)
-                af = tl.zeros((GPF, D), ACC)
-                for f0 in range(0, F, BLOCK_F):
-                    f = f0 + tl.arange(0, BLOCK_F)
-                    fin = f < F
-                    ok = (tl.load(fval_ptr + b * sfvb + f, mask=fin, other=0) != 0) & fin
-                    fo = b * sfb + h * sfh + f[:, None] * sft + dd[None, :]
-                    kf = tl.load(fk_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
-                    s = tl.where(ok[None, :], _dot(qx, tl.trans(kf), INTERP) * qk_scale, float("-inf"))
-                    m_new = tl.maximum(mf, tl.max(s, 1))
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(mf - m_use)
-                    p = tl.exp2(s - m_use[:, None])
-                    lf = lf * alpha + tl.sum(p, 1)
-                    mf = m_new
-                    vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
-                    p_hi = p.to(DT)  # p = p_hi + p_lo: two dots keep P at ~fp32 precision (F is small)
-                    p_lo = (p - p_hi.to(ACC)).to(DT)
-                    af = af * alpha[:, None] + _dot(p_hi, vf, INTERP) + _dot(p_lo, vf, INTERP)
-                tl.store(acc_ptr + (part * G + rf)[:, None] * D + dd[None, :], af, mask=(rf < G)[:, None])
-                tl.store(m_ptr + part * G + rf, mf, mask=rf < G)
-                tl.store(l_ptr + part * G + rf, lf, mask=rf < G)
+                _fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, b, h, part, m_ptr, l_ptr,
+                            acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
 
     @triton.jit
     def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
@@ -941,11 +965,84 @@ def _outlier_args(idx, val, capacity: int, dev):
     return idx, val, (*idx.stride()[:2], idx.stride(2) if idx.dim() == 4 else 0)
 
 
+def _fp_args(fp_k, fp_v, fp_valid, has_fp: bool, dev):
+    """(keys, values, valid mask as uint8, (row, head, token) strides, mask row stride) of the full-precision
+    segment, placeholders without one."""
+    if not has_fp:
+        dummy, dummy_i = _dummies(dev)
+        return dummy, dummy, dummy_i, (0, 0, 0), 0
+    fk, fv = fp_k, fp_v
+    if fk.stride() != fv.stride() or fk.stride(-1) != 1:
+        fk, fv = fk.contiguous(), fv.contiguous()
+    fval = fp_valid.to(torch.bool).contiguous().view(torch.uint8)
+    return fk, fv, fval, fk.stride()[:3], fval.stride(0)
+
+
+def _frag_applies(q, kv: PackedKV, group: int) -> bool:
+    """Whether attention_frag's kernel takes this call: rtn-style int caches (affine keys and values, one fp16
+    (scale, zero) per token and KV head, post-RoPE keys), fp16/bf16 queries, a GQA group of at most 8 heads, and
+    scale rows with token stride 1."""
+    from kvcal.runtime.attention_frag import frag_supported
+
+    if kv.key_format != "affine_channels" or kv.value_format != "affine_channels" or kv.rope_cos is not None:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or group > 8:
+        return False
+    if not frag_supported(q.shape[-1], kv.key_bits, kv.value_bits):
+        return False
+    for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero):
+        if t.dtype != torch.float16 or t.dim() != 4 or t.shape[-1] != 1 or t.stride(2) != 1:
+            return False
+    return kv.k_codes.stride(-1) == 1 and kv.v_codes.stride(-1) == 1
+
+
+def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, group: int, num_splits: int | None,
+                 programs_per_sm: int, block_f: int | None, max_registers: int | None = None):
+    """decode_attention_triton through attention_frag's register-fragment kernel (one warp per program)."""
+    from kvcal.runtime.attention_frag import BLOCK_T, FRAG_PROGRAMS_PER_SM, _frag_decode_kernel
+
+    batch, hq, d = q.shape
+    dev = q.device
+    tcap = kv.k_codes.shape[2]
+    # one wave: at most `programs_per_sm` programs per SM (168 registers: 12 one-warp programs fit), rounded down,
+    # since a second partial wave costs a whole program's time
+    nsplit = num_splits or max(1, min((programs_per_sm or FRAG_PROGRAMS_PER_SM) * _sm_count(dev) // (batch * hkv),
+                                      triton.cdiv(tcap, 4 * BLOCK_T)))
+    nf = fp_k.shape[2] if fp_k is not None else 0
+    has_fp = nf > 0
+    splits = nsplit + int(has_fp)
+    m_part = torch.empty(batch * hkv, splits, group, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(batch * hkv, splits, group, d, dtype=torch.float32, device=dev)
+    out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
+    kc, vc = kv.k_codes, kv.v_codes
+    ks, kz = _same_layout(kv.k_scale, kv.k_zero)
+    vs, vz = _same_layout(kv.v_scale, kv.v_zero)
+    fk, fv, fval, f_strides, sfvb = _fp_args(fp_k, fp_v, fp_valid, has_fp, dev)
+    with launch_device(q):
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        _frag_decode_kernel[(batch * hkv, nsplit)](
+            q, q.stride(0), q.stride(1), kv.lengths.to(device=dev, dtype=torch.int32),
+            kc, *kc.stride()[:3], ks, kz, *ks.stride()[:2],
+            vc, *vc.stride()[:3], vs, vz, *vs.stride()[:2],
+            m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits,
+            D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=BLOCK_T, num_warps=1,
+            **({"maxnreg": int(max_registers)} if max_registers else {}),
+        )
+        if has_fp:
+            _fp_kernel[(batch * hkv,)](q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, m_part, l_part,
+                                       acc_part, hkv, float(scale) * LOG2E, splits, D=d, G=group,
+                                       GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16, INTERP=interp, num_warps=1)
+        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
+    return out
+
+
 def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: float, *, block_t: int | None = None,
                             num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                            rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int = 16,
+                            rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int | None = None,
                             block_f: int | None = None, max_registers: int | None = None,
-                            prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None):
+                            prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
+                            frag: bool | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
@@ -957,7 +1054,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     fp16/bf16 queries: table values straight into fp16 dot operands and fp16-pair key dequantization and rotation;
     default on where it applies, False: the float32 generic path), lut_ahead (lut_mma: load each tile's code words
     and key-outlier slots one iteration ahead into registers; default: only without value outliers, as measured
-    at 32K x 8 on the H100, lut_ahead_default)."""
+    at 32K x 8 on the H100, lut_ahead_default), frag (int caches with one scale per token and head: the
+    register-fragment kernel of attention_frag; default on where it applies, False: the tile kernel)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1016,7 +1114,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         if num_splits:
             nsplit = int(num_splits)
         else:
-            target = programs_per_sm * _sm_count(dev)
+            target = (programs_per_sm or 16) * _sm_count(dev)
             nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
         if kv.k_out_idx is not None and key_code == 2:
             kcap = kv.k_out_idx.shape[-1]
@@ -1029,6 +1127,13 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             path = "lut"
             bt = block_t or DEFAULTS[path][0]
             default_warps = DEFAULTS[path][1]
+    # the fragment kernel by default from FRAG_MIN_ROWS (row, KV head) pairs: with fewer, each split is short and
+    # its fixed per-program cost shows (H100, batch 1, 8 KV heads: 26.4 vs 19.5 us at 4K, 43.4 vs 34.5 at 32K;
+    # batch 8 and 32: faster or equal, results/bench/decode-frag-h100.json)
+    want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS
+    if has_packed and want_frag and _frag_applies(q, kv, group):
+        return _decode_frag(q, kv, fp_k, fp_v, fp_valid, scale, hkv, group, nsplit if num_splits else None,
+                            programs_per_sm, block_f, max_registers)
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles
         # except on the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)
@@ -1091,16 +1196,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         ks_strides = vs_strides = kc_strides = vc_strides = (0, 0, 0)
         ko_strides = vo_strides = (0, 0, 0)
         tmax = pos_offset = 0
-    if has_fp:
-        fk, fv = fp_k, fp_v
-        if fk.stride() != fv.stride() or fk.stride(-1) != 1:
-            fk, fv = fk.contiguous(), fv.contiguous()
-        fval = fp_valid.to(torch.bool).contiguous().view(torch.uint8)
-        f_strides, sfvb = fk.stride()[:3], fval.stride(0)
-    else:
-        fk = fv = dummy
-        fval = dummy_i
-        f_strides, sfvb = (0, 0, 0), 0
+    fk, fv, fval, f_strides, sfvb = _fp_args(fp_k, fp_v, fp_valid, has_fp, dev)
     warps = num_warps or default_warps
     if generic and warps > 4:  # Triton 3.6 asserts in OptimizeThreadLocality on tl.gather with 8 warps
         warps = 4

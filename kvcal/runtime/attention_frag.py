@@ -1,0 +1,373 @@
+"""Decode attention over an int-N affine cache (rtn: one fp16 scale and zero per token and KV head) with the codes
+unpacked straight into tensor-core fragments: no shared memory at all.
+
+The reference is `attention.decode_attention_ref` (same arguments; `decode_attention_triton` dispatches here). The
+tile kernel of `attention.py` unpacks a tile's codes in a blocked layout and Triton moves them through shared memory
+into the `mma` operand layout: per byte of 4-bit codes read from HBM that is about 10 bytes of shared-memory
+traffic (staging copy, unpacked fp16 stores, ldmatrix), and ncu put the H100's L1/shared pipe at 74% busy with DRAM at
+61% (benchmarks/NOTES-kernels.md). Here every lane loads exactly the code bits that its own `mma.sync.m16n8k16`
+fragment registers need, so unpacking is a shift and a mask per register.
+
+Programming model: every tensor is one-dimensional with 32 elements, element i living in lane i of the program's
+single warp (Triton gives a 32-element tensor one element per lane; `tl.static_range` and tuples hold a lane's
+register arrays). Lane l = 4 g + c. The fragments of `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` (PTX ISA,
+"Matrix Fragments for mma.m16n8k16"): A [16 x 16]: a0 = (row g, cols 2c, 2c + 1), a1 = (row g + 8, same cols),
+a2 = (row g, cols 2c + 8, 2c + 9), a3 = (row g + 8, cols 2c + 8, 2c + 9); B [16 x 8]: b0 = (rows 2c, 2c + 1, col g),
+b1 = (rows 2c + 8, 2c + 9, col g); C/D [16 x 8] fp32: (row g, cols 2c, 2c + 1), (row g + 8, cols 2c, 2c + 1).
+Rows of A are the GQA group's query heads (g < G; rows 8-15 stay zero), as in FlashAttention-2:
+
+* scores S [heads, 8 tokens] = Q [heads, D] K^T [D, 8 tokens], one n-tile per 8 tokens: lane (g, c) holds, for
+  token g of the n-tile, the D / 4 channels of bytes [c D b / 32, (c + 1) D b / 32) of the token's code row, which
+  are exactly its b0/b1 registers of every k-block (the channel order of a dot's K axis is free: Q is loaded in
+  the same order, `key_channel`);
+* the scores' C fragment (head g, tokens 2c, 2c + 1) is the A fragment of P for the value dot (FlashAttention-2's
+  register reuse), so P never leaves its registers;
+* values O [heads, D] += P [heads, 16 tokens] V [16 tokens, D]: b0 / b1 pair two tokens (2c, 2c + 1 / 2c + 8,
+  2c + 9) of one channel, so lane g reads D b / 8 bits of four token rows and interleaves them byte-wise (prmt).
+
+A code n becomes an fp16 register half by masking it to bits [0, b) (or [4, 8) for the upper nibble of a byte):
+the half is then the subnormal n 2^-24 (n 2^-20), which the tensor cores multiply exactly; the 2^24 goes into the
+score and output scale. Scores and softmax are float32; the query and P are fp16 operands, as in the tile kernel.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+FRAG_BITS = (2, 4)
+BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
+FRAG_PROGRAMS_PER_SM = 12  # 168 registers per lane (sm_90, Triton 3.6): 12 one-warp programs fit in 64K registers
+
+
+def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
+    """Shapes this kernel handles: D = 64 or 128; keys and values of 2 or 4 bits with at least 32 bits of a value row
+    per lane (D b >= 256)."""
+    return (head_dim in (64, 128) and key_bits in FRAG_BITS and value_bits in FRAG_BITS
+            and head_dim * value_bits >= 256)
+
+
+if triton is not None:
+    # ---- warp-level primitives: PTX on the GPU, the same semantics from tensor ops under the interpreter
+
+    @triton.jit
+    def _halves(x):
+        """int32 [32] holding fp16 pairs -> (low half, high half) as float32."""
+        lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def pack_half2(lo, hi, INTERP: tl.constexpr):
+        """Two float32 [32] -> one int32 [32] of fp16 (lo, hi), each rounded to nearest."""
+        if INTERP:
+            lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            return lo16 | (hi16 << 16)
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def shfl_xor(x, MASK: tl.constexpr, INTERP: tl.constexpr):
+        """x of lane (l xor MASK), float32 [32]."""
+        if INTERP:
+            return tl.gather(x, tl.arange(0, 32) ^ MASK, 0)
+        else:
+            y = tl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {MASK}, 0x1f, 0xffffffff;", "=r,r",
+                                          [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
+            return y.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def shfl_idx(x, src, INTERP: tl.constexpr):
+        """x of lane src (int32 [32] in [0, 32)), float32 [32]."""
+        if INTERP:
+            return tl.gather(x, src, 0)
+        else:
+            y = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                          [x.to(tl.int32, bitcast=True), src], dtype=tl.int32, is_pure=True, pack=1)
+            return y.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def transpose8(x, INTERP: tl.constexpr):
+        """Transpose of the 8 x 8 fp16 matrix whose row g, cols (2c, 2c + 1) lane 4g + c holds (movmatrix)."""
+        if INTERP:
+            lo, hi = _halves(x)
+            m = tl.trans(tl.reshape(tl.join(lo, hi), (8, 8)))
+            e0, e1 = tl.split(tl.reshape(m, (8, 4, 2)))
+            return pack_half2(tl.reshape(e0, (32,)), tl.reshape(e1, (32,)), INTERP)
+        else:
+            return tl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [x],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def byte_pair(x, y, K: tl.constexpr, INTERP: tl.constexpr):
+        """Byte K of x in bits [0, 8) and byte K of y in bits [16, 24) (one prmt on the GPU)."""
+        if INTERP:
+            return ((x >> (8 * K)) & 0xFF) | (((y >> (8 * K)) & 0xFF) << 16)
+        else:
+            sel: tl.constexpr = K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12)
+            return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [x, y], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def _emulated_a(x0, x1):
+        """A fragment registers (row g, cols 2c + e) and (row g, cols 8 + 2c + e) -> the 8 x 16 matrix rows."""
+        lo0, hi0 = _halves(x0)
+        lo1, hi1 = _halves(x1)
+        m0 = tl.reshape(tl.join(lo0, hi0), (8, 8))
+        m1 = tl.reshape(tl.join(lo1, hi1), (8, 8))
+        return tl.reshape(tl.permute(tl.join(m0, m1), (0, 2, 1)), (8, 16))
+
+    @triton.jit
+    def _emulated_d(d):
+        """8 x 8 result block (row g, col n) -> the fragment halves (row g, col 2c) and (row g, col 2c + 1)."""
+        e0, e1 = tl.split(tl.reshape(d, (8, 4, 2)))
+        return tl.reshape(e0, (32,)), tl.reshape(e1, (32,))
+
+    @triton.jit
+    def mma16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, INTERP: tl.constexpr):
+        """D = A B + C for one warp-wide mma.sync.m16n8k16 (fp16 operands as int32 pairs, float32 C and D)."""
+        if INTERP:
+            bt = _emulated_a(b0, b1)  # B^T [8 cols, 16 rows]: same register pattern as A's rows
+            top = tl.sum(_emulated_a(a0, a2)[:, None, :] * bt[None, :, :], 2)
+            bot = tl.sum(_emulated_a(a1, a3)[:, None, :] * bt[None, :, :], 2)
+            d0, d1 = _emulated_d(top)
+            d2, d3 = _emulated_d(bot)
+            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+        else:
+            return tl.inline_asm_elementwise(
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+                "{$10,$11,$12,$13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+    # ---- channel order of the fragments
+
+    @triton.jit
+    def key_channel(c, r, e, D: tl.constexpr, BITS: tl.constexpr):
+        """Channel held by half e of key register r (k-block r // 2; b0 for even r, b1 for odd) of lane column c:
+        register r is the code pair (i, i + P) of word w = r // P of the lane's D / 4 channels, i = r % P, P = 16 / b."""
+        P: tl.constexpr = 16 // BITS
+        return c * (D // 4) + (r // P) * (32 // BITS) + (r % P) + e * P
+
+    @triton.jit
+    def value_channel(g, z, D: tl.constexpr):
+        """Channel of value n-tile z in column g (lane row g's chunk of D / 8 channels)."""
+        return g * (D // 8) + z
+
+    @triton.jit
+    def _key_register(words, r: tl.constexpr, BITS: tl.constexpr):
+        P: tl.constexpr = 16 // BITS
+        MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+        SHIFT: tl.constexpr = BITS * (r % P)
+        if SHIFT == 0:
+            return words[r // P] & MASK
+        else:
+            return (words[r // P] >> SHIFT) & MASK
+
+    @triton.jit
+    def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, skt, svt, lane,
+                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
+        """A tile's key words [8-token block][word], value words [k-block][row][word] and fp16 (scale, zero) of keys and
+        values per 8-token block, for this lane. Rows past `end` read the last valid row (their scores are masked)."""
+        g = lane // 4
+        c = lane % 4
+        NWK: tl.constexpr = D * KBITS // 128  # words of a key row per lane column
+        NWV: tl.constexpr = D * VBITS // 256  # words of a value row per lane row
+        last = tl.maximum(end - 1, 0)
+        kw = ()
+        for j in tl.static_range(4):
+            t = tl.minimum(t0 + 8 * j + g, last)
+            for w in tl.static_range(NWK):
+                kw = kw + (tl.load(krow0 + t * skt + c * NWK + w),)
+        vw = ()
+        for kb in tl.static_range(2):
+            for r in tl.static_range(4):
+                t = tl.minimum(t0 + 16 * kb + 2 * c + (r % 2) + 8 * (r // 2), last)
+                for w in tl.static_range(NWV):
+                    vw = vw + (tl.load(vrow0 + t * svt + g * NWV + w),)
+        sw = ()
+        for j in tl.static_range(4):  # tokens t0 + 8j + g: row g (j even) or g + 8 (j odd) of m-tile j // 2
+            t = t0 + 8 * j + g
+            ok = t < end
+            sw = sw + (tl.load(ks_base + t, mask=ok, other=0.0), tl.load(kz_base + t, mask=ok, other=0.0),
+                       tl.load(vs_base + t, mask=ok, other=0.0), tl.load(vz_base + t, mask=ok, other=0.0))
+        return kw, vw, sw
+
+    @triton.jit
+    def _frag_decode_kernel(
+        q_ptr, sqb, sqh, len_ptr,
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh,
+        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale, S,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, INTERP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
+        pid * S + split (S partials per row and head; a full-precision segment, if any, is the last: _fp_kernel)."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        NSPLIT = tl.num_programs(1)
+        b = pid // HKV
+        h = pid % HKV
+        part = pid * S + split
+        q_row = q_ptr + b * sqb + h * G * sqh
+        lane = tl.arange(0, 32)
+        g = lane // 4
+        c = lane % 4
+        head_ok = g < G
+        length = tl.load(len_ptr + b)
+        share = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK_T) * BLOCK_T
+        start = split * share
+        end = tl.minimum(start + share, length)
+        KB: tl.constexpr = D // 16  # k-blocks of the score dot
+        MT: tl.constexpr = D // 16  # m-tiles of the value dot
+        VP: tl.constexpr = 8 // VBITS  # codes per byte of a value row
+        # ---- the query as B fragments (channels 2c + e of a k-block, head g), in key_channel order
+        qb = ()
+        qsum = tl.zeros((32,), tl.float32)
+        for r in tl.static_range(2 * KB):
+            lo = tl.load(q_row + g * sqh + key_channel(c, r, 0, D, KBITS), mask=head_ok, other=0.0).to(tl.float32)
+            hi = tl.load(q_row + g * sqh + key_channel(c, r, 1, D, KBITS), mask=head_ok, other=0.0).to(tl.float32)
+            reg = pack_half2(lo, hi, INTERP)
+            qb = qb + (reg,)
+            lo16, hi16 = _halves(reg)
+            qsum += lo16 + hi16
+        qsum += shfl_xor(qsum, 1, INTERP)
+        qsum += shfl_xor(qsum, 2, INTERP)  # sum of head g's fp16 query, in every lane of row g
+        qsum0 = shfl_idx(qsum, 8 * c, INTERP)  # heads 2c and 2c + 1: this lane's score columns
+        qsum1 = shfl_idx(qsum, 8 * c + 4, INTERP)
+        # ---- softmax state of heads 2c, 2c + 1 (m agrees across a column's lanes; l, the zero term and the accumulator
+        # are per lane until the end)
+        m0 = tl.full((32,), float("-inf"), tl.float32)
+        m1 = tl.full((32,), float("-inf"), tl.float32)
+        l0 = tl.zeros((32,), tl.float32)
+        l1 = tl.zeros((32,), tl.float32)
+        z0 = tl.zeros((32,), tl.float32)
+        z1 = tl.zeros((32,), tl.float32)
+        acc = ()  # O^T [D, heads]: m-tile i of 16 channels = (row g, heads 2c, 2c + 1), (row g + 8, same heads)
+        for i in tl.static_range(4 * MT):
+            acc = acc + (tl.zeros((32,), tl.float32),)
+        krow0 = kc_ptr + b * skb + h * skh
+        vrow0 = vc_ptr + b * svb + h * svh
+        ks_base = ks_ptr + b * sksb + h * sksh
+        kz_base = kz_ptr + b * sksb + h * sksh
+        vs_base = vs_ptr + b * svsb + h * svsh
+        vz_base = vz_ptr + b * svsb + h * svsh
+        # a tile's words are loaded one iteration ahead, into registers
+        kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, start, end, skt, svt, lane, D,
+                                       KBITS, VBITS)
+        for t0 in range(start, end, BLOCK_T):
+            kw, vw, sw = kw_n, vw_n, sw_n
+            kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0 + BLOCK_T, end, skt, svt,
+                                           lane, D, KBITS, VBITS)
+            # ---- scores S^T [tokens, heads] = K Q^T, two m-tiles of 16 tokens: the lane holds tokens g (j even) and
+            # g + 8 (j odd) of m-tile j // 2, heads 2c and 2c + 1; log2 domain
+            NWK: tl.constexpr = D * KBITS // 128
+            s = ()
+            mx0 = tl.full((32,), float("-inf"), tl.float32)
+            mx1 = tl.full((32,), float("-inf"), tl.float32)
+            for mt in tl.static_range(2):
+                top = ()
+                bot = ()
+                for w in tl.static_range(NWK):
+                    top = top + (kw[(2 * mt) * NWK + w],)
+                    bot = bot + (kw[(2 * mt + 1) * NWK + w],)
+                c0 = tl.zeros((32,), tl.float32)
+                c1 = tl.zeros((32,), tl.float32)
+                c2 = tl.zeros((32,), tl.float32)
+                c3 = tl.zeros((32,), tl.float32)
+                for kb in tl.static_range(KB):
+                    c0, c1, c2, c3 = mma16816(_key_register(top, 2 * kb, KBITS), _key_register(bot, 2 * kb, KBITS),
+                                              _key_register(top, 2 * kb + 1, KBITS), _key_register(bot, 2 * kb + 1, KBITS),
+                                              qb[2 * kb], qb[2 * kb + 1], c0, c1, c2, c3, INTERP)
+                for half in tl.static_range(2):
+                    ks = sw[8 * mt + 4 * half].to(tl.float32)  # 8-token block 2 mt + half
+                    kz = sw[8 * mt + 4 * half + 1].to(tl.float32)
+                    ok = t0 + 16 * mt + 8 * half + g < end
+                    if half == 0:
+                        ra = c0
+                        rb = c1
+                    else:
+                        ra = c2
+                        rb = c3
+                    # codes were n 2^-24: q.k = s (q.n) + z sum(q)
+                    sa = tl.where(ok, (ks * 16777216.0 * ra + kz * qsum0) * qk_scale, float("-inf"))
+                    sb = tl.where(ok, (ks * 16777216.0 * rb + kz * qsum1) * qk_scale, float("-inf"))
+                    s = s + (sa, sb)
+                    mx0 = tl.maximum(mx0, sa)
+                    mx1 = tl.maximum(mx1, sb)
+            for msk in tl.static_range(3):  # over the 8 lanes of a column (its tokens)
+                mx0 = tl.maximum(mx0, shfl_xor(mx0, 4 << msk, INTERP))
+                mx1 = tl.maximum(mx1, shfl_xor(mx1, 4 << msk, INTERP))
+            n0 = tl.maximum(m0, mx0)  # finite: a tile holds at least one valid token
+            n1 = tl.maximum(m1, mx1)
+            al0 = tl.exp2(m0 - n0)
+            al1 = tl.exp2(m1 - n1)
+            m0 = n0
+            m1 = n1
+            # ---- P^T (fp16, scaled by each token's value scale) as the value dot's B fragments: each 8 x 8 block of
+            # (tokens, heads) is transposed in registers (movmatrix)
+            pb = ()
+            ps0 = tl.zeros((32,), tl.float32)
+            ps1 = tl.zeros((32,), tl.float32)
+            z0 = z0 * al0
+            z1 = z1 * al1
+            for j in tl.static_range(4):
+                pa = tl.exp2(s[2 * j] - n0)
+                pbv = tl.exp2(s[2 * j + 1] - n1)
+                ps0 += pa
+                ps1 += pbv
+                vs = sw[4 * j + 2].to(tl.float32)
+                vz = sw[4 * j + 3].to(tl.float32)
+                z0 += pa * vz
+                z1 += pbv * vz
+                pb = pb + (transpose8(pack_half2(pa * vs, pbv * vs, INTERP), INTERP),)
+            l0 = l0 * al0 + ps0
+            l1 = l1 * al1 + ps1
+            # ---- values: O^T [D, heads] += V^T [D, 16 tokens] P^T, MT m-tiles of 16 channels x 2 k-blocks
+            NWV: tl.constexpr = D * VBITS // 256
+            new = ()
+            for i in tl.static_range(2 * MT):
+                new = new + (acc[2 * i] * al0, acc[2 * i + 1] * al1)
+            acc = new
+            for kb in tl.static_range(2):
+                lo_regs = ()  # tokens (2c, 2c + 1) of each chunk code
+                hi_regs = ()  # tokens (2c + 8, 2c + 9)
+                for w in tl.static_range(NWV):
+                    for k in tl.static_range(4):
+                        u0 = byte_pair(vw[(kb * 4 + 0) * NWV + w], vw[(kb * 4 + 1) * NWV + w], k, INTERP)
+                        u1 = byte_pair(vw[(kb * 4 + 2) * NWV + w], vw[(kb * 4 + 3) * NWV + w], k, INTERP)
+                        for mm in tl.static_range(VP):
+                            lo_regs = lo_regs + (u0 & ((((1 << VBITS) - 1) << (VBITS * mm)) * 0x10001),)
+                            hi_regs = hi_regs + (u1 & ((((1 << VBITS) - 1) << (VBITS * mm)) * 0x10001),)
+                new = ()
+                for i in tl.static_range(MT):  # rows g, g + 8 of m-tile i: chunk codes 2i, 2i + 1
+                    d0, d1, d2, d3 = mma16816(lo_regs[2 * i], lo_regs[2 * i + 1], hi_regs[2 * i], hi_regs[2 * i + 1],
+                                              pb[2 * kb], pb[2 * kb + 1], acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
+                                              acc[4 * i + 3], INTERP)
+                    new = new + (d0, d1, d2, d3)
+                acc = new
+        # ---- combine a column's lanes (l and the zero term were per lane), scale, store
+        for msk in tl.static_range(3):
+            l0 += shfl_xor(l0, 4 << msk, INTERP)
+            l1 += shfl_xor(l1, 4 << msk, INTERP)
+            z0 += shfl_xor(z0, 4 << msk, INTERP)
+            z1 += shfl_xor(z1, 4 << msk, INTERP)
+        h0 = 2 * c
+        out0 = acc_ptr + (part * G + h0) * D
+        out1 = out0 + D
+        for i in tl.static_range(2 * MT):
+            # chunk code i is code (i % VP) of a byte, masked at bit VBITS (i % VP): the register half is n 2^(VBITS (i % VP) - 24)
+            ch = value_channel(g, i, D)
+            tl.store(out0 + ch, acc[2 * i] * (16777216.0 / (1 << (VBITS * (i % VP)))) + z0, mask=h0 < G)
+            tl.store(out1 + ch, acc[2 * i + 1] * (16777216.0 / (1 << (VBITS * (i % VP)))) + z1, mask=h0 + 1 < G)
+        first = g == 0
+        tl.store(m_ptr + part * G + h0, m0, mask=first & (h0 < G))
+        tl.store(m_ptr + part * G + h0 + 1, m1, mask=first & (h0 + 1 < G))
+        tl.store(l_ptr + part * G + h0, l0, mask=first & (h0 < G))
+        tl.store(l_ptr + part * G + h0 + 1, l1, mask=first & (h0 + 1 < G))

@@ -163,6 +163,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+from kvcal.runtime.attention_frag import BLOCK_T as FRAG_BLOCK_T  # noqa: E402
+from kvcal.runtime.attention_frag import FRAG_PROGRAMS_PER_SM, frag_supported  # noqa: E402
 from kvcal.runtime.packing import _pow2, launch_device  # noqa: E402
 
 _KEY_CODE = {"affine_channels": 0, "affine_tokens": 1, "lut_static": 2}
@@ -185,6 +187,7 @@ PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lu
 FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which int caches take attention_frag's kernel by default
 
 if triton is not None:
+    from kvcal.runtime.attention_frag import _frag_decode_kernel
     from kvcal.runtime.packing import (
         lane_entry,
         load_words,
@@ -982,8 +985,6 @@ def _frag_applies(q, kv: PackedKV, group: int) -> bool:
     """Whether attention_frag's kernel takes this call: rtn-style int caches (affine keys and values, one fp16
     (scale, zero) per token and KV head, post-RoPE keys), fp16/bf16 queries, a GQA group of at most 8 heads, and
     scale rows with token stride 1."""
-    from kvcal.runtime.attention_frag import frag_supported
-
     if kv.key_format != "affine_channels" or kv.value_format != "affine_channels" or kv.rope_cos is not None:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or group > 8:
@@ -999,15 +1000,13 @@ def _frag_applies(q, kv: PackedKV, group: int) -> bool:
 def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, group: int, num_splits: int | None,
                  programs_per_sm: int, block_f: int | None, max_registers: int | None = None):
     """decode_attention_triton through attention_frag's register-fragment kernel (one warp per program)."""
-    from kvcal.runtime.attention_frag import BLOCK_T, FRAG_PROGRAMS_PER_SM, _frag_decode_kernel
-
     batch, hq, d = q.shape
     dev = q.device
     tcap = kv.k_codes.shape[2]
     # one wave: at most `programs_per_sm` programs per SM (168 registers: 12 one-warp programs fit), rounded down,
     # since a second partial wave costs a whole program's time
     nsplit = num_splits or max(1, min((programs_per_sm or FRAG_PROGRAMS_PER_SM) * _sm_count(dev) // (batch * hkv),
-                                      triton.cdiv(tcap, 4 * BLOCK_T)))
+                                      triton.cdiv(tcap, 4 * FRAG_BLOCK_T)))
     nf = fp_k.shape[2] if fp_k is not None else 0
     has_fp = nf > 0
     splits = nsplit + int(has_fp)
@@ -1026,7 +1025,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
             kc, *kc.stride()[:3], ks, kz, *ks.stride()[:2],
             vc, *vc.stride()[:3], vs, vz, *vs.stride()[:2],
             m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits,
-            D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=BLOCK_T, num_warps=1,
+            D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T, num_warps=1,
             **({"maxnreg": int(max_registers)} if max_registers else {}),
         )
         if has_fp:
@@ -1044,7 +1043,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
                             frag: bool | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
-    block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs),
+    block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs, programs_per_sm 16 for the tile kernel
+    and 12 for the fragment kernel, whose splits fill exactly one wave),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
     'angle', 'table' for float32 and float64 inputs: angle addition rotates by fl(p0 t) + fl(j t) instead of the table's
     fl((p0 + j) t): with Llama-3.1's frequencies up to 2e-3 rad apart below 32K positions and 8e-3 below 128K,
@@ -1055,7 +1055,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     default on where it applies, False: the float32 generic path), lut_ahead (lut_mma: load each tile's code words
     and key-outlier slots one iteration ahead into registers; default: only without value outliers, as measured
     at 32K x 8 on the H100, lut_ahead_default), frag (int caches with one scale per token and head: the
-    register-fragment kernel of attention_frag; default on where it applies, False: the tile kernel)."""
+    register-fragment kernel of attention_frag; default on where it applies, from FRAG_MIN_ROWS (row, KV head)
+    pairs and when no tile-kernel knob (block_t, num_warps, num_stages, prefetch, generic_keys) is given;
+    False: the tile kernel)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1130,7 +1132,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     # the fragment kernel by default from FRAG_MIN_ROWS (row, KV head) pairs: with fewer, each split is short and
     # its fixed per-program cost shows (H100, batch 1, 8 KV heads: 26.4 vs 19.5 us at 4K, 43.4 vs 34.5 at 32K;
     # batch 8 and 32: faster or equal, results/bench/decode-frag-h100.json)
-    want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS
+    # (and not when a tile-kernel knob is given: those ask for the tile kernel)
+    tile_knobs = any(x is not None for x in (block_t, num_warps, num_stages, prefetch)) or generic_keys
+    want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
     if has_packed and want_frag and _frag_applies(q, kv, group):
         return _decode_frag(q, kv, fp_k, fp_v, fp_valid, scale, hkv, group, nsplit if num_splits else None,
                             programs_per_sm, block_f, max_registers)

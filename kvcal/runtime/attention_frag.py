@@ -14,16 +14,17 @@ register arrays). Lane l = 4 g + c. The fragments of `mma.sync.aligned.m16n8k16.
 "Matrix Fragments for mma.m16n8k16"): A [16 x 16]: a0 = (row g, cols 2c, 2c + 1), a1 = (row g + 8, same cols),
 a2 = (row g, cols 2c + 8, 2c + 9), a3 = (row g + 8, cols 2c + 8, 2c + 9); B [16 x 8]: b0 = (rows 2c, 2c + 1, col g),
 b1 = (rows 2c + 8, 2c + 9, col g); C/D [16 x 8] fp32: (row g, cols 2c, 2c + 1), (row g + 8, cols 2c, 2c + 1).
-Rows of A are the GQA group's query heads (g < G; rows 8-15 stay zero), as in FlashAttention-2:
+The codes are always the A operand, so all 16 of its rows are real (the GQA group's heads, at most 8, are N):
 
-* scores S [heads, 8 tokens] = Q [heads, D] K^T [D, 8 tokens], one n-tile per 8 tokens: lane (g, c) holds, for
-  token g of the n-tile, the D / 4 channels of bytes [c D b / 32, (c + 1) D b / 32) of the token's code row, which
-  are exactly its b0/b1 registers of every k-block (the channel order of a dot's K axis is free: Q is loaded in
-  the same order, `key_channel`);
-* the scores' C fragment (head g, tokens 2c, 2c + 1) is the A fragment of P for the value dot (FlashAttention-2's
-  register reuse), so P never leaves its registers;
-* values O [heads, D] += P [heads, 16 tokens] V [16 tokens, D]: b0 / b1 pair two tokens (2c, 2c + 1 / 2c + 8,
-  2c + 9) of one channel, so lane g reads D b / 8 bits of four token rows and interleaves them byte-wise (prmt).
+* scores S^T [16 tokens, heads] = K Q^T: lane (g, c) holds tokens g and g + 8 of the m-tile and, for each, the
+  D / 4 channels of bytes [c D b / 32, (c + 1) D b / 32) of the token's code row, which are exactly its A registers
+  of every k-block (the channel order of a dot's K axis is free: Q's B fragments are loaded in the same order,
+  `key_channel`);
+* P: the scores' C fragment (token g, heads 2c, 2c + 1), scaled by each token's value scale and packed to fp16, is
+  transposed per 8 x 8 block in registers (`movmatrix`) into (head g, tokens 2c, 2c + 1), the B fragment of
+* values O^T [16 channels, heads] += V^T [16 channels, 16 tokens] P^T: a0 / a2 pair two tokens (2c, 2c + 1 /
+  2c + 8, 2c + 9) of one channel, so lane (g, c) reads D b / 8 bits of four token rows and interleaves them
+  byte-wise (`prmt`); its channels are lane row g's chunk of D / 8 (`value_channel`).
 
 A code n becomes an fp16 register half by masking it to bits [0, b) (or [4, 8) for the upper nibble of a byte):
 the half is then the subnormal n 2^-24 (n 2^-20), which the tensor cores multiply exactly; the 2^24 goes into the
@@ -149,14 +150,16 @@ if triton is not None:
 
     @triton.jit
     def key_channel(c, r, e, D: tl.constexpr, BITS: tl.constexpr):
-        """Channel held by half e of key register r (k-block r // 2; b0 for even r, b1 for odd) of lane column c:
-        register r is the code pair (i, i + P) of word w = r // P of the lane's D / 4 channels, i = r % P, P = 16 / b."""
+        """Channel held by half e of key register r of lane column c (k-block r // 2; a0 / a1 for even r, a2 / a3 for
+        odd, of the token rows g / g + 8; likewise Q's b0 / b1): register r is the code pair (i, i + P) of word
+        w = r // P of the lane's D / 4 channels, i = r % P, P = 16 / b."""
         P: tl.constexpr = 16 // BITS
         return c * (D // 4) + (r // P) * (32 // BITS) + (r % P) + e * P
 
     @triton.jit
     def value_channel(g, z, D: tl.constexpr):
-        """Channel of value n-tile z in column g (lane row g's chunk of D / 8 channels)."""
+        """Channel of chunk code z of lane row g (its chunk of D / 8 channels): row g (z even) or g + 8 (z odd) of the
+        value dot's m-tile z // 2."""
         return g * (D // 8) + z
 
     @triton.jit
@@ -205,7 +208,7 @@ if triton is not None:
         vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh,
         m_ptr, l_ptr, acc_ptr, HKV, qk_scale, S,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, INTERP: tl.constexpr,
-        BLOCK_T: tl.constexpr,
+        BLOCK_T: tl.constexpr,  # the module's BLOCK_T (32): the tile's 4 blocks of 8 tokens are unrolled below
     ):
         """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
         pid * S + split (S partials per row and head; a full-precision segment, if any, is the last: _fp_kernel)."""

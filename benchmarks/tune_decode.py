@@ -188,6 +188,11 @@ VARIANT_SETS["round21"] = [  # lut_mma: code words and key-outlier slots loaded 
     ("nuq", 4, {}), ("nuq", 4, {"lut_ahead": True}), ("nuq", 4, {"lut_mma": False}), ("nuq", 3, {}), ("nuq", 2, {}),
     ("nuq", 3, {"lut_ahead": True}), ("nuq", 2, {"lut_ahead": True}), ("int", 4, {}),
 ]
+VARIANT_SETS["round22"] = [  # attention_frag: vector code loads, and the occupancy by register cap (FRAG_OCCUPANCY);
+    # the round's L2-prefetch variants (frag_prefetch) were removed with the knob
+    ("int", 4, {}), ("int", 4, {"frag_vector": False}), ("int", 4, {"max_registers": 204, "programs_per_sm": 10}),
+    ("int", 2, {}), ("int", 2, {"frag_vector": False}), ("int", 2, {"programs_per_sm": 12}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 
@@ -211,6 +216,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1,
                     help="time the whole list (and SDPA) this many times, interleaved; report the median per variant")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    ap.add_argument("--flush", default="write", choices=("write", "read"),
+                    help="L2 flush before each call: zero 256 MB (do_bench's, leaves the L2 dirty) or read it")
     args = ap.parse_args(argv)
     if args.variants in VARIANT_SETS:
         variants = VARIANT_SETS[args.variants]
@@ -221,14 +228,16 @@ def main(argv=None):
     copy = copy_bandwidth(dev)
     sdpa_runs, runs = [], [[] for _ in variants]
     for rep in range(args.repeat):
-        sdpa_us, sdpa_bytes, backend = time_sdpa(args.batch, 32, 8, 128, args.context, graph=not args.eager)
+        sdpa_us, sdpa_bytes, backend = time_sdpa(args.batch, 32, 8, 128, args.context, graph=not args.eager,
+                                                 flush=args.flush)
         sdpa_runs.append(sdpa_us)
         print(f"{name} (pass {rep + 1}/{args.repeat}): copy {copy:.0f} GB/s; sdpa ({backend}) {sdpa_us:.1f} us "
               f"{sdpa_bytes / sdpa_us / 1e3:.0f} GB/s; SM clock {sm_clock()}", flush=True)
         for i, (codec, bits, opts) in enumerate(variants):
             t0 = time.time()
             try:
-                us, nbytes = time_kvcal(codec, bits, args.batch, 32, 8, 128, args.context, graph=not args.eager, **opts)
+                us, nbytes = time_kvcal(codec, bits, args.batch, 32, 8, 128, args.context, graph=not args.eager,
+                                         flush=args.flush, **opts)
             except Exception as e:  # keep going: one failing variant must not lose the others
                 print(f"{codec}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
@@ -247,7 +256,7 @@ def main(argv=None):
         r["pct_copy"] = 100 * r["gbps"] / copy
         r["speedup"] = sdpa_us / r["us"]
     res = dict(device=name, context=args.context, batch=args.batch, copy_gbps=copy, torch=torch.__version__,
-               timing="eager calls" if args.eager else "CUDA graph replays", repeat=args.repeat, rows=rows)
+               timing="eager calls" if args.eager else "CUDA graph replays", flush=args.flush, repeat=args.repeat, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

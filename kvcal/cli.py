@@ -289,6 +289,8 @@ def bench_decode_command(
     rep: int = typer.Option(100, help="do_bench repetition time in ms."),
     graph: bool = typer.Option(True, "--graph/--no-graph",
                                help="Time CUDA-graph replays (GPU time, the default) or eager calls (adds host launch cost)."),
+    flush: str = typer.Option("write", help="L2 flush before each timed call: 'write' (do_bench's: zeroes 256 MB, "
+                                             "leaving the L2 dirty) or 'read' (sums 256 MB, leaving it clean)."),
     json_out: Path | None = typer.Option(None, "--json", help="JSON path (default results/bench/decode-DEVICE.json)."),
 ):
     """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each packed codec, same run."""
@@ -296,14 +298,16 @@ def bench_decode_command(
 
     from kvcal.runtime import bench
 
-    if not torch.cuda.is_available():
-        raise KvcalError("kvcal bench decode needs a CUDA device")
     if dtype not in ("bfloat16", "float16"):
         raise KvcalError(f"--dtype must be bfloat16 or float16, got {dtype}")
+    if flush not in bench.FLUSHES:
+        raise KvcalError(f"--flush must be one of {', '.join(bench.FLUSHES)}, got {flush}")
+    if not torch.cuda.is_available():
+        raise KvcalError("kvcal bench decode needs a CUDA device")
     result = bench.run_decode_bench(
         contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)),
         codecs=tuple(codec or bench.CODECS), bits=tuple(bits or (4, 3, 2)), dtype=getattr(torch, dtype),
-        window=window, rep=rep, graph=graph)
+        window=window, rep=rep, graph=graph, flush=flush)
     result["command"] = invoked_command()
     out = json_out or Path("results") / "bench" / f"decode-{bench.device_slug(result['device'])}.json"
     write_json_atomic(out, result)

@@ -139,8 +139,13 @@ ATTENTION_CASES = [
     # attention_frag's register-fragment kernel (rtn layout: one scale per token and head), asked for explicitly
     # (its default needs 64 (row, KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the fp segment
     ("int4_frag_bf16", "int", 4, torch.bfloat16, {}, {"frag": True}, {}),
-    ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128}),
+    # 45 full-precision tokens: two programs of the fp launch (32 tokens each)
+    ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
     ("int4_frag_d128_g3_fp16", "int", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
+    # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: the look-ahead
+    # load past its end stays inside
+    ("int4_frag_whole_tiles_bf16", "int", 4, torch.bfloat16, {}, {"frag": True},
+     {"tcap": 96, "lengths": [96, 0, 70]}),
     ("int3_g32_fp16", "int", 3, torch.float16, {"group": 32}, {}, {}),
     ("int2_bf16", "int", 2, torch.bfloat16, {}, {}, {}),
     ("int4_g16_generic_fp16", "int", 4, torch.float16, {"group": 16}, {"generic_keys": True}, {}),
@@ -192,7 +197,7 @@ def run_attention_case(case, *, small=True, device="cpu"):
 
     name, codec, bits, dtype, cache_kw, kernel_kw, step_kw = case
     if small:
-        d, hkv, lengths, tcap, nfp = step_kw.get("d", 64), 2, [37, 0, 70], 80, 19
+        d, hkv, lengths, tcap, nfp = step_kw.get("d", 64), 2, step_kw.get("lengths", [37, 0, 70]), step_kw.get("tcap", 80), 19
         kernel_kw = {"num_splits": 2, "block_t": 16, **kernel_kw}
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128

@@ -35,6 +35,11 @@ def test_unknown_method(tmp_path):
     assert_one_line_error(kvcal("calibrate", "--method", "nope", "--model", "tiny-llama"), "unknown method 'nope'")
 
 
+def test_bench_decode_bad_flush():
+    # checked before the CUDA check, so CPU CI sees the message
+    assert_one_line_error(kvcal("bench", "decode", "--flush", "dirty"), "--flush must be one of write, read")
+
+
 def test_unknown_model(tmp_path):
     assert_one_line_error(kvcal("eval", "ppl", "--model", "gpt-9", "--method", "fp16"), "unknown model 'gpt-9'")
 

@@ -13,6 +13,7 @@ softmax over keys and values dequantized in float32 exactly as the reference doe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -73,6 +74,59 @@ def test_frag_kernel_takes_the_rtn_layout_only():
     assert not _frag_applies(q, build_cache("kivi", 4, [5, 0, 9], 2, 64, tcap=64), 4)
     assert not _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10, pre_rope=True), 4)
     assert not _frag_applies(q.float(), build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10), 4)
+
+
+class _Launched(Exception):
+    """Raised by a stand-in kernel: which kernel the dispatch launched, with its keyword arguments."""
+
+
+class _StandIn:
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise _Launched(self.name, kwargs)
+
+        return launch
+
+
+def _launched(monkeypatch, q, kv, fk, fv, valid, **kw):
+    """Name and constexpr arguments of the packed kernel decode_attention_triton launches (kernels stubbed)."""
+    import kvcal.runtime.attention as A
+
+    monkeypatch.setattr(A, "_frag_decode_kernel", _StandIn("frag"))
+    monkeypatch.setattr(A, "_decode_kernel", _StandIn("tile"))
+    with pytest.raises(_Launched) as info:
+        A.decode_attention_triton(q, kv, fk, fv, valid, 0.125, **kw)
+    return info.value.args
+
+
+def test_frag_dispatch_rules(monkeypatch):
+    """From FRAG_MIN_ROWS (row, KV head) pairs the fragment kernel is the default; a tile-kernel knob or frag=False
+    selects the tile kernel, frag=True forces the fragment kernel below the threshold; its code words are vector
+    loads only where every lane's words are aligned for them."""
+    import kvcal.runtime.attention as A
+    from tests.kernel_cases import build_cache, build_step
+
+    kv = build_cache("int", 4, [40, 33], 8, 64, tcap=48)  # 2 rows x 8 KV heads = 16 pairs
+    q, fk, fv, valid = build_step(2, 32, 8, 64, 5, torch.float16)
+    assert _launched(monkeypatch, q, kv, fk, fv, valid)[0] == "tile"  # below the threshold
+    assert _launched(monkeypatch, q, kv, fk, fv, valid, frag=True)[0] == "frag"
+    monkeypatch.setattr(A, "FRAG_MIN_ROWS", 16)
+    name, kwargs = _launched(monkeypatch, q, kv, fk, fv, valid)
+    assert name == "frag" and kwargs["VEC"] == 1  # D 64 x 4 bits: 2 words per lane, 8-byte aligned rows
+    assert kwargs["ROW_CLAMP"] == 1 and kwargs["maxnreg"] == 168  # 48 rows: not whole 32-token tiles; 4-bit cap
+    whole = build_cache("int", 4, [40, 33], 8, 64, tcap=64)
+    assert _launched(monkeypatch, q, whole, fk, fv, valid)[1]["ROW_CLAMP"] == 0
+    assert _launched(monkeypatch, q, kv, fk, fv, valid, frag_vector=False)[1]["VEC"] == 0
+    for knob in ({"block_t": 16}, {"num_warps": 2}, {"num_stages": 3}, {"prefetch": 0}, {"generic_keys": True},
+                 {"frag": False}):
+        assert _launched(monkeypatch, q, kv, fk, fv, valid, **knob)[0] == "tile", knob
+    # rows starting one word off the 8-byte alignment a lane's two-word load needs: scalar loads
+    shifted = dataclasses.replace(kv, k_codes=torch.zeros(2, 8, 48, 9, dtype=torch.int32)[..., 1:])
+    name, kwargs = _launched(monkeypatch, q, shifted, fk, fv, valid)
+    assert name == "frag" and kwargs["VEC"] == 0
 
 
 def test_lut_ahead_default_follows_value_outliers():

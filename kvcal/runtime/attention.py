@@ -164,7 +164,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 from kvcal.runtime.attention_frag import BLOCK_T as FRAG_BLOCK_T  # noqa: E402
-from kvcal.runtime.attention_frag import FRAG_PROGRAMS_PER_SM, frag_supported  # noqa: E402
+from kvcal.runtime.attention_frag import FRAG_OCCUPANCY, frag_supported  # noqa: E402
 from kvcal.runtime.packing import _pow2, launch_device  # noqa: E402
 
 _KEY_CODE = {"affine_channels": 0, "affine_tokens": 1, "lut_static": 2}
@@ -185,9 +185,11 @@ DEFAULTS = {
 # L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against 50 MB): int4 183 us at 4 ahead
 PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lut": 1}
 FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which int caches take attention_frag's kernel by default
+FRAG_OVERLAP_FP = True  # attention_frag: the fp-segment launch overlaps the fragment kernel's tail (sm_90 PDL)
+FRAG_FP_CHUNK = 32  # attention_frag: full-precision tokens per program of the separate fp-segment launch
 
 if triton is not None:
-    from kvcal.runtime.attention_frag import _frag_decode_kernel
+    from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
     from kvcal.runtime.packing import (
         lane_entry,
         load_words,
@@ -470,11 +472,11 @@ if triton is not None:
             return tl.load(vs_base + t * svst, mask=t < end, other=1.0), tl.load(vz_base + t * svst, mask=t < end, other=0.0)
 
     @triton.jit
-    def _fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, b, h, part, m_ptr, l_ptr,
+    def _fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F0, F, b, h, part, m_ptr, l_ptr,
                     acc_ptr, qk_scale, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
                     INTERP: tl.constexpr):
-        """The full-precision segment (sinks, window, residual; post-RoPE) of one (row, KV head): its softmax
-        partial (m, l, acc) into partial `part`. Shared by the packed-cache kernels."""
+        """Tokens [F0, F) of the full-precision segment (sinks, window, residual; post-RoPE) of one (row, KV head):
+        their softmax partial (m, l, acc) into partial `part`. Shared by the packed-cache kernels."""
         DT: tl.constexpr = q_row.dtype.element_ty
         ACC: tl.constexpr = m_ptr.dtype.element_ty
         dd = tl.arange(0, D)
@@ -483,12 +485,13 @@ if triton is not None:
         mf = tl.full((GPF,), float("-inf"), ACC)
         lf = tl.zeros((GPF,), ACC)
         af = tl.zeros((GPF, D), ACC)
-        for f0 in range(0, F, BLOCK_F):
+        for f0 in range(F0, F, BLOCK_F):
             f = f0 + tl.arange(0, BLOCK_F)
             fin = f < F
             ok = (tl.load(fval_ptr + b * sfvb + f, mask=fin, other=0) != 0) & fin
             fo = b * sfb + h * sfh + f[:, None] * sft + dd[None, :]
             kf = tl.load(fk_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
+            vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)  # issued with the keys: one wait, not two
             s = tl.where(ok[None, :], _dot(qx, tl.trans(kf), INTERP) * qk_scale, float("-inf"))
             m_new = tl.maximum(mf, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -496,7 +499,6 @@ if triton is not None:
             p = tl.exp2(s - m_use[:, None])
             lf = lf * alpha + tl.sum(p, 1)
             mf = m_new
-            vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
             p_hi = p.to(DT)  # p = p_hi + p_lo: two dots keep P at ~fp32 precision (F is small)
             p_lo = (p - p_hi.to(ACC)).to(DT)
             af = af * alpha[:, None] + _dot(p_hi, vf, INTERP) + _dot(p_lo, vf, INTERP)
@@ -506,15 +508,22 @@ if triton is not None:
 
     @triton.jit
     def _fp_kernel(q_ptr, sqb, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, m_ptr, l_ptr, acc_ptr, HKV,
-                   qk_scale, S, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
-                   INTERP: tl.constexpr):
-        """The full-precision segment alone, into the last of each (row, KV head)'s S partials: its own launch
-        where the packed kernel should not carry the segment's shared-memory tiles (attention_frag)."""
+                   qk_scale, S, CHUNK, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
+                   INTERP: tl.constexpr, WAIT_PRIOR: tl.constexpr):
+        """The full-precision segment alone, where the packed kernel should not carry the segment's shared-memory
+        tiles (attention_frag): program (row and KV head, j) takes tokens [j CHUNK, (j + 1) CHUNK), into partial
+        S - num_programs(1) + j of the row and head's S (chunks of a few tiles: one program walking a 128-token
+        window tile by tile took 10.5 us at 32K x 8 on the H100, most of it load latency)."""
         pid = tl.program_id(0)
+        j = tl.program_id(1)
         b = pid // HKV
         h = pid % HKV
-        _fp_segment(q_ptr + b * sqb + h * G * sqh, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, b, h,
-                    pid * S + S - 1, m_ptr, l_ptr, acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+        f0 = j * CHUNK
+        _fp_segment(q_ptr + b * sqb + h * G * sqh, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, f0,
+                    tl.minimum(F, f0 + CHUNK), b, h, pid * S + S - tl.num_programs(1) + j, m_ptr, l_ptr, acc_ptr,
+                    qk_scale, D, G, GPF, BLOCK_F, INTERP)
+        if WAIT_PRIOR:  # launched to overlap the fragment kernel: finish only after it, so the reduction sees both
+            wait_prior_grid()
 
     @triton.jit
     def _decode_kernel(
@@ -843,7 +852,7 @@ if triton is not None:
                 tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
         if HAS_FP:
             if split == NSPLIT:  # the full-precision segment (sinks, window, residual), post-RoPE
-                _fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, b, h, part, m_ptr, l_ptr,
+                _fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
                             acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
 
     @triton.jit
@@ -998,18 +1007,23 @@ def _frag_applies(q, kv: PackedKV, group: int) -> bool:
 
 
 def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, group: int, num_splits: int | None,
-                 programs_per_sm: int, block_f: int | None, max_registers: int | None = None):
+                 programs_per_sm: int, block_f: int | None, max_registers: int | None = None,
+                 frag_vector: bool | None = None, fp_chunk: int | None = None, overlap_fp: bool | None = None):
     """decode_attention_triton through attention_frag's register-fragment kernel (one warp per program)."""
     batch, hq, d = q.shape
     dev = q.device
     tcap = kv.k_codes.shape[2]
-    # one wave: at most `programs_per_sm` programs per SM (168 registers: 12 one-warp programs fit), rounded down,
-    # since a second partial wave costs a whole program's time
-    nsplit = num_splits or max(1, min((programs_per_sm or FRAG_PROGRAMS_PER_SM) * _sm_count(dev) // (batch * hkv),
+    # one wave: at most `programs_per_sm` programs per SM (FRAG_OCCUPANCY: 12 at 4 bits under a 168-register cap, 16
+    # at 2 bits under 128), rounded down, since a second partial wave costs a whole program's time
+    default_programs, default_registers = FRAG_OCCUPANCY[max(kv.key_bits, kv.value_bits)]
+    max_registers = max_registers or default_registers
+    nsplit = num_splits or max(1, min((programs_per_sm or default_programs) * _sm_count(dev) // (batch * hkv),
                                       triton.cdiv(tcap, 4 * FRAG_BLOCK_T)))
     nf = fp_k.shape[2] if fp_k is not None else 0
     has_fp = nf > 0
-    splits = nsplit + int(has_fp)
+    fp_chunk = FRAG_FP_CHUNK if fp_chunk is None else int(fp_chunk)
+    fsplit = triton.cdiv(nf, fp_chunk) if has_fp else 0
+    splits = nsplit + fsplit
     m_part = torch.empty(batch * hkv, splits, group, dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(batch * hkv, splits, group, d, dtype=torch.float32, device=dev)
@@ -1018,20 +1032,36 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     ks, kz = _same_layout(kv.k_scale, kv.k_zero)
     vs, vz = _same_layout(kv.v_scale, kv.v_zero)
     fk, fv, fval, f_strides, sfvb = _fp_args(fp_k, fp_v, fp_valid, has_fp, dev)
+    kc_strides, vc_strides = kc.stride()[:3], vc.stride()[:3]
+    # vector loads: each lane's words of a row start 16 (keys) / 4 NWV (values) bytes apart; the row starts and the
+    # base must keep that alignment
+    kvec, vvec = min(4, d * kv.key_bits // 128), min(4, d * kv.value_bits // 256)
+    vec_ok = _word_alignment(kc, kc_strides) >= kvec and _word_alignment(vc, vc_strides) >= vvec
+    vec = vec_ok if frag_vector is None else bool(frag_vector) and vec_ok
+    # tiles start at multiples of FRAG_BLOCK_T: buffers of whole tiles let the kernel clamp tiles, not rows
+    row_clamp = tcap % FRAG_BLOCK_T != 0 or tcap == 0
     with launch_device(q):
         interp = os.environ.get("TRITON_INTERPRET") == "1"
         _frag_decode_kernel[(batch * hkv, nsplit)](
             q, q.stride(0), q.stride(1), kv.lengths.to(device=dev, dtype=torch.int32),
-            kc, *kc.stride()[:3], ks, kz, *ks.stride()[:2],
-            vc, *vc.stride()[:3], vs, vz, *vs.stride()[:2],
-            m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits,
-            D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T, num_warps=1,
+            kc, *kc_strides, ks, kz, *ks.stride()[:2],
+            vc, *vc_strides, vs, vz, *vs.stride()[:2],
+            m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0),
+            D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T,
+            VEC=int(vec), ROW_CLAMP=int(row_clamp), num_warps=1,
             **({"maxnreg": int(max_registers)} if max_registers else {}),
         )
         if has_fp:
-            _fp_kernel[(batch * hkv,)](q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, m_part, l_part,
-                                       acc_part, hkv, float(scale) * LOG2E, splits, D=d, G=group,
-                                       GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16, INTERP=interp, num_warps=1)
+            # programmatic dependent launch (sm_90): the window's programs start in the slots of fragment programs
+            # that finish early instead of after the whole kernel; they read only what was ready before it
+            # (launching the reduction the same way gained nothing measurable: 123.8 against 123.1-123.3 us)
+            overlap = FRAG_OVERLAP_FP if overlap_fp is None else overlap_fp
+            pdl = overlap and not interp and _bulk_prefetch_supported(dev)
+            _fp_kernel[(batch * hkv, fsplit)](q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, m_part,
+                                              l_part, acc_part, hkv, float(scale) * LOG2E, splits, fp_chunk, D=d,
+                                              G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
+                                              INTERP=interp, WAIT_PRIOR=int(pdl), num_warps=1,
+                                              **({"launch_pdl": True} if pdl else {}))
         _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
     return out
 
@@ -1041,10 +1071,10 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int | None = None,
                             block_f: int | None = None, max_registers: int | None = None,
                             prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
-                            frag: bool | None = None):
+                            frag: bool | None = None, frag_vector: bool | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs, programs_per_sm 16 for the tile kernel
-    and 12 for the fragment kernel, whose splits fill exactly one wave),
+    and, for the fragment kernel, whose splits fill exactly one wave, FRAG_OCCUPANCY's: 12 at 4 bits, 16 at 2 bits),
     num_warps, num_stages, max_registers, block_f (fp-segment tile), rope_mode ('angle' | 'table'; default
     'angle', 'table' for float32 and float64 inputs: angle addition rotates by fl(p0 t) + fl(j t) instead of the table's
     fl((p0 + j) t): with Llama-3.1's frequencies up to 2e-3 rad apart below 32K positions and 8e-3 below 128K,
@@ -1057,7 +1087,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     at 32K x 8 on the H100, lut_ahead_default), frag (int caches with one scale per token and head: the
     register-fragment kernel of attention_frag; default on where it applies, from FRAG_MIN_ROWS (row, KV head)
     pairs and when no tile-kernel knob (block_t, num_warps, num_stages, prefetch, generic_keys) is given;
-    False: the tile kernel)."""
+    False: the tile kernel), frag_vector (the fragment kernel loads each lane's code words with one vector load;
+    default on where the rows are aligned for it, False: one load per word)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1137,7 +1168,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
     if has_packed and want_frag and _frag_applies(q, kv, group):
         return _decode_frag(q, kv, fp_k, fp_v, fp_valid, scale, hkv, group, nsplit if num_splits else None,
-                            programs_per_sm, block_f, max_registers)
+                            programs_per_sm, block_f, max_registers, frag_vector)
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles
         # except on the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)

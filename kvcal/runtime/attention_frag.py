@@ -41,7 +41,12 @@ except ImportError:  # pragma: no cover
 
 FRAG_BITS = (2, 4)
 BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
-FRAG_PROGRAMS_PER_SM = 12  # 168 registers per lane (sm_90, Triton 3.6): 12 one-warp programs fit in 64K registers
+# One-warp programs per SM and the register cap that lets them fit in the SM's 64K registers, by the wider of the key
+# and value widths. Without a cap ptxas (Triton 3.6, sm_90) gave 4-bit codes 204 registers once the tile's rows became
+# one pointer plus uniform offsets (10 programs: a second wave, int4 171.7 us at 32K x 8), 158 with the cap of 168
+# (127.2 us); 2-bit codes take 128 uncapped, so 16 fit (94.4 us against 97.0 at 12; H100,
+# results/bench/tune-h100-round22-frag-occupancy.json).
+FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 
 def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
@@ -115,6 +120,38 @@ if triton is not None:
                                              is_pure=True, pack=1)
 
     @triton.jit
+    def load_words(ptr, N: tl.constexpr, INTERP: tl.constexpr):
+        """N consecutive int32 words from each lane's `ptr` (4 N-byte aligned; N = 1, 2 or 4) as a tuple: one
+        vector load (ld.global.nc.v2 / v4) instead of N scalar ones, whose warp-wide loads would each touch every
+        sector of the rows and use a quarter of it (a lane's words are 16 bytes apart from the next lane's)."""
+        if INTERP or N == 1:
+            words = ()
+            for w in tl.static_range(N):
+                words = words + (tl.load(ptr + w),)
+            return words
+        elif N == 2:
+            return tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [ptr.to(tl.int64)],
+                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                             [ptr.to(tl.int64)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def launch_dependents():
+        """Programmatic dependent launch (sm_90): the next kernel, if launched with launch_pdl, may start once every
+        program of this one has run this (a no-op otherwise)."""
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def wait_prior_grid():
+        """Block until the kernel before this one in the stream has completed and its writes are visible (a no-op
+        when this kernel was not launched with launch_pdl)."""
+        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+    @triton.jit
     def _emulated_a(x0, x1):
         """A fragment registers (row g, cols 2c + e) and (row g, cols 8 + 2c + e) -> the 8 x 16 matrix rows."""
         lo0, hi0 = _halves(x0)
@@ -173,26 +210,47 @@ if triton is not None:
             return (words[r // P] >> SHIFT) & MASK
 
     @triton.jit
-    def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, skt, svt, lane,
-                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
+    def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, tlast, skt, svt, lane,
+                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VEC: tl.constexpr,
+                    ROW_CLAMP: tl.constexpr, INTERP: tl.constexpr):
         """A tile's key words [8-token block][word], value words [k-block][row][word] and fp16 (scale, zero) of keys and
-        values per 8-token block, for this lane. Rows past `end` read the last valid row (their scores are masked)."""
+        values per 8-token block, for this lane. Rows past `end` are read but their scores are masked. ROW_CLAMP: each
+        row index is clamped to the split's last row; else (the host checked that the code buffers hold whole tiles)
+        only the tile's first row, to `tlast` (the buffers' last tile, reached by look-ahead loads past the end), so
+        the rows are one pointer plus offsets that do not change from tile to tile."""
         g = lane // 4
         c = lane % 4
         NWK: tl.constexpr = D * KBITS // 128  # words of a key row per lane column
         NWV: tl.constexpr = D * VBITS // 256  # words of a value row per lane row
         last = tl.maximum(end - 1, 0)
+        # without row clamps: one lane pointer per side and tile, rows reached by offsets uniform over the warp
+        tbase = tl.minimum(t0, tlast)
+        klane = krow0 + (tbase * skt + g * skt + c * NWK)
+        vlane = vrow0 + (tbase * svt + 2 * c * svt + g * NWV)
         kw = ()
         for j in tl.static_range(4):
-            t = tl.minimum(t0 + 8 * j + g, last)
-            for w in tl.static_range(NWK):
-                kw = kw + (tl.load(krow0 + t * skt + c * NWK + w),)
+            if ROW_CLAMP:
+                kptr = krow0 + tl.minimum(t0 + 8 * j + g, last) * skt + c * NWK
+            else:
+                kptr = klane + 8 * j * skt
+            if VEC:
+                kw = kw + load_words(kptr, NWK, INTERP)
+            else:
+                for w in tl.static_range(NWK):
+                    kw = kw + (tl.load(kptr + w),)
         vw = ()
         for kb in tl.static_range(2):
             for r in tl.static_range(4):
-                t = tl.minimum(t0 + 16 * kb + 2 * c + (r % 2) + 8 * (r // 2), last)
-                for w in tl.static_range(NWV):
-                    vw = vw + (tl.load(vrow0 + t * svt + g * NWV + w),)
+                row = 16 * kb + 2 * c + (r % 2) + 8 * (r // 2)
+                if ROW_CLAMP:
+                    vptr = vrow0 + tl.minimum(t0 + row, last) * svt + g * NWV
+                else:
+                    vptr = vlane + (16 * kb + (r % 2) + 8 * (r // 2)) * svt
+                if VEC:
+                    vw = vw + load_words(vptr, NWV, INTERP)
+                else:
+                    for w in tl.static_range(NWV):
+                        vw = vw + (tl.load(vptr + w),)
         sw = ()
         for j in tl.static_range(4):  # tokens t0 + 8j + g: row g (j even) or g + 8 (j odd) of m-tile j // 2
             t = t0 + 8 * j + g
@@ -206,12 +264,16 @@ if triton is not None:
         q_ptr, sqb, sqh, len_ptr,
         kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh,
         vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh,
-        m_ptr, l_ptr, acc_ptr, HKV, qk_scale, S,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale, S, TLAST,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, INTERP: tl.constexpr,
         BLOCK_T: tl.constexpr,  # the module's BLOCK_T (32): the tile's 4 blocks of 8 tokens are unrolled below
+        VEC: tl.constexpr,  # code words by vector loads (the host checked the alignment of rows and base)
+        ROW_CLAMP: tl.constexpr,  # clamp every code row (buffers not a whole number of tiles) or only tiles (TLAST)
     ):
         """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
         pid * S + split (S partials per row and head; a full-precision segment, if any, is the last: _fp_kernel)."""
+        if not INTERP:  # the window kernel after this one may start in the slots of programs that finish early
+            launch_dependents()
         pid = tl.program_id(0)
         split = tl.program_id(1)
         NSPLIT = tl.num_programs(1)
@@ -262,12 +324,12 @@ if triton is not None:
         vs_base = vs_ptr + b * svsb + h * svsh
         vz_base = vz_ptr + b * svsb + h * svsh
         # a tile's words are loaded one iteration ahead, into registers
-        kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, start, end, skt, svt, lane, D,
-                                       KBITS, VBITS)
+        kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, start, end, TLAST, skt, svt,
+                                       lane, D, KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
         for t0 in range(start, end, BLOCK_T):
             kw, vw, sw = kw_n, vw_n, sw_n
-            kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0 + BLOCK_T, end, skt, svt,
-                                           lane, D, KBITS, VBITS)
+            kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0 + BLOCK_T, end, TLAST,
+                                           skt, svt, lane, D, KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
             # ---- scores S^T [tokens, heads] = K Q^T, two m-tiles of 16 tokens: the lane holds tokens g (j even) and
             # g + 8 (j odd) of m-tile j // 2, heads 2c and 2c + 1; log2 domain
             NWK: tl.constexpr = D * KBITS // 128

@@ -4,8 +4,9 @@ in the same process, with the bandwidth each kernel achieves from the bytes it m
 
 Speed does not depend on the values, so caches are random (random code words, random fp16 scales, random
 outlier positions); nothing is ever timed on zeros. Times are medians of triton.testing.do_bench, which
-flushes the L2 cache before every call, so each call reads its cache from HBM; by default the call is replayed
-from a CUDA graph, so the time is the GPU's (see time_device).
+flushes the L2 cache before every call (by zeroing 256 MB; `flush="read"` sums the buffer instead, leaving clean
+lines), so each call reads its cache from HBM; by default the call is replayed from a CUDA graph, so the time is the
+GPU's (see time_device).
 
 Codecs (the shapes the runtime stores):
   int<b>:  affine_channels keys and values, one fp16 (scale, zero) per token, head and group of head_dim
@@ -18,6 +19,7 @@ Each codec keeps a full-precision window of `window` tokens (the rest of the con
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 
 import torch
@@ -123,16 +125,54 @@ def _sdpa(q4, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True), "default"
 
 
-def time_device(fn, warmup=25, rep=100, graph=True) -> float:
+FLUSHES = ("write", "read")
+
+
+def _read_flush_bench(fn, warmup_ms: float, rep_ms: float) -> float:
+    """do_bench's loop with a read-only L2 flush: summing a 256 MB buffer evicts the cache and leaves it holding
+    clean lines, as a decode step finds it after the previous layer's GEMMs (which read weights and write little).
+    do_bench's own flush zeroes that buffer, leaving 50 MB of dirty lines that the timed call then pays to write
+    back (H100, 32K x 8: 9.2 us for int4 and 11.3 us for SDPA; results/bench/decode-read-flush-h100-80gb-hbm3.json
+    against decode-h100-80gb-hbm3.json)."""
+    buf = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        buf.sum()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = start.elapsed_time(end) / 5
+    n_warmup, n_rep = max(1, int(warmup_ms / est)), max(1, int(rep_ms / est))
+    for _ in range(n_warmup):
+        buf.sum()
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for i in range(n_rep):
+        buf.sum()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_device(fn, warmup=25, rep=100, graph=True, flush: str = "write") -> float:
     """Median time of fn() in ms (triton.testing.do_bench, L2 flushed before every call). graph=True replays
     fn captured in a CUDA graph, as the decode loop runs it (`kvcal generate --graph`): the time is then the
     GPU's alone. Without a graph, the host side of a decode-attention call (about 220 us on the H100 machine,
     benchmarks/host_overhead.py) overlaps the kernel only as long as do_bench's L2 flush keeps the GPU busy:
-    the int4 kernel (~141-149 us replayed) read 150 to 368 us from one eager pass to the next."""
+    the int4 kernel (~141-149 us replayed) read 150 to 368 us from one eager pass to the next.
+    flush: "write" (do_bench's: the flush buffer is zeroed, leaving the L2 dirty) or "read" (_read_flush_bench)."""
     import triton.testing
 
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    bench = (triton.testing.do_bench if flush == "write"
+             else lambda f, warmup, rep, return_mode: _read_flush_bench(f, warmup, rep))
     if not graph:
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+        return bench(fn, warmup=warmup, rep=rep, return_mode="median")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and allocate outside the capture
@@ -142,10 +182,11 @@ def time_device(fn, warmup=25, rep=100, graph=True) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
+    return bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
-def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", warmup=25, rep=100, graph=True):
+def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", warmup=25, rep=100, graph=True,
+              flush: str = "write"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator(device=device).manual_seed(1)
@@ -161,13 +202,13 @@ def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", 
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    ms = time_device(step, warmup, rep, graph)
+    ms = time_device(step, warmup, rep, graph, flush)
     nbytes = _nbytes(q) * 2 + _nbytes(k) + _nbytes(v)
     return ms * 1e3, nbytes, backend
 
 
 def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
-               warmup=25, rep=100, kv: PackedKV | None = None, graph: bool = True, **options):
+               warmup=25, rep=100, kv: PackedKV | None = None, graph: bool = True, flush: str = "write", **options):
     """Median time (us) of one decode step over `tokens` tokens (tokens - window packed + window fp), and
     the bytes it must read. `kv` replaces the random cache of the codec (e.g. one with parts removed)."""
     window = min(window, tokens)
@@ -182,7 +223,8 @@ def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=to
     out = decode_attention_triton(q, kv, fk, fv, valid, scale, **options)
     if not torch.isfinite(out.float()).all():
         raise RuntimeError(f"{codec}{bits}: non-finite output")
-    ms = time_device(lambda: decode_attention_triton(q, kv, fk, fv, valid, scale, **options), warmup, rep, graph)
+    ms = time_device(lambda: decode_attention_triton(q, kv, fk, fv, valid, scale, **options), warmup, rep, graph,
+                     flush)
     nbytes = packed_bytes(kv) + _nbytes(fk) + _nbytes(fv) + _nbytes(valid) + 2 * _nbytes(q)
     return ms * 1e3, nbytes
 
@@ -190,7 +232,7 @@ def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=to
 def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), codecs=CODECS, bits=(4, 3, 2),
                      hq: int = 32, hkv: int = 8, dim: int = 128, window: int = 128, dtype=torch.bfloat16,
                      device="cuda", warmup: int = 25, rep: int = 100, options: dict | None = None,
-                     log=print, graph: bool = True) -> dict:
+                     log=print, graph: bool = True, flush: str = "write") -> dict:
     """Benchmark grid; returns a JSON-ready dict (device, versions, copy bandwidth, one row per
     (context, batch, method)). options: {codec or codec+bits: kwargs for decode_attention_triton}."""
     import triton
@@ -208,7 +250,7 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
             if 3 * sdpa_bytes > free:
                 log(f"skip context {tokens} batch {batch}: {sdpa_bytes / 1e9:.1f} GB of fp16 K/V")
                 continue
-            us, nbytes, backend = time_sdpa(batch, hq, hkv, dim, tokens, dtype, device, warmup, rep, graph)
+            us, nbytes, backend = time_sdpa(batch, hq, hkv, dim, tokens, dtype, device, warmup, rep, graph, flush)
             base = dict(context=tokens, batch=batch)
             rows.append(dict(base, method="sdpa", bits=16, backend=backend, us=us, bytes=nbytes,
                              gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy, speedup=1.0))
@@ -219,7 +261,8 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
                     opts = dict(options.get(codec, {}), **options.get(f"{codec}{b}", {}))
                     t0 = time.time()
                     kus, kbytes = time_kvcal(codec, b, batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
-                                             device=device, warmup=warmup, rep=rep, graph=graph, **opts)
+                                             device=device, warmup=warmup, rep=rep, graph=graph, flush=flush,
+                                             **opts)
                     gbps = kbytes / kus / 1e3
                     rows.append(dict(base, method=codec, bits=b, us=kus, bytes=kbytes, gbps=gbps,
                                      pct_copy=100 * gbps / copy, speedup=us / kus, options=opts))
@@ -230,7 +273,9 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
         device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), dtype=str(dtype).replace("torch.", ""), hq=hq, hkv=hkv, head_dim=dim,
         window=window, copy_gbps=copy,
-        timing="triton.testing.do_bench median (L2 flushed before each call)"
+        flush=flush,
+        timing=("triton.testing.do_bench median (L2 flushed before each call by zeroing 256 MB)" if flush == "write"
+                else "median as do_bench, the L2 flushed before each call by reading 256 MB (left clean)")
                + (" of a CUDA graph replay (GPU time only)" if graph else ", eager calls (host launch cost included)"),
         kernel_defaults={k: dict(zip(("block_t", "num_warps", "num_stages", "max_registers"), v))
                          for k, v in KERNEL_DEFAULTS.items()},

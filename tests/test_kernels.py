@@ -117,6 +117,7 @@ def test_frag_dispatch_rules(monkeypatch):
     name, kwargs = _launched(monkeypatch, q, kv, fk, fv, valid)
     assert name == "frag" and kwargs["VEC"] == 1  # D 64 x 4 bits: 2 words per lane, 8-byte aligned rows
     assert kwargs["ROW_CLAMP"] == 1 and kwargs["maxnreg"] == 168  # 48 rows: not whole 32-token tiles; 4-bit cap
+    assert kwargs["PDL"] == 0  # griddepcontrol only on sm_90+ GPUs
     whole = build_cache("int", 4, [40, 33], 8, 64, tcap=64)
     assert _launched(monkeypatch, q, whole, fk, fv, valid)[1]["ROW_CLAMP"] == 0
     assert _launched(monkeypatch, q, kv, fk, fv, valid, frag_vector=False)[1]["VEC"] == 0

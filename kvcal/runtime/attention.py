@@ -890,8 +890,9 @@ def lut_ahead_default(vcap: int, lut_ahead: bool | None = None) -> bool:
     return bool(lut_ahead) if lut_ahead is not None else vcap == 0
 
 
-def _bulk_prefetch_supported(device) -> bool:
-    """cp.async.bulk.prefetch.L2 needs sm_90 or newer (and a real GPU: the interpreter has no inline asm).
+def _sm90_or_newer(device) -> bool:
+    """Whether the device is sm_90 or newer, as cp.async.bulk.prefetch.L2 and griddepcontrol (programmatic dependent
+    launch) need (and a real GPU: the interpreter has no inline asm).
     Looked up once per device: this runs on every decode-attention call."""
     if device.type != "cuda":
         return False
@@ -1040,23 +1041,24 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     vec = vec_ok if frag_vector is None else bool(frag_vector) and vec_ok
     # tiles start at multiples of FRAG_BLOCK_T: buffers of whole tiles let the kernel clamp tiles, not rows
     row_clamp = tcap % FRAG_BLOCK_T != 0 or tcap == 0
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    # programmatic dependent launch (sm_90; griddepcontrol does not assemble for older targets): the window's
+    # programs start in the slots of fragment programs that finish early instead of after the whole kernel; they
+    # read only what was ready before it (launching the reduction the same way gained nothing measurable: 123.8
+    # against 123.1-123.3 us)
+    overlap = FRAG_OVERLAP_FP if overlap_fp is None else overlap_fp
+    pdl = bool(overlap and has_fp and not interp and _sm90_or_newer(dev))
     with launch_device(q):
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
         _frag_decode_kernel[(batch * hkv, nsplit)](
             q, q.stride(0), q.stride(1), kv.lengths.to(device=dev, dtype=torch.int32),
             kc, *kc_strides, ks, kz, *ks.stride()[:2],
             vc, *vc_strides, vs, vz, *vs.stride()[:2],
             m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0),
             D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T,
-            VEC=int(vec), ROW_CLAMP=int(row_clamp), num_warps=1,
+            VEC=int(vec), ROW_CLAMP=int(row_clamp), PDL=int(pdl), num_warps=1,
             **({"maxnreg": int(max_registers)} if max_registers else {}),
         )
         if has_fp:
-            # programmatic dependent launch (sm_90): the window's programs start in the slots of fragment programs
-            # that finish early instead of after the whole kernel; they read only what was ready before it
-            # (launching the reduction the same way gained nothing measurable: 123.8 against 123.1-123.3 us)
-            overlap = FRAG_OVERLAP_FP if overlap_fp is None else overlap_fp
-            pdl = overlap and not interp and _bulk_prefetch_supported(dev)
             _fp_kernel[(batch * hkv, fsplit)](q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, m_part,
                                               l_part, acc_part, hkv, float(scale) * LOG2E, splits, fp_chunk, D=d,
                                               G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
@@ -1251,7 +1253,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     kalign, valign = _word_alignment(kc, kc_strides), _word_alignment(vc, vc_strides)  # 16-byte rows: 4 words
     if has_packed:
         krow, vrow = 4 * kc.shape[-1], 4 * vc.shape[-1]
-        can = (_bulk_prefetch_supported(dev) and krow % 16 == 0 and vrow % 16 == 0
+        can = (_sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0
                and kc_strides[2] == kc.shape[-1] and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
         prefetch_tiles = (PREFETCH_DEFAULTS[path] if prefetch is None else int(prefetch)) if can else 0
     qk_hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]  # float32 part; the rest as qk_lo

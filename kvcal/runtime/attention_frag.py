@@ -269,10 +269,12 @@ if triton is not None:
         BLOCK_T: tl.constexpr,  # the module's BLOCK_T (32): the tile's 4 blocks of 8 tokens are unrolled below
         VEC: tl.constexpr,  # code words by vector loads (the host checked the alignment of rows and base)
         ROW_CLAMP: tl.constexpr,  # clamp every code row (buffers not a whole number of tiles) or only tiles (TLAST)
+        PDL: tl.constexpr,  # sm_90+: let the window kernel launched after this one start early (griddepcontrol)
     ):
         """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
-        pid * S + split (S partials per row and head; a full-precision segment, if any, is the last: _fp_kernel)."""
-        if not INTERP:  # the window kernel after this one may start in the slots of programs that finish early
+        pid * S + split (S partials per row and head; those of a full-precision segment, if any, are the last ones:
+        _fp_kernel)."""
+        if PDL:  # the window kernel after this one may start in the slots of programs that finish early
             launch_dependents()
         pid = tl.program_id(0)
         split = tl.program_id(1)

@@ -142,8 +142,9 @@ ATTENTION_CASES = [
     # 45 full-precision tokens: two programs of the fp launch (32 tokens each)
     ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
     ("int4_frag_d128_g3_fp16", "int", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
-    # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: the look-ahead
-    # load past its end stays inside
+    # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: its last tile
+    # is read from the clamped tile start (where the look-ahead past the end is clamped too; an out-of-bounds read
+    # would only show as a fault on a GPU)
     ("int4_frag_whole_tiles_bf16", "int", 4, torch.bfloat16, {}, {"frag": True},
      {"tcap": 96, "lengths": [96, 0, 70]}),
     ("int3_g32_fp16", "int", 3, torch.float16, {"group": 32}, {}, {}),

@@ -185,7 +185,8 @@ DEFAULTS = {
 # L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against 50 MB): int4 183 us at 4 ahead
 PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lut": 1}
 FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which int caches take attention_frag's kernel by default
-FRAG_OVERLAP_FP = True  # attention_frag: the fp-segment launch overlaps the fragment kernel's tail (sm_90 PDL)
+# attention_frag: the fp-segment launch overlaps the fragment kernel's tail (sm_90 PDL); a switch for A/B timing
+FRAG_OVERLAP_FP = True
 FRAG_FP_CHUNK = 32  # attention_frag: full-precision tokens per program of the separate fp-segment launch
 
 if triton is not None:
@@ -1009,7 +1010,7 @@ def _frag_applies(q, kv: PackedKV, group: int) -> bool:
 
 def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, group: int, num_splits: int | None,
                  programs_per_sm: int, block_f: int | None, max_registers: int | None = None,
-                 frag_vector: bool | None = None, fp_chunk: int | None = None, overlap_fp: bool | None = None):
+                 frag_vector: bool | None = None):
     """decode_attention_triton through attention_frag's register-fragment kernel (one warp per program)."""
     batch, hq, d = q.shape
     dev = q.device
@@ -1022,8 +1023,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
                                       triton.cdiv(tcap, 4 * FRAG_BLOCK_T)))
     nf = fp_k.shape[2] if fp_k is not None else 0
     has_fp = nf > 0
-    fp_chunk = FRAG_FP_CHUNK if fp_chunk is None else int(fp_chunk)
-    fsplit = triton.cdiv(nf, fp_chunk) if has_fp else 0
+    fsplit = triton.cdiv(nf, FRAG_FP_CHUNK) if has_fp else 0
     splits = nsplit + fsplit
     m_part = torch.empty(batch * hkv, splits, group, dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
@@ -1046,8 +1046,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     # programs start in the slots of fragment programs that finish early instead of after the whole kernel; they
     # read only what was ready before it (launching the reduction the same way gained nothing measurable: 123.8
     # against 123.1-123.3 us)
-    overlap = FRAG_OVERLAP_FP if overlap_fp is None else overlap_fp
-    pdl = bool(overlap and has_fp and not interp and _sm90_or_newer(dev))
+    pdl = bool(FRAG_OVERLAP_FP and has_fp and not interp and _sm90_or_newer(dev))
     with launch_device(q):
         _frag_decode_kernel[(batch * hkv, nsplit)](
             q, q.stride(0), q.stride(1), kv.lengths.to(device=dev, dtype=torch.int32),
@@ -1060,7 +1059,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
         )
         if has_fp:
             _fp_kernel[(batch * hkv, fsplit)](q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, m_part,
-                                              l_part, acc_part, hkv, float(scale) * LOG2E, splits, fp_chunk, D=d,
+                                              l_part, acc_part, hkv, float(scale) * LOG2E, splits, FRAG_FP_CHUNK, D=d,
                                               G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
                                               INTERP=interp, WAIT_PRIOR=int(pdl), num_warps=1,
                                               **({"launch_pdl": True} if pdl else {}))

@@ -120,11 +120,11 @@ if triton is not None:
                                              is_pure=True, pack=1)
 
     @triton.jit
-    def load_words(ptr, N: tl.constexpr, INTERP: tl.constexpr):
-        """N consecutive int32 words from each lane's `ptr` (4 N-byte aligned; N = 1, 2 or 4) as a tuple: one
+    def lane_words(ptr, N: tl.constexpr, VEC: tl.constexpr, INTERP: tl.constexpr):
+        """N consecutive int32 words from each lane's `ptr` as a tuple. VEC (ptr 4 N-byte aligned; N = 2 or 4): one
         vector load (ld.global.nc.v2 / v4) instead of N scalar ones, whose warp-wide loads would each touch every
         sector of the rows and use a quarter of it (a lane's words are 16 bytes apart from the next lane's)."""
-        if INTERP or N == 1:
+        if INTERP or N == 1 or not VEC:
             words = ()
             for w in tl.static_range(N):
                 words = words + (tl.load(ptr + w),)
@@ -233,11 +233,7 @@ if triton is not None:
                 kptr = krow0 + tl.minimum(t0 + 8 * j + g, last) * skt + c * NWK
             else:
                 kptr = klane + 8 * j * skt
-            if VEC:
-                kw = kw + load_words(kptr, NWK, INTERP)
-            else:
-                for w in tl.static_range(NWK):
-                    kw = kw + (tl.load(kptr + w),)
+            kw = kw + lane_words(kptr, NWK, VEC, INTERP)
         vw = ()
         for kb in tl.static_range(2):
             for r in tl.static_range(4):
@@ -246,11 +242,7 @@ if triton is not None:
                     vptr = vrow0 + tl.minimum(t0 + row, last) * svt + g * NWV
                 else:
                     vptr = vlane + (16 * kb + (r % 2) + 8 * (r // 2)) * svt
-                if VEC:
-                    vw = vw + load_words(vptr, NWV, INTERP)
-                else:
-                    for w in tl.static_range(NWV):
-                        vw = vw + (tl.load(vptr + w),)
+                vw = vw + lane_words(vptr, NWV, VEC, INTERP)
         sw = ()
         for j in tl.static_range(4):  # tokens t0 + 8j + g: row g (j even) or g + 8 (j odd) of m-tile j // 2
             t = t0 + 8 * j + g

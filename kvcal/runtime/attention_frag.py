@@ -36,6 +36,8 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
+
+    from kvcal.runtime.packing import lane_entry
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -47,6 +49,8 @@ BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 # (127.2 us); 2-bit codes take 128 uncapped, so 16 fit (94.4 us against 97.0 at 12; H100,
 # results/bench/tune-h100-round22-frag-occupancy.json).
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
+# The same for the lookup-table kernel (_frag_lut_kernel).
+FRAG_LUT_OCCUPANCY = {4: (8, 255), 2: (8, 255)}
 
 
 def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
@@ -425,6 +429,451 @@ if triton is not None:
             ch = value_channel(g, i, D)
             tl.store(out0 + ch, acc[2 * i] * (16777216.0 / (1 << (VBITS * (i % VP)))) + z0, mask=h0 < G)
             tl.store(out1 + ch, acc[2 * i + 1] * (16777216.0 / (1 << (VBITS * (i % VP)))) + z1, mask=h0 + 1 < G)
+        first = g == 0
+        tl.store(m_ptr + part * G + h0, m0, mask=first & (h0 < G))
+        tl.store(m_ptr + part * G + h0 + 1, m1, mask=first & (h0 + 1 < G))
+        tl.store(l_ptr + part * G + h0, l0, mask=first & (h0 < G))
+        tl.store(l_ptr + part * G + h0 + 1, l1, mask=first & (h0 + 1 < G))
+
+
+    # ---- lookup-table caches (KVQuant: lut_static keys stored before RoPE, lut_dynamic values)
+
+    @triton.jit
+    def lut_pair(x, entry, tab_ptr, BITS: tl.constexpr, INTERP: tl.constexpr):
+        """(T[code at bit 0], T[code at bit 16]) as one fp16 pair: two warp shuffles from the lanes whose `entry`
+        (packing.lane_entry: lane L holds T[L mod 2^BITS]) is the code's; shfl reads only the low 5 bits of the lane
+        index, so the bits above a code need no masking. The interpreter reads the float32 table at tab_ptr."""
+        if INTERP:
+            m: tl.constexpr = (1 << BITS) - 1
+            return pack_half2(tl.load(tab_ptr + (x & m)), tl.load(tab_ptr + ((x >> 16) & m)), INTERP)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 a, b; shfl.sync.idx.b32 a, $3, $1, 31, 0xffffffff; "
+                "shfl.sync.idx.b32 b, $3, $2, 31, 0xffffffff; prmt.b32 $0, a, b, 0x5410; }",
+                "=r,r,r,r", [x, x >> 16, entry.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def hmul2(a, b, INTERP: tl.constexpr):
+        """Elementwise product of two fp16 pairs (mul.rn.f16x2)."""
+        if INTERP:
+            alo, ahi = _halves(a)
+            blo, bhi = _halves(b)
+            return pack_half2(alo * blo, ahi * bhi, INTERP)
+        else:
+            return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def rotate_pair(cs, sn, qa, qb, INTERP: tl.constexpr):
+        """(cs qa + sn qb, cs qb - sn qa) on fp16 pairs: the query rotated back by a tile's position, u = R(P)^T q, at
+        a channel and at its rotate-half partner (qb is +-q there, see _frag_lut_kernel)."""
+        if INTERP:
+            c0, c1 = _halves(cs)
+            s0, s1 = _halves(sn)
+            a0, a1 = _halves(qa)
+            b0, b1 = _halves(qb)
+            return pack_half2(c0 * a0 + s0 * b0, c1 * a1 + s1 * b1, INTERP), pack_half2(c0 * b0 - s0 * a0,
+                                                                                      c1 * b1 - s1 * a1, INTERP)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, v; mul.rn.f16x2 t, $3, $5; fma.rn.f16x2 $0, $2, $4, t; mul.rn.f16x2 v, $3, $4; "
+                "xor.b32 v, v, 0x80008000; fma.rn.f16x2 $1, $2, $5, v; }",
+                "=r,=r,r,r,r,r", [cs, sn, qa, qb], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _f32x4(ptr, INTERP: tl.constexpr):
+        """Four consecutive float32 from each lane's 16-byte aligned `ptr` (one ld.global.nc.v4 on the GPU)."""
+        if INTERP:
+            return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+        else:
+            return tl.inline_asm_elementwise("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+                                             [ptr.to(tl.int64)], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def _lane_pairs(ptr, D: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr):
+        """A float32 row's entries at this lane column's key channels (ptr: the row + c D / 4), as the fp16 pairs of
+        key_channel's register order: register w P + i = channels (w 32 / b + i, w 32 / b + i + P)."""
+        P: tl.constexpr = 16 // BITS
+        CPW: tl.constexpr = 32 // BITS
+        regs = ()
+        for w in tl.static_range(D * BITS // 128):
+            lo = ()
+            hi = ()
+            for k in tl.static_range(P // 4):
+                lo = lo + _f32x4(ptr + w * CPW + 4 * k, INTERP)
+                hi = hi + _f32x4(ptr + w * CPW + P + 4 * k, INTERP)
+            for i in tl.static_range(P):
+                regs = regs + (pack_half2(lo[i], hi[i], INTERP),)
+        return regs
+
+    @triton.jit
+    def _lut_loads(krow0, vrow0, vs_base, vz_base, t0, end, tlast, skt, svt, lane, D: tl.constexpr,
+                   KBITS: tl.constexpr, VBITS: tl.constexpr, VEC: tl.constexpr, ROW_CLAMP: tl.constexpr,
+                   INTERP: tl.constexpr):
+        """A tile's key and value words as _tile_loads reads them, and the value (scale, zero) of this lane's four
+        tokens t0 + 8 j + g (the keys' scales are static)."""
+        g = lane // 4
+        c = lane % 4
+        NWK: tl.constexpr = D * KBITS // 128
+        NWV: tl.constexpr = D * VBITS // 256
+        last = tl.maximum(end - 1, 0)
+        tbase = tl.minimum(t0, tlast)
+        klane = krow0 + (tbase * skt + g * skt + c * NWK)
+        vlane = vrow0 + (tbase * svt + 2 * c * svt + g * NWV)
+        kw = ()
+        for j in tl.static_range(4):
+            if ROW_CLAMP:
+                kptr = krow0 + tl.minimum(t0 + 8 * j + g, last) * skt + c * NWK
+            else:
+                kptr = klane + 8 * j * skt
+            kw = kw + lane_words(kptr, NWK, VEC, INTERP)
+        vw = ()
+        for kb in tl.static_range(2):
+            for r in tl.static_range(4):
+                row = 16 * kb + 2 * c + (r % 2) + 8 * (r // 2)
+                if ROW_CLAMP:
+                    vptr = vrow0 + tl.minimum(t0 + row, last) * svt + g * NWV
+                else:
+                    vptr = vlane + (16 * kb + (r % 2) + 8 * (r // 2)) * svt
+                vw = vw + lane_words(vptr, NWV, VEC, INTERP)
+        sw = ()
+        for j in tl.static_range(4):
+            t = t0 + 8 * j + g
+            ok = t < end
+            sw = sw + (tl.load(vs_base + t, mask=ok, other=1.0), tl.load(vz_base + t, mask=ok, other=0.0))
+        return kw, vw, sw
+
+    @triton.jit
+    def _key_outlier_scores(oi_row, ov_row, sot, t, ok, head_base, q_row, sqh, h0, cos_ptr, sin_ptr, pos_offset, TMAX,
+                            D: tl.constexpr, G: tl.constexpr, KCAP: tl.constexpr):
+        """Raw-score corrections of heads h0, h0 + 1 for the key residuals of token t (this lane's row): sum over its
+        KCAP slots of r (cos_d q_d + sin_d q~_d) at the token's position, q~ the signed rotate-half partner."""
+        HD: tl.constexpr = D // 2
+        pos = tl.minimum(pos_offset + t, TMAX - 1)
+        ca = tl.zeros((32,), tl.float32)
+        cb = tl.zeros((32,), tl.float32)
+        for k in tl.static_range(KCAP):
+            idx = tl.load(oi_row + t * sot + k, mask=ok, other=-1).to(tl.int32) - head_base
+            hit = ok & (idx >= 0) & (idx < D)
+            d = tl.where(hit, idx, 0)
+            r = tl.load(ov_row + t * sot + k, mask=hit, other=0.0).to(tl.float32)
+            low = d < HD
+            partner = tl.where(low, d + HD, d - HD)
+            cs = tl.load(cos_ptr + pos * D + d, mask=hit, other=0.0)
+            sn = tl.load(sin_ptr + pos * D + d, mask=hit, other=0.0) * tl.where(low, 1.0, -1.0)
+            ma = hit & (h0 < G)
+            mb = hit & (h0 + 1 < G)
+            qa = tl.load(q_row + h0 * sqh + d, mask=ma, other=0.0).to(tl.float32)
+            qpa = tl.load(q_row + h0 * sqh + partner, mask=ma, other=0.0).to(tl.float32)
+            qb = tl.load(q_row + (h0 + 1) * sqh + d, mask=mb, other=0.0).to(tl.float32)
+            qpb = tl.load(q_row + (h0 + 1) * sqh + partner, mask=mb, other=0.0).to(tl.float32)
+            ca += r * (cs * qa + sn * qpa)
+            cb += r * (cs * qb + sn * qpb)
+        return ca, cb
+
+    @triton.jit
+    def _add_value_outliers(oi_row, ov_row, sot, t0, end, g, c, head_base, s, n0, n1, cref0, cref1, out_ptr,
+                            D: tl.constexpr, G: tl.constexpr, VCAP: tl.constexpr, INTERP: tl.constexpr):
+        """p_t r 2^(n - cref) into channel d of each head's partial row (out_ptr: head 0's) for the value residuals of
+        this tile's tokens; lane (g, c) takes slots c, c + 4, ... of tokens t0 + 8 j + g, for all G <= 4 heads (their
+        p come from lanes (g, 0) and (g, 1), which hold heads 0, 1 and 2, 3)."""
+        for j in tl.static_range(4):
+            t = t0 + 8 * j + g
+            ok = t < end
+            wa = tl.exp2(s[2 * j] - cref0)  # heads 2c, 2c + 1 of this lane: p 2^(n - cref) = 2^(s - cref)
+            wb = tl.exp2(s[2 * j + 1] - cref1)
+            w0 = shfl_idx(wa, 4 * g, INTERP)  # head 0 (lane (g, 0))
+            w1 = shfl_idx(wb, 4 * g, INTERP)
+            w2 = shfl_idx(wa, 4 * g + 1, INTERP)  # head 2 (lane (g, 1))
+            w3 = shfl_idx(wb, 4 * g + 1, INTERP)
+            for k0 in tl.static_range(0, VCAP, 4):
+                k = k0 + c
+                slot_ok = ok & (k < VCAP)
+                idx = tl.load(oi_row + t * sot + k, mask=slot_ok, other=-1).to(tl.int32) - head_base
+                hit = slot_ok & (idx >= 0) & (idx < D)
+                d = tl.where(hit, idx, 0)
+                r = tl.load(ov_row + t * sot + k, mask=hit, other=0.0).to(tl.float32)
+                tl.atomic_add(out_ptr + d, w0 * r, mask=hit, sem="relaxed")
+                if G > 1:
+                    tl.atomic_add(out_ptr + D + d, w1 * r, mask=hit, sem="relaxed")
+                if G > 2:
+                    tl.atomic_add(out_ptr + 2 * D + d, w2 * r, mask=hit, sem="relaxed")
+                if G > 3:
+                    tl.atomic_add(out_ptr + 3 * D + d, w3 * r, mask=hit, sem="relaxed")
+
+    @triton.jit
+    def _frag_lut_kernel(
+        q_ptr, sqb, sqh, len_ptr,
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, ktab_ptr,
+        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, vtab_ptr,
+        cos_ptr, sin_ptr, pos_offset, TMAX,
+        koi_ptr, kov_ptr, skob, skot, skoh, voi_ptr, vov_ptr, svob, svot, svoh,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale, S, TLAST,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, INTERP: tl.constexpr,
+        BLOCK_T: tl.constexpr, VEC: tl.constexpr, ROW_CLAMP: tl.constexpr, PDL: tl.constexpr,
+        KCAP: tl.constexpr,  # key-outlier slots per token and KV head (0: none)
+        VCAP: tl.constexpr,  # value-outlier slots per token (over all heads, or per head: svoh != 0)
+    ):
+        """_frag_decode_kernel for lookup-table caches: keys k = T_k[n] s + z per channel (static), stored before
+        RoPE; values v = T_v[n] s_t + z_t per token. Table values come from warp shuffles (lut_pair).
+
+        RoPE without touching every key twice: token t = P + r of an m-tile that starts at P (r = g or g + 8) scores
+        q.R(t) k = u.R(r') k' with u = R(P')^T q. The lane's two A rows (g, g + 8) both use R(g), so the B columns
+        carry both tiles' queries: column n < 4 is head n at P' = P, column n >= 4 head n - 4 at P' = P + 8 (hence
+        G <= 4). With u~ the rotate-half partner of u (u~_d = u_(d + D/2) below D/2, -u_(d - D/2) above),
+        u.R(g) k = sum_d k_d (cos_g u_d + sin_g u~_d): three dots per k-block with lane constants,
+            (T (s cos_g)) . u  +  (T (s sin_g)) . u~  +  (R(g) z) . u,
+        and the rows g + 8 of columns < 4 (or rows g of columns >= 4) are discarded. u, u~ are made per m-tile in
+        fp16 pairs from the float32 cos/sin rows at P' (rotate_pair), like the tile kernel's R(j) rotation.
+
+        Sparse outliers (dense-and-sparse): a key residual r at channel d of token t adds r (R(t)^T q)_d to the
+        score, from two query entries and cos/sin at (t, d) (_key_outlier_scores: per slot, not per channel). A
+        value residual adds p_t r to channel d of the output: the four lanes of a token row split its slots, and
+        add p_t r 2^(m - cref) for each head into this program's partial with relaxed atomics, scaled to a
+        reference max cref per head so that the online softmax never has to rescale them (re-referenced if the max
+        grows by 2^64), as the tile kernel does; the registers' output is added to them at the end."""
+        if PDL:
+            launch_dependents()
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        NSPLIT = tl.num_programs(1)
+        b = pid // HKV
+        h = pid % HKV
+        part = pid * S + split
+        q_row = q_ptr + b * sqb + h * G * sqh
+        lane = tl.arange(0, 32)
+        g = lane // 4
+        c = lane % 4
+        length = tl.load(len_ptr + b)
+        share = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK_T) * BLOCK_T
+        start = split * share
+        end = tl.minimum(start + share, length)
+        KB: tl.constexpr = D // 16
+        MT: tl.constexpr = D // 16
+        VP: tl.constexpr = 8 // VBITS
+        HD: tl.constexpr = D // 2
+        kent = lane_entry(ktab_ptr, KBITS) if not INTERP else lane
+        vent = lane_entry(vtab_ptr, VBITS) if not INTERP else lane
+        # ---- lane constants: B column g's query (head g mod 4) at its channels and, signed, at their partners; the
+        # A-side factors s cos_g, s sin_g and R(g) z at the same channels
+        hq = g % 4
+        q_ok = hq < G
+        qa = ()
+        qb = ()
+        sc = ()
+        ss = ()
+        zr = ()
+        for r in tl.static_range(2 * KB):
+            pair_qa = ()
+            pair_qb = ()
+            pair_sc = ()
+            pair_ss = ()
+            pair_zr = ()
+            for e in tl.static_range(2):
+                ch = key_channel(c, r, e, D, KBITS)
+                low = ch < HD
+                partner = tl.where(low, ch + HD, ch - HD)
+                sign = tl.where(low, 1.0, -1.0)
+                pair_qa = pair_qa + (tl.load(q_row + hq * sqh + ch, mask=q_ok, other=0.0).to(tl.float32),)
+                pair_qb = pair_qb + (sign * tl.load(q_row + hq * sqh + partner, mask=q_ok, other=0.0).to(tl.float32),)
+                sk = tl.load(ks_ptr + h * D + ch)
+                zk = tl.load(kz_ptr + h * D + ch)
+                zp = tl.load(kz_ptr + h * D + partner)
+                cg = tl.load(cos_ptr + g * D + ch)
+                sg = tl.load(sin_ptr + g * D + ch)
+                pair_sc = pair_sc + (sk * cg,)
+                pair_ss = pair_ss + (sk * sg,)
+                pair_zr = pair_zr + (zk * cg - sign * zp * sg,)  # (R(g) z)_d
+            qa = qa + (pack_half2(pair_qa[0], pair_qa[1], INTERP),)
+            qb = qb + (pack_half2(pair_qb[0], pair_qb[1], INTERP),)
+            sc = sc + (pack_half2(pair_sc[0], pair_sc[1], INTERP),)
+            ss = ss + (pack_half2(pair_ss[0], pair_ss[1], INTERP),)
+            zr = zr + (pack_half2(pair_zr[0], pair_zr[1], INTERP),)
+        m0 = tl.full((32,), float("-inf"), tl.float32)
+        m1 = tl.full((32,), float("-inf"), tl.float32)
+        l0 = tl.zeros((32,), tl.float32)
+        l1 = tl.zeros((32,), tl.float32)
+        z0 = tl.zeros((32,), tl.float32)
+        z1 = tl.zeros((32,), tl.float32)
+        acc = ()
+        for i in tl.static_range(4 * MT):
+            acc = acc + (tl.zeros((32,), tl.float32),)
+        krow0 = kc_ptr + b * skb + h * skh
+        vrow0 = vc_ptr + b * svb + h * svh
+        vs_base = vs_ptr + b * svsb + h * svsh
+        vz_base = vz_ptr + b * svsb + h * svsh
+        rope_lane = c * (D // 4)
+        late = (g >= 4).to(tl.int32) * 8  # column g's query sits 8 tokens later
+        h0 = 2 * c
+        out0 = acc_ptr + (part * G + h0) * D
+        out1 = out0 + D
+        cref0 = tl.full((32,), float("-inf"), tl.float32)
+        cref1 = tl.full((32,), float("-inf"), tl.float32)
+        if VCAP > 0:  # the value residuals' atomics land on zeros
+            for i in tl.static_range(2 * MT):
+                ch = value_channel(g, i, D)
+                tl.store(out0 + ch, tl.zeros((32,), tl.float32), mask=h0 < G)
+                tl.store(out1 + ch, tl.zeros((32,), tl.float32), mask=h0 + 1 < G)
+            tl.debug_barrier()
+        koi_row = koi_ptr + b * skob + h * skoh
+        kov_row = kov_ptr + b * skob + h * skoh
+        voi_row = voi_ptr + b * svob + h * svoh
+        vov_row = vov_ptr + b * svob + h * svoh
+        kw_n, vw_n, sw_n = _lut_loads(krow0, vrow0, vs_base, vz_base, start, end, TLAST, skt, svt, lane, D, KBITS,
+                                      VBITS, VEC, ROW_CLAMP, INTERP)
+        for t0 in range(start, end, BLOCK_T):
+            kw, vw, sw = kw_n, vw_n, sw_n
+            kw_n, vw_n, sw_n = _lut_loads(krow0, vrow0, vs_base, vz_base, t0 + BLOCK_T, end, TLAST, skt, svt, lane, D,
+                                          KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
+            NWK: tl.constexpr = D * KBITS // 128
+            P: tl.constexpr = 16 // KBITS
+            s = ()
+            mx0 = tl.full((32,), float("-inf"), tl.float32)
+            mx1 = tl.full((32,), float("-inf"), tl.float32)
+            for mt in tl.static_range(2):
+                pos = tl.minimum(pos_offset + t0 + 16 * mt + late, TMAX - 1)
+                cp = _lane_pairs(cos_ptr + pos * D + rope_lane, D, KBITS, INTERP)
+                sp = _lane_pairs(sin_ptr + pos * D + rope_lane, D, KBITS, INTERP)
+                c0 = tl.zeros((32,), tl.float32)
+                c1 = tl.zeros((32,), tl.float32)
+                c2 = tl.zeros((32,), tl.float32)
+                c3 = tl.zeros((32,), tl.float32)
+                d0 = tl.zeros((32,), tl.float32)
+                d1 = tl.zeros((32,), tl.float32)
+                d2 = tl.zeros((32,), tl.float32)
+                d3 = tl.zeros((32,), tl.float32)
+                e0 = tl.zeros((32,), tl.float32)
+                e1 = tl.zeros((32,), tl.float32)
+                e2 = tl.zeros((32,), tl.float32)
+                e3 = tl.zeros((32,), tl.float32)
+                for kb in tl.static_range(KB):
+                    ua, uta = rotate_pair(cp[2 * kb], sp[2 * kb], qa[2 * kb], qb[2 * kb], INTERP)
+                    ub, utb = rotate_pair(cp[2 * kb + 1], sp[2 * kb + 1], qa[2 * kb + 1], qb[2 * kb + 1], INTERP)
+                    ta = ()  # table values of the A registers a0..a3: (row g, r), (row g + 8, r), r = 2 kb, 2 kb + 1
+                    for rr in tl.static_range(2):
+                        for row in tl.static_range(2):
+                            word = kw[(2 * mt + row) * NWK + (2 * kb + rr) // P]
+                            ta = ta + (lut_pair(word >> (KBITS * ((2 * kb + rr) % P)), kent, ktab_ptr, KBITS, INTERP),)
+                    c0, c1, c2, c3 = mma16816(hmul2(ta[0], sc[2 * kb], INTERP), hmul2(ta[1], sc[2 * kb], INTERP),
+                                              hmul2(ta[2], sc[2 * kb + 1], INTERP), hmul2(ta[3], sc[2 * kb + 1], INTERP),
+                                              ua, ub, c0, c1, c2, c3, INTERP)
+                    d0, d1, d2, d3 = mma16816(hmul2(ta[0], ss[2 * kb], INTERP), hmul2(ta[1], ss[2 * kb], INTERP),
+                                              hmul2(ta[2], ss[2 * kb + 1], INTERP), hmul2(ta[3], ss[2 * kb + 1], INTERP),
+                                              uta, utb, d0, d1, d2, d3, INTERP)
+                    e0, e1, e2, e3 = mma16816(zr[2 * kb], zr[2 * kb], zr[2 * kb + 1], zr[2 * kb + 1], ua, ub,
+                                              e0, e1, e2, e3, INTERP)
+                # three independent accumulator chains (a chain of 3 KB dependent mma is latency-bound)
+                c0 += d0 + e0
+                c1 += d1 + e1
+                c2 += d2 + e2
+                c3 += d3 + e3
+                # rows g: columns 2c, 2c + 1 (c < 2) are heads 2c, 2c + 1 at token P + g; rows g + 8: the same heads
+                # are columns 2c + 4, 2c + 5, held by lane c + 2
+                c2 = shfl_xor(c2, 2, INTERP)
+                c3 = shfl_xor(c3, 2, INTERP)
+                for half in tl.static_range(2):
+                    ok = t0 + 16 * mt + 8 * half + g < end
+                    if half == 0:
+                        ra = c0
+                        rb = c1
+                    else:
+                        ra = c2
+                        rb = c3
+                    if KCAP > 0:
+                        ka, kb2 = _key_outlier_scores(koi_row, kov_row, skot, t0 + 16 * mt + 8 * half + g, ok, h * D,
+                                                      q_row, sqh, h0, cos_ptr, sin_ptr, pos_offset, TMAX, D, G,
+                                                      KCAP)
+                        ra += ka
+                        rb += kb2
+                    sa = tl.where(ok, ra * qk_scale, float("-inf"))
+                    sb = tl.where(ok, rb * qk_scale, float("-inf"))
+                    s = s + (sa, sb)
+                    mx0 = tl.maximum(mx0, sa)
+                    mx1 = tl.maximum(mx1, sb)
+            for msk in tl.static_range(3):
+                mx0 = tl.maximum(mx0, shfl_xor(mx0, 4 << msk, INTERP))
+                mx1 = tl.maximum(mx1, shfl_xor(mx1, 4 << msk, INTERP))
+            n0 = tl.maximum(m0, mx0)
+            n1 = tl.maximum(m1, mx1)
+            al0 = tl.exp2(m0 - n0)
+            al1 = tl.exp2(m1 - n1)
+            m0 = n0
+            m1 = n1
+            pb = ()
+            ps0 = tl.zeros((32,), tl.float32)
+            ps1 = tl.zeros((32,), tl.float32)
+            z0 = z0 * al0
+            z1 = z1 * al1
+            for j in tl.static_range(4):
+                pa = tl.exp2(s[2 * j] - n0)
+                pbv = tl.exp2(s[2 * j + 1] - n1)
+                ps0 += pa
+                ps1 += pbv
+                vs = tl.maximum(sw[2 * j].to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
+                vz = sw[2 * j + 1].to(tl.float32)
+                z0 += pa * vz
+                z1 += pbv * vz
+                pb = pb + (transpose8(pack_half2(pa * vs, pbv * vs, INTERP), INTERP),)
+            l0 = l0 * al0 + ps0
+            l1 = l1 * al1 + ps1
+            if VCAP > 0:
+                cref0 = tl.where(cref0 == float("-inf"), n0, cref0)
+                cref1 = tl.where(cref1 == float("-inf"), n1, cref1)
+                grow = tl.maximum(tl.where(h0 < G, n0 - cref0, 0.0), tl.where(h0 + 1 < G, n1 - cref1, 0.0))
+                if tl.max(grow, 0) > 64.0:  # re-reference the residuals' sums (rare)
+                    tl.debug_barrier()
+                    for i in tl.static_range(2 * MT):
+                        ch = value_channel(g, i, D)
+                        cur0 = tl.load(out0 + ch, mask=h0 < G, other=0.0, cache_modifier=".cg")
+                        cur1 = tl.load(out1 + ch, mask=h0 + 1 < G, other=0.0, cache_modifier=".cg")
+                        tl.store(out0 + ch, cur0 * tl.exp2(cref0 - n0), mask=h0 < G)
+                        tl.store(out1 + ch, cur1 * tl.exp2(cref1 - n1), mask=h0 + 1 < G)
+                    tl.debug_barrier()
+                    cref0 = n0
+                    cref1 = n1
+                _add_value_outliers(voi_row, vov_row, svot, t0, end, g, c, h * D, s, n0, n1, cref0, cref1,
+                                    out0 - h0 * D, D, G, VCAP, INTERP)
+            NWV: tl.constexpr = D * VBITS // 256
+            new = ()
+            for i in tl.static_range(2 * MT):
+                new = new + (acc[2 * i] * al0, acc[2 * i + 1] * al1)
+            acc = new
+            for kb in tl.static_range(2):
+                lo_regs = ()
+                hi_regs = ()
+                for w in tl.static_range(NWV):
+                    for k in tl.static_range(4):
+                        u0 = byte_pair(vw[(kb * 4 + 0) * NWV + w], vw[(kb * 4 + 1) * NWV + w], k, INTERP)
+                        u1 = byte_pair(vw[(kb * 4 + 2) * NWV + w], vw[(kb * 4 + 3) * NWV + w], k, INTERP)
+                        for mm in tl.static_range(VP):
+                            lo_regs = lo_regs + (lut_pair(u0 >> (VBITS * mm), vent, vtab_ptr, VBITS, INTERP),)
+                            hi_regs = hi_regs + (lut_pair(u1 >> (VBITS * mm), vent, vtab_ptr, VBITS, INTERP),)
+                new = ()
+                for i in tl.static_range(MT):
+                    d0, d1, d2, d3 = mma16816(lo_regs[2 * i], lo_regs[2 * i + 1], hi_regs[2 * i], hi_regs[2 * i + 1],
+                                              pb[2 * kb], pb[2 * kb + 1], acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
+                                              acc[4 * i + 3], INTERP)
+                    new = new + (d0, d1, d2, d3)
+                acc = new
+        for msk in tl.static_range(3):
+            l0 += shfl_xor(l0, 4 << msk, INTERP)
+            l1 += shfl_xor(l1, 4 << msk, INTERP)
+            z0 += shfl_xor(z0, 4 << msk, INTERP)
+            z1 += shfl_xor(z1, 4 << msk, INTERP)
+        if VCAP > 0:
+            tl.debug_barrier()  # every lane's atomics are in before the sums are read back
+            f0 = tl.exp2(tl.where(cref0 == float("-inf"), 0.0, cref0 - m0))
+            f1 = tl.exp2(tl.where(cref1 == float("-inf"), 0.0, cref1 - m1))
+        for i in tl.static_range(2 * MT):
+            ch = value_channel(g, i, D)
+            o0 = acc[2 * i] + z0
+            o1 = acc[2 * i + 1] + z1
+            if VCAP > 0:
+                o0 += tl.load(out0 + ch, mask=h0 < G, other=0.0, cache_modifier=".cg") * f0
+                o1 += tl.load(out1 + ch, mask=h0 + 1 < G, other=0.0, cache_modifier=".cg") * f1
+            tl.store(out0 + ch, o0, mask=h0 < G)
+            tl.store(out1 + ch, o1, mask=h0 + 1 < G)
         first = g == 0
         tl.store(m_ptr + part * G + h0, m0, mask=first & (h0 < G))
         tl.store(m_ptr + part * G + h0 + 1, m1, mask=first & (h0 + 1 < G))

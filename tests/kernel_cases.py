@@ -174,13 +174,6 @@ ATTENTION_CASES = [
     ("int2_d128_fp16", "int", 2, torch.float16, {}, {}, {"d": 128}),
     ("kivi4_d128_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"d": 128}),
     ("nuq4_d128_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True}, {}, {"d": 128}),
-    # attention_frag's lookup-table kernel (keys rotated through the query, two tiles' queries in the B columns)
-    ("nuq4_frag_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True, "pos_offset": 7},
-     {"frag": True}, {}),
-    ("nuq2_frag_d128_fp16", "nuq", 2, torch.float16, {"pre_rope": True}, {"frag": True}, {"d": 128, "nfp": 45}),
-    ("nuq4_frag_vhead_g3_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 1, "pre_rope": True,
-                                                          "value_per_head": True, "pos_offset": 3},
-     {"frag": True}, {"d": 128, "hq": 6, "tcap": 96, "lengths": [96, 0, 70]}),
     ("int4_mha_fp16", "int", 4, torch.float16, {}, {}, {"hq": 2}),
     ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),

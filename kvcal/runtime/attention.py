@@ -164,7 +164,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 from kvcal.runtime.attention_frag import BLOCK_T as FRAG_BLOCK_T  # noqa: E402
-from kvcal.runtime.attention_frag import FRAG_LUT_OCCUPANCY, FRAG_OCCUPANCY, frag_supported  # noqa: E402
+from kvcal.runtime.attention_frag import FRAG_OCCUPANCY, frag_supported  # noqa: E402
 from kvcal.runtime.packing import _pow2, launch_device  # noqa: E402
 
 _KEY_CODE = {"affine_channels": 0, "affine_tokens": 1, "lut_static": 2}
@@ -190,7 +190,7 @@ FRAG_OVERLAP_FP = True
 FRAG_FP_CHUNK = 32  # attention_frag: full-precision tokens per program of the separate fp-segment launch
 
 if triton is not None:
-    from kvcal.runtime.attention_frag import _frag_decode_kernel, _frag_lut_kernel, wait_prior_grid
+    from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
     from kvcal.runtime.packing import (
         lane_entry,
         load_words,
@@ -1008,28 +1008,6 @@ def _frag_applies(q, kv: PackedKV, group: int) -> bool:
     return kv.k_codes.stride(-1) == 1 and kv.v_codes.stride(-1) == 1
 
 
-def _frag_lut_applies(q, kv: PackedKV, group: int, rope: int) -> bool:
-    """Whether attention_frag's lookup-table kernel takes this call: KVQuant caches (lut_static keys stored before
-    RoPE, rotated by angle addition; lut_dynamic values with per-token or per-(token, head) fp16 ranges; sparse
-    outliers or not), fp16/bf16 queries, a GQA group of at most 4 heads (its B columns hold two tiles' queries)."""
-    if kv.key_format != "lut_static" or kv.value_format != "lut_dynamic" or kv.rope_cos is None or rope != 1:
-        return False
-    for t in (kv.k_out_idx, kv.k_out_val, kv.v_out_idx, kv.v_out_val):
-        if t is not None and t.stride(-1) != 1:
-            return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or group > 4:
-        return False
-    if not frag_supported(q.shape[-1], kv.key_bits, kv.value_bits):
-        return False
-    cos, sin = kv.rope_cos, kv.rope_sin
-    if cos.shape[0] < 8 or any(t.dtype != torch.float32 or not t.is_contiguous() or t.data_ptr() % 16 for t in (cos, sin)):
-        return False
-    for t in (kv.v_scale, kv.v_zero):
-        if t.dtype != torch.float16 or t.stride(-1) != 1:
-            return False
-    return kv.k_codes.stride(-1) == 1 and kv.v_codes.stride(-1) == 1
-
-
 def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, group: int, num_splits: int | None,
                  programs_per_sm: int, block_f: int | None, max_registers: int | None = None,
                  frag_vector: bool | None = None):
@@ -1039,9 +1017,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     tcap = kv.k_codes.shape[2]
     # one wave: at most `programs_per_sm` programs per SM (FRAG_OCCUPANCY: 12 at 4 bits under a 168-register cap, 16
     # at 2 bits under 128), rounded down, since a second partial wave costs a whole program's time
-    lut = kv.key_format == "lut_static"
-    default_programs, default_registers = (FRAG_LUT_OCCUPANCY if lut else FRAG_OCCUPANCY)[max(kv.key_bits,
-                                                                                               kv.value_bits)]
+    default_programs, default_registers = FRAG_OCCUPANCY[max(kv.key_bits, kv.value_bits)]
     max_registers = max_registers or default_registers
     nsplit = num_splits or max(1, min((programs_per_sm or default_programs) * _sm_count(dev) // (batch * hkv),
                                       triton.cdiv(tcap, 4 * FRAG_BLOCK_T)))
@@ -1071,32 +1047,16 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     # read only what was ready before it (launching the reduction the same way gained nothing measurable: 123.8
     # against 123.1-123.3 us)
     pdl = bool(FRAG_OVERLAP_FP and has_fp and not interp and _sm90_or_newer(dev))
-    lengths = kv.lengths.to(device=dev, dtype=torch.int32)
-    common = dict(D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T,
-                  VEC=int(vec), ROW_CLAMP=int(row_clamp), PDL=int(pdl), num_warps=1,
-                  **({"maxnreg": int(max_registers)} if max_registers else {}))
     with launch_device(q):
-        if lut:
-            # per-token value ranges over all heads ([B, T]) have head stride 0
-            vs_strides = (vs.stride(0), 0) if vs.dim() == 2 else vs.stride()[:2]
-            kcap = kv.k_out_idx.shape[-1] if kv.k_out_idx is not None else 0
-            vcap = kv.v_out_idx.shape[-1] if kv.v_out_idx is not None else 0
-            koi, kov, ko_strides = _outlier_args(kv.k_out_idx, kv.k_out_val, kcap, dev)
-            voi, vov, vo_strides = _outlier_args(kv.v_out_idx, kv.v_out_val, vcap, dev)
-            _frag_lut_kernel[(batch * hkv, nsplit)](
-                q, q.stride(0), q.stride(1), lengths,
-                kc, *kc_strides, ks.float().contiguous(), kz.float().contiguous(), kv.k_table.float().contiguous(),
-                vc, *vc_strides, vs, vz, *vs_strides, kv.v_table.float().contiguous(),
-                kv.rope_cos, kv.rope_sin, int(kv.pos_offset), kv.rope_cos.shape[0],
-                koi, kov, *ko_strides, voi, vov, *vo_strides,
-                m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0),
-                KCAP=kcap, VCAP=vcap, **common)
-        else:
-            _frag_decode_kernel[(batch * hkv, nsplit)](
-                q, q.stride(0), q.stride(1), lengths,
-                kc, *kc_strides, ks, kz, *ks.stride()[:2],
-                vc, *vc_strides, vs, vz, *vs.stride()[:2],
-                m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0), **common)
+        _frag_decode_kernel[(batch * hkv, nsplit)](
+            q, q.stride(0), q.stride(1), kv.lengths.to(device=dev, dtype=torch.int32),
+            kc, *kc_strides, ks, kz, *ks.stride()[:2],
+            vc, *vc_strides, vs, vz, *vs.stride()[:2],
+            m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0),
+            D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T,
+            VEC=int(vec), ROW_CLAMP=int(row_clamp), PDL=int(pdl), num_warps=1,
+            **({"maxnreg": int(max_registers)} if max_registers else {}),
+        )
         if has_fp:
             _fp_kernel[(batch * hkv, fsplit)](q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, m_part,
                                               l_part, acc_part, hkv, float(scale) * LOG2E, splits, FRAG_FP_CHUNK, D=d,
@@ -1207,7 +1167,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     # (and not when a tile-kernel knob is given: those ask for the tile kernel)
     tile_knobs = any(x is not None for x in (block_t, num_warps, num_stages, prefetch)) or generic_keys
     want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
-    if has_packed and want_frag and (_frag_applies(q, kv, group) or _frag_lut_applies(q, kv, group, rope)):
+    if has_packed and want_frag and _frag_applies(q, kv, group):
         return _decode_frag(q, kv, fp_k, fp_v, fp_valid, scale, hkv, group, nsplit if num_splits else None,
                             programs_per_sm, block_f, max_registers, frag_vector)
     if q.dtype == torch.float64 and num_warps is None and block_t is None:

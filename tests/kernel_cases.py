@@ -158,6 +158,8 @@ ATTENTION_CASES = [
                                                               "pos_offset": 3}, {}, {}),
     ("nuq3_prerope_table_fp16", "nuq", 3, torch.float16, {"kcap": 9, "per_side": 1, "pre_rope": True}, {"rope_mode": "table"}, {}),
     ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
+    # 12 value-outlier slots at 2 bits: three steps of 4 (_value_slot_chunk)
+    ("nuq2_value_slots12_fp16", "nuq", 2, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {}, {}),
     ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
                                                          "value_per_head": True}, {}, {}),
     # tiles loaded one iteration ahead (lut_ahead): on by default without value outliers, asked for with them

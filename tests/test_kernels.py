@@ -139,6 +139,20 @@ def test_lut_ahead_default_follows_value_outliers():
     assert lut_ahead_default(12, True) and not lut_ahead_default(0, False)
 
 
+def test_value_slot_chunk_rule_and_bad_value():
+    # 12 value-outlier slots (per_side 6) go 8 at a time (two steps, the second half empty) at 4 bits and 4 at a time
+    # (three full steps) at 2 bits, as measured; fewer slots go in one step; a chunk must be a power of two
+    from kvcal.runtime.attention import _value_slot_chunk, decode_attention_triton
+    from tests.kernel_cases import build_cache, build_step
+
+    assert (_value_slot_chunk(12, 4), _value_slot_chunk(12, 2), _value_slot_chunk(12, 3)) == (8, 4, 8)
+    assert (_value_slot_chunk(2, 2), _value_slot_chunk(3, 4), _value_slot_chunk(0, 4)) == (2, 4, 1)
+    kv = build_cache("nuq", 4, [5], 1, 64, per_side=1)
+    q, fk, fv, valid = build_step(1, 4, 1, 64, 3, torch.float16)
+    with pytest.raises(ValueError, match="power of two, got 3"):
+        decode_attention_triton(q, kv, fk, fv, valid, 0.125, value_slot_chunk=3)
+
+
 def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]

@@ -540,7 +540,7 @@ if triton is not None:
         KEY_FORMAT: tl.constexpr, KBITS: tl.constexpr, KEY_BLOCK: tl.constexpr, KCAP: tl.constexpr,
         GENERIC_K: tl.constexpr, ROPE: tl.constexpr,
         VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
-        VCAPP: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
+        VSC: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
         PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr, LUT_MMA: tl.constexpr,
         LUT_AHEAD: tl.constexpr,
@@ -814,9 +814,8 @@ if triton is not None:
                                 tl.debug_barrier()
                                 cref = mv
                             pq = _regroup(pr * tl.exp2(mv - cref)[None, :], GPV, GPQ, BLOCK_T)  # [T, GPQ]: real heads
-                            # slots 8 at a time (register pressure; loading them a tile ahead like the key slots
+                            # slots VSC at a time (register pressure; loading them a tile ahead like the key slots
                             # cost more in spills than it saved: nuq4 1171 us against 904 at 32K x 8)
-                            VSC: tl.constexpr = 8 if VCAPP > 8 else VCAPP
                             for j0 in range(0, VCAP, VSC):
                                 oi, ov = _slots(voi_ptr + vo, vov_ptr + vo, t * svot, tm, j0, VSC, VCAP, ACC)
                                 _add_value_outliers(acc_ptr, part, oi, ov, pq, h * D, G, GPQ, D)
@@ -880,6 +879,14 @@ _SM_COUNT: dict = {}
 
 
 _SM90: dict = {}
+
+
+def _value_slot_chunk(vcap: int, value_bits: int) -> int:
+    """Value-outlier slots per step of the lookup-table kernel's slot loop (a power of two, at most 8). With 12 slots
+    (per_side 6), H100, 32K x 8, both outlier kinds, chunks of 8 / 4 took nuq4 761.0 / 806.5 and 744.1 / 793.3 us
+    but nuq2 744.7 / 695.4 and 732.1 / 684.2 (two rounds, results/bench/nuq-value-slot-chunk-h100.json): 4 at 2 bits."""
+    chunk = min(8, _pow2(max(vcap, 1)))
+    return min(chunk, 4) if value_bits == 2 else chunk
 
 
 def lut_ahead_default(vcap: int, lut_ahead: bool | None = None) -> bool:
@@ -1072,7 +1079,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int | None = None,
                             block_f: int | None = None, max_registers: int | None = None,
                             prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
-                            frag: bool | None = None, frag_vector: bool | None = None):
+                            frag: bool | None = None, frag_vector: bool | None = None,
+                            value_slot_chunk: int | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs, programs_per_sm 16 for the tile kernel
     and, for the fragment kernel, whose splits fill exactly one wave, FRAG_OCCUPANCY's: 12 at 4 bits, 16 at 2 bits),
@@ -1089,7 +1097,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     register-fragment kernel of attention_frag; default on where it applies, from FRAG_MIN_ROWS (row, KV head)
     pairs and when no tile-kernel knob (block_t, num_warps, num_stages, prefetch, generic_keys) is given;
     False: the tile kernel), frag_vector (the fragment kernel loads each lane's code words with one vector load;
-    default on where the rows are aligned for it, False: one load per word)."""
+    default on where the rows are aligned for it, False: one load per word), value_slot_chunk (lookup-table caches:
+    value-outlier slots per step of the slot loop, a power of two; default _value_slot_chunk's)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1255,6 +1264,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         can = (_sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0
                and kc_strides[2] == kc.shape[-1] and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
         prefetch_tiles = (PREFETCH_DEFAULTS[path] if prefetch is None else int(prefetch)) if can else 0
+    if value_slot_chunk is not None and (value_slot_chunk < 1 or value_slot_chunk & (value_slot_chunk - 1)):
+        raise ValueError(f"value_slot_chunk must be a power of two, got {value_slot_chunk}")
+    vsc = int(value_slot_chunk or _value_slot_chunk(vcap, vbits))
     qk_hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]  # float32 part; the rest as qk_lo
     with launch_device(q):
         _decode_kernel[(batch * hkv, splits)](
@@ -1265,7 +1277,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             fk, fv, *f_strides, fval, sfvb, nf,
             m_part, l_part, acc_part, hkv, qk_hi, float(scale) * LOG2E - qk_hi, nsplit,
             D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KCAPP=_pow2(max(kcap, 1)),
-            VCAPP=_pow2(max(vcap, 1)), KALIGN=kalign, VALIGN=valign,
+            VSC=vsc, KALIGN=kalign, VALIGN=valign,
             KEY_FORMAT=key_code, KBITS=kbits, KEY_BLOCK=key_block, KCAP=kcap, GENERIC_K=generic, ROPE=rope,
             VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),

@@ -1100,6 +1100,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     default on where the rows are aligned for it, False: one load per word), value_slot_chunk (lookup-table caches:
     value-outlier slots per step of the slot loop, a power of two; default _value_slot_chunk's)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
+    if value_slot_chunk is not None and (value_slot_chunk < 1 or value_slot_chunk & (value_slot_chunk - 1)):
+        raise ValueError(f"value_slot_chunk must be a power of two, got {value_slot_chunk}")
     reason = _unsupported(q, kv, fp_k)
     if reason:
         return _fallback(reason, *args)
@@ -1264,8 +1266,6 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         can = (_sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0
                and kc_strides[2] == kc.shape[-1] and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
         prefetch_tiles = (PREFETCH_DEFAULTS[path] if prefetch is None else int(prefetch)) if can else 0
-    if value_slot_chunk is not None and (value_slot_chunk < 1 or value_slot_chunk & (value_slot_chunk - 1)):
-        raise ValueError(f"value_slot_chunk must be a power of two, got {value_slot_chunk}")
     vsc = int(value_slot_chunk or _value_slot_chunk(vcap, vbits))
     qk_hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]  # float32 part; the rest as qk_lo
     with launch_device(q):

@@ -147,6 +147,38 @@ def test_per_head_value_datatype_solves_the_per_head_problem(tiny_store):
     assert weighted_cost(xn, w, table) < 0.99 * weighted_cost(xn, w, per_token["layers.0.v.encode"].double().numpy())
 
 
+@pytest.mark.parametrize("outliers", [0.0, 0.1])
+def test_key_datatype_solves_the_weighted_kmeans_problem(tiny_store, outliers):
+    """The key table solves sum w (x - Q(x))^2 over the normalized non-sink pre-RoPE keys inside their per-channel
+    ranges, w = F s^2 with s the channel's half range (digest #1), as well as sklearn's weighted KMeans does; the
+    problem is rebuilt here with numpy (min/max or 5/95 percentiles per channel, |x| <= 1), not with kvcal's code.
+    A wrong key weight (F alone, or s of the token instead of the channel) or a wrong inside mask fails it."""
+    import numpy as np
+
+    loaded, store = tiny_store
+    keep = (store.token_positions >= 1).numpy()
+    data = store.layer(0)
+    k, f = data["k"].double().numpy()[keep], data["fisher_k"].double().numpy()[keep]
+    if outliers:
+        lo, hi = np.percentile(k, 100 * outliers / 2, axis=0), np.percentile(k, 100 - 100 * outliers / 2, axis=0)
+    else:
+        lo, hi = k.min(0), k.max(0)
+    scale = (hi - lo) / 2
+    xn = (k - (hi + lo) / 2) / scale
+    inside = np.abs(xn) <= 1
+    w = (f * scale**2)[inside]
+    xn = xn[inside]
+    table = (build_method("kvquant", {"bits": 2, "outliers": outliers, "qnorm": False}).calibrate(loaded, store)[0]
+             ["layers.0.k.encode"].double().numpy())
+    sk = KMeans(4, n_init=10, random_state=0).fit(xn[:, None], sample_weight=w)
+    cost = weighted_cost(xn, w, table)
+    assert cost <= weighted_cost(xn, w, sk.cluster_centers_[:, 0]) * 1.001
+    # the Fisher-only table solves a different problem: clearly worse on this one
+    fisher_only = (build_method("kvquant", {"bits": 2, "outliers": outliers, "qnorm": False, "weighting": "fisher"})
+                   .calibrate(loaded, store)[0]["layers.0.k.encode"].double().numpy())
+    assert cost < weighted_cost(xn, w, fisher_only)
+
+
 def test_fisher_weighting_changes_the_datatype(tiny_store):
     loaded, store = tiny_store
     tables = {w: build_method("kvquant", {"bits": 2, "weighting": w}).calibrate(loaded, store)[0]["layers.0.k.encode"]

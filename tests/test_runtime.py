@@ -448,6 +448,7 @@ def _small_llama_cuda(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant", "kivi"])
+@pytest.mark.filterwarnings("error:decode_attention_triton")  # both sides on the Triton kernels, not the reference
 def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
     """A replayed CUDA graph gives what the same static steps give eagerly, step after step (bf16 model,
     Triton kernels): bit for bit for fp16, rtn and KIVI (whose ring, 140 tokens after the prompt, fills at the
@@ -523,6 +524,7 @@ def test_greedy_decode_stops_at_eos_like_generate():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("error:decode_attention_triton")  # both sides on the Triton kernels, not the reference
 def test_greedy_decode_replayed_gives_the_tokens_generate_gives_on_gpu():
     """`kvcal generate` on CUDA: an rtn cache's decode steps replayed from a CUDA graph choose the tokens of
     transformers' generate() with the same cache (bf16 model, Triton kernels: the same arithmetic eager and

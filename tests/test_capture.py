@@ -50,6 +50,17 @@ def test_capture_and_fisher_match_autograd(name, budget):
     torch.testing.assert_close(layer["fisher_k"][sl], rows(handler.k[1].grad) ** 2, rtol=1e-4, atol=1e-14)
     torch.testing.assert_close(layer["fisher_v"][sl], rows(handler.v[1].grad) ** 2, rtol=1e-4, atol=1e-14)
     assert layer["fisher_k"].abs().sum() > 0
+    # x and q from the model itself, not from the adapter: x is layer 1's input after its input norm (the hidden
+    # state transformers returns for layer 1), q its q_proj (and q_norm, Qwen3) before RoPE
+    block = loaded.model.model.layers[1]
+    with torch.no_grad():
+        hidden = loaded.model(ids, output_hidden_states=True, use_cache=False).hidden_states[1][0]
+        x = block.input_layernorm(hidden)
+        q = block.self_attn.q_proj(x).view(24, loaded.dims.num_heads, loaded.dims.head_dim)
+        if hasattr(block.self_attn, "q_norm"):
+            q = block.self_attn.q_norm(q)
+    torch.testing.assert_close(layer["x"][sl], x)
+    torch.testing.assert_close(layer["q"][sl], q.reshape(24, -1))
 
 
 def test_fisher_against_finite_differences():

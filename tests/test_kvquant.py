@@ -179,6 +179,43 @@ def test_key_datatype_solves_the_weighted_kmeans_problem(tiny_store, outliers):
     assert cost < weighted_cost(xn, w, fisher_only)
 
 
+def test_post_rope_ablation_rotates_keys_as_the_model_does(tiny_store):
+    """The pre_rope=false ablation (digest R3) calibrates on rotate_rows of the captured pre-RoPE keys: those must be
+    the keys the model itself attends with, post-RoPE at each token's position (here from the model's own cos/sin,
+    through a forward pass of window 0)."""
+    from kvcal.methods.kvquant import rotate_rows, to_rows
+    from kvcal.models.adapter import StandardAttention
+
+    loaded, store = tiny_store
+
+    class KeepRotated(StandardAttention):
+        def attend(self, inp):
+            if inp.layer_idx == 1:
+                self.k = inp.rotated()[1].detach()
+            return super().attend(inp)
+
+    handler = KeepRotated()
+    windows = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))  # tiny_store's windows
+    with loaded.adapter.use(handler), torch.no_grad():
+        loaded.model(windows[:1], use_cache=False)
+    rows = slice(0, 48)  # window 0
+    got = rotate_rows(store.layer(1)["k"][rows], store.token_positions[rows], loaded.adapter.inv_freq, loaded.dims)
+    want = to_rows(handler.k)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - store.layer(1)["k"][rows]).abs().max() > 1e-2  # the rotation did something
+
+
+def test_int_datatype_ablation_is_uniform(tiny_store):
+    """datatype=int (digest R4's first row): both tables are the 2^bits uniform levels on [-1, 1], whatever the
+    weighting, and without Q-Norm decode equals encode."""
+    loaded, store = tiny_store
+    tensors = build_method("kvquant", {"bits": 3, "datatype": "int", "qnorm": False}).calibrate(loaded, store)[0]
+    levels = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    for side in ("k", "v"):
+        torch.testing.assert_close(tensors[f"layers.0.{side}.encode"].double(), levels)
+        torch.testing.assert_close(tensors[f"layers.0.{side}.decode"].double(), levels)
+
+
 def test_fisher_weighting_changes_the_datatype(tiny_store):
     loaded, store = tiny_store
     tables = {w: build_method("kvquant", {"bits": 2, "weighting": w}).calibrate(loaded, store)[0]["layers.0.k.encode"]

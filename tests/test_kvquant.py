@@ -71,11 +71,14 @@ def test_bits_per_element_hand_computed():
     assert report.bits_per_element == pytest.approx(expected, rel=1e-6)
 
 
+def tiny_windows():
+    return torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
+
+
 @pytest.fixture(scope="module")
 def tiny_store():
     loaded = load_model("tiny-llama")
-    windows = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
-    store = capture(loaded, windows, {"k", "v", "fisher"})
+    store = capture(loaded, tiny_windows(), {"k", "v", "fisher"})
     yield loaded, store
     store.close()
 
@@ -152,7 +155,7 @@ def test_key_datatype_solves_the_weighted_kmeans_problem(tiny_store, outliers):
     """The key table solves sum w (x - Q(x))^2 over the normalized non-sink pre-RoPE keys inside their per-channel
     ranges, w = F s^2 with s the channel's half range (digest #1), as well as sklearn's weighted KMeans does; the
     problem is rebuilt here with numpy (min/max or 5/95 percentiles per channel, |x| <= 1), not with kvcal's code.
-    A wrong key weight (F alone, or s of the token instead of the channel) or a wrong inside mask fails it."""
+    Checked by mutation: a weight of F alone fails both cases, an inside mask of |x| <= 2 the 5/95 one."""
     import numpy as np
 
     loaded, store = tiny_store
@@ -195,9 +198,8 @@ def test_post_rope_ablation_rotates_keys_as_the_model_does(tiny_store):
             return super().attend(inp)
 
     handler = KeepRotated()
-    windows = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))  # tiny_store's windows
     with loaded.adapter.use(handler), torch.no_grad():
-        loaded.model(windows[:1], use_cache=False)
+        loaded.model(tiny_windows()[:1], use_cache=False)
     rows = slice(0, 48)  # window 0
     got = rotate_rows(store.layer(1)["k"][rows], store.token_positions[rows], loaded.adapter.inv_freq, loaded.dims)
     want = to_rows(handler.k)[0]

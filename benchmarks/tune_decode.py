@@ -193,6 +193,11 @@ VARIANT_SETS["round22"] = [  # attention_frag: vector code loads, and the occupa
     ("int", 4, {}), ("int", 4, {"frag_vector": False}), ("int", 4, {"max_registers": 204, "programs_per_sm": 10}),
     ("int", 2, {}), ("int", 2, {"frag_vector": False}), ("int", 2, {"programs_per_sm": 12}),
 ]
+VARIANT_SETS["round23"] = [  # attention_frag: key codes masked in place (frag_key_inplace: 576 -> 530 SASS instructions
+    # per int2 tile, 617 -> 586 at int4, same registers; not yet timed), each setting twice, alternating
+    ("int", 4, {}), ("int", 4, {"frag_key_inplace": True}), ("int", 2, {}), ("int", 2, {"frag_key_inplace": True}),
+    ("int", 4, {"frag_key_inplace": True}), ("int", 4, {}), ("int", 2, {"frag_key_inplace": True}), ("int", 2, {}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

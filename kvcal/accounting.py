@@ -2,8 +2,8 @@
 
 Bytes of the compressed cache for a reference sequence of 4096 tokens (batch 1), counting codes,
 scales, zero points, outliers (value + index), norms and full-precision windows/sinks, times 8,
-divided by 2 x tokens x layers x kv_heads x head_dim (DESIGN.md). Static per-model tensors
-(codebooks, LUTs, ranges) are not in the cache: they are reported separately as artifact bytes.
+divided by 2 x tokens x layers x kv_heads x head_dim (the README's Conventions). Static per-model tensors (codebooks,
+LUTs, ranges) are not in the cache: they are reported separately as artifact bytes.
 """
 
 from __future__ import annotations

@@ -87,6 +87,13 @@ def make_header(method, loaded, calibration: dict | None, bits, info: dict | Non
     }
 
 
+def new_file_mode() -> int:
+    """The mode a plain open() would give a new file under the current umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def save_artifact(path: str | Path, artifact: Artifact) -> Path:
     """Write atomically: a temporary file in the same folder, renamed over the target at the end."""
     path = Path(path)
@@ -98,6 +105,7 @@ def save_artifact(path: str | Path, artifact: Artifact) -> Path:
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
+        os.chmod(tmp, new_file_mode())  # mkstemp's 0600 would survive the rename
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -122,6 +130,8 @@ def load_artifact(path: str | Path) -> Artifact:
         header = json.loads(metadata[HEADER_KEY])
     except json.JSONDecodeError:
         raise KvcalError(f"{path} has a corrupt kvcal header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise KvcalError(f"{path} has a malformed kvcal header (a JSON {type(header).__name__}, not an object)")
     version = header.get("schema_version")
     if version != SCHEMA_VERSION:
         raise KvcalError(
@@ -131,9 +141,37 @@ def load_artifact(path: str | Path) -> Artifact:
     for key in ("method", "config", "model", "tensor_hash"):
         if key not in header:
             raise KvcalError(f"{path} has an incomplete kvcal header (no '{key}')")
+    problem = _header_problem(header)
+    if problem:
+        raise KvcalError(f"{path} has a malformed kvcal header ({problem})")
     if tensor_hash(tensors) != header["tensor_hash"]:
         raise KvcalError(f"{path} is corrupt: its tensors do not match the content hash in its header")
+    try:
+        check_tensor_names(tensors, header["model"]["num_layers"])
+    except ValueError as exc:
+        raise KvcalError(f"{path}: {exc}") from None
     return Artifact(header, tensors)
+
+
+def _header_problem(header: dict) -> str | None:
+    """What is wrong with the structure of a header (the content hash covers the tensors only, so a hand-edited header
+    must be checked field by field before anything reads it), or None."""
+    kinds = {"method": str, "config": dict, "model": dict, "bits": dict, "bits_per_element": (int, float)}
+    for key, kind in kinds.items():
+        if key in header and not isinstance(header[key], kind):
+            return f"'{key}' is a {type(header[key]).__name__}"
+    model = header["model"]
+    for key in MODEL_FIELDS:
+        if key not in model:
+            return f"model.{key} missing"
+    for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
+        if not isinstance(model[key], int) or isinstance(model[key], bool) or model[key] <= 0:
+            return f"model.{key} is not a positive integer"
+    if not isinstance(model["rope"], dict) or not {"rope_type", "theta"} <= set(model["rope"]):
+        return "model.rope is not a RoPE description"
+    if "bits" in header and not isinstance(header["bits"].get("parts", {}), dict):
+        return "bits.parts is not an object"
+    return None
 
 
 def check_model(artifact: Artifact, loaded, path: str | Path = "artifact", identity: bool = True) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvcal.errors import KvcalError
@@ -98,6 +100,18 @@ def calibrate_command(
             raise KvcalError(f"recipes disagree on calibration data ({calib} vs {other}): calibrate them separately")
     _positive("--nsamples", calib["nsamples"])
     _positive("--seqlen", calib["seqlen"])
+    _positive("--batch-size", batch_size)
+    if not 0 <= calib["seed"] < 2**63:
+        raise KvcalError(f"--seed must be in [0, 2^63), got {calib['seed']}")
+    if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
+        raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
+    if evaluate:
+        _positive("--eval-nsamples", eval_nsamples)
+        if calib["seqlen"] < 2:
+            raise KvcalError("--eval needs --seqlen of at least 2 (a window scores its tokens after the first)")
+    for path in (out, out_dir, capture_cache):  # before the model loads and the calibration runs
+        if path is not None:
+            check_writable(path, folder=path is not out)
     loaded = load_model(model, dtype, device)
     folder = out_dir or Path("artifacts") / loaded.name
     targets = [(instance, out or folder / f"{instance.name}-{tag}.safetensors") for instance, tag, _ in jobs]
@@ -145,11 +159,15 @@ def eval_ppl_command(
     json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON (one artifact)."),
     json_dir: Path | None = typer.Option(None, help="Write one JSON record per artifact, named after it."),
 ):
-    """Perplexity of a compressed model (DESIGN.md protocols)."""
+    """Perplexity of a compressed model (protocols: the README's Conventions)."""
     from kvcal.eval.run import evaluate_ppl_command
 
     if json_out and artifact and len(artifact) > 1:
         raise KvcalError("--json takes one artifact; use --json-dir with several")
+    _positive("--batch-size", batch_size)
+    for path, folder in ((json_out, False), (json_dir, True)):
+        if path is not None:
+            check_writable(path, folder)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                    protocol, prompt_len, batch_size, dtype, device, mode, backend)
     table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
@@ -186,6 +204,10 @@ def generate_command(
     """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
     from kvcal.runtime.generate import generate_text
 
+    if not prompt:
+        raise KvcalError("--prompt is empty")
+    if artifact is not None and method is not None:
+        raise KvcalError("give either --artifact or --method, not both")
     mode = "auto" if graph is None else ("graph" if graph else "eager")
     result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend, mode)
     console.print(result["text"], highlight=False, markup=False)
@@ -198,10 +220,10 @@ def report_command(
     commands: bool = typer.Option(False, help="Add the command that produced each number."),
 ):
     """Print JSON result records as one markdown table (PPL relative to an fp16 record when present)."""
-    from kvcal.eval.report import markdown_table
+    from kvcal.eval.report import markdown_table, read_record
 
-    console.print(markdown_table([json.loads(Path(p).read_text()) for p in records], commands), markup=False,
-                  highlight=False, soft_wrap=True)
+    console.print(markdown_table([read_record(p) for p in records], commands), markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @bench_app.command("generate")
@@ -330,10 +352,14 @@ def inspect_command(path: Path = typer.Argument(..., help="Artifact file.")):
                   f"theta {m['rope']['theta']:g})  source {json.dumps(m['source'], sort_keys=True)}")
     cal = h.get("calibration")
     console.print("calibration  " + (json.dumps(cal, sort_keys=True) if cal else "none (the method learns nothing)"))
-    parts = ", ".join(f"{k} {v:.3f}" for k, v in h["bits"]["parts"].items())
-    console.print(f"bits/element {h['bits_per_element']:.4f} at {h['bits']['tokens']} tokens  ({parts})")
+    bits = h.get("bits", {})
+    parts = ", ".join(f"{k} {v:.3f}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in bits.get("parts", {}).items())
+    per_element = h.get("bits_per_element")
+    console.print(f"bits/element {per_element if per_element is None else f'{per_element:.4f}'} at "
+                  f"{bits.get('tokens')} tokens  ({parts})")
     console.print(f"artifact     {len(art.tensors)} tensors, {art.nbytes()} bytes (static, not per token)")
-    console.print(f"kvcal        {h['kvcal_version']}, schema {h['schema_version']}, tensor sha256 {h['tensor_hash'][:16]}")
+    console.print(f"kvcal        {h.get('kvcal_version')}, schema {h['schema_version']}, "
+                  f"tensor sha256 {str(h['tensor_hash'])[:16]}")
     if h.get("info"):
         console.print("info         " + json.dumps(h["info"], sort_keys=True))
     if art.tensors:
@@ -354,6 +380,9 @@ def compare_command(
     """Diff two artifacts; exit 1 if they differ beyond tolerance, 0 otherwise."""
     from kvcal.artifact import compare_artifacts, load_artifact
 
+    for flag, value in (("--rtol", rtol), ("--atol", atol)):
+        if not value >= 0 or not math.isfinite(value):  # nan fails both
+            raise KvcalError(f"{flag} must be a finite number >= 0, got {value}")
     diffs = compare_artifacts(load_artifact(a), load_artifact(b), rtol, atol)
     if not diffs:
         console.print(f"identical within rtol={rtol:g} atol={atol:g}")
@@ -382,25 +411,84 @@ def _positive(flag: str, value: int) -> None:
         raise KvcalError(f"{flag} must be positive, got {value}")
 
 
-def write_json_atomic(path: Path, record: dict) -> None:
+def check_writable(path: Path, folder: bool) -> None:
+    """One-line errors, before any long work, for an output path kvcal could not write: a file path that is a
+    folder, a folder path that is a file, a parent that is a file, or a place without write permission."""
     path = Path(path)
+    if not str(path).strip():
+        raise KvcalError("an output path is empty")
+    if path.exists() and path.is_dir() != folder:
+        raise KvcalError(f"{path} is {'a file' if folder else 'a folder'}; expected {'a folder' if folder else 'a file path'}")
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise KvcalError(f"cannot write {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise KvcalError(f"cannot write {path}: no write permission in {existing}")
+
+
+def write_json_atomic(path: Path, record: dict) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written record."""
+    from kvcal.artifact import new_file_mode
+
+    path = Path(path)
+    check_writable(path, folder=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_finite_or_null(record), f, indent=2, sort_keys=True, allow_nan=False)
+            f.write("\n")
+        os.chmod(tmp, new_file_mode())  # mkstemp's 0600 would survive the rename
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _finite_or_null(value):
+    """NaN and infinities as null: strict JSON has no spelling for them (a diverged perplexity is recorded as null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def main() -> None:
+    """Exit codes: 0 ok (compare: identical), 1 compare found differences, 2 bad input or an environment problem
+    (one line on stderr), 3 an unexpected error (one line; KVCAL_DEBUG=1 shows the traceback), 130 interrupted."""
+    err = Console(stderr=True)
     try:
         app()
     except KvcalError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        Console(stderr=True).print("[red]interrupted[/red]")
+        err.print("[red]interrupted[/red]")
         sys.exit(130)
+    except (OSError, UnicodeDecodeError) as exc:  # files and folders: the OS's own words name the path
+        if os.environ.get("KVCAL_DEBUG") == "1":
+            raise
+        err.print(f"[red]error:[/red] {escape(_os_message(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except Exception as exc:
+        if os.environ.get("KVCAL_DEBUG") == "1":
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        err.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(first)} (KVCAL_DEBUG=1 shows the "
+                  "traceback)", highlight=False, soft_wrap=True)
+        sys.exit(3)
+
+
+def _os_message(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    where = " -> ".join(str(x) for x in (exc.filename, exc.filename2) if x)
+    return f"{exc.strerror or type(exc).__name__}: {where}" if where else f"{type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":

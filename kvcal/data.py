@@ -65,7 +65,11 @@ def _wikitext2(split: str, data_dir: str | None) -> Text:
             candidates = ["wiki.train.raw", "wiki.train.tokens", "wiki.valid.raw", "wiki.valid.tokens"]
         for name in candidates:
             if (folder / name).is_file():
-                text = join_documents((folder / name).read_text(encoding="utf-8").splitlines())
+                try:
+                    raw = (folder / name).read_text(encoding="utf-8")
+                except UnicodeDecodeError as exc:
+                    raise KvcalError(f"{folder / name} is not UTF-8 text (byte {exc.start})") from None
+                text = join_documents(raw.splitlines())
                 return Text(text, {"dataset": "wikitext2", "split": name, "sha256": _sha(text)})
         raise KvcalError(
             f"wikitext2 {split} data not found in {folder}: expected {' or '.join(candidates)}"

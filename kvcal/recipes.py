@@ -49,18 +49,30 @@ def find_recipe(name: str) -> Path:
 def load_recipe(name: str) -> Recipe:
     path = find_recipe(name)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise KvcalError(f"recipe {path} is not valid YAML ({exc.__class__.__name__})") from None
+    except UnicodeDecodeError:
+        raise KvcalError(f"recipe {path} is not UTF-8 text") from None
     if not isinstance(data, dict) or "method" not in data:
         raise KvcalError(f"recipe {path} must be a mapping with at least a 'method' key")
     unknown = set(data) - RECIPE_KEYS
     if unknown:
         raise KvcalError(f"recipe {path} has unknown keys {sorted(unknown)} (allowed: {sorted(RECIPE_KEYS)})")
+    if not isinstance(data["method"], str):
+        raise KvcalError(f"recipe {path}: 'method' must be a method name, got {data['method']!r}")
+    for key in ("config", "calibration"):
+        if not isinstance(data.get(key) or {}, dict):
+            raise KvcalError(f"recipe {path}: '{key}' must be a mapping (key: value lines), got {data[key]!r}")
     calibration = data.get("calibration") or {}
     bad = set(calibration) - set(CALIBRATION_DEFAULTS)
     if bad:
         raise KvcalError(f"recipe {path}: unknown calibration keys {sorted(bad)}")
+    for key, value in calibration.items():
+        kind = str if key == "dataset" else int
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise KvcalError(f"recipe {path}: calibration.{key} must be {'a string' if kind is str else 'an integer'}, "
+                             f"got {value!r}")
     return Recipe(data["method"], data.get("config") or {}, calibration, path.stem)
 
 

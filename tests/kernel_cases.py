@@ -148,11 +148,21 @@ ATTENTION_CASES = [
     # 45 full-precision tokens: two programs of the fp launch (32 tokens each)
     ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
     ("int4_frag_d128_g3_fp16", "int", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
+    # key codes masked in place, the query scaled by 2^-(b j) to match (frag_key_inplace; a wrong scale moves the
+    # scores by factors of 2^b)
+    ("int4_frag_key_inplace_bf16", "int", 4, torch.bfloat16, {}, {"frag": True, "frag_key_inplace": True}, {}),
+    ("int2_frag_key_inplace_d128_fp16", "int", 2, torch.float16, {}, {"frag": True, "frag_key_inplace": True},
+     {"d": 128}),
     # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: its last tile
     # is read from the clamped tile start (where the look-ahead past the end is clamped too; an out-of-bounds read
     # would only show as a fault on a GPU)
     ("int4_frag_whole_tiles_bf16", "int", 4, torch.bfloat16, {}, {"frag": True},
      {"tcap": 96, "lengths": [96, 0, 70]}),
+    # a row of one token (one tile, nearly all masked) and a row filling the whole buffer (tcap 80: its last tile
+    # runs past the buffer's end and must be masked, not read)
+    ("int4_len1_full_bf16", "int", 4, torch.bfloat16, {}, {}, {"lengths": [1, 80, 33]}),
+    ("nuq4_len1_full_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True}, {},
+     {"lengths": [1, 80, 33]}),
     ("int3_g32_fp16", "int", 3, torch.float16, {"group": 32}, {}, {}),
     ("int2_bf16", "int", 2, torch.bfloat16, {}, {}, {}),
     ("int4_g16_generic_fp16", "int", 4, torch.float16, {"group": 16}, {"generic_keys": True}, {}),
@@ -426,6 +436,83 @@ def _same_outliers(x, ia, va, ib, vb) -> bool:
     return torch.equal(xa, xb) and torch.equal(ra, rb)
 
 
+# ---- the real cache through the Triton kernels (interpreter): KvcalCache's buffers, the quantize-into and ring kernels
+# and decode attention, against the same model decoding with the torch references
+
+CACHE_CODECS = [
+    ("rtn4", "rtn", {"bits": 4}),
+    ("kivi2_ring", "kivi", {"bits": 2, "group_size": 8, "residual": 8}),  # the ring flushes blocks during decode
+    ("kvquant4_outliers", "kvquant", {"bits": 4, "outliers": 0.05}),
+    ("kvquant3_vhead", "kvquant", {"bits": 3, "outliers": 0.05, "value_scope": "head"}),
+]
+
+
+def _cache_model(dtype):
+    """One layer, 4 query heads over 2 KV heads of 64 channels (the kernels' smallest head_dim), random weights."""
+    from kvcal.models.tiny import build_random_model, tiny_config
+    from kvcal.runtime.generate import as_loaded
+
+    config = tiny_config("llama")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 256, 4, 2
+    config.head_dim, config.num_hidden_layers = 64, 1
+    return as_loaded(build_random_model(config, dtype, "cpu"))
+
+
+def _decode_logits(loaded, codec, ids, prompt: int, fast: bool):
+    """Logits of the decode steps after a prompt of `prompt` tokens. fast: every op through its Triton kernel, and
+    any torch reference that has a Triton twin raises (a silent fallback would compare the reference with itself)."""
+    import contextlib
+    from unittest import mock
+
+    from kvcal.runtime import attention, ops, quantize, ring
+    from kvcal.runtime.cache import KvcalCache
+
+    with contextlib.ExitStack() as stack:
+        if fast:
+            stack.enter_context(mock.patch.object(ops, "use_triton", lambda t: True))
+            for module in (quantize, ring, attention):
+                for name in dir(module):
+                    if name.endswith("_triton") and hasattr(module, name[: -len("_triton")]):
+                        def refuse(*args, _name=name[: -len("_triton")], **kwargs):
+                            raise AssertionError(f"{_name}: fell back to the torch reference")
+                        stack.enter_context(mock.patch.object(module, name[: -len("_triton")], refuse))
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("error", message="decode_attention_triton")
+        cache = KvcalCache(codec, loaded.dims.num_layers)
+        with torch.inference_mode():
+            loaded.model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+            steps = [loaded.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                     for t in range(prompt, ids.shape[1])]
+    return torch.cat(steps, 1).double()
+
+
+def run_cache_checks(dtype=torch.float16) -> dict:
+    """Largest relative error of a decode step's logits (per row and step) through the Triton kernels against the
+    torch references, per codec: batch 2, a 30-token prompt, 10 decode steps."""
+    from kvcal.calib.capture import capture
+    from kvcal.methods import build_method
+
+    loaded = _cache_model(dtype)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    store = None
+    out = {}
+    for name, method_name, config in CACHE_CODECS:
+        method = build_method(method_name, config)
+        tensors = {}
+        if method.learns:
+            if store is None:
+                store = capture(loaded, torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0)),
+                                {"k", "v", "fisher"})
+            tensors = method.calibrate(loaded, store)[0]
+        codec = method.build_codec(tensors, loaded.dims)
+        ref = _decode_logits(loaded, codec, ids, 30, fast=False)
+        fast = _decode_logits(loaded, codec, ids, 30, fast=True)
+        out[name] = float(((fast - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+    if store is not None:
+        store.close()
+    return out
+
+
 def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
     import json
     import sys
@@ -438,6 +525,8 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
         out["quantize"] = run_quantize_checks()
     if which in ("all", "attention"):
         out["attention"] = {case[0]: run_attention_case(case) for case in ATTENTION_CASES}
+    if which in ("all", "cache"):
+        out["cache"] = run_cache_checks()
     out["seconds"] = time.time() - t0
     print("KERNEL_CHECKS " + json.dumps(out))
 

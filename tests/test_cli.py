@@ -98,3 +98,70 @@ def test_eval_inspect_and_compare(tiny_artifact, tmp_path):
     assert made.returncode == 0, made.stderr
     diff = kvcal("compare", tiny_artifact, other)
     assert diff.returncode == 1 and "config.bits" in diff.stdout
+
+
+def _malformed_header(artifact, tmp_path, name, edit):
+    """A copy of `artifact` whose header was edited by hand (the content hash covers the tensors only)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(artifact), framework="pt") as f:
+        header, tensors = json.loads(f.metadata()["kvcal"]), {k: f.get_tensor(k) for k in f.keys()}
+    path = tmp_path / f"{name}.safetensors"
+    save_file(tensors, str(path), metadata={"kvcal": json.dumps(edit(header))})
+    return path
+
+
+BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) -> what the one line must say
+    "device": (["eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--device", "gpu"], "unknown device 'gpu'"),
+    "batch": (["eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--batch-size", "0"],
+              "--batch-size must be positive"),
+    "tolerance": (["compare", "ART", "ART", "--rtol", "-1"], "--rtol must be a finite number >= 0"),
+    "header": (["inspect", "ART"], "malformed kvcal header (model.rope is not a RoPE description)"),
+    "json_into_a_folder": (["eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--json", "TMP"],
+                           "is a folder; expected a file path"),
+    "report": (["report", "TMP/r.json"], "is not a kvcal eval record ('setting' missing"),
+    "empty_prompt": (["generate", "--prompt", "", "--model", "tiny-llama", "--method", "fp16"], "--prompt is empty"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_line_before_any_work(case, tiny_artifact, tmp_path):
+    argv, needle = BAD_INPUT[case]
+    art = _malformed_header(tiny_artifact, tmp_path, "rope", lambda h: {**h, "model": {**h["model"], "rope": None}})
+    (tmp_path / "r.json").write_text("{}")
+    before = sorted(tmp_path.iterdir())
+    argv = [str(art) if a == "ART" else a.replace("TMP", str(tmp_path)) for a in argv]
+    assert_one_line_error(kvcal(*argv), needle)
+    assert sorted(tmp_path.iterdir()) == before  # nothing written, no temporary file left
+
+
+def test_json_writer_leaves_no_temporary_file_and_the_umask_mode(tmp_path):
+    from kvcal.cli import write_json_atomic
+
+    with pytest.raises(TypeError):
+        write_json_atomic(tmp_path / "r.json", {"bad": object()})
+    assert list(tmp_path.iterdir()) == []
+    write_json_atomic(tmp_path / "r.json", {"ppl": float("nan"), "x": [1.5, float("inf")]})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"ppl": None, "x": [1.5, None]}  # strict JSON
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_unexpected_errors_are_one_line_with_exit_3(monkeypatch, capsys):
+    import kvcal.cli as cli
+
+    def boom():
+        raise RuntimeError("first line\nsecond line")
+
+    monkeypatch.setattr(cli, "app", boom)
+    monkeypatch.delenv("KVCAL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("internal error: RuntimeError: first line") and "\n" not in err and "KVCAL_DEBUG" in err
+    monkeypatch.setenv("KVCAL_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli.main()

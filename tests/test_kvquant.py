@@ -95,14 +95,15 @@ def test_keys_ranges_are_percentiles_without_sinks(tiny_store):
     assert 0.05 < info["key_outlier_rate"][1] < 0.15
 
 
-def reference_value_problem(store, layer=0, sink=1, head_dim=None):
-    """Normalized non-sink values of one layer and the three candidate k-means weights, recomputed
-    independently of kvcal (float64 numpy); with head_dim, each head's part of a token is its own vector."""
+def reference_value_problem(store, layer=0, sink=1, head_dim=None, side="v"):
+    """Normalized non-sink values (or, with side="k", keys normalized per token: the per_token ablation) of one
+    layer and the three candidate k-means weights, recomputed independently of kvcal (float64 numpy); with
+    head_dim, each head's part of a token is its own vector."""
     import numpy as np
 
     data = store.layer(layer)
     keep = store.token_positions >= sink
-    v, f = data["v"][keep].double(), data["fisher_v"][keep].double()
+    v, f = data[side][keep].double(), data[f"fisher_{side}"][keep].double()
     if head_dim:
         v, f = v.reshape(-1, head_dim), f.reshape(-1, head_dim)
     lo, hi = v.min(1, keepdim=True).values, v.max(1, keepdim=True).values
@@ -148,6 +149,36 @@ def test_per_head_value_datatype_solves_the_per_head_problem(tiny_store):
     table = per_head["layers.0.v.encode"].double().numpy()
     assert weighted_cost(xn, w, table) <= weighted_cost(xn, w, sk.cluster_centers_[:, 0]) * 1.001
     assert weighted_cost(xn, w, table) < 0.99 * weighted_cost(xn, w, per_token["layers.0.v.encode"].double().numpy())
+
+
+def test_per_token_key_ablation_normalizes_each_token(tiny_store):
+    """key_granularity=per_token (digest R1's first row): no calibrated key ranges are stored, the key table solves
+    the weighted k-means problem of keys normalized by each token's own min/max (rebuilt here in numpy) as well
+    as sklearn does and clearly better than the per-channel table does, and the codec quantizes a key row onto
+    that table between the row's own extremes."""
+    loaded, store = tiny_store
+    config = {"bits": 2, "outliers": 0.0, "qnorm": False}
+    per_token = build_method("kvquant", {**config, "key_granularity": "per_token"}).calibrate(loaded, store)[0]
+    per_channel = build_method("kvquant", config).calibrate(loaded, store)[0]
+    assert "layers.0.k.lo" not in per_token and "layers.0.k.lo" in per_channel
+    xn, weights = reference_value_problem(store, side="k")
+    w = weights["fisher_scale"]
+    table = per_token["layers.0.k.encode"].double().numpy()
+    sk = KMeans(4, n_init=10, random_state=0).fit(xn[:, None], sample_weight=w)
+    assert weighted_cost(xn, w, table) <= weighted_cost(xn, w, sk.cluster_centers_[:, 0]) * 1.001
+    assert weighted_cost(xn, w, table) < 0.99 * weighted_cost(xn, w, per_channel["layers.0.k.encode"].double().numpy())
+
+    codec = build_method("kvquant", {**config, "key_granularity": "per_token"}).build_codec(per_token, loaded.dims)
+    k = torch.randn(1, loaded.dims.num_kv_heads, 5, loaded.dims.head_dim, generator=torch.Generator().manual_seed(1))
+    rows = k.transpose(1, 2).flatten(2)  # [1, T, C]: one vector per token over all KV heads
+    lo, hi = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
+    levels = per_token["layers.0.k.decode"].float()
+    expected_levels = (hi + lo) / 2 + (hi - lo) / 2 * levels  # the table mapped onto each token's range
+    got = codec.quantize_keys(0, k).transpose(1, 2).flatten(2)
+    distance = (got[..., None] - expected_levels[:, :, None, :]).abs().amin(-1)
+    # every key lands on its own token's levels (to the fp16 rounding of the stored scale and zero; levels are
+    # a third of the range apart at 2 bits, so another token's range would miss by far more)
+    assert distance.max() < 1e-3 * (hi - lo).min()
 
 
 @pytest.mark.parametrize("outliers", [0.0, 0.1])
@@ -275,3 +306,19 @@ def test_end_to_end_smollm2(tmp_path, wikitext_dir, smollm2):
     assert 2.5 < records["kvquant"]["bits_per_element"] < 2.7
     header = load_artifact(out).header
     assert header["calibration"]["tokens"] == 1024 and len(header["info"]["fisher_err_k"]) == 30
+
+
+def test_bad_tables_and_sinks_are_one_line_errors(tiny_store):
+    """A table of the wrong shape (a hand-edited artifact whose hash was recomputed) is refused when the codec is built,
+    not met as an IndexError in the lookup; a sink that covers every calibration token is refused too."""
+    from kvcal.errors import KvcalError
+
+    loaded, store = tiny_store
+    method = build_method("kvquant", {"bits": 2})
+    tensors = dict(method.calibrate(loaded, store)[0])
+    method.build_codec(tensors, loaded.dims)  # the real tables pass
+    tensors["layers.1.v.decode"] = torch.zeros(3, 3)
+    with pytest.raises(KvcalError, match=r"layers.1.v.decode has shape \[3, 3\], expected \[4\]"):
+        method.build_codec(tensors, loaded.dims)
+    with pytest.raises(KvcalError, match="sink=48 leaves 0 calibration tokens"):
+        build_method("kvquant", {"bits": 2, "sink": 48}).calibrate(loaded, store)

@@ -9,6 +9,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
@@ -31,7 +34,14 @@ def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, c
     cache_dir = Path(cache_dir)
     folder = cache_dir / capture_key(loaded, windows)
     needs_file = folder / "needs.json"
-    cached = set(json.loads(needs_file.read_text())) if needs_file.is_file() else set()
+    cached = set()
+    if needs_file.is_file():
+        problem = _saved_capture_problem(folder, loaded.dims.num_layers)
+        if problem is None:
+            cached = set(json.loads(needs_file.read_text()))
+        else:  # a capture left broken (a full disk, a hand edit): capture again and replace it
+            Console(stderr=True).print(f"[yellow]capture cache {folder} is unreadable ({escape(problem)}): capturing "
+                                       "again[/yellow]", highlight=False)
     if needs <= cached:
         return CaptureStore.load(folder, loaded.dims.num_layers)
     needs = needs | cached
@@ -47,6 +57,35 @@ def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, c
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return store
+
+
+def _saved_capture_problem(folder: Path, num_layers: int) -> str | None:
+    """What makes a saved capture unusable, or None: needs.json must be a JSON list of names, and every chunk and the
+    positions must open as safetensors whose rows hold every layer's captured names."""
+    from safetensors import safe_open
+
+    try:
+        needs = json.loads((folder / "needs.json").read_text())
+        if not isinstance(needs, list) or not all(isinstance(n, str) for n in needs):
+            return "needs.json is not a list of names"
+        with safe_open(str(folder / "positions.safetensors"), framework="pt") as f:
+            rows = f.get_slice("positions").get_shape()[0]
+        chunks = sorted(folder.glob("chunk*.safetensors"))
+        if not chunks:
+            return "no chunk files"
+        held = 0
+        for path in chunks:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                names = {key.split(".", 1)[1] for key in keys}
+                if any(f"{i}.{name}" not in keys for i in range(num_layers) for name in names):
+                    return f"{path.name} lacks some layers"
+                held += f.get_slice(f"0.{sorted(names)[0]}").get_shape()[0] if names else 0
+        if held != rows:
+            return f"the chunks hold {held} rows, the positions {rows}"
+    except Exception as exc:  # noqa: BLE001 - any read failure means: capture again
+        return f"{type(exc).__name__}"
+    return None
 
 
 def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str = "wikitext2", nsamples: int = 16,

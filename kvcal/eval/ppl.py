@@ -1,4 +1,4 @@
-"""Perplexity (DESIGN.md conventions): non-overlapping windows, PPL = exp(mean NLL) over counted tokens.
+"""Perplexity (the README's Conventions): non-overlapping windows, PPL = exp(mean NLL) over counted tokens.
 
 Protocols:
 - gptq: every key/value is compressed as it enters the cache; query t sees key j as token-by-token

@@ -253,6 +253,9 @@ class KVQuant(Method):
         per_side = per_side_outliers(self.outliers, dims.kv_channels)
         positions = store.token_positions
         keep_rows = positions >= self.sink  # the sink tokens never enter calibration
+        if int(keep_rows.sum()) < 2:
+            raise KvcalError(f"kvquant sink={self.sink} leaves {int(keep_rows.sum())} calibration tokens per run: use a "
+                             "longer --seqlen")
         device = loaded.device
         tensors, info = {}, {"key_outlier_rate": [], "fisher_err_k": [], "fisher_err_v": []}
         with progress_bar("kvquant: fitting datatypes", dims.num_layers) as advance:
@@ -339,6 +342,12 @@ class KVQuant(Method):
         missing = expected - set(tensors)
         if missing:
             raise KvcalError(f"kvquant artifact is missing {len(missing)} tables (e.g. {sorted(missing)[0]})")
+        levels, channels = 1 << self.bits, dims.kv_channels
+        for name, t in tensors.items():
+            want = (levels,) if name.endswith(("encode", "decode")) else (channels,) if name.endswith(("lo", "hi")) else None
+            if want and tuple(t.shape) != want:
+                raise KvcalError(f"kvquant table {name} has shape {list(t.shape)}, expected {list(want)} "
+                                 f"({self.bits} bits, {channels} channels)")
         return KVQuantCodec(self, tensors, dims)
 
     def footprint(self, dims, tokens):

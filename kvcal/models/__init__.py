@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,8 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise KvcalError(f"unknown device '{device}' (cpu, cuda, cuda:N or auto)")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -126,7 +129,13 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bo
         from kvcal.models.gguf import converted_smollm2_dir
 
         folder, source = converted_smollm2_dir()
-        loaded = _load_pretrained(spec.alias, str(folder), torch_dtype, device, source)
+        try:
+            loaded = _load_pretrained(spec.alias, str(folder), torch_dtype, device, source)
+        except KvcalError:
+            raise
+        except Exception as exc:  # a cache folder left broken (by hand or a full disk): say how to rebuild it
+            raise KvcalError(f"the converted {spec.alias} in {folder} does not load ({type(exc).__name__}): delete that "
+                             "folder and kvcal converts the GGUF again") from None
     else:
         loaded = _load_hub(spec, torch_dtype, device)
     if adapt:
@@ -182,7 +191,13 @@ def _load_local(path: str, dtype, device) -> LoadedModel:
     for weight in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
         digest.update(f"{weight.name}:{weight.stat().st_size}".encode())
     source = {"path": str(folder.resolve()), "files_sha256": digest.hexdigest()[:16]}
-    return _load_pretrained(folder.name, str(folder), dtype, device, source)
+    try:
+        return _load_pretrained(folder.name, str(folder), dtype, device, source)
+    except KvcalError:
+        raise
+    except Exception as exc:  # bad config.json, no weights, no tokenizer, truncated files: transformers' own words
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first[:200]})") from None
 
 
 def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:

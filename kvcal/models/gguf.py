@@ -53,7 +53,10 @@ def converted_smollm2_dir() -> tuple[Path, dict]:
     target = cache_root() / "models" / "smollm2-135m"
     marker = target / SOURCE_FILE
     if marker.is_file():
-        return target, json.loads(marker.read_text())
+        try:
+            return target, json.loads(marker.read_text())
+        except (ValueError, OSError):
+            raise KvcalError(f"{marker} is corrupt: delete {target} and kvcal converts the GGUF again") from None
     gguf_path = locate_gguf()
     source = {
         "gguf_file": GGUF_FILE,

@@ -200,14 +200,40 @@ if triton is not None:
         return g * (D // 8) + z
 
     @triton.jit
-    def _key_register(words, r: tl.constexpr, BITS: tl.constexpr):
+    def _key_register(words, r: tl.constexpr, BITS: tl.constexpr, INPLACE: tl.constexpr):
+        """Key A register r: the code pair (i, i + P) of word r // P as fp16 subnormal halves. Shifted to bits [0, b):
+        a shift and a mask per register. INPLACE: masked where it lies in its byte (bits below 8 stay inside an fp16
+        mantissa), the word's upper bytes brought down by one shift by 8 shared by their registers: one mask per
+        register, the half then n 2^(b j - 24) for code j of its byte, and the query's B register r is scaled by
+        2^-(b j) to match (in _frag_decode_kernel), so the product is q n 2^-24 either way."""
         P: tl.constexpr = 16 // BITS
-        MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
-        SHIFT: tl.constexpr = BITS * (r % P)
-        if SHIFT == 0:
-            return words[r // P] & MASK
+        i: tl.constexpr = r % P
+        if INPLACE:
+            CPB: tl.constexpr = 8 // BITS
+            MASKJ: tl.constexpr = (((1 << BITS) - 1) << (BITS * (i % CPB))) * 0x10001
+            if i < CPB:
+                return words[r // P] & MASKJ
+            else:
+                return (words[r // P] >> 8) & MASKJ
         else:
-            return (words[r // P] >> SHIFT) & MASK
+            MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+            SHIFT: tl.constexpr = BITS * i
+            if SHIFT == 0:
+                return words[r // P] & MASK
+            else:
+                return (words[r // P] >> SHIFT) & MASK
+
+    @triton.jit
+    def _query_register(reg, lo16, hi16, r: tl.constexpr, BITS: tl.constexpr, INPLACE: tl.constexpr,
+                        INTERP: tl.constexpr):
+        """Query B register r (fp16 pair reg = (lo16, hi16)) for key registers masked in place: scaled by 2^-(b j), j the
+        code's place in its byte (_key_register). A power of two: exact but where the product falls below fp16's
+        normal range (|q| < 2^-14 + b j), where it keeps an absolute error of at most 2^-25 + b j."""
+        EXP: tl.constexpr = INPLACE * BITS * ((r % (16 // BITS)) % (8 // BITS))
+        if EXP > 0:
+            return pack_half2(lo16 * (1.0 / (1 << EXP)), hi16 * (1.0 / (1 << EXP)), INTERP)
+        else:
+            return reg
 
     @triton.jit
     def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, tlast, skt, svt, lane,
@@ -262,6 +288,7 @@ if triton is not None:
         VEC: tl.constexpr,  # code words by vector loads (the host checked the alignment of rows and base)
         ROW_CLAMP: tl.constexpr,  # clamp every code row (buffers not a whole number of tiles) or only tiles (TLAST)
         PDL: tl.constexpr,  # sm_90+: let the window kernel launched after this one start early (griddepcontrol)
+        KEY_INPLACE: tl.constexpr,  # key codes masked in place, the query scaled to match (_key_register)
     ):
         """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
         pid * S + split (S partials per row and head; those of a full-precision segment, if any, are the last ones:
@@ -293,9 +320,9 @@ if triton is not None:
             lo = tl.load(q_row + g * sqh + key_channel(c, r, 0, D, KBITS), mask=head_ok, other=0.0).to(tl.float32)
             hi = tl.load(q_row + g * sqh + key_channel(c, r, 1, D, KBITS), mask=head_ok, other=0.0).to(tl.float32)
             reg = pack_half2(lo, hi, INTERP)
-            qb = qb + (reg,)
             lo16, hi16 = _halves(reg)
             qsum += lo16 + hi16
+            qb = qb + (_query_register(reg, lo16, hi16, r, KBITS, KEY_INPLACE, INTERP),)
         qsum += shfl_xor(qsum, 1, INTERP)
         qsum += shfl_xor(qsum, 2, INTERP)  # sum of head g's fp16 query, in every lane of row g
         qsum0 = shfl_idx(qsum, 8 * c, INTERP)  # heads 2c and 2c + 1: this lane's score columns
@@ -341,8 +368,10 @@ if triton is not None:
                 c2 = tl.zeros((32,), tl.float32)
                 c3 = tl.zeros((32,), tl.float32)
                 for kb in tl.static_range(KB):
-                    c0, c1, c2, c3 = mma16816(_key_register(top, 2 * kb, KBITS), _key_register(bot, 2 * kb, KBITS),
-                                              _key_register(top, 2 * kb + 1, KBITS), _key_register(bot, 2 * kb + 1, KBITS),
+                    c0, c1, c2, c3 = mma16816(_key_register(top, 2 * kb, KBITS, KEY_INPLACE),
+                                              _key_register(bot, 2 * kb, KBITS, KEY_INPLACE),
+                                              _key_register(top, 2 * kb + 1, KBITS, KEY_INPLACE),
+                                              _key_register(bot, 2 * kb + 1, KBITS, KEY_INPLACE),
                                               qb[2 * kb], qb[2 * kb + 1], c0, c1, c2, c3, INTERP)
                 for half in tl.static_range(2):
                     ks = sw[8 * mt + 4 * half].to(tl.float32)  # 8-token block 2 mt + half

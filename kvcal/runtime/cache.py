@@ -506,7 +506,8 @@ class PackedLayer(_LayerBase):
     def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
                        headroom: int = 0, generator=None) -> None:
         """Fill with `tokens` tokens per row of random codes and parameters, as after a prefill (for speed and
-        memory benchmarks: decoding then runs through the real buffers and kernels)."""
+        memory benchmarks: decoding then runs through the real buffers and kernels). Every outlier slot is used
+        (a prefill leaves some key slots empty): the most work a decode step can have."""
         self._init(batch, heads, dim, dtype, device, inv_freq)
         packed = self.policy.compressed_count(tokens)
         self.count = [tokens] * batch
@@ -516,7 +517,10 @@ class PackedLayer(_LayerBase):
                 continue
             if name.endswith("codes"):
                 t.random_(generator=generator)
-            elif name.endswith("out_idx"):
+            elif name.endswith("out_idx") and t.dim() == 4:  # slots per (token, KV head): channels of that head
+                t.random_(0, dim, generator=generator)
+                t += (torch.arange(heads, device=device, dtype=t.dtype) * dim)[:, None]
+            elif name.endswith("out_idx"):  # slots per token over all heads
                 t.random_(0, heads * dim, generator=generator)
             else:  # scales, zeros, outlier residuals: small positive values
                 t.uniform_(0.01, 0.05, generator=generator)

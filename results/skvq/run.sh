@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces every row of results/skvq/README.md: smollm2-135m, CPU, float32, WikiText-2, calibration
+# Reproduces the rows of the README's SKVQ tables: smollm2-135m, CPU, float32, WikiText-2, calibration
 # 16 windows x 2048 tokens seed 0, evaluation 16 windows x 2048 tokens, protocol gptq.
 # Usage: bash results/skvq/run.sh [ROW ...]   (no argument: every row, in order; existing JSONs are kept)
 set -euo pipefail
@@ -34,7 +34,7 @@ row() {
     rtn2)        baseline rtn2 --method rtn --set bits=2 ;;
     rtn2-g32)    baseline rtn2-g32 --method rtn --set bits=2 --set group_size=32 ;;
     kivi2)       baseline kivi2 --method kivi --set bits=2 ;;
-    kivi4)       baseline kivi4 --method kivi --set bits=4 ;;
+    kivi4)       baseline kivi4 --method kivi --set bits=4 ;;  # the table quotes results/baselines/kivi-4.json (same setting)
     # SKVQ main rows
     k2v2-g32)       calib_eval k2v2-g32 --recipe skvq-k2v2-g32-w128 ;;
     k2v2-g32-fp8)   calib_eval k2v2-g32-fp8 --recipe skvq-k2v2-g32-w128 --set param_dtype=fp8 ;;

@@ -87,10 +87,17 @@ def make_header(method, loaded, calibration: dict | None, bits, info: dict | Non
     }
 
 
-def new_file_mode() -> int:
-    """The mode a plain open() would give a new file under the current umask."""
-    mask = os.umask(0)
-    os.umask(mask)
+def new_file_mode(replacing: str | Path | None = None) -> int:
+    """The mode for a file written atomically: the mode of the file it replaces, else what a plain open() would give
+    a new file under the current umask (read from /proc where it can be, since setting it to read it is racy)."""
+    if replacing is not None and os.path.exists(replacing):
+        return os.stat(replacing).st_mode & 0o777
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0)
+        os.umask(mask)
     return 0o666 & ~mask
 
 
@@ -105,7 +112,7 @@ def save_artifact(path: str | Path, artifact: Artifact) -> Path:
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
-        os.chmod(tmp, new_file_mode())  # mkstemp's 0600 would survive the rename
+        os.chmod(tmp, new_file_mode(path))  # mkstemp's 0600 would survive the rename
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -116,6 +123,8 @@ def save_artifact(path: str | Path, artifact: Artifact) -> Path:
 
 def load_artifact(path: str | Path) -> Artifact:
     path = Path(path)
+    if path.is_dir():
+        raise KvcalError(f"artifact {path} is a folder, not a .safetensors file")
     if not path.is_file():
         raise KvcalError(f"artifact {path} not found")
     try:
@@ -167,8 +176,12 @@ def _header_problem(header: dict) -> str | None:
     for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
         if not isinstance(model[key], int) or isinstance(model[key], bool) or model[key] <= 0:
             return f"model.{key} is not a positive integer"
-    if not isinstance(model["rope"], dict) or not {"rope_type", "theta"} <= set(model["rope"]):
+    rope = model["rope"]
+    if not isinstance(rope, dict) or not isinstance(rope.get("rope_type"), str) \
+            or not isinstance(rope.get("theta"), (int, float)):
         return "model.rope is not a RoPE description"
+    if not isinstance(model["family"], str) or not isinstance(model["name"], str):
+        return "model.family or model.name is not a string"
     if "bits" in header and not isinstance(header["bits"].get("parts", {}), dict):
         return "bits.parts is not an object"
     return None

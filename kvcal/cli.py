@@ -109,9 +109,10 @@ def calibrate_command(
         _positive("--eval-nsamples", eval_nsamples)
         if calib["seqlen"] < 2:
             raise KvcalError("--eval needs --seqlen of at least 2 (a window scores its tokens after the first)")
-    for path in (out, out_dir, capture_cache):  # before the model loads and the calibration runs
-        if path is not None:
-            check_writable(path, folder=path is not out)
+    # before the model loads and the calibration runs (the default folder is artifacts/MODEL, named after loading)
+    check_writable(out if out is not None else out_dir or Path("artifacts"), folder=out is None)
+    if capture_cache is not None:  # written only on a miss: a read-only cache of what is needed still serves
+        check_writable(capture_cache, folder=True, permission=False)
     loaded = load_model(model, dtype, device)
     folder = out_dir or Path("artifacts") / loaded.name
     targets = [(instance, out or folder / f"{instance.name}-{tag}.safetensors") for instance, tag, _ in jobs]
@@ -249,6 +250,8 @@ def bench_generate_command(
     from kvcal.recipes import resolve
     from kvcal.runtime.bench_generate import capture_refusal, largest_batch, run_case
 
+    if json_out is not None:
+        check_writable(json_out, folder=False)
     modes = mode or ["eager", "graph"]
     for m in modes:
         if m not in ("eager", "graph"):
@@ -324,6 +327,19 @@ def bench_decode_command(
         raise KvcalError(f"--dtype must be bfloat16 or float16, got {dtype}")
     if flush not in bench.FLUSHES:
         raise KvcalError(f"--flush must be one of {', '.join(bench.FLUSHES)}, got {flush}")
+    for name in codec or ():
+        if name not in bench.CODECS:
+            raise KvcalError(f"unknown codec '{name}' (known: {', '.join(bench.CODECS)})")
+    for b in bits or ():
+        if b not in (2, 3, 4):
+            raise KvcalError(f"--bits must be 2, 3 or 4, got {b}")
+    for flag, values in (("--context", context), ("--batch", batch), ("--rep", [rep])):
+        for v in values or ():
+            _positive(flag, v)
+    if window < 0:
+        raise KvcalError(f"--window must be >= 0, got {window}")
+    if json_out is not None:
+        check_writable(json_out, folder=False)
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench decode needs a CUDA device")
     result = bench.run_decode_bench(
@@ -411,9 +427,10 @@ def _positive(flag: str, value: int) -> None:
         raise KvcalError(f"{flag} must be positive, got {value}")
 
 
-def check_writable(path: Path, folder: bool) -> None:
+def check_writable(path: Path, folder: bool, permission: bool = True) -> None:
     """One-line errors, before any long work, for an output path kvcal could not write: a file path that is a
-    folder, a folder path that is a file, a parent that is a file, or a place without write permission."""
+    folder, a folder path that is a file, a parent that is a file, or (permission) a place without write permission
+    (os.access: always granted to root)."""
     path = Path(path)
     if not str(path).strip():
         raise KvcalError("an output path is empty")
@@ -424,7 +441,7 @@ def check_writable(path: Path, folder: bool) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise KvcalError(f"cannot write {path}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if permission and not os.access(existing, os.W_OK | os.X_OK):
         raise KvcalError(f"cannot write {path}: no write permission in {existing}")
 
 
@@ -440,7 +457,7 @@ def write_json_atomic(path: Path, record: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(_finite_or_null(record), f, indent=2, sort_keys=True, allow_nan=False)
             f.write("\n")
-        os.chmod(tmp, new_file_mode())  # mkstemp's 0600 would survive the rename
+        os.chmod(tmp, new_file_mode(path))  # mkstemp's 0600 would survive the rename
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -460,11 +477,14 @@ def _finite_or_null(value):
 
 def main() -> None:
     """Exit codes: 0 ok (compare: identical), 1 compare found differences, 2 bad input or an environment problem
-    (one line on stderr), 3 an unexpected error (one line; KVCAL_DEBUG=1 shows the traceback), 130 interrupted."""
+    (one line on stderr), 3 an unexpected error (one line), 130 interrupted; KVCAL_DEBUG=1 shows the traceback of
+    any error instead."""
     err = Console(stderr=True)
     try:
         app()
     except KvcalError as exc:
+        if os.environ.get("KVCAL_DEBUG") == "1":
+            raise
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
@@ -488,7 +508,10 @@ def _os_message(exc: Exception) -> str:
     if isinstance(exc, UnicodeDecodeError):
         return f"a file is not UTF-8 text ({exc.reason} at byte {exc.start})"
     where = " -> ".join(str(x) for x in (exc.filename, exc.filename2) if x)
-    return f"{exc.strerror or type(exc).__name__}: {where}" if where else f"{type(exc).__name__}: {exc}"
+    if where:
+        return f"{exc.strerror or type(exc).__name__}: {where}"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]  # network errors can run over many lines
+    return f"{type(exc).__name__}: {first} (KVCAL_DEBUG=1 shows the traceback)"
 
 
 if __name__ == "__main__":

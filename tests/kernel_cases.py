@@ -470,12 +470,12 @@ def _decode_logits(loaded, codec, ids, prompt: int, fast: bool):
     with contextlib.ExitStack() as stack:
         if fast:
             stack.enter_context(mock.patch.object(ops, "use_triton", lambda t: True))
-            for module in (quantize, ring, attention):
-                for name in dir(module):
-                    if name.endswith("_triton") and hasattr(module, name[: -len("_triton")]):
-                        def refuse(*args, _name=name[: -len("_triton")], **kwargs):
-                            raise AssertionError(f"{_name}: fell back to the torch reference")
-                        stack.enter_context(mock.patch.object(module, name[: -len("_triton")], refuse))
+            references = [(module, name[: -len("_triton")]) for module in (quantize, ring, attention) for name in dir(module)
+                          if name.endswith("_triton") and hasattr(module, name[: -len("_triton")])]
+            for module, name in references + [(attention, "decode_attention_ref")]:
+                def refuse(*args, _name=name, **kwargs):
+                    raise AssertionError(f"{_name}: fell back to the torch reference")
+                stack.enter_context(mock.patch.object(module, name, refuse))
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("error", message="decode_attention_triton")
         cache = KvcalCache(codec, loaded.dims.num_layers)

@@ -119,7 +119,8 @@ def test_capture_cache_is_reused_and_extended(tmp_path):
     assert other.layer(0)["k"].shape[0] == 16 and len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
 
 
-@pytest.mark.parametrize("damage", ["garbage_chunk", "missing_chunk", "needs_not_a_list", "missing_layer"])
+@pytest.mark.parametrize("damage", ["garbage_chunk", "missing_chunk", "needs_not_a_list", "missing_layer", "missing_name",
+                                    "short_rows"])
 def test_a_broken_capture_cache_is_captured_again(tmp_path, damage):
     """A saved capture that does not read back whole (a full disk, a hand edit) is reported and replaced by a new
     capture, with the same rows as a fresh one, never a crash deep in calibration."""
@@ -129,7 +130,7 @@ def test_a_broken_capture_cache_is_captured_again(tmp_path, damage):
 
     loaded = load_model("tiny-llama")
     windows = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    fresh = cached_capture(loaded, windows, {"k"}, 1 << 30, 1, tmp_path).layer(1)["k"]
+    fresh = cached_capture(loaded, windows, {"k", "v"}, 1 << 30, 1, tmp_path).layer(1)["k"]
     (folder,) = tmp_path.iterdir()
     assert _saved_capture_problem(folder, loaded.dims.num_layers) is None
     chunk = sorted(folder.glob("chunk*.safetensors"))[0]
@@ -139,9 +140,13 @@ def test_a_broken_capture_cache_is_captured_again(tmp_path, damage):
         chunk.unlink()
     elif damage == "needs_not_a_list":
         (folder / "needs.json").write_text('{"k": 1}')
-    else:
+    elif damage == "missing_layer":
         save_file({k: t for k, t in load_file(str(chunk)).items() if not k.startswith("1.")}, str(chunk))
+    elif damage == "missing_name":  # what needs.json promises is not there: calibration would fail on a KeyError
+        save_file({k: t for k, t in load_file(str(chunk)).items() if not k.endswith(".v")}, str(chunk))
+    else:
+        save_file({k: t[:5] if k == "1.k" else t for k, t in load_file(str(chunk)).items()}, str(chunk))
     assert _saved_capture_problem(folder, loaded.dims.num_layers) is not None
-    again = cached_capture(loaded, windows, {"k"}, 1 << 30, 1, tmp_path)
+    again = cached_capture(loaded, windows, {"k", "v"}, 1 << 30, 1, tmp_path)
     torch.testing.assert_close(again.layer(1)["k"], fresh)
     assert _saved_capture_problem(folder, loaded.dims.num_layers) is None  # replaced by the new capture

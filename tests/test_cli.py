@@ -122,6 +122,9 @@ BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) ->
                            "is a folder; expected a file path"),
     "report": (["report", "TMP/r.json"], "is not a kvcal eval record ('setting' missing"),
     "empty_prompt": (["generate", "--prompt", "", "--model", "tiny-llama", "--method", "fp16"], "--prompt is empty"),
+    "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "dequantized"],
+                               "--backend applies to --mode decode only"),
+    "bench_codec": (["bench", "decode", "--codec", "foo"], "unknown codec 'foo'"),  # before the CUDA check
 }
 
 
@@ -139,14 +142,23 @@ def test_bad_input_is_one_line_before_any_work(case, tiny_artifact, tmp_path):
 def test_json_writer_leaves_no_temporary_file_and_the_umask_mode(tmp_path):
     from kvcal.cli import write_json_atomic
 
+    mask = os.umask(0o022)  # a umask under which mkstemp's 0600 and the expected 0644 differ
+    try:
+        _check_json_writer(tmp_path, write_json_atomic)
+    finally:
+        os.umask(mask)
+
+
+def _check_json_writer(tmp_path, write_json_atomic):
     with pytest.raises(TypeError):
         write_json_atomic(tmp_path / "r.json", {"bad": object()})
     assert list(tmp_path.iterdir()) == []
     write_json_atomic(tmp_path / "r.json", {"ppl": float("nan"), "x": [1.5, float("inf")]})
     assert json.loads((tmp_path / "r.json").read_text()) == {"ppl": None, "x": [1.5, None]}  # strict JSON
-    mask = os.umask(0)
-    os.umask(mask)
-    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+    (tmp_path / "r.json").chmod(0o640)  # rewriting a record keeps the mode its owner gave it
+    write_json_atomic(tmp_path / "r.json", {"ppl": 1.0})
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o640
 
 
 def test_unexpected_errors_are_one_line_with_exit_3(monkeypatch, capsys):

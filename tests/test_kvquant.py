@@ -320,5 +320,5 @@ def test_bad_tables_and_sinks_are_one_line_errors(tiny_store):
     tensors["layers.1.v.decode"] = torch.zeros(3, 3)
     with pytest.raises(KvcalError, match=r"layers.1.v.decode has shape \[3, 3\], expected \[4\]"):
         method.build_codec(tensors, loaded.dims)
-    with pytest.raises(KvcalError, match="sink=48 leaves 0 calibration tokens"):
+    with pytest.raises(KvcalError, match="sink=48 leaves 0 calibration tokens in total"):
         build_method("kvquant", {"bits": 2, "sink": 48}).calibrate(loaded, store)

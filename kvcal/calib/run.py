@@ -60,14 +60,19 @@ def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, c
 
 
 def _saved_capture_problem(folder: Path, num_layers: int) -> str | None:
-    """What makes a saved capture unusable, or None: needs.json must be a JSON list of names, and every chunk and the
-    positions must open as safetensors whose rows hold every layer's captured names."""
+    """What makes a saved capture unusable, or None: needs.json must be a JSON list of capturable names, every chunk
+    must hold, for every layer, exactly the row names those needs produce (fisher: fisher_k and fisher_v), all with
+    one row count per chunk, and the chunks' rows must add up to the saved token positions."""
     from safetensors import safe_open
+
+    from kvcal.calib.capture import CAPTURABLE
 
     try:
         needs = json.loads((folder / "needs.json").read_text())
-        if not isinstance(needs, list) or not all(isinstance(n, str) for n in needs):
-            return "needs.json is not a list of names"
+        if not isinstance(needs, list) or not set(needs) <= set(CAPTURABLE):
+            return "needs.json is not a list of capturable names"
+        names = {n for need in needs for n in (("fisher_k", "fisher_v") if need == "fisher" else (need,))}
+        expected = {f"{i}.{name}" for i in range(num_layers) for name in names}
         with safe_open(str(folder / "positions.safetensors"), framework="pt") as f:
             rows = f.get_slice("positions").get_shape()[0]
         chunks = sorted(folder.glob("chunk*.safetensors"))
@@ -76,11 +81,12 @@ def _saved_capture_problem(folder: Path, num_layers: int) -> str | None:
         held = 0
         for path in chunks:
             with safe_open(str(path), framework="pt") as f:
-                keys = set(f.keys())
-                names = {key.split(".", 1)[1] for key in keys}
-                if any(f"{i}.{name}" not in keys for i in range(num_layers) for name in names):
-                    return f"{path.name} lacks some layers"
-                held += f.get_slice(f"0.{sorted(names)[0]}").get_shape()[0] if names else 0
+                if set(f.keys()) != expected:
+                    return f"{path.name} does not hold {sorted(names)} for every layer"
+                counts = {f.get_slice(key).get_shape()[0] for key in expected}
+            if len(counts) != 1:
+                return f"{path.name} holds different row counts"
+            held += counts.pop()
         if held != rows:
             return f"the chunks hold {held} rows, the positions {rows}"
     except Exception as exc:  # noqa: BLE001 - any read failure means: capture again

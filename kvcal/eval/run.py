@@ -34,8 +34,14 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
         prompt_len = seqlen // 2 if prompt_len is None else prompt_len
         if not 1 <= prompt_len <= seqlen - 2:
             raise KvcalError(f"--prompt-len must be in [1, seqlen-2], got {prompt_len}")
+    elif prompt_len is not None:
+        raise KvcalError("--prompt-len applies to --protocol prefill-decode only")
     else:
         prompt_len = 0
+    if backend not in ("packed", "dequantized"):
+        raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")
+    if backend != "packed" and mode != "decode":
+        raise KvcalError("--backend applies to --mode decode only")
     artifact_paths = list(artifact_paths or [])
     if artifact_paths and (method_name or recipe):
         raise KvcalError("give either --artifact or --method/--recipe, not both")

@@ -116,7 +116,8 @@ class Method:
         values = {}
         for key, value in config.items():
             if key not in known:
-                raise KvcalError(f"unknown config key '{key}' for method {cls.name} (known: {', '.join(known)})")
+                raise KvcalError(f"unknown config key '{key}' for method {cls.name} "
+                                 f"({'known: ' + ', '.join(known) if known else 'it takes no config keys'})")
             values[key] = _coerce(value, hints[key], key, cls.name)
         method = cls(**values)
         method.validate()

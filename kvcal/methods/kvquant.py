@@ -22,6 +22,7 @@ inits) instead of sklearn's single init.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -241,6 +242,17 @@ class KVQuant(Method):
             name += f"-{self.outliers * 100:g}pct"
         if self.value_scope == "head":
             name += "-vhead"
+        # every other setting that differs from its default, so that two --set runs never share a file name
+        named = {"bits", "outliers", "value_scope", "datatype", *self.runtime_fields}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            same = value == f.default
+            if f.name == "qnorm":  # None means "on at 2 bits": an explicit value that does the same adds nothing
+                same = self.use_qnorm == (self.bits == 2)
+            elif f.name == "weighting" and self.datatype == "int":  # uniform levels: no k-means to weight
+                same = True
+            if f.name not in named and not same:
+                name += f"-{f.name}{str(value).lower()}"
         return name
 
     # ---- calibration -------------------------------------------------------------------------------
@@ -254,7 +266,7 @@ class KVQuant(Method):
         positions = store.token_positions
         keep_rows = positions >= self.sink  # the sink tokens never enter calibration
         if int(keep_rows.sum()) < 2:
-            raise KvcalError(f"kvquant sink={self.sink} leaves {int(keep_rows.sum())} calibration tokens per run: use a "
+            raise KvcalError(f"kvquant sink={self.sink} leaves {int(keep_rows.sum())} calibration tokens in total: use a "
                              "longer --seqlen")
         device = loaded.device
         tensors, info = {}, {"key_outlier_rate": [], "fisher_err_k": [], "fisher_err_v": []}

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from kvcal.errors import KvcalError
 from kvcal.models.registry import ALIASES, ModelSpec
@@ -131,11 +132,9 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bo
         folder, source = converted_smollm2_dir()
         try:
             loaded = _load_pretrained(spec.alias, str(folder), torch_dtype, device, source)
-        except KvcalError:
-            raise
-        except Exception as exc:  # a cache folder left broken (by hand or a full disk): say how to rebuild it
+        except (OSError, ValueError, SafetensorError) as exc:  # a cache folder left broken (by hand, a full disk)
             raise KvcalError(f"the converted {spec.alias} in {folder} does not load ({type(exc).__name__}): delete that "
-                             "folder and kvcal converts the GGUF again") from None
+                             "folder and kvcal converts the GGUF again") from exc
     else:
         loaded = _load_hub(spec, torch_dtype, device)
     if adapt:
@@ -193,11 +192,10 @@ def _load_local(path: str, dtype, device) -> LoadedModel:
     source = {"path": str(folder.resolve()), "files_sha256": digest.hexdigest()[:16]}
     try:
         return _load_pretrained(folder.name, str(folder), dtype, device, source)
-    except KvcalError:
-        raise
-    except Exception as exc:  # bad config.json, no weights, no tokenizer, truncated files: transformers' own words
+    except (OSError, ValueError, SafetensorError) as exc:  # bad config.json, no weights, no tokenizer, truncated
+        # files: transformers' own words, first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first[:200]})") from None
+        raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first[:200]})") from exc
 
 
 def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:

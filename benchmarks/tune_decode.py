@@ -193,10 +193,18 @@ VARIANT_SETS["round22"] = [  # attention_frag: vector code loads, and the occupa
     ("int", 4, {}), ("int", 4, {"frag_vector": False}), ("int", 4, {"max_registers": 204, "programs_per_sm": 10}),
     ("int", 2, {}), ("int", 2, {"frag_vector": False}), ("int", 2, {"programs_per_sm": 12}),
 ]
-VARIANT_SETS["round23"] = [  # attention_frag: key codes masked in place (frag_key_inplace: 576 -> 530 SASS instructions
-    # per int2 tile, 617 -> 586 at int4, same registers; not yet timed), each setting twice, alternating
-    ("int", 4, {}), ("int", 4, {"frag_key_inplace": True}), ("int", 2, {}), ("int", 2, {"frag_key_inplace": True}),
-    ("int", 4, {"frag_key_inplace": True}), ("int", 4, {}), ("int", 2, {"frag_key_inplace": True}), ("int", 2, {}),
+# round23 timed key codes masked in place against shifted (frag_key_inplace, each twice, alternating; 32K x 8 and
+# 131K x 32): faster at both, so it became the only path and the knob went (tune-h100-round23*.json)
+VARIANT_SETS["round24"] = [  # attention_frag: per-token scales loaded unmasked from lane pointers (frag_tile_scales:
+    # 522 -> 449 SASS instructions per int2 tile, 586 -> 511 at int4), each setting twice, alternating
+    ("int", 4, {}), ("int", 4, {"frag_tile_scales": False}), ("int", 2, {}), ("int", 2, {"frag_tile_scales": False}),
+    ("int", 4, {"frag_tile_scales": False}), ("int", 4, {}), ("int", 2, {"frag_tile_scales": False}), ("int", 2, {}),
+]
+# round25 timed code words loaded two tiles ahead instead of one (a frag_ahead knob, since removed): slower at every
+# register cap (int2 87.4-109.6 against 82.2 us at 32K x 8, int4 129.6-161.8 against 122.2; tune-h100-round25*.json)
+VARIANT_SETS["round26"] = [  # attention_frag: constexpr row strides (immediate load offsets) and row masks only in
+    # a split's last tile (int2 449 -> 406 SASS instructions per tile, int4 511 -> 441), defaults twice
+    ("int", 4, {}), ("int", 2, {}), ("int", 4, {}), ("int", 2, {}),
 ]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 

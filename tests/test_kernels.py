@@ -26,6 +26,7 @@ from tests.kernel_cases import (
     ATTENTION_CASES,
     CACHE_CODECS,
     TOL,
+    TOL_GPU,
     build_cache,
     run_attention_case,
     run_quantize_checks,
@@ -198,8 +199,9 @@ GPU_CASES = [
      ("int4_frag_fp16", "int", 4, torch.float16, {}, {"frag": True}, {}),
      ("int2_frag_bf16", "int", 2, torch.bfloat16, {}, {"frag": True}, {}),
      ("int2_frag_fp16", "int", 2, torch.float16, {}, {"frag": True}, {}),
-     ("int4_frag_key_inplace_bf16", "int", 4, torch.bfloat16, {}, {"frag": True, "frag_key_inplace": True}, {}),
-     ("int2_frag_key_inplace_fp16", "int", 2, torch.float16, {}, {"frag": True, "frag_key_inplace": True}, {}),
+     # rows past each length hold inf / nan scales and random codes: unmasked scale loads must not let them through
+     ("int4_frag_poisoned_bf16", "int", 4, torch.bfloat16, {"poison": True}, {"frag": True}, {}),
+     ("int2_frag_poisoned_fp16", "int", 2, torch.float16, {"poison": True}, {"frag": True}, {}),
      ("nuq4_vhead_bfloat16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "pre_rope": True, "value_per_head": True},
       {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),
@@ -228,7 +230,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_decode_attention(case):
     err = run_attention_case(case, small=False, device="cuda")
-    assert err == err and err <= TOL[case[3]], f"{case[0]}: relative error {err}"
+    assert err == err and err <= TOL_GPU[case[3]], f"{case[0]}: relative error {err}"
 
 
 @pytest.mark.gpu

@@ -188,10 +188,6 @@ FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which int caches take attention_
 # attention_frag: the fp-segment launch overlaps the fragment kernel's tail (sm_90 PDL); a switch for A/B timing
 FRAG_OVERLAP_FP = True
 FRAG_FP_CHUNK = 32  # attention_frag: full-precision tokens per program of the separate fp-segment launch
-# attention_frag: key codes masked in place (one mask per register, the query scaled by powers of two to match)
-# instead of shifted down then masked: 56 -> 8 shifts per int2 tile, 48 -> 16 at int4 (Triton 3.6, sm_90); not yet
-# timed on a GPU, so off by default (the frag_key_inplace argument asks for it)
-FRAG_KEY_INPLACE = False
 
 if triton is not None:
     from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
@@ -1021,7 +1017,7 @@ def _frag_applies(q, kv: PackedKV, group: int) -> bool:
 
 def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, group: int, num_splits: int | None,
                  programs_per_sm: int, block_f: int | None, max_registers: int | None = None,
-                 frag_vector: bool | None = None, frag_key_inplace: bool | None = None):
+                 frag_vector: bool | None = None):
     """decode_attention_triton through attention_frag's register-fragment kernel (one warp per program)."""
     batch, hq, d = q.shape
     dev = q.device
@@ -1050,8 +1046,9 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     kvec, vvec = min(4, d * kv.key_bits // 128), min(4, d * kv.value_bits // 256)
     vec_ok = _word_alignment(kc, kc_strides) >= kvec and _word_alignment(vc, vc_strides) >= vvec
     vec = vec_ok if frag_vector is None else bool(frag_vector) and vec_ok
-    # tiles start at multiples of FRAG_BLOCK_T: buffers of whole tiles let the kernel clamp tiles, not rows
-    row_clamp = tcap % FRAG_BLOCK_T != 0 or tcap == 0
+    # tiles start at multiples of FRAG_BLOCK_T: buffers of whole tiles let the kernel clamp tiles, not rows, and load
+    # per-token scales without masks (from scale buffers at least as long)
+    row_clamp = tcap % FRAG_BLOCK_T != 0 or tcap == 0 or min(ks.shape[2], vs.shape[2]) < tcap
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     # programmatic dependent launch (sm_90; griddepcontrol does not assemble for older targets): the window's
     # programs start in the slots of fragment programs that finish early instead of after the whole kernel; they
@@ -1065,8 +1062,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
             vc, *vc_strides, vs, vz, *vs.stride()[:2],
             m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0),
             D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T,
-            VEC=int(vec), ROW_CLAMP=int(row_clamp), PDL=int(pdl),
-            KEY_INPLACE=int(FRAG_KEY_INPLACE if frag_key_inplace is None else frag_key_inplace), num_warps=1,
+            VEC=int(vec), ROW_CLAMP=int(row_clamp), PDL=int(pdl), num_warps=1,
             **({"maxnreg": int(max_registers)} if max_registers else {}),
         )
         if has_fp:
@@ -1085,7 +1081,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             block_f: int | None = None, max_registers: int | None = None,
                             prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
                             frag: bool | None = None, frag_vector: bool | None = None,
-                            frag_key_inplace: bool | None = None, value_slot_chunk: int | None = None):
+                            value_slot_chunk: int | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs, programs_per_sm 16 for the tile kernel
     and, for the fragment kernel, whose splits fill exactly one wave, FRAG_OCCUPANCY's: 12 at 4 bits, 16 at 2 bits),
@@ -1102,9 +1098,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     register-fragment kernel of attention_frag; default on where it applies, from FRAG_MIN_ROWS (row, KV head)
     pairs and when no tile-kernel knob (block_t, num_warps, num_stages, prefetch, generic_keys) is given;
     False: the tile kernel), frag_vector (the fragment kernel loads each lane's code words with one vector load;
-    default on where the rows are aligned for it, False: one load per word), frag_key_inplace (the fragment kernel
-    masks key codes where they lie in their byte and scales the query to match, FRAG_KEY_INPLACE by default),
-    value_slot_chunk (lookup-table caches:
+    default on where the rows are aligned for it, False: one load per word), value_slot_chunk (lookup-table caches:
     value-outlier slots per step of the slot loop, a power of two; default _value_slot_chunk's)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     if value_slot_chunk is not None and (value_slot_chunk < 1 or value_slot_chunk & (value_slot_chunk - 1)):
@@ -1187,7 +1181,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
     if has_packed and want_frag and _frag_applies(q, kv, group):
         return _decode_frag(q, kv, fp_k, fp_v, fp_valid, scale, hkv, group, nsplit if num_splits else None,
-                            programs_per_sm, block_f, max_registers, frag_vector, frag_key_inplace)
+                            programs_per_sm, block_f, max_registers, frag_vector)
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles
         # except on the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)

@@ -6,7 +6,7 @@ tile kernel of `attention.py` unpacks a tile's codes in a blocked layout and Tri
 into the `mma` operand layout: per byte of 4-bit codes read from HBM that is about 10 bytes of shared-memory
 traffic (staging copy, unpacked fp16 stores, ldmatrix), and ncu put the H100's L1/shared pipe at 74% busy with DRAM at
 61% (benchmarks/NOTES-kernels.md). Here every lane loads exactly the code bits that its own `mma.sync.m16n8k16`
-fragment registers need, so unpacking is a shift and a mask per register.
+fragment registers need, so unpacking is a mask per register (and a shift by 8 that two registers share).
 
 Programming model: every tensor is one-dimensional with 32 elements, element i living in lane i of the program's
 single warp (Triton gives a 32-element tensor one element per lane; `tl.static_range` and tuples hold a lane's
@@ -26,9 +26,9 @@ The codes are always the A operand, so all 16 of its rows are real (the GQA grou
   2c + 8, 2c + 9) of one channel, so lane (g, c) reads D b / 8 bits of four token rows and interleaves them
   byte-wise (`prmt`); its channels are lane row g's chunk of D / 8 (`value_channel`).
 
-A code n becomes an fp16 register half by masking it to bits [0, b) (or [4, 8) for the upper nibble of a byte):
-the half is then the subnormal n 2^-24 (n 2^-20), which the tensor cores multiply exactly; the 2^24 goes into the
-score and output scale. Scores and softmax are float32; the query and P are fp16 operands, as in the tile kernel.
+A code n becomes an fp16 register half by masking it where it lies in its byte (code j of the byte at bits
+[b j, b j + b)): the half is then the subnormal n 2^(b j - 24), which the tensor cores multiply exactly; the query is
+scaled by 2^-(b j) to match (keys), the 2^(24 - b j) goes into the output scale (values) and 2^24 into the score scale. Scores and softmax are float32; the query and P are fp16 operands, as in the tile kernel.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 # One-warp programs per SM and the register cap that lets them fit in the SM's 64K registers, by the wider of the key
 # and value widths. Without a cap ptxas (Triton 3.6, sm_90) gave 4-bit codes 204 registers once the tile's rows became
 # one pointer plus uniform offsets (10 programs: a second wave, int4 171.7 us at 32K x 8), 158 with the cap of 168
-# (127.2 us); 2-bit codes take 128 uncapped, so 16 fit (94.4 us against 97.0 at 12; H100,
-# results/bench/tune-h100-round22-frag-occupancy.json).
+# (127.2 us); 2-bit codes took 128 uncapped, so 16 fit (94.4 us against 97.0 at 12; H100,
+# results/bench/tune-h100-round22-frag-occupancy.json). The current kernel takes 153 / 126 under these caps.
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 
@@ -200,43 +200,36 @@ if triton is not None:
         return g * (D // 8) + z
 
     @triton.jit
-    def _key_register(words, r: tl.constexpr, BITS: tl.constexpr, INPLACE: tl.constexpr):
-        """Key A register r: the code pair (i, i + P) of word r // P as fp16 subnormal halves. Shifted to bits [0, b):
-        a shift and a mask per register. INPLACE: masked where it lies in its byte (bits below 8 stay inside an fp16
-        mantissa), the word's upper bytes brought down by one shift by 8 shared by their registers: one mask per
-        register, the half then n 2^(b j - 24) for code j of its byte, and the query's B register r is scaled by
-        2^-(b j) to match (in _frag_decode_kernel), so the product is q n 2^-24 either way."""
+    def _key_register(words, r: tl.constexpr, BITS: tl.constexpr):
+        """Key A register r: the code pair (i, i + P) of word r // P (P = 16 / b), masked where it lies in its byte:
+        bits below 8 stay inside an fp16 mantissa, so the half is the subnormal n 2^(b j - 24) for code j of its byte.
+        The word's upper bytes come down with one shift by 8 that their registers share, so a register costs one mask
+        (shifting each pair down to bits [0, b) first cost 56 -> 8 shifts per int2 tile, 48 -> 16 at int4; int2 5-8%
+        slower on an H100, results/bench/tune-h100-round23*.json). The query's B register r is scaled by 2^-(b j) to
+        match (_query_register), so the product is q n 2^-24."""
         P: tl.constexpr = 16 // BITS
         i: tl.constexpr = r % P
-        if INPLACE:
-            CPB: tl.constexpr = 8 // BITS
-            MASKJ: tl.constexpr = (((1 << BITS) - 1) << (BITS * (i % CPB))) * 0x10001
-            if i < CPB:
-                return words[r // P] & MASKJ
-            else:
-                return (words[r // P] >> 8) & MASKJ
+        CPB: tl.constexpr = 8 // BITS
+        MASKJ: tl.constexpr = (((1 << BITS) - 1) << (BITS * (i % CPB))) * 0x10001
+        if i < CPB:
+            return words[r // P] & MASKJ
         else:
-            MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
-            SHIFT: tl.constexpr = BITS * i
-            if SHIFT == 0:
-                return words[r // P] & MASK
-            else:
-                return (words[r // P] >> SHIFT) & MASK
+            return (words[r // P] >> 8) & MASKJ
 
     @triton.jit
-    def _query_register(reg, lo16, hi16, r: tl.constexpr, BITS: tl.constexpr, INPLACE: tl.constexpr,
-                        INTERP: tl.constexpr):
-        """Query B register r (fp16 pair reg = (lo16, hi16)) for key registers masked in place: scaled by 2^-(b j), j the
-        code's place in its byte (_key_register). A power of two: exact but where the product falls below fp16's
+    def _query_register(reg, lo16, hi16, r: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr):
+        """Query B register r (fp16 pair reg = (lo16, hi16)) scaled by 2^-(b j), j the place in its byte of the codes
+        that key register r masks (_key_register). A power of two: exact but where the product falls below fp16's
         normal range (|q| < 2^-14 + b j), where it keeps an absolute error of at most 2^-25 + b j."""
-        EXP: tl.constexpr = INPLACE * BITS * ((r % (16 // BITS)) % (8 // BITS))
+        EXP: tl.constexpr = BITS * ((r % (16 // BITS)) % (8 // BITS))
         if EXP > 0:
             return pack_half2(lo16 * (1.0 / (1 << EXP)), hi16 * (1.0 / (1 << EXP)), INTERP)
         else:
             return reg
 
     @triton.jit
-    def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, tlast, skt, svt, lane,
+    def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, tlast, skt: tl.constexpr,
+                    svt: tl.constexpr, lane,
                     D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VEC: tl.constexpr,
                     ROW_CLAMP: tl.constexpr, INTERP: tl.constexpr):
         """A tile's key words [8-token block][word], value words [k-block][row][word] and fp16 (scale, zero) of keys and
@@ -270,25 +263,141 @@ if triton is not None:
                     vptr = vlane + (16 * kb + (r % 2) + 8 * (r // 2)) * svt
                 vw = vw + lane_words(vptr, NWV, VEC, INTERP)
         sw = ()
-        for j in tl.static_range(4):  # tokens t0 + 8j + g: row g (j even) or g + 8 (j odd) of m-tile j // 2
-            t = t0 + 8 * j + g
-            ok = t < end
-            sw = sw + (tl.load(ks_base + t, mask=ok, other=0.0), tl.load(kz_base + t, mask=ok, other=0.0),
-                       tl.load(vs_base + t, mask=ok, other=0.0), tl.load(vz_base + t, mask=ok, other=0.0))
+        if ROW_CLAMP:
+            for j in tl.static_range(4):  # tokens t0 + 8j + g: row g (j even) or g + 8 (j odd) of m-tile j // 2
+                t = t0 + 8 * j + g
+                ok = t < end
+                sw = sw + (tl.load(ks_base + t, mask=ok, other=0.0), tl.load(kz_base + t, mask=ok, other=0.0),
+                           tl.load(vs_base + t, mask=ok, other=0.0), tl.load(vz_base + t, mask=ok, other=0.0))
+        else:
+            # unmasked, from one lane pointer per side plus immediate offsets (the masked loads cost a predicate, a
+            # zeroed destination and a 64-bit address each: ~40 SASS instructions per tile); rows past `end` hold
+            # whatever the buffer holds, so _tile_step zeroes their value scales (MASKED)
+            lrow = tbase + g
+            for j in tl.static_range(4):
+                sw = sw + (tl.load(ks_base + lrow + 8 * j), tl.load(kz_base + lrow + 8 * j),
+                           tl.load(vs_base + lrow + 8 * j), tl.load(vz_base + lrow + 8 * j))
         return kw, vw, sw
+
+    @triton.jit
+    def _tile_step(kw, vw, sw, t0, end, g, qb, qzs0, qzs1, code_scale, m0, m1, l0, l1, z0, z1, acc, D: tl.constexpr,
+                   KBITS: tl.constexpr, VBITS: tl.constexpr, MASKED: tl.constexpr, INTERP: tl.constexpr):
+        """One 32-token tile from its loaded words (_tile_loads): the softmax state (m, l, zero term, accumulator)
+        updated. MASKED: the tile may run past `end` (a split's last tile): those rows' scores are -inf and their
+        value scales 0 (p = 0 there, but 0 times a non-finite scale of an unwritten row is not 0)."""
+        KB: tl.constexpr = D // 16  # k-blocks of the score dot
+        MT: tl.constexpr = D // 16  # m-tiles of the value dot
+        VP: tl.constexpr = 8 // VBITS  # codes per byte of a value row
+        # ---- scores S^T [tokens, heads] = K Q^T, two m-tiles of 16 tokens: the lane holds tokens g (j even) and
+        # g + 8 (j odd) of m-tile j // 2, heads 2c and 2c + 1; log2 domain
+        NWK: tl.constexpr = D * KBITS // 128
+        s = ()
+        oks = ()  # whether token t0 + 8 j + g of the lane's rows is before `end`
+        mx0 = tl.full((32,), float("-inf"), tl.float32)
+        mx1 = tl.full((32,), float("-inf"), tl.float32)
+        for mt in tl.static_range(2):
+            top = ()
+            bot = ()
+            for w in tl.static_range(NWK):
+                top = top + (kw[(2 * mt) * NWK + w],)
+                bot = bot + (kw[(2 * mt + 1) * NWK + w],)
+            c0 = tl.zeros((32,), tl.float32)
+            c1 = tl.zeros((32,), tl.float32)
+            c2 = tl.zeros((32,), tl.float32)
+            c3 = tl.zeros((32,), tl.float32)
+            for kb in tl.static_range(KB):
+                c0, c1, c2, c3 = mma16816(_key_register(top, 2 * kb, KBITS),
+                                          _key_register(bot, 2 * kb, KBITS),
+                                          _key_register(top, 2 * kb + 1, KBITS),
+                                          _key_register(bot, 2 * kb + 1, KBITS),
+                                          qb[2 * kb], qb[2 * kb + 1], c0, c1, c2, c3, INTERP)
+            for half in tl.static_range(2):
+                ks = sw[8 * mt + 4 * half].to(tl.float32) * code_scale  # 8-token block 2 mt + half
+                kz = sw[8 * mt + 4 * half + 1].to(tl.float32)
+                if half == 0:
+                    ra = c0
+                    rb = c1
+                else:
+                    ra = c2
+                    rb = c3
+                # q.k = s (q.n) + z sum(q), log2 domain
+                sa = ks * ra + kz * qzs0
+                sb = ks * rb + kz * qzs1
+                if MASKED:
+                    ok = t0 + 16 * mt + 8 * half + g < end
+                    oks = oks + (ok,)
+                    sa = tl.where(ok, sa, float("-inf"))
+                    sb = tl.where(ok, sb, float("-inf"))
+                s = s + (sa, sb)
+                mx0 = tl.maximum(mx0, sa)
+                mx1 = tl.maximum(mx1, sb)
+        for msk in tl.static_range(3):  # over the 8 lanes of a column (its tokens)
+            mx0 = tl.maximum(mx0, shfl_xor(mx0, 4 << msk, INTERP))
+            mx1 = tl.maximum(mx1, shfl_xor(mx1, 4 << msk, INTERP))
+        n0 = tl.maximum(m0, mx0)  # finite: a tile holds at least one valid token
+        n1 = tl.maximum(m1, mx1)
+        al0 = tl.exp2(m0 - n0)
+        al1 = tl.exp2(m1 - n1)
+        m0 = n0
+        m1 = n1
+        # ---- P^T (fp16, scaled by each token's value scale) as the value dot's B fragments: each 8 x 8 block of
+        # (tokens, heads) is transposed in registers (movmatrix)
+        pb = ()
+        ps0 = tl.zeros((32,), tl.float32)
+        ps1 = tl.zeros((32,), tl.float32)
+        z0 = z0 * al0
+        z1 = z1 * al1
+        for j in tl.static_range(4):
+            pa = tl.exp2(s[2 * j] - n0)
+            pbv = tl.exp2(s[2 * j + 1] - n1)
+            ps0 += pa
+            ps1 += pbv
+            vs = sw[4 * j + 2].to(tl.float32)
+            vz = sw[4 * j + 3].to(tl.float32)
+            if MASKED:
+                vs = tl.where(oks[j], vs, 0.0)
+                vz = tl.where(oks[j], vz, 0.0)
+            z0 += pa * vz
+            z1 += pbv * vz
+            pb = pb + (transpose8(pack_half2(pa * vs, pbv * vs, INTERP), INTERP),)
+        l0 = l0 * al0 + ps0
+        l1 = l1 * al1 + ps1
+        # ---- values: O^T [D, heads] += V^T [D, 16 tokens] P^T, MT m-tiles of 16 channels x 2 k-blocks
+        NWV: tl.constexpr = D * VBITS // 256
+        new = ()
+        for i in tl.static_range(2 * MT):
+            new = new + (acc[2 * i] * al0, acc[2 * i + 1] * al1)
+        acc = new
+        for kb in tl.static_range(2):
+            lo_regs = ()  # tokens (2c, 2c + 1) of each chunk code
+            hi_regs = ()  # tokens (2c + 8, 2c + 9)
+            for w in tl.static_range(NWV):
+                for k in tl.static_range(4):
+                    u0 = byte_pair(vw[(kb * 4 + 0) * NWV + w], vw[(kb * 4 + 1) * NWV + w], k, INTERP)
+                    u1 = byte_pair(vw[(kb * 4 + 2) * NWV + w], vw[(kb * 4 + 3) * NWV + w], k, INTERP)
+                    for mm in tl.static_range(VP):
+                        lo_regs = lo_regs + (u0 & ((((1 << VBITS) - 1) << (VBITS * mm)) * 0x10001),)
+                        hi_regs = hi_regs + (u1 & ((((1 << VBITS) - 1) << (VBITS * mm)) * 0x10001),)
+            new = ()
+            for i in tl.static_range(MT):  # rows g, g + 8 of m-tile i: chunk codes 2i, 2i + 1
+                d0, d1, d2, d3 = mma16816(lo_regs[2 * i], lo_regs[2 * i + 1], hi_regs[2 * i], hi_regs[2 * i + 1],
+                                          pb[2 * kb], pb[2 * kb + 1], acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
+                                          acc[4 * i + 3], INTERP)
+                new = new + (d0, d1, d2, d3)
+            acc = new
+        return m0, m1, l0, l1, z0, z1, acc
 
     @triton.jit
     def _frag_decode_kernel(
         q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh,
-        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh,
+        kc_ptr, skb, skh, skt: tl.constexpr, ks_ptr, kz_ptr, sksb, sksh,
+        vc_ptr, svb, svh, svt: tl.constexpr, vs_ptr, vz_ptr, svsb, svsh,
         m_ptr, l_ptr, acc_ptr, HKV, qk_scale, S, TLAST,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, INTERP: tl.constexpr,
         BLOCK_T: tl.constexpr,  # the module's BLOCK_T (32): the tile's 4 blocks of 8 tokens are unrolled below
         VEC: tl.constexpr,  # code words by vector loads (the host checked the alignment of rows and base)
         ROW_CLAMP: tl.constexpr,  # clamp every code row (buffers not a whole number of tiles) or only tiles (TLAST)
         PDL: tl.constexpr,  # sm_90+: let the window kernel launched after this one start early (griddepcontrol)
-        KEY_INPLACE: tl.constexpr,  # key codes masked in place, the query scaled to match (_key_register)
     ):
         """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
         pid * S + split (S partials per row and head; those of a full-precision segment, if any, are the last ones:
@@ -322,11 +431,13 @@ if triton is not None:
             reg = pack_half2(lo, hi, INTERP)
             lo16, hi16 = _halves(reg)
             qsum += lo16 + hi16
-            qb = qb + (_query_register(reg, lo16, hi16, r, KBITS, KEY_INPLACE, INTERP),)
+            qb = qb + (_query_register(reg, lo16, hi16, r, KBITS, INTERP),)
         qsum += shfl_xor(qsum, 1, INTERP)
         qsum += shfl_xor(qsum, 2, INTERP)  # sum of head g's fp16 query, in every lane of row g
-        qsum0 = shfl_idx(qsum, 8 * c, INTERP)  # heads 2c and 2c + 1: this lane's score columns
-        qsum1 = shfl_idx(qsum, 8 * c + 4, INTERP)
+        # heads 2c and 2c + 1 (this lane's score columns), times the log2-domain score scale
+        qzs0 = shfl_idx(qsum, 8 * c, INTERP) * qk_scale
+        qzs1 = shfl_idx(qsum, 8 * c + 4, INTERP) * qk_scale
+        code_scale = qk_scale * 16777216.0  # codes were n 2^-24
         # ---- softmax state of heads 2c, 2c + 1 (m agrees across a column's lanes; l, the zero term and the accumulator
         # are per lane until the end)
         m0 = tl.full((32,), float("-inf"), tl.float32)
@@ -344,102 +455,20 @@ if triton is not None:
         kz_base = kz_ptr + b * sksb + h * sksh
         vs_base = vs_ptr + b * svsb + h * svsh
         vz_base = vz_ptr + b * svsb + h * svsh
-        # a tile's words are loaded one iteration ahead, into registers
+        # a tile's words are loaded one iteration ahead, into registers; the split's whole tiles need no row masks,
+        # only its last tile may be partial (splits are whole tiles: `share`)
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T  # (an empty split has end < start)
         kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, start, end, TLAST, skt, svt,
                                        lane, D, KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
-        for t0 in range(start, end, BLOCK_T):
+        for t0 in range(start, whole_end, BLOCK_T):
             kw, vw, sw = kw_n, vw_n, sw_n
             kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0 + BLOCK_T, end, TLAST,
                                            skt, svt, lane, D, KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
-            # ---- scores S^T [tokens, heads] = K Q^T, two m-tiles of 16 tokens: the lane holds tokens g (j even) and
-            # g + 8 (j odd) of m-tile j // 2, heads 2c and 2c + 1; log2 domain
-            NWK: tl.constexpr = D * KBITS // 128
-            s = ()
-            mx0 = tl.full((32,), float("-inf"), tl.float32)
-            mx1 = tl.full((32,), float("-inf"), tl.float32)
-            for mt in tl.static_range(2):
-                top = ()
-                bot = ()
-                for w in tl.static_range(NWK):
-                    top = top + (kw[(2 * mt) * NWK + w],)
-                    bot = bot + (kw[(2 * mt + 1) * NWK + w],)
-                c0 = tl.zeros((32,), tl.float32)
-                c1 = tl.zeros((32,), tl.float32)
-                c2 = tl.zeros((32,), tl.float32)
-                c3 = tl.zeros((32,), tl.float32)
-                for kb in tl.static_range(KB):
-                    c0, c1, c2, c3 = mma16816(_key_register(top, 2 * kb, KBITS, KEY_INPLACE),
-                                              _key_register(bot, 2 * kb, KBITS, KEY_INPLACE),
-                                              _key_register(top, 2 * kb + 1, KBITS, KEY_INPLACE),
-                                              _key_register(bot, 2 * kb + 1, KBITS, KEY_INPLACE),
-                                              qb[2 * kb], qb[2 * kb + 1], c0, c1, c2, c3, INTERP)
-                for half in tl.static_range(2):
-                    ks = sw[8 * mt + 4 * half].to(tl.float32)  # 8-token block 2 mt + half
-                    kz = sw[8 * mt + 4 * half + 1].to(tl.float32)
-                    ok = t0 + 16 * mt + 8 * half + g < end
-                    if half == 0:
-                        ra = c0
-                        rb = c1
-                    else:
-                        ra = c2
-                        rb = c3
-                    # codes were n 2^-24: q.k = s (q.n) + z sum(q)
-                    sa = tl.where(ok, (ks * 16777216.0 * ra + kz * qsum0) * qk_scale, float("-inf"))
-                    sb = tl.where(ok, (ks * 16777216.0 * rb + kz * qsum1) * qk_scale, float("-inf"))
-                    s = s + (sa, sb)
-                    mx0 = tl.maximum(mx0, sa)
-                    mx1 = tl.maximum(mx1, sb)
-            for msk in tl.static_range(3):  # over the 8 lanes of a column (its tokens)
-                mx0 = tl.maximum(mx0, shfl_xor(mx0, 4 << msk, INTERP))
-                mx1 = tl.maximum(mx1, shfl_xor(mx1, 4 << msk, INTERP))
-            n0 = tl.maximum(m0, mx0)  # finite: a tile holds at least one valid token
-            n1 = tl.maximum(m1, mx1)
-            al0 = tl.exp2(m0 - n0)
-            al1 = tl.exp2(m1 - n1)
-            m0 = n0
-            m1 = n1
-            # ---- P^T (fp16, scaled by each token's value scale) as the value dot's B fragments: each 8 x 8 block of
-            # (tokens, heads) is transposed in registers (movmatrix)
-            pb = ()
-            ps0 = tl.zeros((32,), tl.float32)
-            ps1 = tl.zeros((32,), tl.float32)
-            z0 = z0 * al0
-            z1 = z1 * al1
-            for j in tl.static_range(4):
-                pa = tl.exp2(s[2 * j] - n0)
-                pbv = tl.exp2(s[2 * j + 1] - n1)
-                ps0 += pa
-                ps1 += pbv
-                vs = sw[4 * j + 2].to(tl.float32)
-                vz = sw[4 * j + 3].to(tl.float32)
-                z0 += pa * vz
-                z1 += pbv * vz
-                pb = pb + (transpose8(pack_half2(pa * vs, pbv * vs, INTERP), INTERP),)
-            l0 = l0 * al0 + ps0
-            l1 = l1 * al1 + ps1
-            # ---- values: O^T [D, heads] += V^T [D, 16 tokens] P^T, MT m-tiles of 16 channels x 2 k-blocks
-            NWV: tl.constexpr = D * VBITS // 256
-            new = ()
-            for i in tl.static_range(2 * MT):
-                new = new + (acc[2 * i] * al0, acc[2 * i + 1] * al1)
-            acc = new
-            for kb in tl.static_range(2):
-                lo_regs = ()  # tokens (2c, 2c + 1) of each chunk code
-                hi_regs = ()  # tokens (2c + 8, 2c + 9)
-                for w in tl.static_range(NWV):
-                    for k in tl.static_range(4):
-                        u0 = byte_pair(vw[(kb * 4 + 0) * NWV + w], vw[(kb * 4 + 1) * NWV + w], k, INTERP)
-                        u1 = byte_pair(vw[(kb * 4 + 2) * NWV + w], vw[(kb * 4 + 3) * NWV + w], k, INTERP)
-                        for mm in tl.static_range(VP):
-                            lo_regs = lo_regs + (u0 & ((((1 << VBITS) - 1) << (VBITS * mm)) * 0x10001),)
-                            hi_regs = hi_regs + (u1 & ((((1 << VBITS) - 1) << (VBITS * mm)) * 0x10001),)
-                new = ()
-                for i in tl.static_range(MT):  # rows g, g + 8 of m-tile i: chunk codes 2i, 2i + 1
-                    d0, d1, d2, d3 = mma16816(lo_regs[2 * i], lo_regs[2 * i + 1], hi_regs[2 * i], hi_regs[2 * i + 1],
-                                              pb[2 * kb], pb[2 * kb + 1], acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
-                                              acc[4 * i + 3], INTERP)
-                    new = new + (d0, d1, d2, d3)
-                acc = new
+            m0, m1, l0, l1, z0, z1, acc = _tile_step(kw, vw, sw, t0, end, g, qb, qzs0, qzs1, code_scale, m0, m1, l0, l1,
+                                                     z0, z1, acc, D, KBITS, VBITS, False, INTERP)
+        if whole_end < end:
+            m0, m1, l0, l1, z0, z1, acc = _tile_step(kw_n, vw_n, sw_n, whole_end, end, g, qb, qzs0, qzs1, code_scale, m0,
+                                                     m1, l0, l1, z0, z1, acc, D, KBITS, VBITS, True, INTERP)
         # ---- combine a column's lanes (l and the zero term were per lane), scale, store
         for msk in tl.static_range(3):
             l0 += shfl_xor(l0, 4 << msk, INTERP)

@@ -475,13 +475,33 @@ def _finite_or_null(value):
     return value
 
 
+# click's exception base, whether typer re-exports click's (typer < 0.20) or its own vendored copy
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def main() -> None:
     """Exit codes: 0 ok (compare: identical), 1 compare found differences, 2 bad input or an environment problem
     (one line on stderr), 3 an unexpected error (one line), 130 interrupted; KVCAL_DEBUG=1 shows the traceback of
     any error instead."""
     err = Console(stderr=True)
     try:
-        app()
+        # not standalone: click's usage errors reach us instead of being drawn as a multi-line box
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) returns n here; commands return None
+    except _CLICK_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a group called without a command
+            exc.show()
+            sys.exit(exc.exit_code)
+        if os.environ.get("KVCAL_DEBUG") == "1":
+            raise
+        ctx = getattr(exc, "ctx", None)  # usage errors know their command
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        first = (exc.format_message().strip().splitlines() or [""])[0]
+        err.print(f"[red]error:[/red] {escape(first)}{escape(where)}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # click turns Ctrl-C (and EOF at a prompt) into Abort
+        err.print("[red]interrupted[/red]")
+        sys.exit(130)
     except KvcalError as exc:
         if os.environ.get("KVCAL_DEBUG") == "1":
             raise

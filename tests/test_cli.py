@@ -125,6 +125,11 @@ BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) ->
     "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "dequantized"],
                                "--backend applies to --mode decode only"),
     "bench_codec": (["bench", "decode", "--codec", "foo"], "unknown codec 'foo'"),  # before the CUDA check
+    # click's own usage errors (typer draws them as a multi-line box in standalone mode)
+    "unknown_option": (["calibrate", "--method", "rtn", "--bogus", "1"], "No such option: --bogus"),
+    "not_an_integer": (["eval", "ppl", "--nsamples", "abc"], "Invalid value for '--nsamples'"),
+    "unknown_command": (["frobnicate"], "No such command 'frobnicate'"),
+    "missing_argument": (["compare", "ART"], "Missing argument"),
 }
 
 
@@ -164,7 +169,7 @@ def _check_json_writer(tmp_path, write_json_atomic):
 def test_unexpected_errors_are_one_line_with_exit_3(monkeypatch, capsys):
     import kvcal.cli as cli
 
-    def boom():
+    def boom(**kwargs):
         raise RuntimeError("first line\nsecond line")
 
     monkeypatch.setattr(cli, "app", boom)

@@ -69,3 +69,37 @@ def test_unsupported_model_type_is_one_line_error():
 def test_unknown_model_name():
     with pytest.raises(KvcalError, match="unknown model 'no-such-model'"):
         load_model("no-such-model")
+
+
+def test_hub_model_without_a_connection_fails_at_once(monkeypatch):
+    """Offline, a Hub model not in the local cache is a one-line error at once (huggingface_hub's own retries took
+    about 25 s), and nothing is asked of the network."""
+    import time
+
+    import kvcal.models as models
+    from kvcal.models.registry import ModelSpec
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
+    spec = ModelSpec("no-such-hub-model", "hub", "kvcal-tests/no-such-model-xyz", "test")
+    t0 = time.monotonic()
+    with pytest.raises(KvcalError, match="no connection to the Hub and not in the local cache"):
+        models._load_hub(spec, torch.float32, "cpu")
+    assert time.monotonic() - t0 < 5
+
+
+def test_hub_reachable(monkeypatch):
+    import socket
+
+    import kvcal.models as models
+
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise OSError("no route")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    assert not models.hub_reachable()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")  # behind a proxy a direct connection says nothing
+    assert models.hub_reachable()

@@ -169,14 +169,15 @@ def _load_random(spec: ModelSpec, dtype, device) -> LoadedModel:
     return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0, "shapes": spec.source})
 
 
-def _load_pretrained(name: str, path: str, dtype, device, source: dict) -> LoadedModel:
+def _load_pretrained(name: str, path: str, dtype, device, source: dict, local_only: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     dims = ModelDims.from_config(config)  # fail fast, before loading weights, on unsupported families
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=local_only)
     model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     return LoadedModel(name, model, tokenizer, dims, source)
 
 
@@ -198,20 +199,46 @@ def _load_local(path: str, dtype, device) -> LoadedModel:
         raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first[:200]})") from exc
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub's endpoint opens within `timeout` seconds. Without one, huggingface_hub
+    retries each request with back-off (about 25 s before a Hub alias failed offline). Behind a proxy (HTTPS_PROXY /
+    ALL_PROXY) a direct connection says nothing, so the Hub counts as reachable."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+    except (ImportError, AttributeError, ValueError):
+        endpoint = urlparse("https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:
     from transformers import AutoConfig
 
+    # offline (HF_HUB_OFFLINE=1 or no connection): the local Hugging Face cache only, at once
+    local_only = os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable()
     try:
-        config = AutoConfig.from_pretrained(spec.source)
+        config = AutoConfig.from_pretrained(spec.source, local_files_only=local_only)
     except Exception as exc:  # offline, gated, or not found: one line that says what to do
+        why = "no connection to the Hub and not in the local cache" if local_only else type(exc).__name__
         raise KvcalError(
-            f"could not fetch {spec.source} from the Hugging Face Hub ({type(exc).__name__}); "
+            f"could not fetch {spec.source} from the Hugging Face Hub ({why}); "
             "go online and log in (`hf auth login`), or pass a local model directory to --model"
         ) from None
     source = {"hub_id": spec.source, "revision": getattr(config, "_commit_hash", None) or "unknown"}
-    if os.environ.get("HF_HUB_OFFLINE") == "1" and source["revision"] == "unknown":
+    if local_only and source["revision"] == "unknown":
         source["revision"] = "offline-cache"
-    return _load_pretrained(spec.alias, spec.source, dtype, device, source)
+    return _load_pretrained(spec.alias, spec.source, dtype, device, source, local_only)
 
 
 def describe_models() -> list[dict]:

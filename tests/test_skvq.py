@@ -332,6 +332,15 @@ def test_broken_artifact_tensors_are_refused(tiny):
     tensors["layers.0.k.perm"][0] = tensors["layers.0.k.perm"][1]
     with pytest.raises(KvcalError, match="not a permutation"):
         method.build_codec(tensors, tiny.dims)
+    tensors = hand_made_tensors(tiny.dims)
+    tensors["layers.1.k.clip"] = tensors["layers.1.k.clip"][:-1]
+    with pytest.raises(KvcalError, match=r"layers.1.k.clip has shape \[\d+\], expected"):
+        method.build_codec(tensors, tiny.dims)
+    for bad in (0.0, float("nan")):
+        tensors = hand_made_tensors(tiny.dims)
+        tensors["layers.0.v.clip"][1] = bad
+        with pytest.raises(KvcalError, match="layers.0.v.clip holds a ratio that is not a positive number"):
+            method.build_codec(tensors, tiny.dims)
 
 
 def test_recipes_resolve_and_g128_is_one_group_on_smollm2():

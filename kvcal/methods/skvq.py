@@ -455,8 +455,12 @@ class SKVQ(Method):
                 if layout.channels != dims.kv_channels:
                     raise KvcalError(f"{prefix}perm has {layout.channels} channels, the model has {dims.kv_channels}")
                 alpha = tensors[prefix + "clip"]
-                if alpha.numel() != layout.num_groups:
-                    raise KvcalError(f"{prefix}clip has {alpha.numel()} ratios for {layout.num_groups} groups")
+                if alpha.dim() != 1 or alpha.numel() != layout.num_groups:
+                    raise KvcalError(f"{prefix}clip has shape {list(alpha.shape)}, expected [{layout.num_groups}] "
+                                     "(one ratio per group)")
+                if not (torch.isfinite(alpha) & (alpha > 0)).all():  # a ratio of 0 makes every scale 0
+                    raise KvcalError(f"{prefix}clip holds a ratio that is not a positive number: "
+                                     f"{alpha.flatten().tolist()[:8]}")
                 quantizers[kind].append(ChannelQuantizer(layout, alpha, bits, self.param_dtype))
         return SKVQCodec(quantizers["k"], quantizers["v"], self.sink, self.window)
 

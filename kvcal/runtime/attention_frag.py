@@ -27,8 +27,9 @@ The codes are always the A operand, so all 16 of its rows are real (the GQA grou
   byte-wise (`prmt`); its channels are lane row g's chunk of D / 8 (`value_channel`).
 
 A code n becomes an fp16 register half by masking it where it lies in its byte (code j of the byte at bits
-[b j, b j + b)): the half is then the subnormal n 2^(b j - 24), which the tensor cores multiply exactly; the query is
-scaled by 2^-(b j) to match (keys), the 2^(24 - b j) goes into the output scale (values) and 2^24 into the score scale. Scores and softmax are float32; the query and P are fp16 operands, as in the tile kernel.
+[b j, b j + b)): the half is then the subnormal n 2^(b j - 24), which the tensor cores multiply exactly. For keys the
+query is scaled by 2^-(b j) to match and 2^24 goes into the score scale; for values 2^(24 - b j) goes into the output
+scale. Scores and softmax are float32; the query and P are fp16 operands, as in the tile kernel.
 """
 
 from __future__ import annotations
@@ -204,9 +205,9 @@ if triton is not None:
         """Key A register r: the code pair (i, i + P) of word r // P (P = 16 / b), masked where it lies in its byte:
         bits below 8 stay inside an fp16 mantissa, so the half is the subnormal n 2^(b j - 24) for code j of its byte.
         The word's upper bytes come down with one shift by 8 that their registers share, so a register costs one mask
-        (shifting each pair down to bits [0, b) first cost 56 -> 8 shifts per int2 tile, 48 -> 16 at int4; int2 5-8%
-        slower on an H100, results/bench/tune-h100-round23*.json). The query's B register r is scaled by 2^-(b j) to
-        match (_query_register), so the product is q n 2^-24."""
+        (shifting each pair down to bits [0, b) first took 56 shifts per int2 tile against 8, 48 against 16 at int4,
+        and int2 was 5-8% slower on an H100: results/bench/tune-h100-round23*.json). The query's B register r is
+        scaled by 2^-(b j) to match (_query_register), so the product is q n 2^-24."""
         P: tl.constexpr = 16 // BITS
         i: tl.constexpr = r % P
         CPB: tl.constexpr = 8 // BITS
@@ -220,7 +221,7 @@ if triton is not None:
     def _query_register(reg, lo16, hi16, r: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr):
         """Query B register r (fp16 pair reg = (lo16, hi16)) scaled by 2^-(b j), j the place in its byte of the codes
         that key register r masks (_key_register). A power of two: exact but where the product falls below fp16's
-        normal range (|q| < 2^-14 + b j), where it keeps an absolute error of at most 2^-25 + b j."""
+        normal range (|q| < 2^(b j - 14)), where it keeps an absolute error of at most 2^(b j - 25)."""
         EXP: tl.constexpr = BITS * ((r % (16 // BITS)) % (8 // BITS))
         if EXP > 0:
             return pack_half2(lo16 * (1.0 / (1 << EXP)), hi16 * (1.0 / (1 << EXP)), INTERP)
@@ -271,7 +272,7 @@ if triton is not None:
                            tl.load(vs_base + t, mask=ok, other=0.0), tl.load(vz_base + t, mask=ok, other=0.0))
         else:
             # unmasked, from one lane pointer per side plus immediate offsets (the masked loads cost a predicate, a
-            # zeroed destination and a 64-bit address each: ~40 SASS instructions per tile); rows past `end` hold
+            # zeroed destination and a 64-bit address each: ~70 SASS instructions per tile); rows past `end` hold
             # whatever the buffer holds, so _tile_step zeroes their value scales (MASKED)
             lrow = tbase + g
             for j in tl.static_range(4):

@@ -201,7 +201,7 @@ VARIANT_SETS["round24"] = [  # attention_frag: per-token scales loaded unmasked 
     ("int", 4, {"frag_tile_scales": False}), ("int", 4, {}), ("int", 2, {"frag_tile_scales": False}), ("int", 2, {}),
 ]
 # round25 timed code words loaded two tiles ahead instead of one (a frag_ahead knob, since removed): slower at every
-# register cap (int2 87.4-109.6 against 82.2 us at 32K x 8, int4 129.6-161.8 against 122.2; tune-h100-round25*.json)
+# register cap (int2 87.6-109.6 against 82.2 us at 32K x 8, int4 129.6-161.8 against 122.2; tune-h100-round25*.json)
 VARIANT_SETS["round26"] = [  # attention_frag: constexpr row strides (immediate load offsets) and row masks only in
     # a split's last tile (int2 449 -> 406 SASS instructions per tile, int4 511 -> 441), defaults twice
     ("int", 4, {}), ("int", 2, {}), ("int", 4, {}), ("int", 2, {}),

@@ -225,12 +225,16 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:
     from transformers import AutoConfig
 
-    # offline (HF_HUB_OFFLINE=1 or no connection): the local Hugging Face cache only, at once
-    local_only = os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable()
+    # offline (HF_HUB_OFFLINE set, or no connection): the local Hugging Face cache only, at once
+    offline_mode = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    local_only = offline_mode or not hub_reachable()
     try:
         config = AutoConfig.from_pretrained(spec.source, local_files_only=local_only)
     except Exception as exc:  # offline, gated, or not found: one line that says what to do
-        why = "no connection to the Hub and not in the local cache" if local_only else type(exc).__name__
+        if local_only:
+            why = ("HF_HUB_OFFLINE is set" if offline_mode else "no connection to the Hub") + " and not in the local cache"
+        else:
+            why = type(exc).__name__
         raise KvcalError(
             f"could not fetch {spec.source} from the Hugging Face Hub ({why}); "
             "go online and log in (`hf auth login`), or pass a local model directory to --model"

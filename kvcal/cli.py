@@ -483,45 +483,46 @@ def main() -> None:
     """Exit codes: 0 ok (compare: identical), 1 compare found differences, 2 bad input or an environment problem
     (one line on stderr), 3 an unexpected error (one line), 130 interrupted; KVCAL_DEBUG=1 shows the traceback of
     any error instead."""
-    err = Console(stderr=True)
     try:
         # not standalone: click's usage errors reach us instead of being drawn as a multi-line box
-        code = app(standalone_mode=False)
-        sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) returns n here; commands return None
-    except _CLICK_ERROR as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a group called without a command
-            exc.show()
-            sys.exit(exc.exit_code)
-        if os.environ.get("KVCAL_DEBUG") == "1":
-            raise
-        ctx = getattr(exc, "ctx", None)  # usage errors know their command
-        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        first = (exc.format_message().strip().splitlines() or [""])[0]
-        err.print(f"[red]error:[/red] {escape(first)}{escape(where)}", highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except typer.Abort:  # click turns Ctrl-C (and EOF at a prompt) into Abort
-        err.print("[red]interrupted[/red]")
-        sys.exit(130)
-    except KvcalError as exc:
-        if os.environ.get("KVCAL_DEBUG") == "1":
-            raise
-        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        err.print("[red]interrupted[/red]")
-        sys.exit(130)
-    except (OSError, UnicodeDecodeError) as exc:  # files and folders: the OS's own words name the path
-        if os.environ.get("KVCAL_DEBUG") == "1":
-            raise
-        err.print(f"[red]error:[/red] {escape(_os_message(exc))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        code = app(standalone_mode=False)  # typer.Exit(n) returns n here; commands return None
     except Exception as exc:
-        if os.environ.get("KVCAL_DEBUG") == "1":
-            raise
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        err.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(first)} (KVCAL_DEBUG=1 shows the "
-                  "traceback)", highlight=False, soft_wrap=True)
-        sys.exit(3)
+        code = _report(exc)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[red]interrupted[/red]")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _report(exc: Exception) -> int:
+    """Print `exc` as one line on stderr and return its exit code (re-raise it under KVCAL_DEBUG=1)."""
+    err = Console(stderr=True)
+    if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a group called without a command
+        exc.show()
+        return exc.exit_code
+    if isinstance(exc, typer.Abort):  # click turns Ctrl-C (and EOF at a prompt) into Abort
+        err.print("[red]interrupted[/red]")
+        return 130
+    if os.environ.get("KVCAL_DEBUG") == "1":
+        raise exc
+    label, code = "error:", 2
+    if isinstance(exc, _CLICK_ERROR):
+        ctx = getattr(exc, "ctx", None)  # usage errors know their command
+        message = _first_line(exc.format_message()) + (f" (see '{ctx.command_path} --help')" if ctx else "")
+        code = exc.exit_code
+    elif isinstance(exc, KvcalError):
+        message = str(exc)
+    elif isinstance(exc, (OSError, UnicodeDecodeError)):  # files and folders: the OS's own words name the path
+        message = _os_message(exc)
+    else:
+        label, code = "internal error:", 3
+        message = f"{type(exc).__name__}: {_first_line(str(exc))} (KVCAL_DEBUG=1 shows the traceback)"
+    err.print(f"[red]{label}[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    return code
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:300]
 
 
 def _os_message(exc: Exception) -> str:
@@ -530,8 +531,7 @@ def _os_message(exc: Exception) -> str:
     where = " -> ".join(str(x) for x in (exc.filename, exc.filename2) if x)
     if where:
         return f"{exc.strerror or type(exc).__name__}: {where}"
-    first = (str(exc).strip().splitlines() or [""])[0][:300]  # network errors can run over many lines
-    return f"{type(exc).__name__}: {first} (KVCAL_DEBUG=1 shows the traceback)"
+    return f"{type(exc).__name__}: {_first_line(str(exc))} (KVCAL_DEBUG=1 shows the traceback)"  # network errors
 
 
 if __name__ == "__main__":

@@ -206,6 +206,11 @@ VARIANT_SETS["round26"] = [  # attention_frag: constexpr row strides (immediate 
     # a split's last tile (int2 449 -> 406 SASS instructions per tile, int4 511 -> 441), defaults twice
     ("int", 4, {}), ("int", 2, {}), ("int", 4, {}), ("int", 2, {}),
 ]
+# round27 timed a lane's four tokens of a tile adjacent, their per-token scales one 8-byte load per parameter (a
+# frag_lane_tokens knob, since removed; int2 406 -> 399 SASS instructions per tile, 126 -> 116 registers, int4 441 ->
+# 415, 153 -> 150), each twice, alternating: int4 122.4 -> 121.8 us, int2 82.2 -> 81.8 at 32K x 8, int2 918.4 -> 894.5
+# at 131K x 32; the occupancies the freed registers allow were slower (int2 17 programs per SM under 120 registers
+# 101.1 us, int4 13 under 152 147.8, 14 under 144 145.2: they spill) (tune-h100-round27-*.json)
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

@@ -157,7 +157,7 @@ ATTENTION_CASES = [
     # attention_frag's register-fragment kernel (rtn layout: one scale per token and head), asked for explicitly
     # (its default needs 64 (row, KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the fp segment
     ("int4_frag_bf16", "int", 4, torch.bfloat16, {}, {"frag": True}, {}),
-    # 45 full-precision tokens: two programs of the fp launch (32 tokens each)
+    # 45 full-precision tokens: three programs of the fp launch (FRAG_FP_CHUNK 16 tokens each), the last partial
     ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
     ("int4_frag_d128_g3_fp16", "int", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
     # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: its last tile

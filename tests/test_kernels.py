@@ -126,8 +126,14 @@ def test_frag_dispatch_rules(monkeypatch):
     assert name == "frag" and kwargs["VEC"] == 1  # D 64 x 4 bits: 2 words per lane, 8-byte aligned rows
     assert kwargs["ROW_CLAMP"] == 1 and kwargs["maxnreg"] == 168  # 48 rows: not whole 32-token tiles; 4-bit cap
     assert kwargs["PDL"] == 0  # griddepcontrol only on sm_90+ GPUs
+    assert kwargs["SCALE_WORDS"] == 0  # scales as vectors only without row clamps
     whole = build_cache("int", 4, [40, 33], 8, 64, tcap=64)
-    assert _launched(monkeypatch, q, whole, fk, fv, valid)[1]["ROW_CLAMP"] == 0
+    kwargs = _launched(monkeypatch, q, whole, fk, fv, valid)[1]
+    assert kwargs["ROW_CLAMP"] == 0 and kwargs["SCALE_WORDS"] == 1
+    # scale rows one fp16 off the 8-byte alignment of a lane's four tokens: per-token loads
+    odd = torch.zeros(2, 2, 8, 65, 1, dtype=torch.float16)[..., 1:, :]
+    shifted = dataclasses.replace(whole, k_scale=odd[0], k_zero=odd[1])
+    assert _launched(monkeypatch, q, shifted, fk, fv, valid)[1]["SCALE_WORDS"] == 0
     assert _launched(monkeypatch, q, kv, fk, fv, valid, frag_vector=False)[1]["VEC"] == 0
     for knob in ({"block_t": 16}, {"num_warps": 2}, {"num_stages": 3}, {"prefetch": 0}, {"generic_keys": True},
                  {"frag": False}):

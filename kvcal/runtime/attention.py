@@ -187,7 +187,13 @@ PREFETCH_DEFAULTS = {"affine_channels": 1, "affine_tokens": 0, "generic": 1, "lu
 FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which int caches take attention_frag's kernel by default
 # attention_frag: the fp-segment launch overlaps the fragment kernel's tail (sm_90 PDL); a switch for A/B timing
 FRAG_OVERLAP_FP = True
-FRAG_FP_CHUNK = 32  # attention_frag: full-precision tokens per program of the separate fp-segment launch
+# attention_frag: full-precision tokens per program of the separate fp-segment launch, and warps per program of the
+# reduction. H100, 32K x 8, three passes alternating (results/bench/frag-fp-chunk-reduce-warps-h100-s25-pass2.json),
+# (chunk, warps) (32, 4) -> (16, 1): int2 72.1 -> 70.9 us with the read flush, 81.5 -> 80.3 with do_bench's; int4
+# 112.3 -> 110.6 and 121.8 -> 120.0; 4K x 32 int2 51.7 -> 49.6, int4 69.0 -> 66.8; 131K x 32 within 1% (int2 884.4 ->
+# 891.3, int4 1562.7 -> 1559.5, one pass). Chunks of 64 were slower (int2 74.8 us).
+FRAG_FP_CHUNK = 16
+FRAG_REDUCE_WARPS = 1
 
 if triton is not None:
     from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
@@ -1049,6 +1055,11 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
     # tiles start at multiples of FRAG_BLOCK_T: buffers of whole tiles let the kernel clamp tiles, not rows, and load
     # per-token scales without masks (from scale buffers at least as long)
     row_clamp = tcap % FRAG_BLOCK_T != 0 or tcap == 0 or min(ks.shape[2], vs.shape[2]) < tcap
+    # a lane's four tokens of a tile are adjacent: their scales are one 8-byte load per parameter where every scale
+    # row starts 8-byte aligned
+    scale_words = (not row_clamp
+                   and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
+                           for t in (ks, kz, vs, vz)))
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     # programmatic dependent launch (sm_90; griddepcontrol does not assemble for older targets): the window's
     # programs start in the slots of fragment programs that finish early instead of after the whole kernel; they
@@ -1062,7 +1073,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
             vc, *vc_strides, vs, vz, *vs.stride()[:2],
             m_part, l_part, acc_part, hkv, float(scale) * LOG2E, splits, max(tcap - FRAG_BLOCK_T, 0),
             D=d, G=group, KBITS=kv.key_bits, VBITS=kv.value_bits, INTERP=interp, BLOCK_T=FRAG_BLOCK_T,
-            VEC=int(vec), ROW_CLAMP=int(row_clamp), PDL=int(pdl), num_warps=1,
+            VEC=int(vec), ROW_CLAMP=int(row_clamp), SCALE_WORDS=int(scale_words), PDL=int(pdl), num_warps=1,
             **({"maxnreg": int(max_registers)} if max_registers else {}),
         )
         if has_fp:
@@ -1071,7 +1082,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
                                               G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
                                               INTERP=interp, WAIT_PRIOR=int(pdl), num_warps=1,
                                               **({"launch_pdl": True} if pdl else {}))
-        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
+        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=FRAG_REDUCE_WARPS)
     return out
 
 

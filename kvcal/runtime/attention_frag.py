@@ -16,7 +16,7 @@ a2 = (row g, cols 2c + 8, 2c + 9), a3 = (row g + 8, cols 2c + 8, 2c + 9); B [16 
 b1 = (rows 2c + 8, 2c + 9, col g); C/D [16 x 8] fp32: (row g, cols 2c, 2c + 1), (row g + 8, cols 2c, 2c + 1).
 The codes are always the A operand, so all 16 of its rows are real (the GQA group's heads, at most 8, are N):
 
-* scores S^T [16 tokens, heads] = K Q^T: lane (g, c) holds tokens g and g + 8 of the m-tile and, for each, the
+* scores S^T [16 tokens, heads] = K Q^T: lane (g, c) holds rows g and g + 8 of the m-tile and, for each, the
   D / 4 channels of bytes [c D b / 32, (c + 1) D b / 32) of the token's code row, which are exactly its A registers
   of every k-block (the channel order of a dot's K axis is free: Q's B fragments are loaded in the same order,
   `key_channel`);
@@ -25,6 +25,8 @@ The codes are always the A operand, so all 16 of its rows are real (the GQA grou
 * values O^T [16 channels, heads] += V^T [16 channels, 16 tokens] P^T: a0 / a2 pair two tokens (2c, 2c + 1 /
   2c + 8, 2c + 9) of one channel, so lane (g, c) reads D b / 8 bits of four token rows and interleaves them
   byte-wise (`prmt`); its channels are lane row g's chunk of D / 8 (`value_channel`).
+* token order: the 16 rows of m-tile m of a 32-token tile are tokens whose order is free as long as keys, values and
+  scales agree; row g + 8 h is token 4 g + 2 m + h (`_score_token`), so a lane's four tokens are adjacent.
 
 A code n becomes an fp16 register half by masking it where it lies in its byte (code j of the byte at bits
 [b j, b j + b)): the half is then the subnormal n 2^(b j - 24), which the tensor cores multiply exactly. For keys the
@@ -229,15 +231,46 @@ if triton is not None:
             return reg
 
     @triton.jit
+    def _score_token(g, j):
+        """Token (from the tile's start) of lane row g's score row in 8-token block j (row g of m-tile j // 2 for even
+        j, g + 8 for odd): 4 g + j, so a lane's four tokens are adjacent and each of their per-token parameters is one
+        8-byte load. Any one-to-one map works as long as keys, values and scales agree (softmax and the value sum do
+        not depend on the order of tokens); the previous g + 8 j took 16 two-byte loads per tile and 10 more registers
+        (H100, 32K x 8: int2 82.2 -> 81.8 us, int4 122.4 -> 121.8; 131K x 32: int2 918.4 -> 894.5,
+        results/bench/tune-h100-round27-*.json)."""
+        return 4 * g + j
+
+    @triton.jit
+    def _value_token(c, kb, r: tl.constexpr):
+        """Token of value register r of lane column c in k-block kb: the value dot's columns 2c, 2c + 1 (r = 0, 1) and
+        2c + 8, 2c + 9 (r = 2, 3) are rows 2c + r % 2 + 8 (r // 2) of the scores' m-tile kb, which _score_token maps to
+        4 (2c + r % 2) + 2 kb + r // 2."""
+        return 8 * c + 4 * (r % 2) + 2 * kb + (r // 2)
+
+    @triton.jit
+    def _scale(sw, p: tl.constexpr, j: tl.constexpr, SCALE_WORDS: tl.constexpr):
+        """Parameter p (0 key scale, 1 key zero, 2 value scale, 3 value zero) of the lane's token in block j, float32,
+        from _tile_loads' `sw`: SCALE_WORDS, two words of fp16 pairs per parameter (tokens j = 0, 1 and 2, 3); else
+        one fp16 per parameter and block."""
+        if SCALE_WORDS:
+            lo, hi = _halves(sw[2 * p + j // 2])
+            if j % 2 == 0:
+                return lo
+            else:
+                return hi
+        else:
+            return sw[4 * j + p].to(tl.float32)
+
+    @triton.jit
     def _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0, end, tlast, skt: tl.constexpr,
                     svt: tl.constexpr, lane,
                     D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VEC: tl.constexpr,
-                    ROW_CLAMP: tl.constexpr, INTERP: tl.constexpr):
-        """A tile's key words [8-token block][word], value words [k-block][row][word] and fp16 (scale, zero) of keys and
-        values per 8-token block, for this lane. Rows past `end` are read but their scores are masked. ROW_CLAMP: each
-        row index is clamped to the split's last row; else (the host checked that the code buffers hold whole tiles)
-        only the tile's first row, to `tlast` (the buffers' last tile, reached by look-ahead loads past the end), so
-        the rows are one pointer plus offsets that do not change from tile to tile."""
+                    ROW_CLAMP: tl.constexpr, SCALE_WORDS: tl.constexpr, INTERP: tl.constexpr):
+        """A tile's key words [8-token block][word], value words [k-block][row][word] and the per-token fp16 (scale,
+        zero) of keys and values (as _scale reads them), for this lane. Rows past `end` are read but their scores are
+        masked. ROW_CLAMP: each row index is clamped to the split's last row; else (the host checked that the code
+        buffers hold whole tiles) only the tile's first row, to `tlast` (the buffers' last tile, reached by look-ahead
+        loads past the end), so the rows are one pointer plus offsets that do not change from tile to tile."""
         g = lane // 4
         c = lane % 4
         NWK: tl.constexpr = D * KBITS // 128  # words of a key row per lane column
@@ -245,44 +278,53 @@ if triton is not None:
         last = tl.maximum(end - 1, 0)
         # without row clamps: one lane pointer per side and tile, rows reached by offsets uniform over the warp
         tbase = tl.minimum(t0, tlast)
-        klane = krow0 + (tbase * skt + g * skt + c * NWK)
-        vlane = vrow0 + (tbase * svt + 2 * c * svt + g * NWV)
+        klane = krow0 + ((tbase + _score_token(g, 0)) * skt + c * NWK)
+        vlane = vrow0 + ((tbase + _value_token(c, 0, 0)) * svt + g * NWV)
         kw = ()
         for j in tl.static_range(4):
             if ROW_CLAMP:
-                kptr = krow0 + tl.minimum(t0 + 8 * j + g, last) * skt + c * NWK
+                kptr = krow0 + tl.minimum(t0 + _score_token(g, j), last) * skt + c * NWK
             else:
-                kptr = klane + 8 * j * skt
+                kptr = klane + (_score_token(0, j) * skt)
             kw = kw + lane_words(kptr, NWK, VEC, INTERP)
         vw = ()
         for kb in tl.static_range(2):
             for r in tl.static_range(4):
-                row = 16 * kb + 2 * c + (r % 2) + 8 * (r // 2)
                 if ROW_CLAMP:
-                    vptr = vrow0 + tl.minimum(t0 + row, last) * svt + g * NWV
+                    vptr = vrow0 + tl.minimum(t0 + _value_token(c, kb, r), last) * svt + g * NWV
                 else:
-                    vptr = vlane + (16 * kb + (r % 2) + 8 * (r // 2)) * svt
+                    vptr = vlane + (_value_token(0, kb, r) * svt)
                 vw = vw + lane_words(vptr, NWV, VEC, INTERP)
         sw = ()
         if ROW_CLAMP:
-            for j in tl.static_range(4):  # tokens t0 + 8j + g: row g (j even) or g + 8 (j odd) of m-tile j // 2
-                t = t0 + 8 * j + g
+            for j in tl.static_range(4):  # the lane's token of block j: row g (j even) or g + 8 (j odd) of m-tile j // 2
+                t = t0 + _score_token(g, j)
                 ok = t < end
                 sw = sw + (tl.load(ks_base + t, mask=ok, other=0.0), tl.load(kz_base + t, mask=ok, other=0.0),
                            tl.load(vs_base + t, mask=ok, other=0.0), tl.load(vz_base + t, mask=ok, other=0.0))
+        elif SCALE_WORDS:
+            # the lane's four tokens are adjacent (_score_token): 8 bytes per parameter, one vector load each (the host
+            # checked the 8-byte alignment); 4 loads and 8 registers per tile instead of 16 and 16
+            lrow = tbase + _score_token(g, 0)
+            sw = (lane_words((ks_base + lrow).to(tl.pointer_type(tl.int32), bitcast=True), 2, True, INTERP)
+                  + lane_words((kz_base + lrow).to(tl.pointer_type(tl.int32), bitcast=True), 2, True, INTERP)
+                  + lane_words((vs_base + lrow).to(tl.pointer_type(tl.int32), bitcast=True), 2, True, INTERP)
+                  + lane_words((vz_base + lrow).to(tl.pointer_type(tl.int32), bitcast=True), 2, True, INTERP))
         else:
             # unmasked, from one lane pointer per side plus immediate offsets (the masked loads cost a predicate, a
             # zeroed destination and a 64-bit address each: ~70 SASS instructions per tile); rows past `end` hold
             # whatever the buffer holds, so _tile_step zeroes their value scales (MASKED)
-            lrow = tbase + g
+            lrow = tbase + _score_token(g, 0)
             for j in tl.static_range(4):
-                sw = sw + (tl.load(ks_base + lrow + 8 * j), tl.load(kz_base + lrow + 8 * j),
-                           tl.load(vs_base + lrow + 8 * j), tl.load(vz_base + lrow + 8 * j))
+                o = _score_token(0, j)
+                sw = sw + (tl.load(ks_base + lrow + o), tl.load(kz_base + lrow + o),
+                           tl.load(vs_base + lrow + o), tl.load(vz_base + lrow + o))
         return kw, vw, sw
 
     @triton.jit
     def _tile_step(kw, vw, sw, t0, end, g, qb, qzs0, qzs1, code_scale, m0, m1, l0, l1, z0, z1, acc, D: tl.constexpr,
-                   KBITS: tl.constexpr, VBITS: tl.constexpr, MASKED: tl.constexpr, INTERP: tl.constexpr):
+                   KBITS: tl.constexpr, VBITS: tl.constexpr, MASKED: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                   INTERP: tl.constexpr):
         """One 32-token tile from its loaded words (_tile_loads): the softmax state (m, l, zero term, accumulator)
         updated. MASKED: the tile may run past `end` (a split's last tile): those rows' scores are -inf and their
         value scales 0 (p = 0 there, but 0 times a non-finite scale of an unwritten row is not 0)."""
@@ -313,8 +355,8 @@ if triton is not None:
                                           _key_register(bot, 2 * kb + 1, KBITS),
                                           qb[2 * kb], qb[2 * kb + 1], c0, c1, c2, c3, INTERP)
             for half in tl.static_range(2):
-                ks = sw[8 * mt + 4 * half].to(tl.float32) * code_scale  # 8-token block 2 mt + half
-                kz = sw[8 * mt + 4 * half + 1].to(tl.float32)
+                ks = _scale(sw, 0, 2 * mt + half, SCALE_WORDS) * code_scale  # 8-token block 2 mt + half
+                kz = _scale(sw, 1, 2 * mt + half, SCALE_WORDS)
                 if half == 0:
                     ra = c0
                     rb = c1
@@ -325,7 +367,7 @@ if triton is not None:
                 sa = ks * ra + kz * qzs0
                 sb = ks * rb + kz * qzs1
                 if MASKED:
-                    ok = t0 + 16 * mt + 8 * half + g < end
+                    ok = t0 + _score_token(g, 2 * mt + half) < end
                     oks = oks + (ok,)
                     sa = tl.where(ok, sa, float("-inf"))
                     sb = tl.where(ok, sb, float("-inf"))
@@ -353,8 +395,8 @@ if triton is not None:
             pbv = tl.exp2(s[2 * j + 1] - n1)
             ps0 += pa
             ps1 += pbv
-            vs = sw[4 * j + 2].to(tl.float32)
-            vz = sw[4 * j + 3].to(tl.float32)
+            vs = _scale(sw, 2, j, SCALE_WORDS)
+            vz = _scale(sw, 3, j, SCALE_WORDS)
             if MASKED:
                 vs = tl.where(oks[j], vs, 0.0)
                 vz = tl.where(oks[j], vz, 0.0)
@@ -398,6 +440,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,  # the module's BLOCK_T (32): the tile's 4 blocks of 8 tokens are unrolled below
         VEC: tl.constexpr,  # code words by vector loads (the host checked the alignment of rows and base)
         ROW_CLAMP: tl.constexpr,  # clamp every code row (buffers not a whole number of tiles) or only tiles (TLAST)
+        SCALE_WORDS: tl.constexpr,  # per-token scales by 8-byte vector loads (ROW_CLAMP off, rows 8-byte aligned)
         PDL: tl.constexpr,  # sm_90+: let the window kernel launched after this one start early (griddepcontrol)
     ):
         """Softmax partials (m, l, acc) of token split program_id(1) of (row, KV head) program_id(0), into partial
@@ -460,16 +503,19 @@ if triton is not None:
         # only its last tile may be partial (splits are whole tiles: `share`)
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T  # (an empty split has end < start)
         kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, start, end, TLAST, skt, svt,
-                                       lane, D, KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
+                                       lane, D, KBITS, VBITS, VEC, ROW_CLAMP, SCALE_WORDS, INTERP)
         for t0 in range(start, whole_end, BLOCK_T):
             kw, vw, sw = kw_n, vw_n, sw_n
             kw_n, vw_n, sw_n = _tile_loads(krow0, vrow0, ks_base, kz_base, vs_base, vz_base, t0 + BLOCK_T, end, TLAST,
-                                           skt, svt, lane, D, KBITS, VBITS, VEC, ROW_CLAMP, INTERP)
+                                           skt, svt, lane, D, KBITS, VBITS, VEC, ROW_CLAMP, SCALE_WORDS,
+                                           INTERP)
             m0, m1, l0, l1, z0, z1, acc = _tile_step(kw, vw, sw, t0, end, g, qb, qzs0, qzs1, code_scale, m0, m1, l0, l1,
-                                                     z0, z1, acc, D, KBITS, VBITS, False, INTERP)
+                                                     z0, z1, acc, D, KBITS, VBITS, False, SCALE_WORDS,
+                                                     INTERP)
         if whole_end < end:
             m0, m1, l0, l1, z0, z1, acc = _tile_step(kw_n, vw_n, sw_n, whole_end, end, g, qb, qzs0, qzs1, code_scale, m0,
-                                                     m1, l0, l1, z0, z1, acc, D, KBITS, VBITS, True, INTERP)
+                                                     m1, l0, l1, z0, z1, acc, D, KBITS, VBITS, True,
+                                                     SCALE_WORDS, INTERP)
         # ---- combine a column's lanes (l and the zero term were per lane), scale, store
         for msk in tl.static_range(3):
             l0 += shfl_xor(l0, 4 << msk, INTERP)

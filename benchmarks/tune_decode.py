@@ -211,6 +211,10 @@ VARIANT_SETS["round26"] = [  # attention_frag: constexpr row strides (immediate 
 # 415, 153 -> 150), each twice, alternating: int4 122.4 -> 121.8 us, int2 82.2 -> 81.8 at 32K x 8, int2 918.4 -> 894.5
 # at 131K x 32; the occupancies the freed registers allow were slower (int2 17 programs per SM under 120 registers
 # 101.1 us, int4 13 under 152 147.8, 14 under 144 145.2: they spill) (tune-h100-round27-*.json)
+VARIANT_SETS["round28"] = [  # attention_frag: one more program per SM than FRAG_OCCUPANCY (the register counts of
+    # round27 seemed to allow it): a second wave instead, since each of the 4 schedulers holds 16K registers
+    ("int", 4, {}), ("int", 4, {"programs_per_sm": 13}), ("int", 2, {}), ("int", 2, {"programs_per_sm": 17}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

@@ -48,7 +48,11 @@ BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 # and value widths. Without a cap ptxas (Triton 3.6, sm_90) gave 4-bit codes 204 registers once the tile's rows became
 # one pointer plus uniform offsets (10 programs: a second wave, int4 171.7 us at 32K x 8), 158 with the cap of 168
 # (127.2 us); 2-bit codes took 128 uncapped, so 16 fit (94.4 us against 97.0 at 12; H100,
-# results/bench/tune-h100-round22-frag-occupancy.json). The current kernel takes 153 / 126 under these caps.
+# results/bench/tune-h100-round22-frag-occupancy.json). The current kernel takes 150 / 116 under these caps. The
+# register file is split among the SM's 4 schedulers (16K registers each), so the warps that fit are
+# 4 floor(16384 / (32 r)) for r registers rounded up to 8: 150 (152) -> 12, 116 (120) -> 16, not 13 and 17. A 13th int4
+# or 17th int2 program per SM forms a second wave: 147.2 against 119.9 us and 99.1 against 80.3 at 32K x 8
+# (results/bench/tune-h100-round28-*.json). More programs would need 128 registers at 4 bits (16) or 102 at 2 (20).
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 

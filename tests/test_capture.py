@@ -133,7 +133,7 @@ def test_a_broken_capture_cache_is_captured_again(tmp_path, damage):
     windows = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     fresh = cached_capture(loaded, windows, {"k", "v"}, 1 << 30, 1, tmp_path).layer(1)["k"]
     (folder,) = tmp_path.iterdir()
-    assert CaptureStore.saved_problem(folder, loaded.dims.num_layers) is None
+    assert CaptureStore.saved_needs(folder, loaded.dims.num_layers) == ({"k", "v"}, None)
     chunk = sorted(folder.glob("chunk*.safetensors"))[0]
     if damage == "garbage_chunk":
         chunk.write_bytes(b"not safetensors")
@@ -147,7 +147,7 @@ def test_a_broken_capture_cache_is_captured_again(tmp_path, damage):
         save_file({k: t for k, t in load_file(str(chunk)).items() if not k.endswith(".v")}, str(chunk))
     else:
         save_file({k: t[:5] if k == "1.k" else t for k, t in load_file(str(chunk)).items()}, str(chunk))
-    assert CaptureStore.saved_problem(folder, loaded.dims.num_layers) is not None
+    assert CaptureStore.saved_needs(folder, loaded.dims.num_layers)[1] is not None
     again = cached_capture(loaded, windows, {"k", "v"}, 1 << 30, 1, tmp_path)
     torch.testing.assert_close(again.layer(1)["k"], fresh)
-    assert CaptureStore.saved_problem(folder, loaded.dims.num_layers) is None  # replaced by the new capture
+    assert CaptureStore.saved_needs(folder, loaded.dims.num_layers)[1] is None  # replaced by the new capture

@@ -79,35 +79,36 @@ class CaptureStore:
         return store
 
     @staticmethod
-    def saved_problem(folder: Path, num_layers: int) -> str | None:
-        """What makes a saved capture unusable, or None: needs.json must be a JSON list of capturable names, every chunk
-        must hold, for every layer, exactly the row names those needs produce (fisher: fisher_k and fisher_v), all with
-        one row count per chunk, and the chunks' rows must add up to the saved token positions."""
+    def saved_needs(folder: Path, num_layers: int) -> tuple[set[str], str | None]:
+        """What a saved capture holds (its needs.json) and None, or (set(), what makes it unusable): needs.json must be
+        a JSON list of capturable names, every chunk must hold, for every layer, exactly the row names those needs
+        produce (fisher: fisher_k and fisher_v), all with one row count per chunk, and the chunks' rows must add up to
+        the saved token positions."""
         try:
             needs = json.loads((folder / "needs.json").read_text())
             if not isinstance(needs, list) or not set(needs) <= set(CAPTURABLE):
-                return "needs.json is not a list of capturable names"
+                return set(), "needs.json is not a list of capturable names"
             names = {n for need in needs for n in (("fisher_k", "fisher_v") if need == "fisher" else (need,))}
             expected = {f"{i}.{name}" for i in range(num_layers) for name in names}
             with safe_open(str(folder / "positions.safetensors"), framework="pt") as f:
                 rows = f.get_slice("positions").get_shape()[0]
             chunks = sorted(folder.glob("chunk*.safetensors"))
             if not chunks:
-                return "no chunk files"
+                return set(), "no chunk files"
             held = 0
             for path in chunks:
                 with safe_open(str(path), framework="pt") as f:
                     if set(f.keys()) != expected:
-                        return f"{path.name} does not hold {sorted(names)} for every layer"
+                        return set(), f"{path.name} does not hold {sorted(names)} for every layer"
                     counts = {f.get_slice(key).get_shape()[0] for key in expected}
                 if len(counts) != 1:
-                    return f"{path.name} holds different row counts"
+                    return set(), f"{path.name} holds different row counts"
                 held += counts.pop()
             if held != rows:
-                return f"the chunks hold {held} rows, the positions {rows}"
+                return set(), f"the chunks hold {held} rows, the positions {rows}"
         except Exception as exc:  # noqa: BLE001 - any read failure means: capture again
-            return f"{type(exc).__name__}"
-        return None
+            return set(), f"{type(exc).__name__}"
+        return set(needs), None
 
     @property
     def token_positions(self) -> torch.Tensor:

@@ -33,13 +33,10 @@ def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, c
             return capture(loaded, windows, needs, budget_bytes, batch_size, advance)
     cache_dir = Path(cache_dir)
     folder = cache_dir / capture_key(loaded, windows)
-    needs_file = folder / "needs.json"
     cached = set()
-    if needs_file.is_file():
-        problem = CaptureStore.saved_problem(folder, loaded.dims.num_layers)
-        if problem is None:
-            cached = set(json.loads(needs_file.read_text()))
-        else:  # a capture left broken (a full disk, a hand edit): capture again and replace it
+    if (folder / "needs.json").is_file():
+        cached, problem = CaptureStore.saved_needs(folder, loaded.dims.num_layers)
+        if problem is not None:  # a capture left broken (a full disk, a hand edit): capture again and replace it
             Console(stderr=True).print(f"[yellow]capture cache {folder} is unreadable ({escape(problem)}): capturing "
                                        "again[/yellow]", highlight=False)
     if needs <= cached:

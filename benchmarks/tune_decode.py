@@ -215,6 +215,11 @@ VARIANT_SETS["round28"] = [  # attention_frag: one more program per SM than FRAG
     # round27 seemed to allow it): a second wave instead, since each of the 4 schedulers holds 16K registers
     ("int", 4, {}), ("int", 4, {"programs_per_sm": 13}), ("int", 2, {}), ("int", 2, {"programs_per_sm": 17}),
 ]
+VARIANT_SETS["round29"] = [  # attention_frag: register caps that fit 4 more programs per SM (4 per scheduler at 128
+    # registers for int4, 5 at 96 for int2) at the cost of spills (SASS: 9 / 18 local stores per tile)
+    ("int", 4, {}), ("int", 4, {"max_registers": 128, "programs_per_sm": 16}), ("int", 2, {}),
+    ("int", 2, {"max_registers": 96, "programs_per_sm": 20}),
+]
 DEFAULT_VARIANTS = VARIANT_SETS["round1"]
 
 

@@ -3,6 +3,7 @@ them under the Triton interpreter (CPU, small shapes) and, marked gpu, natively 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -21,14 +22,17 @@ def _keys(gen, n, h, d, device):
 
 def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int | None = None, group: int | None = None,
                 key_block: int = 32, kcap: int = 0, per_side: int = 0, pre_rope: bool = False, pos_offset: int = 0,
-                value_per_head: bool = False, poison: bool = False, seed: int = 0, device="cpu") -> PackedKV:
+                value_per_head: bool = False, poison: bool = False, misaligned_scales: bool = False, seed: int = 0,
+                device="cpu") -> PackedKV:
     """codec: 'int' (affine_channels keys and values, `group` channels per scale, default d), 'kivi'
     (affine_tokens keys in blocks of key_block tokens, affine_channels values in groups of 32 or `group`),
     'nuq' (lut_static keys with kcap outlier slots per token and head, lut_dynamic values with per_side outliers per side, per token
     or, with value_per_head, per token and head).
     pre_rope: keys stored before RoPE (rotated at attention time from float32 cos/sin tables).
     poison ('int'): the scale and zero rows past each row's length hold inf and nan, its code rows random words (a
-    kernel that reads them must not let them reach the output)."""
+    kernel that reads them must not let them reach the output).
+    misaligned_scales ('int'): the same scales and zeros in buffers whose rows start one fp16 past an 8-byte boundary
+    (the fragment kernel then loads them one token at a time, not as 8-byte vectors)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     batch = len(lengths)
     tcap = tcap or max(max(lengths), 1)
@@ -115,6 +119,12 @@ def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int |
             for codes in (kc, vc):
                 codes[b, :, n:] = torch.randint(-2**31, 2**31 - 1, codes[b, :, n:].shape, generator=gen, device=device,
                                                 dtype=torch.int64).to(torch.int32)
+    if misaligned_scales:
+        def shifted(t):
+            buf = torch.empty(*t.shape[:-2], t.shape[-2] + 1, t.shape[-1], dtype=t.dtype, device=device)[..., 1:, :]
+            return buf.copy_(t)
+
+        kv = dataclasses.replace(kv, k_scale=shifted(ks), k_zero=shifted(kz), v_scale=shifted(vs), v_zero=shifted(vz))
     return kv
 
 
@@ -168,6 +178,9 @@ ATTENTION_CASES = [
      {"tcap": 96, "lengths": [96, 0, 70]}),
     ("int2_frag_whole_tiles_d128_fp16", "int", 2, torch.float16, {"poison": True}, {"frag": True},
      {"d": 128, "tcap": 96, "lengths": [33, 1, 64]}),
+    # the same with scale rows off the 8-byte alignment: the scales come as one 2-byte load per token (SCALE_WORDS 0)
+    ("int4_frag_whole_tiles_misaligned_scales_fp16", "int", 4, torch.float16, {"poison": True, "misaligned_scales": True},
+     {"frag": True}, {"tcap": 96, "lengths": [96, 0, 70]}),
     # a row of one token (one tile, nearly all masked) and a row filling the whole buffer (tcap 80: its last tile
     # runs past the buffer's end and must be masked, not read)
     ("int4_len1_full_bf16", "int", 4, torch.bfloat16, {}, {}, {"lengths": [1, 80, 33]}),

@@ -1082,7 +1082,8 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
                                               G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
                                               INTERP=interp, WAIT_PRIOR=int(pdl), num_warps=1,
                                               **({"launch_pdl": True} if pdl else {}))
-        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=FRAG_REDUCE_WARPS)
+        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d,
+                                      num_warps=FRAG_REDUCE_WARPS)
     return out
 
 

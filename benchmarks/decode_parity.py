@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from kvcal import software_versions
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import decoded_nll, simulated_nll
@@ -109,7 +110,7 @@ def main():
         print(f"{name:45s} simulate {row['simulate']:.4f} decode {dec:.4f} diff {100 * row['difference']:.3f}% "
               f"({row['decode_s']:.0f}s)", flush=True)
         result = {"model": loaded.identity, "device": str(loaded.device), "device_name": torch.cuda.get_device_name()
-                  if loaded.device.type == "cuda" else "cpu", "torch": torch.__version__, "dtype": a.dtype,
+                  if loaded.device.type == "cuda" else "cpu", "software": software_versions(), "dtype": a.dtype,
                   "seqlen": a.seqlen, "nsamples": a.nsamples, "tokens": int(windows.shape[0] * (windows.shape[1] - 1)),
                   "dataset": text.provenance, "rmsnorm_in_dtype": a.rmsnorm_in_dtype, "rows": rows}
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from kvcal import software_versions
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
@@ -44,7 +45,7 @@ def main():
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     channels = loaded.dims.kv_channels
     result = {"model": loaded.identity, "device": torch.cuda.get_device_name() if loaded.device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "dtype": a.dtype, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]),
+              "software": software_versions(), "dtype": a.dtype, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]),
               "dataset": text.provenance, "kv_channels": channels,
               "slot_bits_per_element": OUTLIER_ENTRY_BYTES * 8 / (2 * channels), "kv_heads": loaded.dims.num_kv_heads,
               "capacity_unit": "slots per token and KV head", "artifacts": {}}

@@ -20,3 +20,24 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
     from kvcal.models import load_model as _load_model
 
     return _load_model(name, dtype, device)
+
+
+def software_versions() -> dict:
+    """The versions a measured number depends on, for its record: the same command and code gave perplexities that
+    differ from the sixth significant digit on between installations (README, decode parity)."""
+    import platform
+
+    import numpy
+    import torch
+    import transformers
+
+    versions = {"kvcal": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "numpy": numpy.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency; the record still says what it can
+        pass
+    return versions
+

@@ -82,6 +82,12 @@ def test_eval_inspect_and_compare(tiny_artifact, tmp_path):
     assert data["method"] == "kivi" and data["model"]["name"] == "tiny-llama" and data["nsamples"] == 3
     assert data["tokens"] == 3 * 63 and data["ppl"] > 1 and data["artifact"]["tensor_hash"]
     assert data["bits_per_element"] == pytest.approx(data["bits"]["bits_per_element"])
+    import torch
+    import transformers
+
+    # the versions a number's last digits depend on travel with it
+    assert data["software"]["torch"] == torch.__version__
+    assert data["software"]["transformers"] == transformers.__version__
     # the same method run without a file gives the same number
     direct = kvcal("eval", "ppl", "--model", "tiny-llama", "--method", "kivi", "--set", "group_size=4", "--set",
                    "residual=8", "--dataset", text, "--seqlen", 64, "--nsamples", 3, "--json", tmp_path / "d.json")

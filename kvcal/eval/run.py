@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcal import __version__
+from kvcal import __version__, software_versions
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
@@ -66,6 +66,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
         targets.append((method, method.build_codec({}, loaded.dims), setting, None))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     records = []
+    software = software_versions()
     for method, codec, setting, artifact_record in targets:
         with progress_bar(f"ppl {setting} ({protocol}, {mode})", windows.shape[0]) as advance:
             if mode == "decode":
@@ -94,6 +95,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
             "bits_per_element": bits.bits_per_element,
             "bits": bits.to_dict(),
             "kvcal_version": __version__,
+            "software": software,
         })
     return records
 

@@ -195,11 +195,9 @@ VARIANT_SETS["round22"] = [  # attention_frag: vector code loads, and the occupa
 ]
 # round23 timed key codes masked in place against shifted (frag_key_inplace, each twice, alternating; 32K x 8 and
 # 131K x 32): faster at both, so it became the only path and the knob went (tune-h100-round23*.json)
-VARIANT_SETS["round24"] = [  # attention_frag: per-token scales loaded unmasked from lane pointers (frag_tile_scales:
-    # 522 -> 449 SASS instructions per int2 tile, 586 -> 511 at int4), each setting twice, alternating
-    ("int", 4, {}), ("int", 4, {"frag_tile_scales": False}), ("int", 2, {}), ("int", 2, {"frag_tile_scales": False}),
-    ("int", 4, {"frag_tile_scales": False}), ("int", 4, {}), ("int", 2, {"frag_tile_scales": False}), ("int", 2, {}),
-]
+# round24 timed per-token scales loaded unmasked from lane pointers against masked loads (a frag_tile_scales knob,
+# since removed; 522 -> 449 SASS instructions per int2 tile, 586 -> 511 at int4), each twice, alternating: int2 88.0 ->
+# 82.6 us, int4 122.7 -> 122.5 at 32K x 8 (tune-h100-round24*.json)
 # round25 timed code words loaded two tiles ahead instead of one (a frag_ahead knob, since removed): slower at every
 # register cap (int2 87.6-109.6 against 82.2 us at 32K x 8, int4 129.6-161.8 against 122.2; tune-h100-round25*.json)
 VARIANT_SETS["round26"] = [  # attention_frag: constexpr row strides (immediate load offsets) and row masks only in
@@ -210,7 +208,7 @@ VARIANT_SETS["round26"] = [  # attention_frag: constexpr row strides (immediate 
 # frag_lane_tokens knob, since removed; int2 406 -> 399 SASS instructions per tile, 126 -> 116 registers, int4 441 ->
 # 415, 153 -> 150), each twice, alternating: int4 122.4 -> 121.8 us, int2 82.2 -> 81.8 at 32K x 8, int2 918.4 -> 894.5
 # at 131K x 32; the occupancies the freed registers allow were slower (int2 17 programs per SM under 120 registers
-# 101.1 us, int4 13 under 152 147.8, 14 under 144 145.2: they spill) (tune-h100-round27-*.json)
+# 101.1 us, int4 13 under 152 147.8, 14 under 144 145.2: more programs than fit at once, a second wave, see round28) (tune-h100-round27-*.json)
 VARIANT_SETS["round28"] = [  # attention_frag: one more program per SM than FRAG_OCCUPANCY (the register counts of
     # round27 seemed to allow it): a second wave instead, since each of the 4 schedulers holds 16K registers
     ("int", 4, {}), ("int", 4, {"programs_per_sm": 13}), ("int", 2, {}), ("int", 2, {"programs_per_sm": 17}),

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, first_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Calibrate, apply and evaluate KV-cache compression methods.")
@@ -508,7 +508,7 @@ def _report(exc: Exception) -> int:
     label, code = "error:", 2
     if isinstance(exc, _CLICK_ERROR):
         ctx = getattr(exc, "ctx", None)  # usage errors know their command
-        message = _first_line(exc.format_message()) + (f" (see '{ctx.command_path} --help')" if ctx else "")
+        message = first_line(exc.format_message()) + (f" (see '{ctx.command_path} --help')" if ctx else "")
         code = exc.exit_code
     elif isinstance(exc, KvcalError):
         message = str(exc)
@@ -516,13 +516,9 @@ def _report(exc: Exception) -> int:
         message = _os_message(exc)
     else:
         label, code = "internal error:", 3
-        message = f"{type(exc).__name__}: {_first_line(str(exc))} (KVCAL_DEBUG=1 shows the traceback)"
+        message = f"{type(exc).__name__}: {first_line(str(exc))} (KVCAL_DEBUG=1 shows the traceback)"
     err.print(f"[red]{label}[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return code
-
-
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
 
 
 def _os_message(exc: Exception) -> str:
@@ -531,7 +527,7 @@ def _os_message(exc: Exception) -> str:
     where = " -> ".join(str(x) for x in (exc.filename, exc.filename2) if x)
     if where:
         return f"{exc.strerror or type(exc).__name__}: {where}"
-    return f"{type(exc).__name__}: {_first_line(str(exc))} (KVCAL_DEBUG=1 shows the traceback)"  # network errors
+    return f"{type(exc).__name__}: {first_line(str(exc))} (KVCAL_DEBUG=1 shows the traceback)"  # network errors
 
 
 if __name__ == "__main__":

@@ -71,21 +71,34 @@ def test_unknown_model_name():
         load_model("no-such-model")
 
 
-def test_hub_model_without_a_connection_fails_at_once(monkeypatch):
-    """Offline, a Hub model not in the local cache is a one-line error at once (huggingface_hub's own retries took
-    about 25 s), and nothing is asked of the network."""
-    import time
+def test_hub_model_without_a_connection_reads_only_the_local_cache(monkeypatch):
+    """Offline, a Hub model is looked up in the local cache only (local_files_only: huggingface_hub's own retries
+    took about 25 s before failing), and a miss is a one-line error that says why."""
+    import transformers
 
     import kvcal.models as models
     from kvcal.models.registry import ModelSpec
 
+    asked = []
+
+    def from_pretrained(source, **kwargs):  # stands in for the Hub lookup: records how it was asked, then misses
+        asked.append(kwargs.get("local_files_only"))
+        raise OSError(f"{source} is not in the cache")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    spec = ModelSpec("no-such-hub-model", "hub", "kvcal-tests/no-such-model-xyz", "test")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
-    spec = ModelSpec("no-such-hub-model", "hub", "kvcal-tests/no-such-model-xyz", "test")
-    t0 = time.monotonic()
     with pytest.raises(KvcalError, match="no connection to the Hub and not in the local cache"):
         models._load_hub(spec, torch.float32, "cpu")
-    assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "true")
+    with pytest.raises(KvcalError, match="HF_HUB_OFFLINE is set and not in the local cache"):
+        models._load_hub(spec, torch.float32, "cpu")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(KvcalError, match=r"\(OSError\)"):  # online: the Hub was asked, transformers' error named
+        models._load_hub(spec, torch.float32, "cpu")
+    assert asked == [True, True, False]
 
 
 def test_hub_reachable(monkeypatch):

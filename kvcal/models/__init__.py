@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, first_line
 from kvcal.models.registry import ALIASES, ModelSpec
 from kvcal.quant.rope import RopeSpec
 
@@ -195,8 +195,8 @@ def _load_local(path: str, dtype, device) -> LoadedModel:
         return _load_pretrained(folder.name, str(folder), dtype, device, source)
     except (OSError, ValueError, SafetensorError) as exc:  # bad config.json, no weights, no tokenizer, truncated
         # files: transformers' own words, first line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first[:200]})") from exc
+        raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first_line(str(exc), 200)})") \
+            from exc
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

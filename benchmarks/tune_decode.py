@@ -185,8 +185,13 @@ VARIANT_SETS["round20"] = [  # three pipeline stages (a load gets a whole iterat
     ("nuq", 4, {}), ("nuq", 4, {"num_splits": 15}), ("nuq", 4, {"num_splits": 31}),
 ]
 VARIANT_SETS["round21"] = [  # lut_mma: code words and key-outlier slots loaded one tile ahead into registers
+    # (then off by default with value outliers; since round30, where the outliers left the kernel, on by default)
     ("nuq", 4, {}), ("nuq", 4, {"lut_ahead": True}), ("nuq", 4, {"lut_mma": False}), ("nuq", 3, {}), ("nuq", 2, {}),
     ("nuq", 3, {"lut_ahead": True}), ("nuq", 2, {"lut_ahead": True}), ("int", 4, {}),
+]
+VARIANT_SETS["round30"] = [  # sparse outliers as passes around the kernel (attention_outliers); look-ahead now on
+    ("nuq", 4, {}), ("nuq", 4, {"lut_ahead": False}), ("nuq", 4, {"lut_mma": False}), ("nuq", 3, {}), ("nuq", 2, {}),
+    ("nuq", 2, {"lut_ahead": False}), ("int", 4, {}),
 ]
 VARIANT_SETS["round22"] = [  # attention_frag: vector code loads, and the occupancy by register cap (FRAG_OCCUPANCY);
     # the round's L2-prefetch variants (frag_prefetch) were removed with the knob

@@ -248,7 +248,7 @@ def bench_generate_command(
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
-    from kvcal.runtime.bench_generate import capture_refusal, largest_batch, run_case
+    from kvcal.runtime.bench_generate import capture_refusal, largest_batch, out_of_memory, run_case
 
     if json_out is not None:
         check_writable(json_out, folder=False)
@@ -279,7 +279,9 @@ def bench_generate_command(
             for graph in graph_flags:
                 try:
                     r = run_case(loaded, name, method, codec, b, context, steps, graph=graph)
-                except torch.OutOfMemoryError:
+                except RuntimeError as err:  # OutOfMemoryError is one
+                    if not out_of_memory(err):
+                        raise
                     torch.cuda.empty_cache()
                     records.append({"codec": name, "mode": "cuda-graph" if graph else "eager", "batch": b,
                                     "context": context, "out_of_memory": True})

@@ -80,7 +80,7 @@ def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int |
         rope = RopeSpec(head_dim=d, theta=500000.0, rope_type="llama3", factor=8.0)
         positions = torch.arange(pos_offset + tcap + 8, device=device)[None]
         cos, sin = rope_cos_sin(rope.inv_freq(device), positions, torch.float32)
-        spec.update(rope_cos=cos[0], rope_sin=sin[0])
+        spec.update(rope_cos=cos[0], rope_sin=sin[0], rope_inv_freq=rope.inv_freq(device))
     kv = PackedKV(**spec)
     for b, n in enumerate(lengths):
         if n == 0:
@@ -197,14 +197,14 @@ ATTENTION_CASES = [
                                                               "pos_offset": 3}, {}, {}),
     ("nuq3_prerope_table_fp16", "nuq", 3, torch.float16, {"kcap": 9, "per_side": 1, "pre_rope": True}, {"rope_mode": "table"}, {}),
     ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
-    # 12 value-outlier slots at 2 bits: three steps of 4 (_value_slot_chunk)
+    # 12 value-outlier slots per token
     ("nuq2_value_slots12_fp16", "nuq", 2, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {}, {}),
     ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
                                                          "value_per_head": True}, {}, {}),
-    # tiles loaded one iteration ahead (lut_ahead): on by default without value outliers, asked for with them
+    # key outliers only (the value pass does not run), and tiles loaded in their own iteration (lut_ahead off)
     ("nuq3_key_outliers_fp16", "nuq", 3, torch.float16, {"kcap": 3, "pre_rope": True, "pos_offset": 2}, {}, {}),
-    ("nuq4_ahead_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
-     {"lut_ahead": True}, {}),
+    ("nuq4_not_ahead_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
+     {"lut_ahead": False}, {}),
     # the float32 generic path, which lut_mma replaced for fp16/bf16 lookup-table caches (still used for float32,
     # rope_mode="table" and codes of more than 4 bits)
     ("nuq4_prerope_generic_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
@@ -219,6 +219,9 @@ ATTENTION_CASES = [
     ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
     ("int4_many_splits_bf16", "int", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
+    # more partials than the reduction merges per step (REDUCE_CHUNK 32): two steps, with the value pass's sums
+    ("nuq4_splits40_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
+     {"num_splits": 40}, {}),
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
     ("int3_fp32", "int", 3, torch.float32, {}, {}, {}),
     ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
@@ -264,6 +267,62 @@ def run_attention_case(case, *, small=True, device="cpu"):
     return rel_err(out, ref, per_head=True)  # per (row, query head): an error in one head must not hide in the rest
 
 
+# (name, bits, cache kwargs): the outlier passes (attention_outliers) on their own, against their torch references
+OUTLIER_PASS_CASES = [
+    ("nuq4_prerope_pos3", 4, {"kcap": 3, "per_side": 2, "pre_rope": True, "pos_offset": 3}),
+    ("nuq3_post_rope", 3, {"kcap": 2, "per_side": 1}),
+    ("nuq2_values_per_head", 2, {"kcap": 1, "per_side": 2, "pre_rope": True, "value_per_head": True}),
+    ("nuq4_tables_only", 4, {"kcap": 3, "per_side": 2, "pre_rope": True, "pos_offset": 5, "inv_freq": False}),
+]
+
+
+def run_outlier_pass_checks(device="cpu", small=True) -> dict:
+    """The key pass's score terms and the value pass's additions to given partials against the references:
+    {name: relative error}. A slot that one side dropped or misplaced moves them by O(1)."""
+    from kvcal.runtime import attention_outliers as O  # noqa: N812
+
+    if small:
+        d, hkv, hq, lengths, tcap, nsplit, block_t = 64, 2, 8, [37, 0, 70], 80, 3, 16
+    else:
+        d, hkv, hq, lengths, tcap, nsplit, block_t = 128, 8, 32, [4097, 32763, 1500, 16001], 32768, 33, 16
+    group, gp = hq // hkv, 1 << (hq // hkv - 1).bit_length()
+    res = {}
+    for name, bits, cache_kw in OUTLIER_PASS_CASES:
+        cache_kw = dict(cache_kw)
+        tables_only = not cache_kw.pop("inv_freq", True)  # the key pass reads the tables instead of computing angles
+        kv = build_cache("nuq", bits, lengths, hkv, d, tcap=tcap, device=device, **cache_kw)
+        if tables_only:
+            kv = dataclasses.replace(kv, rope_inv_freq=None)
+        q = build_step(len(lengths), hq, hkv, d, 1, torch.bfloat16, device=device)[0]
+        gen = torch.Generator(device=device).manual_seed(2)
+        rows = len(lengths) * hkv
+        scores = torch.randn(rows, tcap, gp, generator=gen, device=device) * 4
+        ref, fast = scores.clone(), scores.clone()
+        args = (q, kv.k_out_idx, kv.k_out_val, kv.lengths, kv.rope_cos, kv.rope_sin, kv.pos_offset)
+        O.key_outlier_scores_ref(*args, ref, kv.rope_inv_freq)
+        O.key_outlier_scores_triton(*args, fast, kv.rope_inv_freq)
+        valid = torch.arange(tcap, device=device)[None, :] < kv.lengths.repeat_interleave(hkv)[:, None]
+        moved = float((ref - scores)[valid][..., :group].norm() / scores[valid].norm())  # the terms are not all zero
+        res[f"key_{name}"] = float((fast - ref)[valid][..., :group].norm() / (ref - scores)[valid].norm()) \
+            if moved > 1e-3 else float("nan")
+        # each split's max, as the decode kernel leaves it
+        m_part = torch.zeros(rows, nsplit + 1, group, device=device)
+        for b, n in enumerate(lengths):
+            if n:
+                share = O.split_share(n, nsplit, block_t)
+                for s in range(nsplit):
+                    seg = scores[b * hkv:(b + 1) * hkv, s * share:min(n, (s + 1) * share), :group]
+                    if seg.numel():
+                        m_part[b * hkv:(b + 1) * hkv, s] = seg.amax(1)
+        sums = [torch.zeros(rows, nsplit + 1, d, gp, device=device) for _ in range(2)]
+        O.value_outlier_sums_ref(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[0])
+        O.value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[1])
+        ref_sums, fast_sums = (x[..., :group] for x in sums)  # columns >= G are padding
+        res[f"value_{name}"] = float((fast_sums - ref_sums).norm() / ref_sums.norm()) if ref_sums.norm() > 1e-3 \
+            else float("nan")
+    return res
+
+
 def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
     """Bit-exact comparisons of every quantize kernel with its reference; returns {name: ok}."""
     from kvcal.runtime import packing as P
@@ -286,12 +345,6 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
                 ref = table.half().float()[cc]
                 res[f"unpack_lut{bits}_d{cc.shape[-1]}"] = torch.equal(
                     P.unpack_lut_triton(P.pack_codes(cc, bits), bits, cc.shape[-1], table), ref)
-            # mma_column (the column holding a channel: the key-outlier gathers of the lookup-table path) inverts
-            # mma_channels at the widths the kernels use (key halves and whole rows of head_dim 64 and 128)
-            for nc in (32, 64, 128):
-                channels, columns = P.mma_order_triton(nc, bits, device)
-                res[f"mma_column{bits}_n{nc}"] = (torch.equal(channels.sort().values, torch.arange(nc, device=device))
-                                                  and torch.equal(columns, torch.arange(nc, device=device)))
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # all that the cache may hold
         x = (torch.randn(n, h, d, generator=gen, device=device) * 3).to(dtype)
         x[0, 0, :8] = 0.0  # a constant group: scale 0
@@ -546,6 +599,8 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
         out["quantize"] = run_quantize_checks()
     if which in ("all", "attention"):
         out["attention"] = {case[0]: run_attention_case(case) for case in ATTENTION_CASES}
+    if which in ("all", "outliers"):
+        out["outliers"] = run_outlier_pass_checks()
     if which in ("all", "cache"):
         out["cache"] = run_cache_checks()
     out["seconds"] = time.time() - t0

@@ -573,3 +573,23 @@ def test_greedy_decode_replayed_gives_the_tokens_generate_gives_on_gpu():
                                      pad_token_id=0)[:, 50:]
     got = greedy_decode(loaded, KvcalCache(codec, 2, capacity_hint=80), prompt, 24, None, "auto")
     assert got["mode"] == "cuda-graph" and torch.equal(got["tokens"], want)
+
+
+def test_largest_batch_stops_at_either_kind_of_out_of_memory(monkeypatch):
+    # torch's OutOfMemoryError and the RuntimeError a Triton launch raises on a full GPU both end the search at the
+    # batch before; any other error propagates
+    from kvcal.runtime import bench_generate
+
+    def fails_from(batch_limit, err):
+        def run(loaded, name, method, codec, batch, context, steps, graph=False):
+            if batch >= batch_limit:
+                raise err
+        return run
+
+    triton_oom = RuntimeError("Triton Error [CUDA]: out of memory")
+    for limit, err in ((8, torch.OutOfMemoryError("CUDA out of memory")), (12, triton_oom)):
+        monkeypatch.setattr(bench_generate, "run_case", fails_from(limit, err))
+        assert bench_generate.largest_batch(None, None, None, 32768, [1, 2, 4, 8, 12, 16]) == {8: 4, 12: 8}[limit]
+    monkeypatch.setattr(bench_generate, "run_case", fails_from(4, RuntimeError("illegal memory access")))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        bench_generate.largest_batch(None, None, None, 32768, [1, 2, 4, 8])

@@ -53,6 +53,9 @@ class PackedKV:
     rope_cos: torch.Tensor | None = None  # [Tmax, D] float32 (None: keys are stored post-RoPE)
     rope_sin: torch.Tensor | None = None
     pos_offset: int = 0
+    # [D / 2] float32 where the tables are cos/sin(position * inv_freq) (rope_cos_sin's): kernels may compute a
+    # token's angle instead of reading its table row (attention_outliers' key pass)
+    rope_inv_freq: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -144,10 +147,11 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 # register pairs and column order); the keys' static per-channel scale/zero and R(j) are applied to the two halves
 # in fp16 pairs (_dequant_rotate).
 # The generic key path (float32 queries, rope_mode="table", or any key format stored before RoPE) dequantizes a
-# tile in fp32 in two halves (LUT by tl.gather from a register table), rotates and calls two dots; the sparse key
-# residuals are added to the scores per slot (2 gathered query entries x cos/sin, not a pass over every
-# channel); the sparse value residuals go into the program's partial with relaxed atomics, scaled to a
-# per-program reference max so online-softmax rescaling never touches them. RoPE by angle addition (default):
+# tile in fp32 in two halves (LUT by tl.gather from a register table), rotates and calls two dots. Sparse
+# outliers (KVQuant) run as passes around _decode_kernel (attention_outliers): a key pass writes each token's
+# score terms of its key residuals, the kernel adds them and writes its scores over them, and a value pass adds
+# p_t r_t of the value residuals into per-split sums that the reduction adds (float64 adds the residuals to the
+# dequantized tiles instead, as the reference does). RoPE by angle addition (default):
 # q.R(p0 + j)k = (R(-p0) q).(R(j) k) with R(j) from table rows 0..BLOCK_T-1 kept in registers and R(-p0)
 # applied to q once per tile; this needs cos/sin tables that are cos/sin(position * inv_freq) duplicated
 # over the two halves (what rope_cos_sin builds). rope_mode="table" reads the tables at each token's
@@ -194,15 +198,16 @@ FRAG_OVERLAP_FP = True
 # 891.3, int4 1562.7 -> 1559.5, one pass). Chunks of 64 were slower (int2 74.8 us).
 FRAG_FP_CHUNK = 16
 FRAG_REDUCE_WARPS = 1
+REDUCE_CHUNK = 32  # partials per step of the reduction: the fragment kernel's 32 at 32K x 8 in one step
 
 if triton is not None:
     from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
+    from kvcal.runtime.attention_outliers import key_outlier_scores_triton, value_outlier_sums_triton
     from kvcal.runtime.packing import (
         lane_entry,
         load_words,
         mma_channels,
         mma_code_scale,
-        mma_column,
         unpack_lut_words,
         unpack_mma,
         unpack_tile,
@@ -339,21 +344,12 @@ if triton is not None:
             return tl.gather(tab, c.to(tl.int32), 1) * kscl[None, :] + kzer[None, :]
 
     @triton.jit
-    def _slots(idx_ptr, val_ptr, rowoff, tm, j0, N: tl.constexpr, CAP: tl.constexpr, ACC: tl.constexpr):
-        """Outlier slots j0 .. j0 + N - 1 of a tile's tokens: channel indices [BLOCK_T, N] int32 (-1 where empty or
-        past CAP or the tile) and residuals (ACC). Both loads depend only on the tile, not on each other."""
-        jc = j0 + tl.arange(0, N)
-        om = tm[:, None] & (jc < CAP)[None, :]
-        oi = tl.load(idx_ptr + rowoff[:, None] + jc[None, :], mask=om, other=-1).to(tl.int32)
-        ov = tl.load(val_ptr + rowoff[:, None] + jc[None, :], mask=om, other=0.0).to(ACC)
-        return oi, ov
-
-    @triton.jit
-    def _lut_tile_loads(krow, vrow, koi_ptr, kov_ptr, t0, end, skt, svt, skot, KALIGN: tl.constexpr,
-                        VALIGN: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                        KCAP: tl.constexpr, KCAPP: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
+    def _lut_tile_loads(krow, vrow, t0, end, skt, svt, KALIGN: tl.constexpr, VALIGN: tl.constexpr, D: tl.constexpr,
+                        KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr, sc_row, KCORR: tl.constexpr,
+                        GPK: tl.constexpr, GPQ: tl.constexpr):
         """The loads of one lookup-table tile (tokens t0 .. t0 + BLOCK_T - 1, those < end): load_words of the key
-        halves and the value row (3 + 3 + 3 tensors) and the key-outlier slots (index, residual)."""
+        halves and the value row (3 + 3 + 3 tensors) and, with KCORR, the key pass's score terms [BLOCK_T, GPK]
+        (attention_outliers; else a placeholder)."""
         HD: tl.constexpr = D // 2
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < end
@@ -361,79 +357,12 @@ if triton is not None:
         ka0, ka1, ka2 = load_words(kptr, tm, 0, HD, D, KBITS)
         kb0, kb1, kb2 = load_words(kptr, tm, HD, HD, D, KBITS)
         va0, va1, va2 = load_words(vrow + tl.multiple_of(t * svt, VALIGN), tm, 0, D, D, VBITS)
-        oi, ov = _slots(koi_ptr, kov_ptr, t * skot, tm, 0, KCAPP, KCAP, ACC)
-        return ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, oi, ov
-
-    @triton.jit
-    def _key_outlier_terms(oi, ov, head_base, qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr,
-                           COLS: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr,
-                           SC: tl.constexpr, ACC: tl.constexpr):
-        """Score contribution [BLOCK_T, GP] of the key residuals in slots oi / ov [BLOCK_T, SC] (_slots).
-
-        A residual r at channel d of token t adds r * (R(p_t)^T q)[d] to each head's score; per slot that is
-        two query entries (d and its rotate-half partner) times cos/sin, so the cost is per slot, not per
-        slot and channel. qa4/qb4 [HD, GP] (ACC) are the query halves as the rotated keys see them (R(-p0) q
-        for ROPE == 1 and 3, where cj/sj (ROPE 1) or the table rows pos (ROPE 3: tile offsets j) hold R(j); plain q
-        otherwise). COLS > 0: qa4/qb4 rows are in mma_channels(0, HD, COLS) order (the lookup-table path's
-        operands), so channel i is gathered from row mma_column(i). (That path reads R(j) from the table rows:
-        gathering it from its fp16 registers cj/sj, also in column order, took 1986 instead of 1541 SASS
-        instructions per tile with key outliers alone: Triton's in-warp gather selects among registers.)"""
-        HD: tl.constexpr = D // 2
-        oi = oi - head_base
-        ok = (oi >= 0) & (oi < D)
-        ov = tl.where(ok, ov, 0.0)
-        oc = tl.where(ok, oi, 0)
-        i = oc % HD
-        if COLS > 0:
-            row = mma_column(i, HD, COLS)
+        if KCORR:
+            rk = tl.arange(0, GPK)
+            kx = tl.load(sc_row + t[:, None] * GPQ + rk[None, :], mask=tm[:, None] & (rk < GPQ)[None, :], other=0.0)
         else:
-            row = i
-        upper = (oc >= HD)[:, :, None]
-        ii = tl.reshape(tl.broadcast_to(row[:, :, None], (BLOCK_T, SC, GP)), (BLOCK_T * SC, GP))
-        ga = tl.reshape(tl.gather(qa4, ii, 0), (BLOCK_T, SC, GP))  # query entry at channel i
-        gb = tl.reshape(tl.gather(qb4, ii, 0), (BLOCK_T, SC, GP))  # ... at channel i + HD
-        if ROPE == 1 or ROPE == 3:  # R(j) e_d: (cos, sin) at (i, i + HD) for d < HD; (-sin, cos) above
-            if ROPE == 1:  # from the registers cj / sj (natural order)
-                c = tl.gather(cj, i, 1)[:, :, None]
-                sn = tl.gather(sj, i, 1)[:, :, None]
-            else:  # from the table rows j = pos
-                c = tl.load(cos_ptr + pos[:, None] * D + i, mask=ok, other=1.0)[:, :, None]
-                sn = tl.load(sin_ptr + pos[:, None] * D + i, mask=ok, other=0.0)[:, :, None]
-            eff = tl.where(upper, gb * c - ga * sn, ga * c + gb * sn)
-        elif ROPE == 2:  # general tables: k*cos + rotate_half(k)*sin at the token's own position
-            prow = (pos[:, None] * D)
-            c = tl.load(cos_ptr + prow + oc, mask=ok, other=0.0)[:, :, None]
-            sp = tl.load(sin_ptr + prow + tl.where(oc >= HD, oc - HD, oc + HD), mask=ok, other=0.0)[:, :, None]
-            eff = tl.where(upper, gb * c - ga * sp, ga * c + gb * sp)
-        else:
-            eff = tl.where(upper, gb, ga)
-        return tl.sum(eff * ov[:, :, None], 1)
-
-    @triton.jit
-    def _key_outlier_scores(koi_ptr, kov_ptr, rowoff, tm, head_base, CAP: tl.constexpr, CAPP: tl.constexpr,
-                            qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE: tl.constexpr, D: tl.constexpr,
-                            GP: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
-        """_key_outlier_terms of all CAP slots of a tile, loaded 8 at a time (register pressure; float32 generic
-        path, natural channel order)."""
-        SC: tl.constexpr = 8 if CAPP > 8 else CAPP
-        acc = tl.zeros((BLOCK_T, GP), ACC)
-        for j0 in range(0, CAP, SC):
-            oi, ov = _slots(koi_ptr, kov_ptr, rowoff, tm, j0, SC, CAP, ACC)
-            acc += _key_outlier_terms(oi, ov, head_base, qa4, qb4, cj, sj, cos_ptr, sin_ptr, pos, ROPE, 0, D, GP,
-                                      BLOCK_T, SC, ACC)
-        return acc
-
-    @triton.jit
-    def _add_value_outliers(acc_ptr, part, oi, ov, pq, head_base, G: tl.constexpr, GPQ: tl.constexpr,
-                            D: tl.constexpr):
-        """Add p_t * r to channel d of the program's partial output rows (relaxed atomics) for the value residuals
-        in slots oi / ov [BLOCK_T, N] (_slots) that belong to this KV head; pq [BLOCK_T, GPQ]: p per query head."""
-        rq = tl.arange(0, GPQ)
-        oi = oi - head_base
-        ok = (oi >= 0) & (oi < D)
-        w = pq[:, None, :] * ov[:, :, None]  # [T, N, GPQ]
-        tl.atomic_add(acc_ptr + (part * G + rq)[None, None, :] * D + oi[:, :, None], w,
-                      mask=ok[:, :, None] & (rq < G)[None, None, :], sem="relaxed")
+            kx = 0.0
+        return ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx
 
     @triton.jit
     def _add_residuals(x, oi_ptr, ov_ptr, rowoff, tm, ch0, W: tl.constexpr, CAP: tl.constexpr):
@@ -539,24 +468,24 @@ if triton is not None:
         vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot, svoh,
         cos_ptr, sin_ptr, pos_offset, TMAX,
         fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT, sc_ptr, sscr,
         D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GK: tl.constexpr, GPV: tl.constexpr,
         GV: tl.constexpr, GPF: tl.constexpr, GPQ: tl.constexpr, KALIGN: tl.constexpr,
         VALIGN: tl.constexpr,
         KEY_FORMAT: tl.constexpr, KBITS: tl.constexpr, KEY_BLOCK: tl.constexpr, KCAP: tl.constexpr,
         GENERIC_K: tl.constexpr, ROPE: tl.constexpr,
-        VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, KCAPP: tl.constexpr,
-        VSC: tl.constexpr, HAS_PACKED: tl.constexpr, HAS_FP: tl.constexpr,
+        VALUE_FORMAT: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr, HAS_PACKED: tl.constexpr,
+        HAS_FP: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
         PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr, LUT_MMA: tl.constexpr,
-        LUT_AHEAD: tl.constexpr,
+        LUT_AHEAD: tl.constexpr, KCORR: tl.constexpr, SAVE_S: tl.constexpr,
     ):
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
         # (not a tl.dtype launch argument: a run with one, and a torch scalar built per call, timed int4 at
         # 301 us instead of 200 us at 32K x 8, small shapes slower still; the two were not separated)
-        # float64: sparse residuals are added to the float32 dequantized tile like the reference does, so the
-        # result equals the reference up to float64 summation order
-        EXACT_OUTLIERS: tl.constexpr = PREC == 64
+        # sparse outliers: KCAP / VCAP > 0 only for float64, whose residuals are added to the float32 dequantized
+        # tile as the reference does (the result equals it up to float64 summation order); the other inputs run
+        # them as passes around this kernel (KCORR: the key pass's score terms; SAVE_S: scores for the value pass)
         # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
         if PREC == 64:
             qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
@@ -585,8 +514,9 @@ if triton is not None:
                 rk = tl.arange(0, GPK)
                 ks_base = ks_ptr + b * sksb + h * sksh
                 kz_base = kz_ptr + b * sksb + h * sksh
-                ko = b * skob + h * skoh  # key outlier slots of this row and head (per head: only its own)
-                vo = b * svob + h * svoh  # value outlier slots (per token over all heads: head stride 0)
+                sc_row = sc_ptr + pid * sscr  # outlier passes: this (row, KV head)'s score terms / scores
+                ko = b * skob + h * skoh  # float64: key outlier slots of this row and head (per head: only its own)
+                vo = b * svob + h * svoh  # ... value outlier slots (per token over all heads: head stride 0)
                 # ---- per-program key setup
                 if GENERIC_K:
                     hh = tl.arange(0, HD)
@@ -598,12 +528,6 @@ if triton is not None:
                         kch = hh
                     q1 = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
                     q2 = tl.load(q_row + rk[None, :] * sqh + HD + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-                    if not LUT_MMA:  # natural-order copies for the key-outlier gathers (LUT_MMA gathers by column)
-                        rq4 = tl.arange(0, GPQ)
-                        q1s = tl.load(q_row + rq4[None, :] * sqh + hh[:, None], mask=(rq4 < G)[None, :],
-                                      other=0.0).to(ACC)
-                        q2s = tl.load(q_row + rq4[None, :] * sqh + HD + hh[:, None], mask=(rq4 < G)[None, :],
-                                      other=0.0).to(ACC)
                     if KEY_FORMAT == 2:  # per-channel static range: the zero/scale quantization used (fp32)
                         kzer1 = tl.load(kz_ptr + h * D + kch)
                         kscl1 = tl.load(ks_ptr + h * D + kch)
@@ -631,9 +555,6 @@ if triton is not None:
                         sj = cj
                         qa = _opnd(q1, PREC)
                         qb = _opnd(q2, PREC)
-                        if not LUT_MMA:
-                            qa4 = q1s
-                            qb4 = q2s
                 elif KEY_FORMAT == 0:
                     kch = mma_channels(0, D, KBITS)  # channel of each code column
                     rq = tl.arange(0, MQ)  # columns (head, key group): q restricted to the group's channels
@@ -664,11 +585,6 @@ if triton is not None:
                     if not LUT_MMA:
                         NL: tl.constexpr = 1 << VBITS
                         vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
-                    acc_glob = acc_ptr + (part * G + rv)[None, :] * D + vch[:, None]
-                    cref = tl.full((GPV,), float("-inf"), ACC)
-                    if VCAP > 0 and not EXACT_OUTLIERS:
-                        tl.store(acc_glob, tl.zeros((D, GPV), ACC), mask=(rv < G)[None, :])
-                        tl.debug_barrier()
                 if LUT_MMA and not INTERP:  # each lane's table entries for unpack_lut's shuffles, once per program
                     kent = lane_entry(ktab_ptr, KBITS)
                     vent = lane_entry(vtab_ptr, VBITS)
@@ -681,13 +597,12 @@ if triton is not None:
                 krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
                 vrow0 = vc_ptr + b * svb + h * svh
                 if LUT_MMA and LUT_AHEAD:
-                    # LUT_AHEAD: the lookup-table path loads each tile's code words and key-outlier slots one iteration
-                    # ahead into registers. Triton did not pipeline these loads (ncu, nuq4 at 32K x 8: 44% of the
-                    # stall samples were waits on them), but with value outliers the registers it holds cost more
-                    # than it saves (the host's default: lut_ahead_default).
-                    ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n = _lut_tile_loads(
-                        krow0, vrow0, koi_ptr + ko, kov_ptr + ko, start, end, skt, svt, skot, KALIGN, VALIGN, D,
-                        KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
+                    # LUT_AHEAD: the lookup-table path loads each tile's code words (and key-pass terms) one iteration
+                    # ahead into registers: Triton did not pipeline these loads (ncu, nuq4 at 32K x 8: 44% of the
+                    # stall samples were waits on them)
+                    ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx_n = _lut_tile_loads(
+                        krow0, vrow0, start, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS, BLOCK_T, sc_row, KCORR,
+                        GPK, GPQ)
                 for t0 in range(start, end, BLOCK_T):
                     t = t0 + tl.arange(0, BLOCK_T)
                     tm = t < end
@@ -707,14 +622,14 @@ if triton is not None:
                     if LUT_MMA:
                         # table values straight into fp16 operands (unpack_lut_words), scaled, shifted and rotated in
                         # fp16 pairs (_dequant_rotate)
-                        if LUT_AHEAD:  # this tile's words and key slots came last iteration; load the next tile's
-                            kw = (ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n)
-                            ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, koi_n, kov_n = _lut_tile_loads(
-                                krow0, vrow0, koi_ptr + ko, kov_ptr + ko, t0 + BLOCK_T, end, skt, svt, skot, KALIGN,
-                                VALIGN, D, KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
+                        if LUT_AHEAD:  # this tile's loads came last iteration; issue the next tile's
+                            kw = (ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx_n)
+                            ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx_n = _lut_tile_loads(
+                                krow0, vrow0, t0 + BLOCK_T, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS, BLOCK_T,
+                                sc_row, KCORR, GPK, GPQ)
                         else:
-                            kw = _lut_tile_loads(krow0, vrow0, koi_ptr + ko, kov_ptr + ko, t0, end, skt, svt, skot,
-                                                 KALIGN, VALIGN, D, KBITS, VBITS, KCAP, KCAPP, BLOCK_T, ACC)
+                            kw = _lut_tile_loads(krow0, vrow0, t0, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS,
+                                                 BLOCK_T, sc_row, KCORR, GPK, GPQ)
                         if ROPE == 1:
                             p0 = pos_offset + t0
                             ra, rb = _rotate_query(q1, q2, cos_ptr, sin_ptr, p0, kch, D)
@@ -728,9 +643,8 @@ if triton is not None:
                         ka, kb = _dequant_rotate(t1, t2, kscl1, kzer1, kscl2, kzer2, cj, sj, ROPE, INTERP)
                         s = _dot(_mma_operand(ka, PREC, INTERP), qa, INTERP) + _dot(_mma_operand(kb, PREC, INTERP), qb,
                                                                                       INTERP)
-                        if KCAP > 0:  # query entries gathered by operand row, R(j) from the table rows j = t - t0
-                            s += _key_outlier_terms(kw[9], kw[10], h * D, ra, rb, cj, sj, cos_ptr, sin_ptr, t - t0,
-                                                    3 if ROPE == 1 else 0, KBITS, D, GPK, BLOCK_T, KCAPP, ACC)
+                        if KCORR:  # the key residuals' score terms (attention_outliers' key pass)
+                            s += kw[9]
                         s = s * qk_scale
                     elif GENERIC_K:
                         # dequantized in float32 as the reference does, rotated in ACC (float64 for float64)
@@ -738,7 +652,7 @@ if triton is not None:
                                        KEY_BLOCK, ktab_ptr, kscl1, kzer1)
                         k2 = _key_half(kptr, tm, t, HD, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
                                        KEY_BLOCK, ktab_ptr, kscl2, kzer2)
-                        if EXACT_OUTLIERS and KCAP > 0:
+                        if KCAP > 0:  # float64 (exact): residuals added to the tile, as the reference does
                             k1 = _add_residuals(k1, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D, HD, KCAP)
                             k2 = _add_residuals(k2, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D + HD, HD,
                                                 KCAP)
@@ -749,7 +663,6 @@ if triton is not None:
                             ra, rb = _rotate_query(q1, q2, cos_ptr, sin_ptr, p0, hh, D)
                             qa = _opnd(ra, PREC)
                             qb = _opnd(rb, PREC)
-                            qa4, qb4 = _rotate_query(q1s, q2s, cos_ptr, sin_ptr, p0, hh, D)
                             ka = k1 * cj - k2 * sj  # R(j) k
                             kb = k2 * cj + k1 * sj
                         elif ROPE == 2:
@@ -764,11 +677,9 @@ if triton is not None:
                             ka = k1
                             kb = k2
                         s = _dot(_opnd(ka, PREC), qa, INTERP) + _dot(_opnd(kb, PREC), qb, INTERP)
-                        if KCAP > 0 and not EXACT_OUTLIERS:
-                            s += _regroup(_key_outlier_scores(koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D,
-                                                              KCAP, KCAPP, qa4, qb4, cj, sj, cos_ptr, sin_ptr,
-                                                              pos_offset + t, ROPE, D, GPQ, BLOCK_T, ACC),
-                                          GPQ, GPK, BLOCK_T)
+                        if KCORR:
+                            s += tl.load(sc_row + t[:, None] * GPQ + rk[None, :], mask=tm[:, None] & (rk < GPQ)[None, :],
+                                         other=0.0)
                         s = s * qk_scale
                     elif KEY_FORMAT == 0:
                         kcodes = _mma_operand(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC, INTERP)
@@ -782,6 +693,8 @@ if triton is not None:
                         kcodes = _mma_operand(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC, INTERP)
                         s = (_dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
                     s = tl.where(tm[:, None], s, float("-inf"))
+                    if SAVE_S:  # for attention_outliers' value pass (over the key pass's terms: same elements)
+                        tl.store(sc_row + t[:, None] * GPQ + rk[None, :], s, mask=tm[:, None] & (rk < GPQ)[None, :])
                     # ---- online softmax (fp32)
                     m_new = tl.maximum(m_i, tl.max(s, 0))
                     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -807,24 +720,6 @@ if triton is not None:
                             vt = unpack_lut_words(kw[6], kw[7], kw[8], D, VBITS, BLOCK_T, vtab_ptr, vent, INTERP)
                         else:
                             vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
-                        if VCAP > 0 and not EXACT_OUTLIERS:
-                            # sparse residuals: sum_t p r_t added with relaxed atomics straight into this program's
-                            # partial (zeroed above), scaled to the reference max cref so the online-softmax
-                            # rescaling never has to touch them (re-referenced when the max grows by 2^64)
-                            mv = tl.reshape(_regroup(m_use[None, :], GPK, GPV, 1), (GPV,))
-                            cref = tl.where(cref == float("-inf"), mv, cref)
-                            if tl.max(tl.where(rv < G, mv - cref, 0.0), 0) > 64.0:
-                                tl.debug_barrier()
-                                cur = tl.load(acc_glob, mask=(rv < G)[None, :], other=0.0, cache_modifier=".cg")
-                                tl.store(acc_glob, cur * tl.exp2(cref - mv)[None, :], mask=(rv < G)[None, :])
-                                tl.debug_barrier()
-                                cref = mv
-                            pq = _regroup(pr * tl.exp2(mv - cref)[None, :], GPV, GPQ, BLOCK_T)  # [T, GPQ]: real heads
-                            # slots VSC at a time (register pressure; loading them a tile ahead like the key slots
-                            # cost more in spills than it saved: nuq4 1171 us against 904 at 32K x 8)
-                            for j0 in range(0, VCAP, VSC):
-                                oi, ov = _slots(voi_ptr + vo, vov_ptr + vo, t * svot, tm, j0, VSC, VCAP, ACC)
-                                _add_value_outliers(acc_ptr, part, oi, ov, pq, h * D, G, GPQ, D)
                         vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
                         if PREC == 64:  # float64: dequantize in float32 as the reference does (T[c] s rounds)
                             vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
@@ -847,12 +742,6 @@ if triton is not None:
                 if GV > 1:  # columns (head, value group) -> heads: each channel from its group's column
                     sel = (vch // (D // GV))[:, None, None] == gv[None, None, :]
                     out = tl.sum(tl.where(sel, tl.reshape(out, (D, GPV, GV)), 0.0), 2)
-                if VALUE_FORMAT == 1:
-                    if VCAP > 0 and not EXACT_OUTLIERS:
-                        tl.debug_barrier()
-                        mfin = tl.reshape(_regroup(tl.where(m_i == float("-inf"), 0.0, m_i)[None, :], GPK, GPV, 1), (GPV,))
-                        part_o = tl.load(acc_glob, mask=(rv < G)[None, :], other=0.0, cache_modifier=".cg")
-                        out += part_o * tl.exp2(cref - mfin)[None, :]
                 tl.store(acc_ptr + (part * G + rv)[None, :] * D + vch[:, None], out, mask=(rv < G)[None, :])
                 tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
                 tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
@@ -862,8 +751,12 @@ if triton is not None:
                             acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
 
     @triton.jit
-    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                       D: tl.constexpr):
+    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, vo_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                       D: tl.constexpr, VO_GP: tl.constexpr, SC: tl.constexpr):
+        """Merge the S partials (max, sum, acc) of each query head, SC partials' acc rows at a time (all S at once
+        spilled: at batch 1 the tile kernel's 265 partials took 168 bytes of stack per thread, 5.4 KB with the
+        value sums, whose launch then ran out of memory for local memory in a full GPU). VO_GP > 0: add the
+        value-outlier sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass) to each acc."""
         pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g
         bh = pid // G
         g = pid % G
@@ -873,11 +766,21 @@ if triton is not None:
         m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
         lsum = tl.load(l_ptr + row, mask=sm, other=0.0)
         mx = tl.max(m, 0)
-        w = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
-        total = tl.sum(w * lsum, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        total = tl.sum(tl.exp2(m - mx) * lsum, 0)
         dd = tl.arange(0, D)
-        acc = tl.load(acc_ptr + row[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
-        o = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+        o = tl.zeros((D,), acc_ptr.dtype.element_ty)
+        for s0 in range(0, S, SC):  # a loop, not unrolled: unrolled, the loads of every step were live at once
+            sc = s0 + tl.arange(0, SC)
+            scm = sc < S
+            rc = (bh * S + sc) * G + g
+            wc = tl.exp2(tl.load(m_ptr + rc, mask=scm, other=float("-inf")) - mx)
+            acc = tl.load(acc_ptr + rc[:, None] * D + dd[None, :], mask=scm[:, None], other=0.0)
+            if VO_GP > 0:
+                acc += tl.load(vo_ptr + ((bh * S + sc)[:, None] * D + dd[None, :]) * VO_GP + g, mask=scm[:, None],
+                               other=0.0)
+            o += tl.sum(wc[:, None] * acc, 0)
+        o = o / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + pid * D + dd, o.to(out_ptr.dtype.element_ty))
 
 
@@ -885,23 +788,6 @@ _SM_COUNT: dict = {}
 
 
 _SM90: dict = {}
-
-
-def _value_slot_chunk(vcap: int, value_bits: int) -> int:
-    """Value-outlier slots per step of the lookup-table kernel's slot loop (a power of two, at most 8). With 12 slots
-    (per_side 6), H100, 32K x 8, both outlier kinds, chunks of 8 / 4 took nuq4 761.0 / 806.5 and 744.1 / 793.3 us
-    but nuq2 744.7 / 695.4 and 732.1 / 684.2 (two rounds, results/bench/nuq-value-slot-chunk-h100.json): 4 at 2 bits."""
-    chunk = min(8, _pow2(max(vcap, 1)))
-    return min(chunk, 4) if value_bits == 2 else chunk
-
-
-def lut_ahead_default(vcap: int, lut_ahead: bool | None = None) -> bool:
-    """Whether the lookup-table path loads tiles one iteration ahead: as asked, else only without value outlier
-    slots. Measured on the H100, nuq4 at 32K x 8, look-ahead on / off (`python benchmarks/nuq_breakdown.py
-    --options ...`, results/bench/nuq-breakdown-h100-review-ahead-{on,off}.json): no outliers 295.4 / 343.5 us,
-    key outliers only 515.2 / 569.9, value outliers only 573.2 / 540.6, both 950.0 / 753.9 (its registers spill),
-    per-head values 885.2 / 813.6."""
-    return bool(lut_ahead) if lut_ahead is not None else vcap == 0
 
 
 def _sm90_or_newer(device) -> bool:
@@ -1082,8 +968,8 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
                                               G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
                                               INTERP=interp, WAIT_PRIOR=int(pdl), num_warps=1,
                                               **({"launch_pdl": True} if pdl else {}))
-        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d,
-                                      num_warps=FRAG_REDUCE_WARPS)
+        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, m_part, group, splits, _pow2(splits), d, 0,
+                                      min(_pow2(splits), REDUCE_CHUNK), num_warps=FRAG_REDUCE_WARPS)
     return out
 
 
@@ -1093,7 +979,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             block_f: int | None = None, max_registers: int | None = None,
                             prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
                             frag: bool | None = None, frag_vector: bool | None = None,
-                            value_slot_chunk: int | None = None):
+                            ):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs, programs_per_sm 16 for the tile kernel
     and, for the fragment kernel, whose splits fill exactly one wave, FRAG_OCCUPANCY's: 12 at 4 bits, 16 at 2 bits),
@@ -1105,16 +991,14 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     prefetched into L2 on sm_90+; 0 = off; default per path), lut_mma (lookup-table codes of up to 4 bits with
     fp16/bf16 queries: table values straight into fp16 dot operands and fp16-pair key dequantization and rotation;
     default on where it applies, False: the float32 generic path), lut_ahead (lut_mma: load each tile's code words
-    and key-outlier slots one iteration ahead into registers; default: only without value outliers, as measured
-    at 32K x 8 on the H100, lut_ahead_default), frag (int caches with one scale per token and head: the
+    and key-pass terms one iteration ahead into registers; default on), frag (int caches with one scale per token and head: the
     register-fragment kernel of attention_frag; default on where it applies, from FRAG_MIN_ROWS (row, KV head)
     pairs and when no tile-kernel knob (block_t, num_warps, num_stages, prefetch, generic_keys) is given;
     False: the tile kernel), frag_vector (the fragment kernel loads each lane's code words with one vector load;
-    default on where the rows are aligned for it, False: one load per word), value_slot_chunk (lookup-table caches:
-    value-outlier slots per step of the slot loop, a power of two; default _value_slot_chunk's)."""
+    default on where the rows are aligned for it, False: one load per word).
+    Sparse outliers (KVQuant caches) run as passes around the kernel (attention_outliers), except for float64
+    inputs, whose kernel adds them to the dequantized tiles as the reference does."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
-    if value_slot_chunk is not None and (value_slot_chunk < 1 or value_slot_chunk & (value_slot_chunk - 1)):
-        raise ValueError(f"value_slot_chunk must be a power of two, got {value_slot_chunk}")
     reason = _unsupported(q, kv, fp_k)
     if reason:
         return _fallback(reason, *args)
@@ -1138,6 +1022,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     kcap = vcap = 0
     generic = rope = 0
     nsplit = 0
+    pass_kcap = pass_vcap = 0
     bt = block_t or DEFAULTS["affine_channels"][0]
     default_warps = DEFAULTS["affine_channels"][1]
     path = "affine_channels"
@@ -1178,6 +1063,8 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             kcap = kv.k_out_idx.shape[-1]
         if kv.v_out_idx is not None and value_code == 1:
             vcap = kv.v_out_idx.shape[-1]
+        if q.dtype != torch.float64:  # sparse outliers as passes around the kernel; float64 adds them in it (exact)
+            pass_kcap, pass_vcap, kcap, vcap = kcap, vcap, 0, 0
         lut_ok = (key_code == 2 and value_code == 1 and rope in (0, 1) and q.dtype in (torch.float16, torch.bfloat16)
                   and max(kbits, vbits) <= 4)
         use_lut = lut_ok if lut_mma is None else bool(lut_mma) and lut_ok
@@ -1279,25 +1166,36 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         can = (_sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0
                and kc_strides[2] == kc.shape[-1] and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
         prefetch_tiles = (PREFETCH_DEFAULTS[path] if prefetch is None else int(prefetch)) if can else 0
-    vsc = int(value_slot_chunk or _value_slot_chunk(vcap, vbits))
     qk_hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]  # float32 part; the rest as qk_lo
     with launch_device(q):
+        if pass_kcap or pass_vcap:  # [row and KV head, token, head of the group]: key-residual terms, then scores
+            scores = torch.empty(batch * hkv, kv.k_codes.shape[2], gp, dtype=torch.float32, device=dev)
+            if pass_kcap:
+                key_outlier_scores_triton(q, kv.k_out_idx, kv.k_out_val, lengths, kv.rope_cos, kv.rope_sin,
+                                          pos_offset, scores, kv.rope_inv_freq)
+        else:
+            scores = dummy
         _decode_kernel[(batch * hkv, splits)](
             q, q.stride(0), q.stride(1), lengths,
             kc, *kc_strides, ks, kz, *ks_strides, ktab, koi, kov, *ko_strides,
             vc, *vc_strides, vs, vz, *vs_strides, vtab, voi, vov, *vo_strides,
             cos, sin, pos_offset, tmax,
             fk, fv, *f_strides, fval, sfvb, nf,
-            m_part, l_part, acc_part, hkv, qk_hi, float(scale) * LOG2E - qk_hi, nsplit,
-            D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KCAPP=_pow2(max(kcap, 1)),
-            VSC=vsc, KALIGN=kalign, VALIGN=valign,
+            m_part, l_part, acc_part, hkv, qk_hi, float(scale) * LOG2E - qk_hi, nsplit, scores, scores.stride(0),
+            D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=gpf, GPQ=gp, KALIGN=kalign, VALIGN=valign,
             KEY_FORMAT=key_code, KBITS=kbits, KEY_BLOCK=key_block, KCAP=kcap, GENERIC_K=generic, ROPE=rope,
             VALUE_FORMAT=value_code, VBITS=vbits, VCAP=vcap,
             HAS_PACKED=int(has_packed), HAS_FP=int(has_fp),
             BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
             INTERP=os.environ.get("TRITON_INTERPRET") == "1", PREC=_PREC.get(q.dtype, 16),
             PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, LUT_MMA=int(use_lut),
-            LUT_AHEAD=int(use_lut and lut_ahead_default(vcap, lut_ahead)), **opts,
+            LUT_AHEAD=int(use_lut and lut_ahead is not False), KCORR=int(pass_kcap > 0),
+            SAVE_S=int(pass_vcap > 0), **opts,
         )
-        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, group, splits, _pow2(splits), d, num_warps=4)
+        vsums = m_part
+        if pass_vcap:
+            vsums = torch.zeros(batch * hkv, splits, d, gp, dtype=torch.float32, device=dev)
+            value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, lengths, nsplit, bt, vsums)
+        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, vsums, group, splits, _pow2(splits), d,
+                                      gp if pass_vcap else 0, min(_pow2(splits), REDUCE_CHUNK), num_warps=4)
     return out

@@ -84,7 +84,7 @@ def random_packed(codec: str, bits: int, batch: int, hkv: int, dim: int, tokens:
                     value_format="lut_dynamic", v_table=levels.clone(), v_scale=fp16(batch, *heads, tokens),
                     v_zero=fp16(batch, *heads, tokens, lo=-0.1, hi=0.1), v_out_idx=vidx.to(torch.int16),
                     v_out_val=torch.randn(batch, tokens, *heads, vcap, device=device, generator=gen).half(),
-                    rope_cos=cos[0], rope_sin=sin[0], pos_offset=pos_offset)
+                    rope_cos=cos[0], rope_sin=sin[0], pos_offset=pos_offset, rope_inv_freq=rope.inv_freq(device))
     else:
         raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
     return PackedKV(**spec)

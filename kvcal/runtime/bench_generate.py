@@ -90,6 +90,12 @@ def capture_refusal(loaded, codec) -> str | None:
     return None
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is the GPU running out of memory: torch's OutOfMemoryError, or a RuntimeError with CUDA's
+    message (a Triton launch that must load its kernel into a full GPU raises "Triton Error [CUDA]: out of memory")."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+
+
 def largest_batch(loaded, method, codec, context: int, candidates: list[int]) -> int:
     """Largest batch in `candidates` (ascending) whose cache fits and decodes 2 steps without running out of memory."""
     best = 0
@@ -97,7 +103,9 @@ def largest_batch(loaded, method, codec, context: int, candidates: list[int]) ->
         try:
             run_case(loaded, "", method, codec, batch, context, steps=1)
             best = batch
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:  # OutOfMemoryError is one
+            if not out_of_memory(err):
+                raise
             torch.cuda.empty_cache()
             break
     return best

@@ -367,6 +367,7 @@ class PackedLayer(_LayerBase):
             kv.k_table = buf["k_decode"]
             kv.k_zero, kv.k_scale = buf["k_lut_zero"], buf["k_lut_scale"]
             kv.rope_cos, kv.rope_sin, kv.pos_offset = self.rope_cos, self.rope_sin, self.policy.sink
+            kv.rope_inv_freq = self.inv_freq
         return kv
 
     # ---- attention ----------------------------------------------------------------------------------

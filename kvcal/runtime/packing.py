@@ -332,33 +332,18 @@ if triton is not None:
         else:
             PER: tl.constexpr = 32 // BITS
             r = p % PER
-            word = _word_of_slot(p // PER, NC // PER, BITS, False)
+            word = _word_of_slot(p // PER, NC // PER, BITS)
             return C0 + word * PER + r // 2 + (r % 2) * (PER // 2)
 
     @triton.jit
-    def _word_of_slot(x, NW: tl.constexpr, BITS: tl.constexpr, INVERSE: tl.constexpr):
+    def _word_of_slot(x, NW: tl.constexpr, BITS: tl.constexpr):
         """unpack_mma's word order (its comment says why; the constants are _mma_word_order's): the word at word
-        position x, or with INVERSE the position of word x. Position (j_hi * TW + g) * NJL + j_lo holds word
-        g * V + j_hi * NJL + j_lo."""
+        position x. Position (j_hi * TW + g) * NJL + j_lo holds word g * V + j_hi * NJL + j_lo."""
         V: tl.constexpr = 4 if NW >= 4 else NW
         TW: tl.constexpr = NW // V
         RQ: tl.constexpr = 8 // TW if TW <= 8 else 1
         NJL: tl.constexpr = (RQ * BITS // 4 if RQ * BITS >= 4 else 1) if RQ * BITS // 4 <= V else V
-        if INVERSE:
-            return ((x % V) // NJL * TW + x // V) * NJL + (x % V) % NJL
-        else:
-            return (x // NJL) % TW * V + x // (NJL * TW) * NJL + x % NJL
-
-    @triton.jit
-    def mma_column(c, NC: tl.constexpr, BITS: tl.constexpr):
-        """Inverse of mma_channels(0, NC, BITS): the column of unpack_mma's / unpack_lut's result that holds
-        channel c (an integer tensor of any shape, 0 <= c < NC); the tests check mma_column(mma_channels(p)) == p."""
-        if BITS == 3:
-            return (c // 8) * 8 + (c % 4) * 2 + (c % 8) // 4
-        else:
-            PER: tl.constexpr = 32 // BITS
-            k = c % PER
-            return _word_of_slot(c // PER, NC // PER, BITS, True) * PER + 2 * (k % (PER // 2)) + k // (PER // 2)
+        return (x // NJL) % TW * V + x // (NJL * TW) * NJL + x % NJL
 
     @triton.jit
     def mma_code_scale(NC: tl.constexpr, BITS: tl.constexpr):
@@ -408,12 +393,6 @@ if triton is not None:
 
 
     @triton.jit
-    def _mma_order_kernel(out_ptr, NC: tl.constexpr, BITS: tl.constexpr):
-        ch = mma_channels(0, NC, BITS)
-        tl.store(out_ptr + tl.arange(0, NC), ch)
-        tl.store(out_ptr + NC + tl.arange(0, NC), mma_column(ch, NC, BITS))
-
-    @triton.jit
     def _unpack_lut_kernel(words_ptr, tab_ptr, out_ptr, N, D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
                            R: tl.constexpr, INTERP: tl.constexpr):
         n = tl.program_id(0) * R + tl.arange(0, R)
@@ -425,15 +404,6 @@ if triton is not None:
         v = unpack_lut(words_ptr + n * W, nm, 0, D, D, BITS, R, tab_ptr, entry, INTERP).to(tl.float32)
         ch = mma_channels(0, D, BITS)
         tl.store(out_ptr + n[:, None] * D + ch[None, :], v, mask=nm[:, None])
-
-
-def mma_order_triton(nc: int, bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mma_channels(0, nc, bits), mma_column(mma_channels(0, nc, bits), nc, bits)) as int64 tensors: the
-    channel of each operand column and, mapped back, each column's own index if mma_column inverts it."""
-    out = torch.empty(2, nc, dtype=torch.int32, device=device)
-    with launch_device(out):
-        _mma_order_kernel[(1,)](out, nc, bits)
-    return out[0].long(), out[1].long()
 
 
 def unpack_lut_triton(words: torch.Tensor, bits: int, dim: int, table: torch.Tensor) -> torch.Tensor:

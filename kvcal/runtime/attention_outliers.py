@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import torch
 
+from kvcal.runtime.packing import _pow2
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the torch references still work
     triton = None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def split_share(length: int, num_splits: int, block_t: int) -> int:

@@ -344,6 +344,13 @@ if triton is not None:
             return tl.gather(tab, c.to(tl.int32), 1) * kscl[None, :] + kzer[None, :]
 
     @triton.jit
+    def _pass_rows(sc_row, t, tm, GPK: tl.constexpr, GPQ: tl.constexpr):
+        """Pointers and mask of a tile's rows [BLOCK_T, GPK] in the outlier passes' buffer (attention_outliers: GPQ
+        columns per token), read for the key pass's terms and written with the scores."""
+        rk = tl.arange(0, GPK)
+        return sc_row + t[:, None] * GPQ + rk[None, :], tm[:, None] & (rk < GPQ)[None, :]
+
+    @triton.jit
     def _lut_tile_loads(krow, vrow, t0, end, skt, svt, KALIGN: tl.constexpr, VALIGN: tl.constexpr, D: tl.constexpr,
                         KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr, sc_row, KCORR: tl.constexpr,
                         GPK: tl.constexpr, GPQ: tl.constexpr):
@@ -358,8 +365,8 @@ if triton is not None:
         kb0, kb1, kb2 = load_words(kptr, tm, HD, HD, D, KBITS)
         va0, va1, va2 = load_words(vrow + tl.multiple_of(t * svt, VALIGN), tm, 0, D, D, VBITS)
         if KCORR:
-            rk = tl.arange(0, GPK)
-            kx = tl.load(sc_row + t[:, None] * GPQ + rk[None, :], mask=tm[:, None] & (rk < GPQ)[None, :], other=0.0)
+            rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
+            kx = tl.load(rows, mask=rows_ok, other=0.0)
         else:
             kx = 0.0
         return ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx
@@ -678,8 +685,8 @@ if triton is not None:
                             kb = k2
                         s = _dot(_opnd(ka, PREC), qa, INTERP) + _dot(_opnd(kb, PREC), qb, INTERP)
                         if KCORR:
-                            s += tl.load(sc_row + t[:, None] * GPQ + rk[None, :], mask=tm[:, None] & (rk < GPQ)[None, :],
-                                         other=0.0)
+                            rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
+                            s += tl.load(rows, mask=rows_ok, other=0.0)
                         s = s * qk_scale
                     elif KEY_FORMAT == 0:
                         kcodes = _mma_operand(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC, INTERP)
@@ -694,7 +701,8 @@ if triton is not None:
                         s = (_dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
                     s = tl.where(tm[:, None], s, float("-inf"))
                     if SAVE_S:  # for attention_outliers' value pass (over the key pass's terms: same elements)
-                        tl.store(sc_row + t[:, None] * GPQ + rk[None, :], s, mask=tm[:, None] & (rk < GPQ)[None, :])
+                        rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
+                        tl.store(rows, s, mask=rows_ok)
                     # ---- online softmax (fp32)
                     m_new = tl.maximum(m_i, tl.max(s, 0))
                     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -755,7 +763,7 @@ if triton is not None:
                        D: tl.constexpr, VO_GP: tl.constexpr, SC: tl.constexpr):
         """Merge the S partials (max, sum, acc) of each query head, SC partials' acc rows at a time (all S at once
         spilled: at batch 1 the tile kernel's 265 partials took 168 bytes of stack per thread, 5.4 KB with the
-        value sums, whose launch then ran out of memory for local memory in a full GPU). VO_GP > 0: add the
+        value sums, whose launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the
         value-outlier sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass) to each acc."""
         pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g
         bh = pid // G
@@ -978,8 +986,7 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
                             rope_mode: str | None = None, generic_keys: bool = False, programs_per_sm: int | None = None,
                             block_f: int | None = None, max_registers: int | None = None,
                             prefetch: int | None = None, lut_mma: bool | None = None, lut_ahead: bool | None = None,
-                            frag: bool | None = None, frag_vector: bool | None = None,
-                            ):
+                            frag: bool | None = None, frag_vector: bool | None = None):
     """Triton version of decode_attention_ref (same arguments and result). Keyword-only tuning knobs:
     block_t (tokens per tile; KIVI: at most 32, inside one key block), num_splits (token splits per row; default from programs_per_sm x SMs, programs_per_sm 16 for the tile kernel
     and, for the fragment kernel, whose splits fill exactly one wave, FRAG_OCCUPANCY's: 12 at 4 bits, 16 at 2 bits),

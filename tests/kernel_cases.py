@@ -12,6 +12,7 @@ from kvcal.quant.rope import RopeSpec, rope_cos_sin
 from kvcal.runtime import quantize as Q  # noqa: N812
 from kvcal.runtime.attention import PackedKV
 from kvcal.runtime.packing import words_per_vector
+from kvcal.runtime.splits import split_share
 
 
 def _keys(gen, n, h, d, device):
@@ -219,9 +220,10 @@ ATTENTION_CASES = [
     ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
     ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
     ("int4_many_splits_bf16", "int", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
-    # more partials than the reduction merges per step (REDUCE_CHUNK 32): two steps, with the value pass's sums
+    # more partials than the reduction merges per step (REDUCE_CHUNK, 256 by default, set to 32 here): two steps,
+    # with the value pass's sums
     ("nuq4_splits40_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
-     {"num_splits": 40}, {}),
+     {"num_splits": 40}, {"reduce_chunk": 32}),
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
     ("int3_fp32", "int", 3, torch.float32, {}, {}, {}),
     ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
@@ -258,9 +260,16 @@ def run_attention_case(case, *, small=True, device="cpu"):
         from kvcal.runtime.attention import _frag_applies
 
         assert _frag_applies(q, kv, hq // hkv), f"{name}: the fragment kernel does not take this cache"
+    from kvcal.runtime import attention
+
+    chunk = attention.REDUCE_CHUNK
     with warnings.catch_warnings():  # a fallback to the reference would compare the reference with itself
         warnings.filterwarnings("error", message="decode_attention_triton")
-        out = decode_attention_triton(q, kv, fk, fv, valid, scale, **kernel_kw)
+        attention.REDUCE_CHUNK = step_kw.get("reduce_chunk", chunk)
+        try:
+            out = decode_attention_triton(q, kv, fk, fv, valid, scale, **kernel_kw)
+        finally:
+            attention.REDUCE_CHUNK = chunk
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if not torch.isfinite(out.float()).all():
         return float("nan")
@@ -309,7 +318,7 @@ def run_outlier_pass_checks(device="cpu", small=True) -> dict:
         m_part = torch.zeros(rows, nsplit + 1, group, device=device)
         for b, n in enumerate(lengths):
             if n:
-                share = O.split_share(n, nsplit, block_t)
+                share = split_share(n, nsplit, block_t)
                 for s in range(nsplit):
                     seg = scores[b * hkv:(b + 1) * hkv, s * share:min(n, (s + 1) * share), :group]
                     if seg.numel():

@@ -111,6 +111,23 @@ def _launched(monkeypatch, q, kv, fk, fv, valid, **kw):
     return info.value.args
 
 
+def test_kvquant_residuals_inside_the_kernel_for_float32_and_float64(monkeypatch):
+    """fp16 and bf16 run KVQuant's sparse residuals as passes around the tile kernel (KCORR, SAVE_S); float32 and
+    float64 add them inside it (KCAP, VCAP), as the reference does and without the value pass's atomics, whose
+    run-dependent order made two float32 decodes of smollm2-135m on an H100 differ by up to 2.5% in perplexity."""
+    import kvcal.runtime.attention as A
+    from tests.kernel_cases import build_cache, build_step
+
+    monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)  # runs before the (stubbed) kernel
+    kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
+    for dtype, inside in ((torch.float16, False), (torch.bfloat16, False), (torch.float32, True),
+                          (torch.float64, True)):
+        q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
+        name, kw = _launched(monkeypatch, q, kv, fk, fv, valid)
+        where = (kw["KCAP"], kw["VCAP"], kw["KCORR"], kw["SAVE_S"])
+        assert name == "tile" and where == ((3, 4, 0, 0) if inside else (0, 0, 1, 1)), (dtype, where)
+
+
 def test_frag_dispatch_rules(monkeypatch):
     """From FRAG_MIN_ROWS (row, KV head) pairs the fragment kernel is the default; a tile-kernel knob or frag=False
     selects the tile kernel, frag=True forces the fragment kernel below the threshold; its code words are vector

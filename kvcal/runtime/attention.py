@@ -150,8 +150,8 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 # tile in fp32 in two halves (LUT by tl.gather from a register table), rotates and calls two dots. Sparse
 # outliers (KVQuant) run as passes around _decode_kernel (attention_outliers): a key pass writes each token's
 # score terms of its key residuals, the kernel adds them and writes its scores over them, and a value pass adds
-# p_t r_t of the value residuals into per-split sums that the reduction adds (float64 adds the residuals to the
-# dequantized tiles instead, as the reference does). RoPE by angle addition (default):
+# p_t r_t of the value residuals into per-split sums that the reduction adds (float32 and float64 add the residuals
+# to the dequantized tiles instead, as the reference does, and without atomics). RoPE by angle addition (default):
 # q.R(p0 + j)k = (R(-p0) q).(R(j) k) with R(j) from table rows 0..BLOCK_T-1 kept in registers and R(-p0)
 # applied to q once per tile; this needs cos/sin tables that are cos/sin(position * inv_freq) duplicated
 # over the two halves (what rope_cos_sin builds). rope_mode="table" reads the tables at each token's
@@ -198,7 +198,17 @@ FRAG_OVERLAP_FP = True
 # 891.3, int4 1562.7 -> 1559.5, one pass). Chunks of 64 were slower (int2 74.8 us).
 FRAG_FP_CHUNK = 16
 FRAG_REDUCE_WARPS = 1
-REDUCE_CHUNK = 32  # partials per step of the reduction: the fragment kernel's 32 at 32K x 8 in one step
+# The reduction: one program per (row, query head, REDUCE_CHANNELS channels), REDUCE_CHUNK partials per step at 4
+# warps (a quarter of that at 1 warp). At batch 1 the tile kernel leaves 265 partials per head and the reduction has
+# only B x Hq = 32 (row, head) pairs: one program per pair over all 128 channels took 8 steps of 32 partials in a row,
+# and 32K x 1 went from 33.7 to 40.3 us for int4 (128 channels, all partials at once, spilled: 168 bytes of stack,
+# 10 KB with KVQuant's value sums). 32 channels per program and 256 partials per step: int4 32.5 us, int2 28.2,
+# kivi4 41.2, nuq4 87.5 (was 108.2); 131K x 1 int4 94.0 -> 82.7; batch 8 within 1% (H100,
+# results/bench/reduce-channels-h100-s27.json). sm_90 SASS at 265 partials: 96 registers, 166 with the value sums,
+# no stack.
+REDUCE_CHANNELS = 32
+REDUCE_CHUNK = 256
+TILE_REDUCE_WARPS = 4  # warps per program of the tile kernel's reduction
 
 if triton is not None:
     from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
@@ -212,6 +222,7 @@ if triton is not None:
         unpack_mma,
         unpack_tile,
     )
+    from kvcal.runtime.splits import split_share_tl
 
     @triton.jit
     def _dot(a, b, INTERP: tl.constexpr):
@@ -490,9 +501,10 @@ if triton is not None:
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
         # (not a tl.dtype launch argument: a run with one, and a torch scalar built per call, timed int4 at
         # 301 us instead of 200 us at 32K x 8, small shapes slower still; the two were not separated)
-        # sparse outliers: KCAP / VCAP > 0 only for float64, whose residuals are added to the float32 dequantized
-        # tile as the reference does (the result equals it up to float64 summation order); the other inputs run
-        # them as passes around this kernel (KCORR: the key pass's score terms; SAVE_S: scores for the value pass)
+        # sparse outliers: KCAP / VCAP > 0 only for float32 and float64, whose residuals are added to the float32
+        # dequantized tile as the reference does (float64: the result equals it up to float64 summation order);
+        # fp16 and bf16 run them as passes around this kernel (KCORR: the key pass's score terms; SAVE_S: scores
+        # for the value pass)
         # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
         if PREC == 64:
             qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
@@ -511,7 +523,7 @@ if triton is not None:
                 # Token-major tiles: scores are [BLOCK_T, heads] = codes [BLOCK_T, D] x q^T [D, heads], so the
                 # big operand is the M side of the tensor-core dot (wgmma on Hopper for BLOCK_T >= 64).
                 length = tl.load(len_ptr + b)
-                share = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK_T) * BLOCK_T
+                share = split_share_tl(length, NSPLIT, BLOCK_T)
                 start = split * share
                 end = tl.minimum(start + share, length)
                 HD: tl.constexpr = D // 2
@@ -659,7 +671,7 @@ if triton is not None:
                                        KEY_BLOCK, ktab_ptr, kscl1, kzer1)
                         k2 = _key_half(kptr, tm, t, HD, HD, KBITS, BLOCK_T, KEY_FORMAT, ks_base, kz_base, skst, GS,
                                        KEY_BLOCK, ktab_ptr, kscl2, kzer2)
-                        if KCAP > 0:  # float64 (exact): residuals added to the tile, as the reference does
+                        if KCAP > 0:  # float32 / float64: residuals added to the tile, as the reference does
                             k1 = _add_residuals(k1, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D, HD, KCAP)
                             k2 = _add_residuals(k2, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D + HD, HD,
                                                 KCAP)
@@ -729,7 +741,8 @@ if triton is not None:
                         else:
                             vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
                         vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
-                        if PREC == 64:  # float64: dequantize in float32 as the reference does (T[c] s rounds)
+                        if PREC == 64 or VCAP > 0:  # float64, or float32 with residuals: dequantize in float32 as
+                            # the reference does (T[c] s rounds), then add the residuals
                             vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
                             if VCAP > 0:
                                 vdq = _add_residuals(vdq, voi_ptr + vo, vov_ptr + vo, t * svot, tm, h * D, D, VCAP)
@@ -760,12 +773,13 @@ if triton is not None:
 
     @triton.jit
     def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, vo_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                       D: tl.constexpr, VO_GP: tl.constexpr, SC: tl.constexpr):
-        """Merge the S partials (max, sum, acc) of each query head, SC partials' acc rows at a time (all S at once
-        spilled: at batch 1 the tile kernel's 265 partials took 168 bytes of stack per thread, 5.4 KB with the
-        value sums, whose launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the
-        value-outlier sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass) to each acc."""
+                       D: tl.constexpr, VO_GP: tl.constexpr, SC: tl.constexpr, DC: tl.constexpr):
+        """Merge the S partials (max, sum, acc) of one query head for DC of its channels, SC partials at a time (all
+        S at once over 128 channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the
+        value sums a launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the value-outlier
+        sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass) to each acc."""
         pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g
+        dc = tl.program_id(1)  # channels [dc DC, (dc + 1) DC) of the head
         bh = pid // G
         g = pid % G
         s = tl.arange(0, SP)
@@ -776,8 +790,8 @@ if triton is not None:
         mx = tl.max(m, 0)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         total = tl.sum(tl.exp2(m - mx) * lsum, 0)
-        dd = tl.arange(0, D)
-        o = tl.zeros((D,), acc_ptr.dtype.element_ty)
+        dd = dc * DC + tl.arange(0, DC)
+        o = tl.zeros((DC,), acc_ptr.dtype.element_ty)
         for s0 in range(0, S, SC):  # a loop, not unrolled: unrolled, the loads of every step were live at once
             sc = s0 + tl.arange(0, SC)
             scm = sc < S
@@ -796,6 +810,14 @@ _SM_COUNT: dict = {}
 
 
 _SM90: dict = {}
+
+
+def _reduce(m_part, l_part, acc_part, out, vsums, group: int, splits: int, d: int, vo_gp: int, warps: int):
+    """Launch _reduce_kernel: one program per (row, query head, REDUCE_CHANNELS channels)."""
+    dc = min(d, REDUCE_CHANNELS)
+    chunk = min(_pow2(splits), max(1, REDUCE_CHUNK * warps // 4))  # the same registers per thread at any warps
+    _reduce_kernel[(out.shape[0] * out.shape[1], d // dc)](m_part, l_part, acc_part, out, vsums, group, splits,
+                                                           _pow2(splits), d, vo_gp, chunk, dc, num_warps=warps)
 
 
 def _sm90_or_newer(device) -> bool:
@@ -976,8 +998,7 @@ def _decode_frag(q, kv: PackedKV, fp_k, fp_v, fp_valid, scale: float, hkv: int, 
                                               G=group, GPF=max(_pow2(group), 16), BLOCK_F=block_f or 16,
                                               INTERP=interp, WAIT_PRIOR=int(pdl), num_warps=1,
                                               **({"launch_pdl": True} if pdl else {}))
-        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, m_part, group, splits, _pow2(splits), d, 0,
-                                      min(_pow2(splits), REDUCE_CHUNK), num_warps=FRAG_REDUCE_WARPS)
+        _reduce(m_part, l_part, acc_part, out, m_part, group, splits, d, 0, FRAG_REDUCE_WARPS)
     return out
 
 
@@ -1003,8 +1024,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     pairs and when no tile-kernel knob (block_t, num_warps, num_stages, prefetch, generic_keys) is given;
     False: the tile kernel), frag_vector (the fragment kernel loads each lane's code words with one vector load;
     default on where the rows are aligned for it, False: one load per word).
-    Sparse outliers (KVQuant caches) run as passes around the kernel (attention_outliers), except for float64
-    inputs, whose kernel adds them to the dequantized tiles as the reference does."""
+    Sparse outliers (KVQuant caches) run as passes around the kernel (attention_outliers) for fp16 and bf16 inputs;
+    for float32 and float64 inputs the kernel adds them to the dequantized tiles as the reference does (slower, but
+    without the value pass's atomics, whose run-dependent order made repeated float32 decodes differ)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1070,7 +1092,11 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             kcap = kv.k_out_idx.shape[-1]
         if kv.v_out_idx is not None and value_code == 1:
             vcap = kv.v_out_idx.shape[-1]
-        if q.dtype != torch.float64:  # sparse outliers as passes around the kernel; float64 adds them in it (exact)
+        # sparse outliers as passes around the kernel for fp16 / bf16. float32 and float64 add them in it, as the
+        # reference does: the value pass's atomics add in a run-dependent order, and two float32 decodes of
+        # smollm2-135m (2 x 512 tokens, H100) differed by up to 2.5% in perplexity (nuq2 0.15% and 2.66% from the
+        # simulation; results/runtime/parity-cuda-float32-2x512-kvquant-passes*.json)
+        if q.dtype not in (torch.float32, torch.float64):
             pass_kcap, pass_vcap, kcap, vcap = kcap, vcap, 0, 0
         lut_ok = (key_code == 2 and value_code == 1 and rope in (0, 1) and q.dtype in (torch.float16, torch.bfloat16)
                   and max(kbits, vbits) <= 4)
@@ -1203,6 +1229,5 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
         if pass_vcap:
             vsums = torch.zeros(batch * hkv, splits, d, gp, dtype=torch.float32, device=dev)
             value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, lengths, nsplit, bt, vsums)
-        _reduce_kernel[(batch * hq,)](m_part, l_part, acc_part, out, vsums, group, splits, _pow2(splits), d,
-                                      gp if pass_vcap else 0, min(_pow2(splits), REDUCE_CHUNK), num_warps=4)
+        _reduce(m_part, l_part, acc_part, out, vsums, group, splits, d, gp if pass_vcap else 0, TILE_REDUCE_WARPS)
     return out

@@ -41,6 +41,8 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+else:
+    from kvcal.runtime.splits import split_share_tl
 
 FRAG_BITS = (2, 4)
 BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
@@ -464,7 +466,7 @@ if triton is not None:
         c = lane % 4
         head_ok = g < G
         length = tl.load(len_ptr + b)
-        share = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK_T) * BLOCK_T
+        share = split_share_tl(length, NSPLIT, BLOCK_T)
         start = split * share
         end = tl.minimum(start + share, length)
         KB: tl.constexpr = D // 16  # k-blocks of the score dot

@@ -25,19 +25,15 @@ from __future__ import annotations
 import torch
 
 from kvcal.runtime.packing import _pow2
+from kvcal.runtime.splits import split_share
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the torch references still work
     triton = None
-
-
-def split_share(length: int, num_splits: int, block_t: int) -> int:
-    """Tokens per split of a row of `length` packed tokens, as the decode kernel divides it: an equal share
-    rounded up to whole tiles (split s takes tokens [s share, (s + 1) share))."""
-    per_split = -(-length // num_splits)
-    return -(-per_split // block_t) * block_t
+else:
+    from kvcal.runtime.splits import split_share_tl
 
 
 # ---- torch references -------------------------------------------------------------------------------------------
@@ -152,7 +148,8 @@ if triton is not None:
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         length = tl.load(len_ptr + b)
         tm = t < length
-        share = tl.maximum(tl.cdiv(tl.cdiv(length, NSPLIT), TILE) * TILE, 1)  # the decode kernel's splits
+        share = tl.maximum(split_share_tl(length, NSPLIT, TILE), 1)  # the decode kernel's splits (1: no division
+        # by zero on an empty row, whose tokens are all masked)
         split = t // share
         j = tl.arange(0, NSP)
         so = b * sob + t[:, None] * sot + (j // CAP)[None, :] * soh + (j % CAP)[None, :]

@@ -200,9 +200,9 @@ FRAG_FP_CHUNK = 16
 FRAG_REDUCE_WARPS = 1
 # The reduction: one program per (row, query head, REDUCE_CHANNELS channels), REDUCE_CHUNK partials per step at 4
 # warps (a quarter of that at 1 warp). At batch 1 the tile kernel leaves 265 partials per head and the reduction has
-# only B x Hq = 32 (row, head) pairs: one program per pair over all 128 channels took 8 steps of 32 partials in a row,
-# and 32K x 1 went from 33.7 to 40.3 us for int4 (128 channels, all partials at once, spilled: 168 bytes of stack,
-# 10 KB with KVQuant's value sums). 32 channels per program and 256 partials per step: int4 32.5 us, int2 28.2,
+# only B x Hq = 32 (row, head) pairs: one program per pair over all 128 channels took 9 steps of 32 partials in a row,
+# and 32K x 1 went from 33.7 us (stop 25: all partials at once, which spilled 168 bytes of stack, 5.4 KB with
+# KVQuant's value sums) to 40.3 for int4. 32 channels per program and 256 partials per step: int4 32.5 us, int2 28.2,
 # kivi4 41.2, nuq4 87.5 (was 108.2); 131K x 1 int4 94.0 -> 82.7; batch 8 within 1% (H100,
 # results/bench/reduce-channels-h100-s27.json). sm_90 SASS at 265 partials: 96 registers, 166 with the value sums,
 # no stack.

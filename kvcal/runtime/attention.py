@@ -774,8 +774,8 @@ if triton is not None:
     @triton.jit
     def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, vo_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                        D: tl.constexpr, VO_GP: tl.constexpr, SC: tl.constexpr, DC: tl.constexpr):
-        """Merge the S partials (max, sum, acc) of one query head for DC of its channels, SC partials at a time (all
-        S at once over 128 channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the
+        """Merge the S partials (max, sum, acc) of one query head for DC of its channels, SC partials at a time (each
+        of a head's D / DC programs reads all S maxima and sums itself, S floats each; all S at once over 128 channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the
         value sums a launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the value-outlier
         sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass) to each acc."""
         pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g

@@ -1,4 +1,6 @@
-"""The sparse outliers of a dense-and-sparse cache (KVQuant) as two light passes around the decode kernel.
+"""The sparse outliers of a dense-and-sparse cache (KVQuant) as two light passes around the decode kernel, for
+fp16 and bf16 queries (float32 and float64 add the residuals inside the decode kernel, as the reference does and
+without this module's atomics).
 
 A KVQuant cache stores nuq codes plus fp16 residuals at a few channels per token (1% by default): key slots per
 (token, KV head), value slots per token over all heads or per (token, head). Each decode step adds two sums:

@@ -25,6 +25,7 @@ import torch
 from kvcal import software_versions
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
+from kvcal.determinism import deterministic_algorithms
 from kvcal.eval.ppl import decoded_nll, simulated_nll
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
@@ -84,8 +85,16 @@ def main():
     ap.add_argument("--rmsnorm-in-dtype", action="store_true", help="diagnostic: RMSNorm computes in the model's "
                     "dtype (transformers' Llama RMSNorm computes in float32, whose row reduction order on CUDA may "
                     "depend on the number of rows: one decoded token vs a whole window)")
+    ap.add_argument("--deterministic", action="store_true", help="torch's deterministic mode (kvcal.determinism): "
+                    "KVQuant's fp16/bf16 GPU decode adds its outliers inside the kernel, without the value pass's "
+                    "atomics")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
+    with deterministic_algorithms(a.deterministic):
+        run(a)
+
+
+def run(a):
     loaded = load_model("smollm2-135m", a.dtype, a.device)
     if a.rmsnorm_in_dtype:
         patch_rmsnorm(loaded.model)
@@ -112,7 +121,8 @@ def main():
         result = {"model": loaded.identity, "device": str(loaded.device), "device_name": torch.cuda.get_device_name()
                   if loaded.device.type == "cuda" else "cpu", "software": software_versions(), "dtype": a.dtype,
                   "seqlen": a.seqlen, "nsamples": a.nsamples, "tokens": int(windows.shape[0] * (windows.shape[1] - 1)),
-                  "dataset": text.provenance, "rmsnorm_in_dtype": a.rmsnorm_in_dtype, "rows": rows}
+                  "dataset": text.provenance, "rmsnorm_in_dtype": a.rmsnorm_in_dtype,
+                  "deterministic": a.deterministic, "rows": rows}
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:  # after every row: long runs keep what they finished
             json.dump(result, f, indent=1)

@@ -157,6 +157,9 @@ def eval_ppl_command(
     backend: str = typer.Option("packed", help="decode mode: packed (the runtime) or dequantized (reference)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic", help="torch's deterministic "
+                                       "mode: the same PPL every run (GPU decode of KVQuant in fp16/bf16 adds its "
+                                       "outliers inside the kernel, slower)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON (one artifact)."),
     json_dir: Path | None = typer.Option(None, help="Write one JSON record per artifact, named after it."),
 ):
@@ -170,7 +173,7 @@ def eval_ppl_command(
         if path is not None:
             check_writable(path, folder)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                                   protocol, prompt_len, batch_size, dtype, device, mode, backend)
+                                   protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic)
     table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
     for record in records:
         record["command"] = invoked_command()
@@ -201,8 +204,12 @@ def generate_command(
     graph: bool | None = typer.Option(None, "--graph/--no-graph", help="Replay decode steps from a CUDA graph "
                                       "(default: on CUDA with the packed or fp16 cache; the dequantized backend runs "
                                       "eagerly)."),
+    deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="torch's deterministic "
+                                       "mode: the same tokens every run (KVQuant in fp16/bf16 on the GPU adds its "
+                                       "outliers inside the decode kernel, slower)."),
 ):
     """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
+    from kvcal.determinism import deterministic_algorithms
     from kvcal.runtime.generate import generate_text
 
     if not prompt:
@@ -210,7 +217,8 @@ def generate_command(
     if artifact is not None and method is not None:
         raise KvcalError("give either --artifact or --method, not both")
     mode = "auto" if graph is None else ("graph" if graph else "eager")
-    result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend, mode)
+    with deterministic_algorithms(deterministic):
+        result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend, mode)
     console.print(result["text"], highlight=False, markup=False)
     console.print(f"\n[dim]{result['summary']}[/dim]", highlight=False)
 

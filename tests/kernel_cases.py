@@ -224,6 +224,11 @@ ATTENTION_CASES = [
     # with the value pass's sums
     ("nuq4_splits40_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
      {"num_splits": 40}, {"reduce_chunk": 32}),
+    # torch's deterministic mode: fp16 / bf16 add the residuals inside the kernel (float32 generic path), no passes
+    ("nuq4_deterministic_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True,
+                                                                   "pos_offset": 3}, {}, {"deterministic": True}),
+    ("nuq2_vhead_deterministic_bf16", "nuq", 2, torch.bfloat16, {"kcap": 2, "per_side": 1, "pre_rope": True,
+                                                                 "value_per_head": True}, {}, {"deterministic": True}),
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
     ("int3_fp32", "int", 3, torch.float32, {}, {}, {}),
     ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
@@ -263,13 +268,16 @@ def run_attention_case(case, *, small=True, device="cpu"):
     from kvcal.runtime import attention
 
     chunk = attention.REDUCE_CHUNK
+    deterministic = torch.are_deterministic_algorithms_enabled()
     with warnings.catch_warnings():  # a fallback to the reference would compare the reference with itself
         warnings.filterwarnings("error", message="decode_attention_triton")
         attention.REDUCE_CHUNK = step_kw.get("reduce_chunk", chunk)
+        torch.use_deterministic_algorithms(step_kw.get("deterministic", deterministic))
         try:
             out = decode_attention_triton(q, kv, fk, fv, valid, scale, **kernel_kw)
         finally:
             attention.REDUCE_CHUNK = chunk
+            torch.use_deterministic_algorithms(deterministic)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if not torch.isfinite(out.float()).all():
         return float("nan")
@@ -326,9 +334,14 @@ def run_outlier_pass_checks(device="cpu", small=True) -> dict:
         sums = [torch.zeros(rows, nsplit + 1, d, gp, device=device) for _ in range(2)]
         O.value_outlier_sums_ref(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[0])
         O.value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[1])
-        ref_sums, fast_sums = (x[..., :group] for x in sums)  # columns >= G are padding
-        res[f"value_{name}"] = float((fast_sums - ref_sums).norm() / ref_sums.norm()) if ref_sums.norm() > 1e-3 \
-            else float("nan")
+        # the ordered pass writes every element itself: NaN beforehand must not survive
+        # (3 parts per split: the reduction adds them)
+        ordered = torch.full((rows, nsplit + 1, 3, d, gp), float("nan"), device=device)
+        O.value_outlier_sums_ordered_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t,
+                                            ordered)
+        ref_sums, fast_sums, ordered_sums = (x[..., :group] for x in (*sums, ordered.sum(2)))  # columns >= G: padding
+        for key, got in ((f"value_{name}", fast_sums), (f"value_ordered_{name}", ordered_sums)):
+            res[key] = float((got - ref_sums).norm() / ref_sums.norm()) if ref_sums.norm() > 1e-3 else float("nan")
     return res
 
 

@@ -82,6 +82,7 @@ def test_eval_inspect_and_compare(tiny_artifact, tmp_path):
     assert data["method"] == "kivi" and data["model"]["name"] == "tiny-llama" and data["nsamples"] == 3
     assert data["tokens"] == 3 * 63 and data["ppl"] > 1 and data["artifact"]["tensor_hash"]
     assert data["bits_per_element"] == pytest.approx(data["bits"]["bits_per_element"])
+    assert data["deterministic"] is True  # eval ppl runs in torch's deterministic mode unless told otherwise
     import torch
     import transformers
 
@@ -90,9 +91,11 @@ def test_eval_inspect_and_compare(tiny_artifact, tmp_path):
     assert data["software"]["transformers"] == transformers.__version__
     # the same method run without a file gives the same number
     direct = kvcal("eval", "ppl", "--model", "tiny-llama", "--method", "kivi", "--set", "group_size=4", "--set",
-                   "residual=8", "--dataset", text, "--seqlen", 64, "--nsamples", 3, "--json", tmp_path / "d.json")
+                   "residual=8", "--dataset", text, "--seqlen", 64, "--nsamples", 3, "--json", tmp_path / "d.json",
+                   "--no-deterministic")
     assert direct.returncode == 0, direct.stderr
-    assert json.loads((tmp_path / "d.json").read_text())["ppl"] == pytest.approx(data["ppl"], rel=1e-9)
+    direct_record = json.loads((tmp_path / "d.json").read_text())
+    assert direct_record["ppl"] == pytest.approx(data["ppl"], rel=1e-9) and direct_record["deterministic"] is False
 
     inspected = kvcal("inspect", tiny_artifact)
     assert inspected.returncode == 0 and "bits/element" in inspected.stdout and "kivi" in inspected.stdout

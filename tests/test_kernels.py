@@ -128,6 +128,36 @@ def test_kvquant_residuals_inside_the_kernel_for_float32_and_float64(monkeypatch
         assert name == "tile" and where == ((3, 4, 0, 0) if inside else (0, 0, 1, 1)), (dtype, where)
 
 
+def test_value_pass_is_the_ordered_one_in_deterministic_mode(monkeypatch):
+    """fp16 / bf16 KVQuant decoding adds the value residuals with the atomic pass by default and with the ordered
+    one (no atomics, the same sums every run) under torch.use_deterministic_algorithms(True), whose parts per split
+    the reduction then adds (VO_PARTS)."""
+    import kvcal.runtime.attention as A
+    from tests.kernel_cases import build_cache, build_step
+
+    calls = []
+    monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)
+    monkeypatch.setattr(A, "_decode_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append("atomic"))
+    monkeypatch.setattr(A, "value_outlier_sums_ordered_triton", lambda *args: calls.append("ordered"))
+    monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("parts", args[-1], tuple(args[4].shape))))
+    kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            for dtype in (torch.float16, torch.bfloat16):
+                calls.clear()
+                q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
+                A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
+                parts = A.attention_outliers.VALUE_DOT_PARTS if deterministic else 1
+                assert calls[0] == ("ordered" if deterministic else "atomic"), (dtype, calls)
+                assert calls[1][:2] == ("parts", parts), calls
+                assert calls[1][2][2:] == ((parts, 64, 4) if deterministic else (64, 4)), calls
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_frag_dispatch_rules(monkeypatch):
     """From FRAG_MIN_ROWS (row, KV head) pairs the fragment kernel is the default; a tile-kernel knob or frag=False
     selects the tile kernel, frag=True forces the fragment kernel below the threshold; its code words are vector
@@ -178,7 +208,7 @@ def test_interpreted_decode_attention(interpreted, case):
 def test_interpreted_outlier_passes(interpreted):
     # float32 sums of a few products per slot, in another order than the references' (measured up to 3e-8)
     res = interpreted["outliers"]
-    assert len(res) == 2 * len(OUTLIER_PASS_CASES)
+    assert len(res) == 3 * len(OUTLIER_PASS_CASES)
     bad = {k: v for k, v in res.items() if not v <= 1e-6}
     assert not bad, f"differ from the reference: {bad}"
 
@@ -223,6 +253,11 @@ GPU_CASES = [
       {"lut_ahead": False}, {}),
      ("nuq4_generic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {"lut_mma": False},
       {}),
+     # torch's deterministic mode: the residuals inside the kernel for fp16 / bf16 (no passes, no atomics)
+     ("nuq4_deterministic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True,
+                                                           "pos_offset": 7}, {}, {"deterministic": True}),
+     ("nuq2_deterministic_fp16", "nuq", 2, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {},
+      {"deterministic": True}),
      ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
      # asks for 64-token tiles on 4 warps (Triton 3.6 lowers them to a wrong wgmma): runs 32-token tiles
      ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {}),
@@ -249,7 +284,7 @@ def test_gpu_outlier_passes():
 
     res = run_outlier_pass_checks(device="cuda", small=False)
     bad = {k: v for k, v in res.items() if not v <= 1e-5}
-    assert len(res) == 2 * len(OUTLIER_PASS_CASES) and not bad, bad
+    assert len(res) == 3 * len(OUTLIER_PASS_CASES) and not bad, bad
 
 
 @pytest.mark.gpu

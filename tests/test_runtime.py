@@ -1,6 +1,7 @@
 """The packed runtime (torch reference path): formats against the codecs, decode against the gptq
 simulation, left padding against batch 1, memory against the bit accounting."""
 
+import os
 import sys
 
 import pytest
@@ -593,3 +594,29 @@ def test_largest_batch_stops_at_either_kind_of_out_of_memory(monkeypatch):
     monkeypatch.setattr(bench_generate, "run_case", fails_from(4, RuntimeError("illegal memory access")))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         bench_generate.largest_batch(None, None, None, 32768, [1, 2, 4, 8])
+
+
+def test_deterministic_algorithms_restores_torch_and_keeps_a_user_cublas_setting(monkeypatch):
+    """kvcal.determinism: torch's deterministic mode (warn-only) inside the block, the caller's setting after it,
+    even after an error; CUBLAS_WORKSPACE_CONFIG set only where the user has not set it."""
+    from kvcal.determinism import deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ValueError):
+        with deterministic_algorithms(True):
+            assert torch.are_deterministic_algorithms_enabled()
+            assert torch.is_deterministic_algorithms_warn_only_enabled()
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+            raise ValueError
+    assert not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        with deterministic_algorithms(False):
+            assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        with deterministic_algorithms(True):
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

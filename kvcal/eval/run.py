@@ -8,6 +8,7 @@ from kvcal import __version__, software_versions
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
+from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import PROTOCOLS, decoded_nll, simulated_nll
 from kvcal.progress import progress_bar
@@ -16,8 +17,20 @@ MODES = ("simulate", "decode")
 
 
 def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                         protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed") -> list[dict]:
-    """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once."""
+                         protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed",
+                         deterministic: bool = False) -> list[dict]:
+    """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once.
+    deterministic: the whole evaluation, model load included, in torch's deterministic mode (kvcal.determinism)."""
+    with deterministic_algorithms(deterministic):
+        records = _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
+                                protocol, prompt_len, batch_size, dtype, device, mode, backend)
+    for record in records:
+        record["deterministic"] = deterministic
+    return records
+
+
+def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
+                  protocol, prompt_len, batch_size, dtype, device, mode, backend) -> list[dict]:
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve

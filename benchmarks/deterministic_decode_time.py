@@ -1,0 +1,30 @@
+"""GPU: decode time of KVQuant caches (random nuq4 / nuq2 with outliers, Llama-3.1-8B attention shapes, bf16, 32K
+context, batch 8 and 1) through the outlier passes (the default) and in torch's deterministic mode (residuals inside
+the kernel), each twice, alternating, with SDPA for scale.
+
+    python benchmarks/deterministic_decode_time.py results/bench/decode-kvquant-deterministic-h100-s28.json
+"""
+import json
+import sys
+
+import torch
+
+from kvcal.determinism import deterministic_algorithms
+from kvcal.runtime.bench import random_packed, time_kvcal, time_sdpa
+
+rows = []
+print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+for batch in (8, 1):
+    sdpa = time_sdpa(batch, 32, 8, 128, 32768)[0]
+    print(f"sdpa 32K x {batch}: {sdpa:.1f} us", flush=True)
+    rows.append({"kernel": "sdpa", "batch": batch, "us": sdpa})
+    for bits in (4, 2):
+        kv = random_packed("nuq", bits, batch, 8, 128, 32768 - 128)
+        for det in (False, True, False, True):
+            with deterministic_algorithms(det):
+                us = time_kvcal("nuq", bits, batch, 32, 8, 128, 32768, kv=kv)[0]
+            print(f"nuq{bits} 32K x {batch} deterministic={det}: {us:.1f} us ({sdpa / us:.2f}x SDPA)", flush=True)
+            rows.append({"kernel": f"nuq{bits}", "batch": batch, "deterministic": det, "us": us})
+json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": 32768,
+           "timing": "kvcal.runtime.bench.time_kvcal (CUDA graph, do_bench write flush, median)", "rows": rows},
+          open(sys.argv[1], "w"), indent=1)

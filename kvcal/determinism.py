@@ -1,7 +1,7 @@
 """Run-to-run reproducible results on the GPU: torch's deterministic mode for the length of a command.
 
 kvcal's decode kernels read torch's flag: with `torch.use_deterministic_algorithms(True)` KVQuant's value residuals
-(fp16 and bf16 queries) are summed by the ordered value pass instead of the atomic one, whose run-dependent order
+(fp16 and bf16 queries) are summed in int64 fixed point instead of with float32 atomics, whose run-dependent order
 made two decodes of smollm2-135m differ by up to 0.7% (float16) and 1.7% (bfloat16) in perplexity. Every other kvcal
 kernel is deterministic already.
 """

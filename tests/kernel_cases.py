@@ -224,7 +224,7 @@ ATTENTION_CASES = [
     # with the value pass's sums
     ("nuq4_splits40_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
      {"num_splits": 40}, {"reduce_chunk": 32}),
-    # torch's deterministic mode: fp16 / bf16 add the residuals inside the kernel (float32 generic path), no passes
+    # torch's deterministic mode: the value pass sums in int64 fixed point
     ("nuq4_deterministic_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True,
                                                                    "pos_offset": 3}, {}, {"deterministic": True}),
     ("nuq2_vhead_deterministic_bf16", "nuq", 2, torch.bfloat16, {"kcap": 2, "per_side": 1, "pre_rope": True,
@@ -334,13 +334,12 @@ def run_outlier_pass_checks(device="cpu", small=True) -> dict:
         sums = [torch.zeros(rows, nsplit + 1, d, gp, device=device) for _ in range(2)]
         O.value_outlier_sums_ref(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[0])
         O.value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[1])
-        # the ordered pass writes every element itself: NaN beforehand must not survive
-        # (3 parts per split: the reduction adds them)
-        ordered = torch.full((rows, nsplit + 1, 3, d, gp), float("nan"), device=device)
-        O.value_outlier_sums_ordered_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t,
-                                            ordered)
-        ref_sums, fast_sums, ordered_sums = (x[..., :group] for x in (*sums, ordered.sum(2)))  # columns >= G: padding
-        for key, got in ((f"value_{name}", fast_sums), (f"value_ordered_{name}", ordered_sums)):
+        # int64 fixed-point sums (torch's deterministic mode: order-independent)
+        fixed = torch.zeros(sums[0].shape, dtype=torch.int64, device=device)
+        O.value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, fixed)
+        fixed = fixed.double() * 2.0**-O.FIXED_BITS
+        ref_sums, fast_sums, fixed_sums = (x[..., :group] for x in (*sums, fixed))  # columns >= G are padding
+        for key, got in ((f"value_{name}", fast_sums), (f"value_fixed_{name}", fixed_sums)):
             res[key] = float((got - ref_sums).norm() / ref_sums.norm()) if ref_sums.norm() > 1e-3 else float("nan")
     return res
 

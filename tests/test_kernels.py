@@ -128,32 +128,29 @@ def test_kvquant_residuals_inside_the_kernel_for_float32_and_float64(monkeypatch
         assert name == "tile" and where == ((3, 4, 0, 0) if inside else (0, 0, 1, 1)), (dtype, where)
 
 
-def test_value_pass_is_the_ordered_one_in_deterministic_mode(monkeypatch):
-    """fp16 / bf16 KVQuant decoding adds the value residuals with the atomic pass by default and with the ordered
-    one (no atomics, the same sums every run) under torch.use_deterministic_algorithms(True), whose parts per split
-    the reduction then adds (VO_PARTS)."""
+def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
+    """fp16 / bf16 KVQuant decoding sums the value residuals in float32 by default and in int64 fixed point (integer
+    atomics: the same sums in any order) under torch.use_deterministic_algorithms(True); the reduction gets that
+    buffer."""
     import kvcal.runtime.attention as A
     from tests.kernel_cases import build_cache, build_step
 
     calls = []
     monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)
     monkeypatch.setattr(A, "_decode_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
-    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append("atomic"))
-    monkeypatch.setattr(A, "value_outlier_sums_ordered_triton", lambda *args: calls.append("ordered"))
-    monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("parts", args[-1], tuple(args[4].shape))))
+    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append(("pass", args[-1].dtype)))
+    monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("reduce", args[4].dtype, args[8])))
     kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
     was = torch.are_deterministic_algorithms_enabled()
     try:
         for deterministic in (False, True):
             torch.use_deterministic_algorithms(deterministic)
+            sums = torch.int64 if deterministic else torch.float32
             for dtype in (torch.float16, torch.bfloat16):
                 calls.clear()
                 q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
                 A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
-                parts = A.attention_outliers.VALUE_DOT_PARTS if deterministic else 1
-                assert calls[0] == ("ordered" if deterministic else "atomic"), (dtype, calls)
-                assert calls[1][:2] == ("parts", parts), calls
-                assert calls[1][2][2:] == ((parts, 64, 4) if deterministic else (64, 4)), calls
+                assert calls == [("pass", sums), ("reduce", sums, 4)], (dtype, deterministic, calls)
     finally:
         torch.use_deterministic_algorithms(was)
 

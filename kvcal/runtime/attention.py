@@ -150,7 +150,7 @@ def decode_attention_ref(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale: fl
 # tile in fp32 in two halves (LUT by tl.gather from a register table), rotates and calls two dots. Sparse
 # outliers (KVQuant) run as passes around _decode_kernel (attention_outliers): a key pass writes each token's
 # score terms of its key residuals, the kernel adds them and writes its scores over them, and a value pass adds
-# p_t r_t of the value residuals into per-split sums that the reduction adds (with atomics, or in a fixed order
+# p_t r_t of the value residuals into per-split sums that the reduction adds (float32 atomics, or int64 fixed point
 # under torch.use_deterministic_algorithms(True); float32 and float64 add the residuals to the dequantized tiles
 # instead, as the reference does, and without atomics). RoPE by angle addition (default):
 # q.R(p0 + j)k = (R(-p0) q).(R(j) k) with R(j) from table rows 0..BLOCK_T-1 kept in registers and R(-p0)
@@ -211,17 +211,13 @@ FRAG_REDUCE_WARPS = 1
 REDUCE_CHANNELS = 32
 REDUCE_CHUNK = 256
 TILE_REDUCE_WARPS = 4  # warps per program of the tile kernel's reduction
-# KVQuant's value pass (fp16 / bf16): False: vector atomics (their order, and so the last bits, change from run to
-# run) unless torch.use_deterministic_algorithms(True) is on; True: the ordered pass (one-hot dots per split) always
-VALUE_PASS_ORDERED = False
+# KVQuant's value pass (fp16 / bf16) sums in float32 (the atomics' order, and so the last bits, change from run to
+# run) unless torch.use_deterministic_algorithms(True) is on, then in int64 fixed point; True: fixed point always
+VALUE_PASS_FIXED = False
 
 if triton is not None:
     from kvcal.runtime.attention_frag import _frag_decode_kernel, wait_prior_grid
-    from kvcal.runtime.attention_outliers import (
-        key_outlier_scores_triton,
-        value_outlier_sums_ordered_triton,
-        value_outlier_sums_triton,
-    )
+    from kvcal.runtime.attention_outliers import key_outlier_scores_triton, value_outlier_sums_triton
     from kvcal.runtime.packing import (
         lane_entry,
         load_words,
@@ -782,13 +778,13 @@ if triton is not None:
 
     @triton.jit
     def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, vo_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                       D: tl.constexpr, VO_GP: tl.constexpr, VO_PARTS: tl.constexpr, SC: tl.constexpr,
+                       D: tl.constexpr, VO_GP: tl.constexpr, VO_UNIT: tl.constexpr, SC: tl.constexpr,
                        DC: tl.constexpr):
         """Merge the S partials (max, sum, acc) of one query head for DC of its channels, SC partials at a time (each
         of a head's D / DC programs reads all S maxima and sums itself, S floats each; all S at once over 128 channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the
         value sums a launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the value-outlier
-        sums vo_ptr [row and KV head, S, VO_PARTS, D, VO_GP] (attention_outliers' value pass; the ordered pass
-        leaves VO_PARTS parts per split, added here in order) to each acc."""
+        sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass: float32, or int64 fixed point
+        in units of VO_UNIT) to each acc."""
         pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g
         dc = tl.program_id(1)  # channels [dc DC, (dc + 1) DC) of the head
         bh = pid // G
@@ -810,9 +806,11 @@ if triton is not None:
             wc = tl.exp2(tl.load(m_ptr + rc, mask=scm, other=float("-inf")) - mx)
             acc = tl.load(acc_ptr + rc[:, None] * D + dd[None, :], mask=scm[:, None], other=0.0)
             if VO_GP > 0:
-                for u in tl.static_range(VO_PARTS):
-                    acc += tl.load(vo_ptr + (((bh * S + sc) * VO_PARTS + u)[:, None] * D + dd[None, :]) * VO_GP + g,
-                                   mask=scm[:, None], other=0.0)
+                vo = tl.load(vo_ptr + ((bh * S + sc)[:, None] * D + dd[None, :]) * VO_GP + g, mask=scm[:, None],
+                             other=0)
+                if vo_ptr.dtype.element_ty == tl.int64:  # fixed point (attention_outliers.FIXED_BITS)
+                    vo = vo.to(tl.float32) * VO_UNIT
+                acc += vo
             o += tl.sum(wc[:, None] * acc, 0)
         o = o / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + pid * D + dd, o.to(out_ptr.dtype.element_ty))
@@ -824,14 +822,13 @@ _SM_COUNT: dict = {}
 _SM90: dict = {}
 
 
-def _reduce(m_part, l_part, acc_part, out, vsums, group: int, splits: int, d: int, vo_gp: int, warps: int,
-            vo_parts: int = 1):
+def _reduce(m_part, l_part, acc_part, out, vsums, group: int, splits: int, d: int, vo_gp: int, warps: int):
     """Launch _reduce_kernel: one program per (row, query head, REDUCE_CHANNELS channels)."""
     dc = min(d, REDUCE_CHANNELS)
     chunk = min(_pow2(splits), max(1, REDUCE_CHUNK * warps // 4))  # the same registers per thread at any warps
     _reduce_kernel[(out.shape[0] * out.shape[1], d // dc)](m_part, l_part, acc_part, out, vsums, group, splits,
-                                                           _pow2(splits), d, vo_gp, vo_parts, chunk, dc,
-                                                           num_warps=warps)
+                                                           _pow2(splits), d, vo_gp, 2.0**-attention_outliers.FIXED_BITS,
+                                                           chunk, dc, num_warps=warps)
 
 
 def _sm90_or_newer(device) -> bool:
@@ -1039,10 +1036,10 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
     False: the tile kernel), frag_vector (the fragment kernel loads each lane's code words with one vector load;
     default on where the rows are aligned for it, False: one load per word).
     Sparse outliers (KVQuant caches) run as passes around the kernel (attention_outliers) for fp16 and bf16 inputs,
-    the value pass with atomics (run-dependent order: repeated decodes can differ in their last bits) or, while
-    torch.use_deterministic_algorithms(True) is on, in a fixed order (the same bits every run; slower); for float32
-    and float64 inputs the kernel adds them to the dequantized tiles as the reference does (slower, and without
-    atomics)."""
+    the value pass with float32 atomics (run-dependent order: repeated decodes can differ in their last bits) or,
+    while torch.use_deterministic_algorithms(True) is on, int64 fixed-point ones (the same bits every run; slower);
+    for float32 and float64 inputs the kernel adds them to the dequantized tiles as the reference does (slower, and
+    without atomics)."""
     args = (q, kv, fp_k, fp_v, fp_valid, scale)
     reason = _unsupported(q, kv, fp_k)
     if reason:
@@ -1241,17 +1238,13 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             LUT_AHEAD=int(use_lut and lut_ahead is not False), KCORR=int(pass_kcap > 0),
             SAVE_S=int(pass_vcap > 0), **opts,
         )
-        vsums, parts = m_part, 1
-        # the ordered pass (one-hot dots, no atomics) took nuq4 at 32K x 8 from 447.7 to 735.9 us per call, bf16
-        # on the H100 (the pass alone 63 -> 315 us; results/bench/value-pass-ordered-h100-s28.json): so only where
-        # asked for
-        if pass_vcap and (VALUE_PASS_ORDERED or torch.are_deterministic_algorithms_enabled()):
-            parts = attention_outliers.VALUE_DOT_PARTS
-            vsums = torch.empty(batch * hkv, splits, parts, d, gp, dtype=torch.float32, device=dev)
-            value_outlier_sums_ordered_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, lengths, nsplit, bt, vsums)
-        elif pass_vcap:
-            vsums = torch.zeros(batch * hkv, splits, d, gp, dtype=torch.float32, device=dev)  # one part per split
+        vsums = m_part
+        if pass_vcap:
+            # float32 sums, or int64 fixed point (the same bits in any order) in torch's deterministic mode: nuq4 at
+            # 32K x 8 took 517.3 / 519.7 us per call in fixed point against 447.1 / 440.6 (bf16, H100,
+            # results/bench/value-pass-fixed-h100-s28.json), so only where asked for
+            fixed = VALUE_PASS_FIXED or torch.are_deterministic_algorithms_enabled()
+            vsums = torch.zeros(batch * hkv, splits, d, gp, dtype=torch.int64 if fixed else torch.float32, device=dev)
             value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, lengths, nsplit, bt, vsums)
-        _reduce(m_part, l_part, acc_part, out, vsums, group, splits, d, gp if pass_vcap else 0, TILE_REDUCE_WARPS,
-                parts)
+        _reduce(m_part, l_part, acc_part, out, vsums, group, splits, d, gp if pass_vcap else 0, TILE_REDUCE_WARPS)
     return out

@@ -13,9 +13,9 @@ A KVQuant cache stores nuq codes plus fp16 residuals at a few channels per token
 3. `value_outlier_sums`, after it: a value residual r at channel d of token t adds p_t r to channel d of the
    output, with p_t = 2^(s_t - m) and m the final max of the token's split (the decode kernel's partial): relaxed
    vector atomics into a [row and KV head, split, channel, head of the group] buffer, which the reduction adds to
-   each split's partial sum before merging them. Their order, and so a result's last bits, changes from run to
-   run; under torch.use_deterministic_algorithms(True) `value_outlier_sums_ordered` runs instead: one-hot dots in
-   a fixed order, no atomics, the same bits every run (about 5x the atomic pass's time).
+   each split's partial sum before merging them. Their order, and so a float32 sum's last bits, changes from run to
+   run; under torch.use_deterministic_algorithms(True) the sums are int64 fixed point instead (integer additions:
+   the same bits in any order; about 2x the float pass's time).
 
 Inside the decode kernel's loop the same sums cost more than its dense part: each slot was a gather and a
 layout change, and one-warp programs waited on loads that depended on other loads: nuq4 at 32K x 8 on an H100 took
@@ -25,8 +25,6 @@ same signature; tests compare them.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -147,9 +145,11 @@ if triton is not None:
     @triton.jit
     def _value_outlier_kernel(sc_ptr, ssr, m_ptr, out_ptr, len_ptr, oi_ptr, ov_ptr, sob, sot, soh, HKV, NSPLIT, S,
                               D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, CAP: tl.constexpr,
-                              NS: tl.constexpr, NSP: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):
+                              NS: tl.constexpr, NSP: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                              FIXED_SCALE: tl.constexpr):
         """Program (row, token block): value_outlier_sums_ref for BLOCK_T tokens, all their slots (NS = CAP per
-        token, or Hkv CAP per (token, head) with head stride soh)."""
+        token, or Hkv CAP per (token, head) with head stride soh). FIXED_SCALE > 0: int64 sums of fixed-point terms
+        (round(FIXED_SCALE x term)): integer additions, so the same sums in any order."""
         b = tl.program_id(0)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         length = tl.load(len_ptr + b)
@@ -173,81 +173,24 @@ if triton is not None:
         ok3 = ok[:, :, None]
         s = tl.load(sc_ptr + (row * ssr + t[:, None] * GP)[:, :, None] + g, mask=ok3, other=0.0)
         m = tl.load(m_ptr + (part * G)[:, :, None] + g, mask=ok3 & (g < G), other=0.0)
-        tl.atomic_add(out_ptr + ((part * D + c % D) * GP)[:, :, None] + g, tl.exp2(s - m) * r[:, :, None], mask=ok3,
-                      sem="relaxed")
+        term = tl.exp2(s - m) * r[:, :, None]
+        if FIXED_SCALE > 0:
+            term = tl.floor(term * FIXED_SCALE + 0.5).to(tl.int64)
+        tl.atomic_add(out_ptr + ((part * D + c % D) * GP)[:, :, None] + g, term, mask=ok3, sem="relaxed")
 
 
-    @triton.jit
-    def _value_outlier_dot_kernel(sc_ptr, ssr, m_ptr, out_ptr, len_ptr, oi_ptr, ov_ptr, sob, sot, soh, HKV, NSPLIT, S,
-                                  D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
-                                  CAP: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, TILE: tl.constexpr,
-                                  SUB: tl.constexpr, INTERP: tl.constexpr):
-        """Program (row, split, part u < SUB): value_outlier_sums_ref for the u-th of SUB equal parts of the split's
-        tokens, in a fixed order and without atomics (the same sums every run), into out[row and KV head, split, u]
-        ([B Hkv, S, SUB, D, GP]; the reduction adds the SUB parts in order). The sums over all KV heads,
-        [D, (head, g)], are one-hot dots: BLOCK_T tokens x NSP slots are the K axis, onehot(channel) [D, K] x
-        W [K, (head, g)] with W = 2^(s - m) r in the slot's head's columns; W goes in as two fp16 parts (hi + lo,
-        ~22 bits; the one-hot is exact), the tensor cores accumulate in float32. Every element of out is written,
-        zeros where no slot lands (splits past a row's end, the full-precision segment's partial). K (a power of
-        two >= NS) holds the NS slots of BLOCK_T = K // NS whole tokens, the rest masked."""
-        BLOCK_T: tl.constexpr = K // NS
-        b = tl.program_id(0)
-        split = tl.program_id(1)
-        u = tl.program_id(2)
-        length = tl.load(len_ptr + b)
-        share = tl.maximum(split_share_tl(length, NSPLIT, TILE), 1)
-        part = tl.cdiv(tl.cdiv(share, SUB), BLOCK_T) * BLOCK_T
-        t_lo = tl.minimum(split * share + u * part, length)
-        t_hi = tl.minimum(tl.minimum(length, (split + 1) * share), t_lo + part)
-        if split >= NSPLIT:  # the full-precision segment's partial
-            t_hi = t_lo
-        kk = tl.arange(0, K)
-        jk = kk % NS
-        dd = tl.arange(0, D)
-        col = tl.arange(0, HP * GP)  # column (head, g)
-        g = tl.arange(0, GP)
-        acc = tl.zeros((D, HP * GP), tl.float32)
-        for t0 in range(t_lo, t_hi, BLOCK_T):
-            tk = t0 + kk // NS
-            sm = (tk < t_hi) & (kk < BLOCK_T * NS)
-            so = b * sob + tk * sot + (jk // CAP) * soh + jk % CAP
-            c = tl.load(oi_ptr + so, mask=sm, other=-1).to(tl.int32)
-            r = tl.load(ov_ptr + so, mask=sm, other=0.0).to(tl.float32)
-            ok = c >= 0
-            c = tl.where(ok, c, 0)
-            head = c // D
-            row = b * HKV + head  # [K]
-            ok2 = ok[:, None] & (g < G)[None, :]
-            sv = tl.load(sc_ptr + (row * ssr + tk * GP)[:, None] + g[None, :], mask=ok2, other=0.0)
-            mv = tl.load(m_ptr + ((row * S + split) * G)[:, None] + g[None, :], mask=ok2, other=0.0)
-            w = tl.where(ok2, tl.exp2(sv - mv) * r[:, None], 0.0)  # [K, GP]
-            w = tl.reshape(tl.broadcast_to(w[:, None, :], (K, HP, GP)), (K, HP * GP))
-            w = tl.where(head[:, None] == (col // GP)[None, :], w, 0.0)  # the slot's W in its head's columns
-            onehot = (dd[:, None] == tl.where(ok, c % D, D)[None, :]).to(tl.float16)  # [D, K]
-            if INTERP:  # the interpreter's dot: float32 (its fp16 path is not the tensor cores')
-                acc += tl.dot(onehot.to(tl.float32), w, input_precision="ieee")
-            else:
-                hi = w.to(tl.float16)
-                acc += tl.dot(onehot, hi)
-                acc += tl.dot(onehot, (w - hi.to(tl.float32)).to(tl.float16))
-        hcol = col // GP
-        dst = out_ptr + ((((b * HKV + hcol) * S + split) * SUB + u)[None, :] * D + dd[:, None]) * GP + (col % GP)[None, :]
-        tl.store(dst, acc, mask=(hcol < HKV)[None, :])
-
+# Fixed-point value sums (an int64 out; torch's deterministic mode): terms rounded to multiples of 2^-FIXED_BITS, far
+# below float32's rounding of sums of order 1 (GPU check at Llama-3.1-8B shapes: 2.5e-8 to 6.5e-8 from the float64
+# reference, the float32 atomics 1.9e-8 to 7.6e-8). A term is at most 65504 (p <= 1, r fp16), so a split's sums stay
+# exact below 2^(63 - 16 - FIXED_BITS) = 2^19 tokens per split. Four scalar int64 atomics per slot instead of one
+# 16-byte float32 vector: the pass took 130.8 us against 62.7 at 32K x 8 (H100, results/bench/value-pass-fixed-h100-s28.json).
+FIXED_BITS = 28
 
 # Tokens and warps per program, H100, nuq4 at 32K x 8 (results/bench/outlier-pass-configs-h100.json): the key pass
 # took 52.9 us at (32, 1) against 92.5 at (64, 4), 55.4 at (64, 2) and 84.0 at (16, 1) (reading cos/sin table rows
 # instead of computing the angles: 87.9 at (32, 1)); the value pass 62.6-64.9 us at every setting but (32, 2).
 KEY_PASS_TOKENS, KEY_PASS_WARPS = 32, 1
 VALUE_PASS_TOKENS, VALUE_PASS_WARPS = 32, 4
-# The ordered value pass: slots per one-hot dot (its K; whole tokens, the rest masked), warps, and parts per split
-# (programs per split; the reduction adds their sums). H100, nuq4 slots at 32K x 8 (12 per token), the pass alone
-# (results/bench/value-pass-ordered-h100-s28.json): 314.8 us at (128, 4, 8), 316.2 at 256 slots, 350.7 at (64, 2),
-# 444.9-2007.1 at 1 or 2 warps with 128 slots (spills). Earlier forms (value-pass-ordered-h100-s28-{first,pad}.json):
-# one program per (row, split) 558 us; each token's slots padded to 16 (K = 8 tokens x 16): 388 us. sm_90 SASS
-# (Triton 3.6): 199 registers, wgmma from shared memory; the loop is mostly building and storing the [128, K] fp16
-# one-hot (128 compares per slot). The atomic pass: 63 us with its zeroing.
-VALUE_DOT_SLOTS, VALUE_DOT_WARPS, VALUE_DOT_PARTS = 128, 4, 8
 
 
 def key_outlier_scores_triton(q, out_idx, out_val, lengths, cos, sin, pos_offset: int, out, inv_freq=None):
@@ -271,33 +214,9 @@ def key_outlier_scores_triton(q, out_idx, out_val, lengths, cos, sin, pos_offset
     return out
 
 
-def value_outlier_sums_ordered_triton(scores, m_part, out_idx, out_val, lengths, num_splits: int, block_t: int, out,
-                                      slots_per_dot: int | None = None, warps: int | None = None):
-    """value_outlier_sums_ref in a fixed order, without atomics (_value_outlier_dot_kernel), in out.shape[2] parts per
-    split: out [B * Hkv, S, SUB, D, GP] holds the sums of each part (their sum, in order, is the reference's out), need
-    not be zeroed; every element is written, the splits past num_splits with zeros."""
-    batch = out_idx.shape[0]
-    hkv = scores.shape[0] // batch
-    if out_val.stride() != out_idx.stride():
-        out_idx, out_val = out_idx.contiguous(), out_val.contiguous()
-    per_head = out_idx.dim() == 4
-    cap = out_idx.shape[-1]
-    slots = cap * (hkv if per_head else 1)
-    gp = scores.shape[2]
-    hp = max(_pow2(hkv), triton.cdiv(16, gp))  # the dot's N = HP x GP >= 16
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    sub = out.shape[2]
-    _value_outlier_dot_kernel[(batch, m_part.shape[1], sub)](
-        scores, scores.stride(0), m_part, out, lengths, out_idx, out_val, out_idx.stride(0), out_idx.stride(1),
-        out_idx.stride(2) if per_head else 0, hkv, int(num_splits), m_part.shape[1],
-        D=out.shape[3], G=m_part.shape[2], GP=gp, HP=hp, CAP=cap, NS=slots,
-        K=max(_pow2(slots), slots_per_dot or VALUE_DOT_SLOTS), TILE=block_t, SUB=sub, INTERP=interp,
-        num_warps=warps or VALUE_DOT_WARPS)
-    return out
-
-
 def value_outlier_sums_triton(scores, m_part, out_idx, out_val, lengths, num_splits: int, block_t: int, out):
-    """Triton version of value_outlier_sums_ref (same arguments and result)."""
+    """Triton version of value_outlier_sums_ref (same arguments and result; an int64 out holds the sums in fixed
+    point, 2^FIXED_BITS x the reference's, the same bits every run)."""
     batch = out_idx.shape[0]
     hkv = scores.shape[0] // batch
     if out_val.stride() != out_idx.stride():
@@ -309,5 +228,6 @@ def value_outlier_sums_triton(scores, m_part, out_idx, out_val, lengths, num_spl
         scores, scores.stride(0), m_part, out, lengths, out_idx, out_val, out_idx.stride(0), out_idx.stride(1),
         out_idx.stride(2) if per_head else 0, hkv, int(num_splits), m_part.shape[1],
         D=out.shape[2], G=m_part.shape[2], GP=scores.shape[2], CAP=cap, NS=slots, NSP=_pow2(slots), TILE=block_t,
-        BLOCK_T=VALUE_PASS_TOKENS, num_warps=VALUE_PASS_WARPS)
+        BLOCK_T=VALUE_PASS_TOKENS, FIXED_SCALE=float(2**FIXED_BITS) if out.dtype == torch.int64 else 0.0,
+        num_warps=VALUE_PASS_WARPS)
     return out

@@ -86,8 +86,8 @@ def main():
                     "dtype (transformers' Llama RMSNorm computes in float32, whose row reduction order on CUDA may "
                     "depend on the number of rows: one decoded token vs a whole window)")
     ap.add_argument("--deterministic", action="store_true", help="torch's deterministic mode (kvcal.determinism): "
-                    "KVQuant's fp16/bf16 GPU decode adds its outliers inside the kernel, without the value pass's "
-                    "atomics")
+                    "KVQuant's fp16/bf16 GPU decode sums its value outliers in int64 fixed point, the same bits "
+                    "every run")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     with deterministic_algorithms(a.deterministic):

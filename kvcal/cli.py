@@ -158,8 +158,8 @@ def eval_ppl_command(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic", help="torch's deterministic "
-                                       "mode: the same PPL every run (GPU decode of KVQuant in fp16/bf16 adds its "
-                                       "outliers inside the kernel, slower)."),
+                                       "mode: the same PPL every run (GPU decode of KVQuant in fp16/bf16 sums its "
+                                       "value outliers in fixed point, slower)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON (one artifact)."),
     json_dir: Path | None = typer.Option(None, help="Write one JSON record per artifact, named after it."),
 ):
@@ -205,8 +205,8 @@ def generate_command(
                                       "(default: on CUDA with the packed or fp16 cache; the dequantized backend runs "
                                       "eagerly)."),
     deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="torch's deterministic "
-                                       "mode: the same tokens every run (KVQuant in fp16/bf16 on the GPU adds its "
-                                       "outliers inside the decode kernel, slower)."),
+                                       "mode: the same tokens every run (KVQuant in fp16/bf16 on the GPU sums its "
+                                       "value outliers in fixed point, slower)."),
 ):
     """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
     from kvcal.determinism import deterministic_algorithms

@@ -250,7 +250,7 @@ GPU_CASES = [
       {"lut_ahead": False}, {}),
      ("nuq4_generic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {"lut_mma": False},
       {}),
-     # torch's deterministic mode: the residuals inside the kernel for fp16 / bf16 (no passes, no atomics)
+     # torch's deterministic mode: the value pass sums in int64 fixed point
      ("nuq4_deterministic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True,
                                                            "pos_offset": 7}, {}, {"deterministic": True}),
      ("nuq2_deterministic_fp16", "nuq", 2, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {},

@@ -138,8 +138,8 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
     calls = []
     monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)
     monkeypatch.setattr(A, "_decode_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
-    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append(("pass", args[-1].dtype)))
-    monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("reduce", args[4].dtype, args[8])))
+    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append(("pass", args[7].dtype)))
+    monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("reduce", args[4].dtype, args[8], args[10])))
     kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
     was = torch.are_deterministic_algorithms_enabled()
     try:
@@ -150,9 +150,22 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
                 calls.clear()
                 q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
                 A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
-                assert calls == [("pass", sums), ("reduce", sums, 4)], (dtype, deterministic, calls)
+                assert calls == [("pass", sums), ("reduce", sums, 4, 28)], (dtype, deterministic, calls)
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_fixed_point_bits_keep_int64_sums_from_overflowing():
+    """A split's fixed-point sum of n terms below 2^16 stays below 2^63: 28 fraction bits up to 2^19 tokens, one
+    fewer per doubling beyond."""
+    from kvcal.runtime.attention_outliers import FIXED_BITS, fixed_point_bits
+
+    assert FIXED_BITS == 28
+    assert fixed_point_bits(0) == fixed_point_bits(1) == fixed_point_bits(2**19) == 28
+    assert fixed_point_bits(2**19 + 1) == fixed_point_bits(2**20) == 27
+    assert fixed_point_bits(2**24) == 23
+    for n in (2**19, 2**20 + 7, 2**25):
+        assert n * 2**16 * 2 ** fixed_point_bits(n) <= 2**63
 
 
 def test_frag_dispatch_rules(monkeypatch):

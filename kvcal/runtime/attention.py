@@ -822,13 +822,15 @@ _SM_COUNT: dict = {}
 _SM90: dict = {}
 
 
-def _reduce(m_part, l_part, acc_part, out, vsums, group: int, splits: int, d: int, vo_gp: int, warps: int):
-    """Launch _reduce_kernel: one program per (row, query head, REDUCE_CHANNELS channels)."""
+def _reduce(m_part, l_part, acc_part, out, vsums, group: int, splits: int, d: int, vo_gp: int, warps: int,
+            vo_bits: int = 0):
+    """Launch _reduce_kernel: one program per (row, query head, REDUCE_CHANNELS channels); int64 value sums hold
+    multiples of 2^-vo_bits."""
     dc = min(d, REDUCE_CHANNELS)
     chunk = min(_pow2(splits), max(1, REDUCE_CHUNK * warps // 4))  # the same registers per thread at any warps
     _reduce_kernel[(out.shape[0] * out.shape[1], d // dc)](m_part, l_part, acc_part, out, vsums, group, splits,
-                                                           _pow2(splits), d, vo_gp, 2.0**-attention_outliers.FIXED_BITS,
-                                                           chunk, dc, num_warps=warps)
+                                                           _pow2(splits), d, vo_gp, 2.0**-vo_bits, chunk, dc,
+                                                           num_warps=warps)
 
 
 def _sm90_or_newer(device) -> bool:
@@ -1245,6 +1247,9 @@ def decode_attention_triton(q, kv: PackedKV | None, fp_k, fp_v, fp_valid, scale:
             # results/bench/value-pass-fixed-h100-s28.json), so only where asked for
             fixed = VALUE_PASS_FIXED or torch.are_deterministic_algorithms_enabled()
             vsums = torch.zeros(batch * hkv, splits, d, gp, dtype=torch.int64 if fixed else torch.float32, device=dev)
-            value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, lengths, nsplit, bt, vsums)
-        _reduce(m_part, l_part, acc_part, out, vsums, group, splits, d, gp if pass_vcap else 0, TILE_REDUCE_WARPS)
+            fixed_bits = attention_outliers.fixed_point_bits(tcap)  # a split holds at most a row's tcap tokens
+            value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, lengths, nsplit, bt, vsums,
+                                      fixed_bits)
+        _reduce(m_part, l_part, acc_part, out, vsums, group, splits, d, gp if pass_vcap else 0, TILE_REDUCE_WARPS,
+                fixed_bits if pass_vcap else 0)
     return out

@@ -181,10 +181,17 @@ if triton is not None:
 
 # Fixed-point value sums (an int64 out; torch's deterministic mode): terms rounded to multiples of 2^-FIXED_BITS, far
 # below float32's rounding of sums of order 1 (GPU check at Llama-3.1-8B shapes: 2.5e-8 to 6.5e-8 from the float64
-# reference, the float32 atomics 1.9e-8 to 7.6e-8). A term is at most 65504 (p <= 1, r fp16), so a split's sums stay
-# exact below 2^(63 - 16 - FIXED_BITS) = 2^19 tokens per split. Four scalar int64 atomics per slot instead of one
-# 16-byte float32 vector: the pass took 130.8 us against 62.7 at 32K x 8 (H100, results/bench/value-pass-fixed-h100-s28.json).
+# reference, the float32 atomics 1.9e-8 to 7.6e-8). A term is below 2^16 (p <= 1, |r| <= 65504, fp16), so sums of up
+# to 2^19 tokens cannot overflow 2^63; longer rows get fewer fraction bits (fixed_point_bits). Four scalar int64
+# atomics per slot instead of one 16-byte float32 vector: the pass took 130.8 us against 62.7 at 32K x 8 (H100,
+# results/bench/value-pass-fixed-h100-s28.json).
 FIXED_BITS = 28
+
+
+def fixed_point_bits(max_tokens: int) -> int:
+    """Fraction bits of the fixed-point value sums for splits of up to max_tokens tokens: FIXED_BITS, fewer where
+    max_tokens terms below 2^16 each could reach 2^63."""
+    return min(FIXED_BITS, 47 - max(0, int(max_tokens) - 1).bit_length())
 
 # Tokens and warps per program, H100, nuq4 at 32K x 8 (results/bench/outlier-pass-configs-h100.json): the key pass
 # took 52.9 us at (32, 1) against 92.5 at (64, 4), 55.4 at (64, 2) and 84.0 at (16, 1) (reading cos/sin table rows
@@ -214,9 +221,10 @@ def key_outlier_scores_triton(q, out_idx, out_val, lengths, cos, sin, pos_offset
     return out
 
 
-def value_outlier_sums_triton(scores, m_part, out_idx, out_val, lengths, num_splits: int, block_t: int, out):
+def value_outlier_sums_triton(scores, m_part, out_idx, out_val, lengths, num_splits: int, block_t: int, out,
+                              fixed_bits: int = FIXED_BITS):
     """Triton version of value_outlier_sums_ref (same arguments and result; an int64 out holds the sums in fixed
-    point, 2^FIXED_BITS x the reference's, the same bits every run)."""
+    point, 2^fixed_bits x the reference's, the same bits every run)."""
     batch = out_idx.shape[0]
     hkv = scores.shape[0] // batch
     if out_val.stride() != out_idx.stride():
@@ -228,6 +236,6 @@ def value_outlier_sums_triton(scores, m_part, out_idx, out_val, lengths, num_spl
         scores, scores.stride(0), m_part, out, lengths, out_idx, out_val, out_idx.stride(0), out_idx.stride(1),
         out_idx.stride(2) if per_head else 0, hkv, int(num_splits), m_part.shape[1],
         D=out.shape[2], G=m_part.shape[2], GP=scores.shape[2], CAP=cap, NS=slots, NSP=_pow2(slots), TILE=block_t,
-        BLOCK_T=VALUE_PASS_TOKENS, FIXED_SCALE=float(2**FIXED_BITS) if out.dtype == torch.int64 else 0.0,
+        BLOCK_T=VALUE_PASS_TOKENS, FIXED_SCALE=float(2**fixed_bits) if out.dtype == torch.int64 else 0.0,
         num_warps=VALUE_PASS_WARPS)
     return out

@@ -138,7 +138,7 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
     calls = []
     monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)
     monkeypatch.setattr(A, "_decode_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
-    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append(("pass", args[7].dtype)))
+    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append(("pass", args[7].dtype, args[8])))
     monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("reduce", args[4].dtype, args[8], args[10])))
     kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
     was = torch.are_deterministic_algorithms_enabled()
@@ -150,7 +150,12 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
                 calls.clear()
                 q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
                 A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
-                assert calls == [("pass", sums), ("reduce", sums, 4, 28)], (dtype, deterministic, calls)
+                assert calls == [("pass", sums, 28), ("reduce", sums, 4, 28)], (dtype, deterministic, calls)
+        # the pass and the reduction get the same fraction bits (fewer on long rows: here forced down)
+        monkeypatch.setattr(A.attention_outliers, "FIXED_BITS", 20)
+        calls.clear()
+        A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
+        assert calls == [("pass", torch.int64, 20), ("reduce", torch.int64, 4, 20)], calls
     finally:
         torch.use_deterministic_algorithms(was)
 

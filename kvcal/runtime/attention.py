@@ -539,7 +539,7 @@ if triton is not None:
                 ks_base = ks_ptr + b * sksb + h * sksh
                 kz_base = kz_ptr + b * sksb + h * sksh
                 sc_row = sc_ptr + pid * sscr  # outlier passes: this (row, KV head)'s score terms / scores
-                ko = b * skob + h * skoh  # float64: key outlier slots of this row and head (per head: only its own)
+                ko = b * skob + h * skoh  # float32 / float64: key outlier slots of this row and head (only its own)
                 vo = b * svob + h * svoh  # ... value outlier slots (per token over all heads: head stride 0)
                 # ---- per-program key setup
                 if GENERIC_K:
@@ -781,8 +781,9 @@ if triton is not None:
                        D: tl.constexpr, VO_GP: tl.constexpr, VO_UNIT: tl.constexpr, SC: tl.constexpr,
                        DC: tl.constexpr):
         """Merge the S partials (max, sum, acc) of one query head for DC of its channels, SC partials at a time (each
-        of a head's D / DC programs reads all S maxima and sums itself, S floats each; all S at once over 128 channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the
-        value sums a launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the value-outlier
+        of a head's D / DC programs reads all S maxima and sums itself, S floats each; all S at once over 128
+        channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the value sums a
+        launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the value-outlier
         sums vo_ptr [row and KV head, S, D, VO_GP] (attention_outliers' value pass: float32, or int64 fixed point
         in units of VO_UNIT) to each acc."""
         pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g

@@ -243,8 +243,11 @@ def bench_generate_command(
     context: int = typer.Option(32768, help="Tokens already in the cache of every row."),
     batch: list[int] | None = typer.Option(None, help="Batch sizes to time (repeatable; default 1 and 8)."),
     steps: int = typer.Option(16, help="Timed decode steps."),
-    mode: list[str] | None = typer.Option(None, help="eager (a Python forward per step) and/or graph (one captured "
-                                          "CUDA graph replayed; codecs whose steps are static). Repeatable; default both."),
+    mode: list[str] | None = typer.Option(None, help="eager (a Python forward per step, as generate() runs it: each "
+                                          "packed layer replays its own step from a CUDA graph), eager-launch (the "
+                                          "same with every kernel launched from Python) and/or graph (one captured "
+                                          "CUDA graph of the whole step; codecs whose steps are static). Repeatable; "
+                                          "default eager and graph."),
     max_batch: bool = typer.Option(True, help="Also search the largest batch that fits at this context."),
     dtype: str = typer.Option("bfloat16", help="Model dtype."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the records as JSON."),
@@ -256,14 +259,14 @@ def bench_generate_command(
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
-    from kvcal.runtime.bench_generate import capture_refusal, largest_batch, out_of_memory, run_case
+    from kvcal.runtime.bench_generate import MODES, capture_refusal, largest_batch, out_of_memory, run_case
 
     if json_out is not None:
         check_writable(json_out, folder=False)
     modes = mode or ["eager", "graph"]
     for m in modes:
-        if m not in ("eager", "graph"):
-            raise KvcalError(f"unknown mode '{m}' (eager or graph)")
+        if m not in MODES:
+            raise KvcalError(f"unknown mode '{m}' ({', '.join(MODES)})")
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench generate needs a CUDA device")
     loaded = load_model(model, dtype, "cuda")
@@ -278,20 +281,20 @@ def bench_generate_command(
     table = Table("codec", "mode", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred",
                   "peak GiB")
     for name, method, codec in cases:
-        graph_flags = [m == "graph" for m in modes]
+        case_modes = list(modes)
         refusal = capture_refusal(loaded, codec) if "graph" in modes else None
         if refusal:
             not_captured[name] = refusal
-            graph_flags = [g for g in graph_flags if not g]
+            case_modes.remove("graph")
         for b in batch or [1, 8]:
-            for graph in graph_flags:
+            for m in case_modes:
                 try:
-                    r = run_case(loaded, name, method, codec, b, context, steps, graph=graph)
+                    r = run_case(loaded, name, method, codec, b, context, steps, mode=m)
                 except RuntimeError as err:  # OutOfMemoryError is one
                     if not out_of_memory(err):
                         raise
                     torch.cuda.empty_cache()
-                    records.append({"codec": name, "mode": "cuda-graph" if graph else "eager", "batch": b,
+                    records.append({"codec": name, "mode": MODES[m], "batch": b,
                                     "context": context, "out_of_memory": True})
                     table.add_row(name, records[-1]["mode"], str(b), "out of memory", *[""] * 5)
                     continue

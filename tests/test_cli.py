@@ -40,6 +40,11 @@ def test_bench_decode_bad_flush():
     assert_one_line_error(kvcal("bench", "decode", "--flush", "dirty"), "--flush must be one of write, read")
 
 
+def test_bench_generate_bad_mode():
+    # checked before the CUDA check, so CPU CI sees the message
+    assert_one_line_error(kvcal("bench", "generate", "--mode", "lazy"), "unknown mode 'lazy' (eager, eager-launch, graph)")
+
+
 def test_unknown_model(tmp_path):
     assert_one_line_error(kvcal("eval", "ppl", "--model", "gpt-9", "--method", "fp16"), "unknown model 'gpt-9'")
 

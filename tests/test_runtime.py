@@ -519,6 +519,46 @@ def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
         assert caches[0].layers[0].lengths.tolist() == caches[0].layers[0].compressed == [192] * 3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
+@pytest.mark.filterwarnings("error:decode_attention_triton")
+def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
+    """Eager one-token steps replayed from each layer's StepGraph (KvcalCache's default on CUDA) give the logits of
+    the same steps launched from Python, bit for bit, step after step: across a growth of the buffers (the graphs
+    record again) and, for KIVI, the flushes of its ring. KVQuant runs in torch's deterministic mode, whose value
+    sums do not depend on the order of its atomics (bf16 model, 3 rows)."""
+    from kvcal.calib.run import run_calibration
+    from kvcal.determinism import deterministic_algorithms
+
+    loaded = _small_llama_cuda(torch.bfloat16)
+    if which == "kvquant":
+        text = tmp_path / "text.txt"
+        text.write_text(CALIBRATION_TEXT)
+        method = build_method("kvquant", {"bits": 4})
+        artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
+        codec = method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
+    else:
+        codec = build_method(which, {"bits": 4}).build_codec({}, loaded.dims)
+    prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    graphed, launched = (KvcalCache(codec, 2, step_graphs=flag) for flag in (True, False))
+    with torch.inference_mode(), deterministic_algorithms(which == "kvquant"):
+        for cache in (graphed, launched):
+            loaded.model(prompt, past_key_values=cache, use_cache=True)
+        ids, capacities = prompt[:, -1:], set()
+        for _ in range(60):
+            got = loaded.model(ids, past_key_values=graphed, use_cache=True).logits.clone()
+            want = loaded.model(ids, past_key_values=launched, use_cache=True).logits
+            assert torch.equal(got, want)
+            ids = want[:, -1:].argmax(-1)
+            capacities.add(graphed.layers[0].capacity)
+    assert graphed.get_seq_length() == launched.get_seq_length() == 360
+    assert len(capacities) >= 2  # the buffers grew during the steps
+    for layer in graphed.layers:  # each buffer generation: one step launched (it may compile), then recorded
+        assert (layer.step_graph.records, layer.step_graph.replays) == (len(capacities), 60 - len(capacities))
+    assert all(layer.step_graph is None for layer in launched.layers)
+
+
 @pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
 def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, which):
     """`kvcal generate`'s loop (runtime.graph.greedy_decode): its eager steps and the CUDA graph's static steps

@@ -3,8 +3,10 @@
 The cache of every row is filled with `context` synthetic tokens (random codes and parameters, exactly
 the buffers a prefill would leave; the weights are random too, so values do not matter for speed),
 then `steps` greedy decode steps run through the real model, cache and kernels: eagerly (a Python
-forward per step, as generate() runs it) or replayed from one captured CUDA graph (no host work per step;
-codecs whose steps are static). Reported per codec, mode and batch: decode tokens/s, the cache's bytes
+forward per step, as generate() runs it; each packed layer replays its own step from a CUDA graph,
+runtime.graph.StepGraph), eagerly with every kernel launched from Python ('eager-launch'), or replayed
+from one captured CUDA graph of the whole step (no host work per step; codecs whose steps are static).
+Reported per codec, mode and batch: decode tokens/s, the cache's bytes
 against what bits per element predicts, the process's peak GPU memory beyond the weights, and the largest
 batch that fits.
 """
@@ -52,12 +54,16 @@ def _decode_steps_graph(loaded, cache, batch: int, steps: int, generator) -> flo
     return seconds
 
 
-def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int, graph: bool = False) -> dict:
-    """One timed case. graph=True replays a captured decode step (codecs whose steps can be static; the caller
-    checks capture_refusal first)."""
+MODES = {"eager": "eager", "eager-launch": "eager-launch", "graph": "cuda-graph"}  # option -> record's mode
+
+
+def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int, mode: str = "eager") -> dict:
+    """One timed case in `mode` (a MODES key). 'graph' replays a captured decode step (codecs whose steps can be
+    static; the caller checks capture_refusal first)."""
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    cache = KvcalCache(codec, loaded.dims.num_layers)
+    graph = mode == "graph"
+    cache = KvcalCache(codec, loaded.dims.num_layers, step_graphs=mode == "eager")
     cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 8)
     generator = torch.Generator(device=loaded.device).manual_seed(1)
     if graph:
@@ -68,7 +74,7 @@ def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: 
     tokens = cache.get_seq_length()
     predicted = batch * bits_per_element(method, loaded.dims, tokens).bits_per_element * kv_elements(loaded.dims, tokens) / 8
     record = {
-        "codec": name, "mode": "cuda-graph" if graph else "eager", "batch": batch, "context": context, "steps": steps,
+        "codec": name, "mode": MODES[mode], "batch": batch, "context": context, "steps": steps,
         "tokens_per_s": batch * steps / seconds, "ms_per_step": 1000 * seconds / steps,
         "cache_bytes": used, "cache_bytes_allocated": allocated, "cache_bytes_predicted": predicted,
         "cache_vs_prediction": used / predicted, "peak_bytes_beyond_weights": torch.cuda.max_memory_allocated() - weights,

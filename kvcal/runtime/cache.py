@@ -17,6 +17,8 @@ while the policy allows, then attention runs. Sinks and the recent residual stay
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -26,6 +28,7 @@ from kvcal.quant.nonuniform import range_params
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.runtime import ops
 from kvcal.runtime.attention import PackedKV
+from kvcal.runtime.graph import StepGraph
 from kvcal.runtime.packing import words_per_vector
 
 
@@ -146,6 +149,9 @@ class PackedLayer(_LayerBase):
         self.ring_start: list[int] = []
         self.ring_count: list[int] = []
         self.static = False  # static decode steps (KvcalCache.begin_static): what a CUDA graph replays
+        self.graph_pool: GraphPool | None = None  # set by KvcalCache(step_graphs=True): eager steps replay a graph
+        self.step_graph: StepGraph | None = None
+        self.generation = 0  # bumped whenever the buffers are replaced: a recorded step graph then records again
 
     # ---- allocation ---------------------------------------------------------------------------------
     def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq) -> None:
@@ -230,6 +236,7 @@ class PackedLayer(_LayerBase):
                 new.narrow(axis, 0, old.shape[axis]).copy_(old)
             self.buffers[name] = new
         self.capacity = cap
+        self.generation += 1
         if self.codec.keys_pre_rope:  # tables may be longer than this layer needs (the kernel bounds reads)
             self.rope_cos, self.rope_sin = self.rope_tables.get(self.inv_freq, self.policy.sink + cap)
 
@@ -373,12 +380,15 @@ class PackedLayer(_LayerBase):
     # ---- attention ----------------------------------------------------------------------------------
     def attend(self, inp) -> torch.Tensor:
         batch, _, length, _ = inp.q.shape
-        q = apply_rope(inp.q, inp.cos, inp.sin)
-        k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
-        k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
         if self.length == 0:
             adapter = inp.module._kvcal_binding[0]
             self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq)
+        if (length == 1 and not self.static and self.graph_pool is not None and inp.q.is_cuda
+                and self._static_eager_steps()):
+            return self._graphed_step(inp)
+        q = apply_rope(inp.q, inp.cos, inp.sin)
+        k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
+        k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
         if self.length == 0 and length > 1:  # prefill: full-precision attention, then bulk compression
             out = attention(q, k_rot, inp.v, inp.mask, inp.scale)
             for b, pad in enumerate(_left_padding(inp.mask, batch, length)):
@@ -401,6 +411,28 @@ class PackedLayer(_LayerBase):
             outs.append(ops.decode_attention(q[:, :, t], self.packed(), self.fp_k, self.fp_v, self.fp_valid,
                                              inp.scale))
         return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
+
+    def _graphed_step(self, inp) -> torch.Tensor:
+        """An eager decode step as the static step replayed from this layer's StepGraph (RoPE included, so the
+        host launches one graph and copies five inputs instead of a dozen torch ops and the runtime's kernels)."""
+        self.reserve_static(1)
+        self._mirror_ring()
+        if self.step_graph is None:
+            self.step_graph = StepGraph(self.graph_pool.handle())
+        ring = getattr(self, "ring_start_dev", None)
+        key = (self.generation, tuple(inp.q.shape), tuple(inp.k_pre.shape), inp.q.dtype, inp.scale,
+               torch.are_deterministic_algorithms_enabled(),
+               None if ring is None else (ring.data_ptr(), self.ring_count_dev.data_ptr()))
+        out = self.step_graph(functools.partial(self._rotated_static_step, scale=inp.scale), key, inp.q, inp.k_pre,
+                              inp.v, inp.cos, inp.sin)
+        self.advance_static()
+        return out
+
+    def _rotated_static_step(self, q, k_pre, v, cos, sin, *, scale: float) -> torch.Tensor:
+        """_attend_static from the unrotated query and key."""
+        k_rot = apply_rope(k_pre, cos, sin)
+        return self._attend_static(apply_rope(q, cos, sin), k_pre if self.codec.keys_pre_rope else k_rot, k_rot, v,
+                                   scale)
 
     # ---- static decode steps (CUDA graphs) ------------------------------------------------------------
     def static_refusal(self) -> str | None:
@@ -639,10 +671,27 @@ class LosslessLayer(_LayerBase):
         self.is_initialized = True
 
 
-class KvcalCache(Cache):
-    """Pass as `past_key_values` to a model loaded by kvcal (its adapter routes attention here)."""
+class GraphPool:
+    """The CUDA-graph memory pool that the StepGraphs of one cache's layers share, made on first use."""
 
-    def __init__(self, codec, num_layers: int, backend: str = "packed", capacity_hint: int = 0):
+    def __init__(self):
+        self._handle = None
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+
+class KvcalCache(Cache):
+    """Pass as `past_key_values` to a model loaded by kvcal (its adapter routes attention here).
+
+    step_graphs (packed backend, CUDA): each layer's eager one-token decode step is replayed from a CUDA graph
+    (runtime.graph.StepGraph), which removes most of the host cost of its launches; the results are those of the
+    same launches run eagerly. False launches them from Python every step."""
+
+    def __init__(self, codec, num_layers: int, backend: str = "packed", capacity_hint: int = 0,
+                 step_graphs: bool = True):
         if codec.lossless:
             layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
         elif backend == "dequantized":
@@ -653,6 +702,9 @@ class KvcalCache(Cache):
                                  "(--backend dequantized) or the simulation (--mode simulate)")
             rope_tables = RopeTables()
             layers = [PackedLayer(codec, i, capacity_hint, rope_tables) for i in range(num_layers)]
+            pool = GraphPool() if step_graphs else None
+            for layer in layers:
+                layer.graph_pool = pool
         else:
             raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")
         super().__init__(layers=layers)

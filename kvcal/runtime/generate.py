@@ -25,9 +25,11 @@ def as_loaded(model):
     return loaded
 
 
-def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, **runtime) -> KvcalCache:
+def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, step_graphs: bool = True,
+               **runtime) -> KvcalCache:
     """A fresh compressed cache for `model` (a kvcal LoadedModel or a transformers model) from an
-    artifact (path or Artifact). Pass it as `model.generate(..., past_key_values=cache)`. Keyword
+    artifact (path or Artifact). Pass it as `model.generate(..., past_key_values=cache)`. On CUDA each
+    layer replays its one-token decode step from a CUDA graph (`step_graphs`, see KvcalCache). Other keyword
     arguments override the method's runtime fields (e.g. `key_outlier_capacity=16` for kvquant)."""
     from kvcal.artifact import Artifact, check_model, load_artifact
     from kvcal.methods import build_method
@@ -39,7 +41,7 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, **ru
                 identity=not loaded.source.get("unverified"))
     method = build_method(art.method, {**art.config, **runtime_overrides(art.method, runtime)})
     codec = method.build_codec(art.tensors, loaded.dims)
-    return KvcalCache(codec, loaded.dims.num_layers, backend, capacity)
+    return KvcalCache(codec, loaded.dims.num_layers, backend, capacity, step_graphs=step_graphs)
 
 
 def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device,

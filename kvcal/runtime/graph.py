@@ -14,6 +14,62 @@ import torch
 from kvcal.errors import KvcalError
 
 
+class StepGraph:
+    """One cache layer's decode step, replayed from a CUDA graph while eager decoding (transformers' `generate()`,
+    `kvcal eval ppl --mode decode`) runs the rest of the model in Python.
+
+    Launching a packed layer's kernels from Python costs the host far more than the GPU spends on them at short
+    contexts (about 270 us per layer and step on an H100 host: `benchmarks/host_overhead.py`), and eager
+    decoding is bound by the host. A layer's static step (device-side positions only, `PackedLayer._attend_static`)
+    is the same launches every step while its buffers stay put, so it is recorded once and replayed: the host
+    then copies the step's inputs into the graph's buffers and launches one graph.
+
+    `key` names everything the recorded launches depend on (the buffers' generation, shapes, dtypes, torch's
+    deterministic mode). A new key runs its first step eagerly, since that step may compile Triton kernels,
+    which must not happen during a capture, and records at the next step. The graphs of one cache share
+    `pool` (`torch.cuda.graph_pool_handle()`): each layer's temporaries are dead once its replay is done and
+    layers replay one after another on one stream, so they can reuse the same memory (torch's rule for sharing a
+    pool). A graph is kept until its successor is recorded: torch releases a pool once no graph uses it, and
+    cannot record into it again (an internal assertion). The output is the graph's buffer, which the layer's
+    next replay overwrites: callers use it before the next step."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.key = None
+        self.current = False  # whether `graph` was recorded under `key`
+        self.graph = None
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.out = None
+        self.records = self.replays = 0  # (tests, diagnostics)
+
+    def __call__(self, fn, key, *inputs: torch.Tensor) -> torch.Tensor:
+        if key != self.key:
+            self.key, self.current = key, False
+            return fn(*inputs)
+        if not self.current:
+            self.records += 1
+            static = tuple(t.clone() for t in inputs)
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()  # captures run off the current stream (torch.cuda.graph does the same)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                # capture_begin/end rather than torch.cuda.graph: that also synchronizes the device, collects
+                # garbage and empties torch's cache at every capture, which would cost more than the steps saved
+                graph.capture_begin(pool=self.pool)
+                try:
+                    out = fn(*static)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph, self.inputs, self.out, self.current = graph, static, out, True
+        else:
+            for static, t in zip(self.inputs, inputs):
+                static.copy_(t)
+        self.graph.replay()
+        self.replays += 1
+        return self.out
+
+
 class GraphDecoder:
     """Greedy decode steps of `loaded.model` over `cache`, replayed from one captured CUDA graph.
 

@@ -203,7 +203,8 @@ def generate_command(
     backend: str = typer.Option("packed", help="packed (the runtime) or dequantized (reference; methods without kernels)."),
     graph: bool | None = typer.Option(None, "--graph/--no-graph", help="Replay decode steps from a CUDA graph "
                                       "(default: on CUDA with the packed or fp16 cache; the dequantized backend runs "
-                                      "eagerly)."),
+                                      "eagerly). --no-graph: a Python forward per step, as generate() runs it (packed "
+                                      "layers still replay their own step from a CUDA graph)."),
     deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="torch's deterministic "
                                        "mode: the same tokens every run (KVQuant in fp16/bf16 on the GPU sums its "
                                        "value outliers in fixed point, slower)."),

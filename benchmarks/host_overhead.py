@@ -18,6 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcal.models import load_model  # noqa: E402
+from kvcal.models.adapter import AttentionInputs  # noqa: E402
+from kvcal.quant.rope import rope_cos_sin  # noqa: E402
 from kvcal.recipes import resolve  # noqa: E402
 from kvcal.runtime import ops  # noqa: E402
 from kvcal.runtime.bench_generate import eager_decode_seconds  # noqa: E402
@@ -55,6 +57,17 @@ def _per_call_costs(layer, loaded, batch: int) -> None:
         print(f"quantize_affine_channels_into: {quantize_us:.1f} us/call host")
     print(f"packed(): {per_call_us(layer.packed):.1f} us/call host")
     print(f"lengths += 1: {per_call_us(lambda: slots.add_(1)):.1f} us/call host")
+    # the whole one-token step of the layer (RoPE, quantize + pack, attention; each call appends a token), with its
+    # kernels launched from Python and replayed from the layer's StepGraph (KvcalCache's default on CUDA)
+    positions = torch.full((batch, 1), layer.length, device="cuda")
+    cos, sin = rope_cos_sin(loaded.dims.rope.inv_freq("cuda"), positions, loaded.dtype)
+    inp = AttentionInputs(layer_idx=0, module=None, q=q[:, :, None], k_pre=x[:, :, None], v=x[:, :, None].clone(),
+                          x=None, positions=positions, cos=cos, sin=sin, mask=None, cache=None, scale=0.088)
+    pool = layer.graph_pool
+    for name, graphs in (("launched", None), ("step graph", pool)):
+        layer.graph_pool = graphs
+        print(f"layer step, {name}: {per_call_us(lambda: layer.attend(inp)):.1f} us/call host")
+    layer.graph_pool = pool
 
 
 def main():
@@ -66,7 +79,8 @@ def main():
     for name in recipes:
         method, _, _ = resolve(None, name, None)
         cache = KvcalCache(method.build_codec({}, loaded.dims), loaded.dims.num_layers)
-        cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 64)
+        # headroom: the per-call timings below append a token per call
+        cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 1024)
         seconds = eager_decode_seconds(loaded, cache, batch, steps, torch.Generator(device="cuda").manual_seed(0))
         print(f"== {name}: {seconds / steps * 1000:.1f} ms/step eager (batch {batch}, context {context})")
         with torch.inference_mode():

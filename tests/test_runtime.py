@@ -559,6 +559,49 @@ def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
     assert all(layer.step_graph is None for layer in launched.layers)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
+@pytest.mark.filterwarnings("error:decode_attention_triton")
+def test_generate_left_padded_with_step_graphs_on_gpu(which, tmp_path):
+    """transformers' generate() on the GPU, where each packed layer replays its one-token step from a CUDA graph:
+    a left-padded batch gives the logits of the same batch with every kernel launched from Python, bit for bit, and
+    its padded row those of that row alone, to 1e-10 (float64: a batch of 2 rounds like a batch of 1 there; KIVI
+    with residual 32 and blocks of 32 flushes its ring during the 40 steps; the buffers grow during them)."""
+    from kvcal.calib.run import run_calibration
+
+    loaded = _small_llama_cuda(torch.float64)
+    if which == "kvquant":
+        text = tmp_path / "text.txt"
+        text.write_text(CALIBRATION_TEXT)
+        method = build_method("kvquant", {"bits": 4})
+        artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
+        codec = method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
+    else:
+        config = {"bits": 4} if which == "rtn" else {"bits": 2, "group_size": 32, "residual": 32}
+        codec = build_method(which, config).build_codec({}, loaded.dims)
+    prompt = torch.randint(0, 512, (2, 48), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    mask = torch.ones_like(prompt)
+    mask[1, :9] = 0
+    kwargs = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        graphed_cache = KvcalCache(codec, 2)
+        graphed = loaded.model.generate(prompt, attention_mask=mask, past_key_values=graphed_cache, **kwargs)
+        launched_cache = KvcalCache(codec, 2, step_graphs=False)
+        launched = loaded.model.generate(prompt, attention_mask=mask, past_key_values=launched_cache, **kwargs)
+        alone = loaded.model.generate(prompt[1:, 9:], past_key_values=KvcalCache(codec, 2), **kwargs)
+    assert all(layer.step_graph.replays > 30 for layer in graphed_cache.layers)
+    assert torch.equal(graphed.sequences, launched.sequences)
+    for a, b in zip(graphed.logits, launched.logits, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(graphed.sequences[1, 48:], alone.sequences[0, 39:])
+    for a, b in zip(graphed.logits, alone.logits, strict=True):
+        torch.testing.assert_close(a[1], b[0], rtol=0, atol=1e-10)
+    if which == "kivi":  # nothing was packed at the prefill (48 and 39 tokens, residual 32, blocks of 32)
+        assert min(graphed_cache.layers[0].compressed) > 0
+
+
 @pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
 def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, which):
     """`kvcal generate`'s loop (runtime.graph.greedy_decode): its eager steps and the CUDA graph's static steps

@@ -53,7 +53,7 @@ class StepGraph:
     def _replay(self, fn, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if not self.current:
             self.records += 1
-            static = tuple(t.clone() for t in inputs)
+            static = tuple(t.detach().clone() for t in inputs)  # no autograd history kept across steps
             graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream()  # captures run off the current stream (torch.cuda.graph does the same)
             side.wait_stream(torch.cuda.current_stream())
@@ -69,7 +69,7 @@ class StepGraph:
             self.graph, self.inputs, self.out, self.current = graph, static, out, True
         else:
             for static, t in zip(self.inputs, inputs):
-                static.copy_(t)
+                static.copy_(t.detach())
         self.graph.replay()
         self.replays += 1
         return self.out

@@ -567,7 +567,7 @@ def test_generate_left_padded_with_step_graphs_on_gpu(which, tmp_path):
     """transformers' generate() on the GPU, where each packed layer replays its one-token step from a CUDA graph:
     a left-padded batch gives the logits of the same batch with every kernel launched from Python, bit for bit, and
     its padded row those of that row alone, to 1e-10 (float64: a batch of 2 rounds like a batch of 1 there; KIVI
-    with residual 32 and blocks of 32 flushes its ring during the 40 steps; the buffers grow during them)."""
+    with residual 32 and blocks of 32 flushes its ring during the 40 steps)."""
     from kvcal.calib.run import run_calibration
 
     loaded = _small_llama_cuda(torch.float64)

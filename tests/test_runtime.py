@@ -480,6 +480,20 @@ def _small_llama_cuda(dtype):
     return loaded
 
 
+def _codec_cuda(loaded, which: str, config: dict, tmp_path):
+    """The codec of `which` for a CUDA model: KVQuant 4-bit calibrated on CALIBRATION_TEXT (2 windows of 256
+    tokens), the other methods built from `config`."""
+    if which != "kvquant":
+        return build_method(which, config).build_codec({}, loaded.dims)
+    from kvcal.calib.run import run_calibration
+
+    text = tmp_path / "text.txt"
+    text.write_text(CALIBRATION_TEXT)
+    method = build_method("kvquant", {"bits": 4})
+    artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
+    return method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("which", ["fp16", "rtn", "kvquant", "kivi"])
@@ -489,18 +503,10 @@ def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
     Triton kernels): bit for bit for fp16, rtn and KIVI (whose ring, 140 tokens after the prompt, fills at the
     20th step and flushes a block of 32); for KVQuant to float32 summation order (its value outliers are added
     with atomics, in a run-dependent order)."""
-    from kvcal.calib.run import run_calibration
     from kvcal.runtime.graph import GraphDecoder
 
     loaded = _small_llama_cuda(torch.bfloat16)
-    if which == "kvquant":
-        text = tmp_path / "text.txt"
-        text.write_text(CALIBRATION_TEXT)
-        method = build_method("kvquant", {"bits": 4})
-        artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
-        codec = method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
-    else:
-        codec = build_method(which, {"bits": 4} if which == "rtn" else {}).build_codec({}, loaded.dims)
+    codec = _codec_cuda(loaded, which, {"bits": 4} if which == "rtn" else {}, tmp_path)
     prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     caches = [KvcalCache(codec, 2, capacity_hint=340) for _ in range(2)]
     with torch.inference_mode():
@@ -528,18 +534,10 @@ def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
     the same steps launched from Python, bit for bit, step after step: across a growth of the buffers (the graphs
     record again) and, for KIVI, the flushes of its ring. KVQuant runs in torch's deterministic mode, whose value
     sums do not depend on the order of its atomics (bf16 model, 3 rows)."""
-    from kvcal.calib.run import run_calibration
     from kvcal.determinism import deterministic_algorithms
 
     loaded = _small_llama_cuda(torch.bfloat16)
-    if which == "kvquant":
-        text = tmp_path / "text.txt"
-        text.write_text(CALIBRATION_TEXT)
-        method = build_method("kvquant", {"bits": 4})
-        artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
-        codec = method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
-    else:
-        codec = build_method(which, {"bits": 4}).build_codec({}, loaded.dims)
+    codec = _codec_cuda(loaded, which, {"bits": 4}, tmp_path)
     prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     graphed, launched = (KvcalCache(codec, 2, step_graphs=flag) for flag in (True, False))
     with torch.inference_mode(), deterministic_algorithms(which == "kvquant"):
@@ -568,18 +566,9 @@ def test_generate_left_padded_with_step_graphs_on_gpu(which, tmp_path):
     a left-padded batch gives the logits of the same batch with every kernel launched from Python, bit for bit, and
     its padded row those of that row alone, to 1e-10 (float64: a batch of 2 rounds like a batch of 1 there; KIVI
     with residual 32 and blocks of 32 flushes its ring during the 40 steps)."""
-    from kvcal.calib.run import run_calibration
-
     loaded = _small_llama_cuda(torch.float64)
-    if which == "kvquant":
-        text = tmp_path / "text.txt"
-        text.write_text(CALIBRATION_TEXT)
-        method = build_method("kvquant", {"bits": 4})
-        artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
-        codec = method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
-    else:
-        config = {"bits": 4} if which == "rtn" else {"bits": 2, "group_size": 32, "residual": 32}
-        codec = build_method(which, config).build_codec({}, loaded.dims)
+    codec = _codec_cuda(loaded, which, {"bits": 4} if which == "rtn" else {"bits": 2, "group_size": 32, "residual": 32},
+                        tmp_path)
     prompt = torch.randint(0, 512, (2, 48), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     mask = torch.ones_like(prompt)
     mask[1, :9] = 0

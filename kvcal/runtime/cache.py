@@ -383,9 +383,8 @@ class PackedLayer(_LayerBase):
         if self.length == 0:
             adapter = inp.module._kvcal_binding[0]
             self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq)
-        if (length == 1 and not self.static and self.graph_pool is not None and inp.q.is_cuda
-                and self._static_eager_steps()):
-            return self._graphed_step(inp)
+        if length == 1 and not self.static and self._static_eager_steps():  # fewer kernels than the host-side ring
+            return self._eager_static_step(inp)
         q = apply_rope(inp.q, inp.cos, inp.sin)
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
         k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
@@ -397,12 +396,6 @@ class PackedLayer(_LayerBase):
             return out
         if self.static:
             return self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
-        if length == 1 and self._static_eager_steps():  # fewer kernels than the host-side ring path
-            self.reserve_static(1)
-            self._mirror_ring()
-            out = self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
-            self.advance_static()
-            return out
         outs = []
         for t in range(length):  # decode, one token at a time (several tokens are decoded in sequence)
             self._append_step(k_src[:, :, t], k_rot[:, :, t], inp.v[:, :, t])
@@ -412,19 +405,24 @@ class PackedLayer(_LayerBase):
                                              inp.scale))
         return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
 
-    def _graphed_step(self, inp) -> torch.Tensor:
-        """An eager decode step as the static step replayed from this layer's StepGraph (RoPE included, so the
-        host launches one graph and copies five inputs instead of a dozen torch ops and the runtime's kernels)."""
+    def _eager_static_step(self, inp) -> torch.Tensor:
+        """An eager one-token decode step taken as a static step (then advance_static). On CUDA with step graphs it
+        is replayed from this layer's StepGraph, RoPE included: the host launches one graph and copies five inputs
+        instead of a dozen torch ops and the runtime's kernels."""
         self.reserve_static(1)
         self._mirror_ring()
-        if self.step_graph is None:
-            self.step_graph = StepGraph(self.graph_pool.handle())
-        ring = getattr(self, "ring_start_dev", None)
-        key = (self.generation, tuple(inp.q.shape), tuple(inp.k_pre.shape), inp.q.dtype, inp.scale,
-               torch.are_deterministic_algorithms_enabled(),
-               None if ring is None else (ring.data_ptr(), self.ring_count_dev.data_ptr()))
-        out = self.step_graph(functools.partial(self._rotated_static_step, scale=inp.scale), key, inp.q, inp.k_pre,
-                              inp.v, inp.cos, inp.sin)
+        step = functools.partial(self._rotated_static_step, scale=inp.scale)
+        inputs = (inp.q, inp.k_pre, inp.v, inp.cos, inp.sin)
+        if self.graph_pool is None or not inp.q.is_cuda:
+            out = step(*inputs)
+        else:
+            if self.step_graph is None:
+                self.step_graph = StepGraph(self.graph_pool.handle())
+            ring = getattr(self, "ring_start_dev", None)
+            key = (self.generation, tuple(inp.q.shape), tuple(inp.k_pre.shape), inp.q.dtype, inp.scale,
+                   torch.are_deterministic_algorithms_enabled(),
+                   None if ring is None else (ring.data_ptr(), self.ring_count_dev.data_ptr()))
+            out = self.step_graph(step, key, *inputs)
         self.advance_static()
         return out
 

@@ -260,7 +260,7 @@ def bench_generate_command(
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
-    from kvcal.runtime.bench_generate import MODES, capture_refusal, largest_batch, out_of_memory, run_case
+    from kvcal.runtime.bench_generate import MODES, capture_refusal, largest_batch, run_case_or_oom
 
     if json_out is not None:
         check_writable(json_out, folder=False)
@@ -278,7 +278,7 @@ def bench_generate_command(
     for path in artifact or []:
         method, codec = codec_for_artifact(load_artifact(path), loaded, path)
         cases.append((Path(path).stem, method, codec))
-    records, largest, not_captured = [], {}, {}
+    records, largest, tries, not_captured = [], {}, {}, {}
     table = Table("codec", "mode", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred",
                   "peak GiB")
     for name, method, codec in cases:
@@ -289,14 +289,10 @@ def bench_generate_command(
             case_modes.remove("graph")
         for b in batch or [1, 8]:
             for m in case_modes:
-                try:
-                    r = run_case(loaded, name, method, codec, b, context, steps, mode=m)
-                except RuntimeError as err:  # OutOfMemoryError is one
-                    if not out_of_memory(err):
-                        raise
-                    torch.cuda.empty_cache()
+                r, oom = run_case_or_oom(loaded, name, method, codec, b, context, steps, mode=m)
+                if r is None:
                     records.append({"codec": name, "mode": MODES[m], "batch": b,
-                                    "context": context, "out_of_memory": True})
+                                    "context": context, "out_of_memory": True, "error": oom})
                     table.add_row(name, records[-1]["mode"], str(b), "out of memory", *[""] * 5)
                     continue
                 records.append(r)
@@ -304,7 +300,9 @@ def bench_generate_command(
                               f"{r['cache_bytes'] / 2**30:.2f}", f"{r['cache_bytes_predicted'] / 2**30:.2f}",
                               f"{r['cache_vs_prediction']:.3f}", f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
         if max_batch:
-            largest[name] = largest_batch(loaded, method, codec, context, [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256])
+            tries[name] = []
+            largest[name] = largest_batch(loaded, method, codec, context,
+                                          [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256], tries[name])
     console.print(table)
     for name, refusal in not_captured.items():
         console.print(f"{name}: eager only ({refusal})", markup=False, highlight=False)
@@ -313,6 +311,7 @@ def bench_generate_command(
     if json_out:
         write_json_atomic(json_out, {"device": torch.cuda.get_device_name(), "model": model, "dtype": dtype,
                                      "context": context, "records": records, "largest_batch": largest,
+                                     "largest_batch_tries": tries,
                                      "not_captured": not_captured,
                                      "command": invoked_command()})
 

@@ -559,6 +559,55 @@ def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("error:decode_attention_triton", "error:The CUDA Graph is empty")
+def test_step_graph_recording_out_of_memory_launches_instead_on_gpu(monkeypatch):
+    """A step graph's recording that runs out of GPU memory is given up: the layer launches that key's steps (the
+    logits of launched steps, bit for bit) and records again once the key changes (a buffer growth). The failure
+    is forced by a step that asks for more than the GPU has while it is being captured (a real capture, a real
+    OutOfMemoryError from torch's allocator). Where it happens without forcing: torch cannot hand its cached
+    blocks back to the driver during a capture (`results/bench/capture-oom-probe-h100-s30.log`)."""
+    from kvcal.runtime.cache import PackedLayer
+
+    loaded = _small_llama_cuda(torch.bfloat16)
+    codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
+    prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    graphed, launched = (KvcalCache(codec, 2, step_graphs=flag) for flag in (True, False))
+    too_much = 2 * torch.cuda.get_device_properties(0).total_memory
+    rotated_static_step = PackedLayer._rotated_static_step
+
+    def greedy_when_captured(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            torch.empty(too_much, dtype=torch.uint8, device="cuda")
+        return rotated_static_step(self, *args, **kwargs)
+
+    with torch.inference_mode():
+        for cache in (graphed, launched):
+            loaded.model(prompt, past_key_values=cache, use_cache=True)
+        ids = prompt[:, -1:]
+
+        def step():
+            got = loaded.model(ids, past_key_values=graphed, use_cache=True).logits.clone()
+            want = loaded.model(ids, past_key_values=launched, use_cache=True).logits
+            assert torch.equal(got, want)
+            return want[:, -1:].argmax(-1)
+
+        ids = step()  # a new key: launched
+        generation = graphed.layers[0].generation
+        monkeypatch.setattr(PackedLayer, "_rotated_static_step", greedy_when_captured)
+        for _ in range(3):  # a recording that runs out of memory, then launched steps (no second try)
+            ids = step()
+        monkeypatch.undo()
+        assert graphed.layers[0].generation == generation
+        assert [(layer.step_graph.records, layer.step_graph.failed_records, layer.step_graph.replays)
+                for layer in graphed.layers] == [(0, 1, 0)] * 2
+        for _ in range(60):
+            ids = step()
+        assert graphed.layers[0].generation > generation  # the buffers grew: a new key, recorded
+        assert all(layer.step_graph.records == 1 and layer.step_graph.replays > 20 for layer in graphed.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("which", ["rtn", "kvquant", "kivi"])
 @pytest.mark.filterwarnings("error:decode_attention_triton")
 def test_generate_left_padded_with_step_graphs_on_gpu(which, tmp_path):
@@ -649,23 +698,58 @@ def test_greedy_decode_replayed_gives_the_tokens_generate_gives_on_gpu():
 
 
 def test_largest_batch_stops_at_either_kind_of_out_of_memory(monkeypatch):
-    # torch's OutOfMemoryError and the RuntimeError a Triton launch raises on a full GPU both end the search at the
-    # batch before; any other error propagates
+    # torch's OutOfMemoryError and the RuntimeError a Triton launch raises on a full GPU both end the candidate scan,
+    # then the batches between the last fit and the first failure are bisected; any other error propagates
     from kvcal.runtime import bench_generate
 
-    def fails_from(batch_limit, err):
+    def fails_from(batch_limit, err, tried):
         def run(loaded, name, method, codec, batch, context, steps, graph=False):
+            tried.append(batch)
             if batch >= batch_limit:
                 raise err
+            return {"batch": batch}
         return run
 
     triton_oom = RuntimeError("Triton Error [CUDA]: out of memory")
-    for limit, err in ((8, torch.OutOfMemoryError("CUDA out of memory")), (12, triton_oom)):
-        monkeypatch.setattr(bench_generate, "run_case", fails_from(limit, err))
-        assert bench_generate.largest_batch(None, None, None, 32768, [1, 2, 4, 8, 12, 16]) == {8: 4, 12: 8}[limit]
-    monkeypatch.setattr(bench_generate, "run_case", fails_from(4, RuntimeError("illegal memory access")))
+    candidates = [1, 2, 4, 8, 16, 32, 64]
+    for limit, err, want_tried in ((8, torch.OutOfMemoryError("CUDA out of memory"), [1, 2, 4, 8, 6, 7]),
+                                   (60, triton_oom, [1, 2, 4, 8, 16, 32, 64, 48, 56, 60, 58, 59]),
+                                   (33, triton_oom, [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 34, 33])):
+        tried = []
+        monkeypatch.setattr(bench_generate, "run_case", fails_from(limit, err, tried))
+        assert bench_generate.largest_batch(None, None, None, 32768, candidates) == limit - 1
+        assert tried == want_tried
+    tries = []
+    monkeypatch.setattr(bench_generate, "run_case", fails_from(1000, triton_oom, []))
+    assert bench_generate.largest_batch(None, None, None, 32768, candidates, tries) == 64  # every candidate fits
+    assert tries == [(b, True) for b in candidates]
+    monkeypatch.setattr(bench_generate, "run_case", fails_from(4, RuntimeError("illegal memory access"), []))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         bench_generate.largest_batch(None, None, None, 32768, [1, 2, 4, 8])
+
+
+def test_out_of_memory_case_frees_its_tensors_before_emptying_the_cache(monkeypatch):
+    # torch.cuda.empty_cache can only hand back blocks nothing holds: inside the except block the traceback still
+    # holds the failed case's frame and its tensors (on the GPU, the next case then ran out of memory at batch 1)
+    import weakref
+
+    from kvcal.runtime import bench_generate
+
+    class Buffers:  # stands for the failed case's cache
+        pass
+
+    alive = []
+
+    def run(*args, **kwargs):
+        buffers = Buffers()
+        alive.append(weakref.ref(buffers))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    emptied = []
+    monkeypatch.setattr(bench_generate, "run_case", run)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(alive[-1]() is None))
+    assert bench_generate.run_case_or_oom(None) == (None, "CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert emptied == [True]
 
 
 def test_deterministic_algorithms_restores_torch_and_keeps_a_user_cublas_setting(monkeypatch):

@@ -20,7 +20,7 @@ import torch
 from kvcal.accounting import bits_per_element, kv_elements
 from kvcal.errors import KvcalError
 from kvcal.runtime.cache import KvcalCache
-from kvcal.runtime.graph import GraphDecoder
+from kvcal.runtime.graph import GraphDecoder, out_of_memory
 
 
 def eager_decode_seconds(loaded, cache, batch: int, steps: int, generator) -> float:
@@ -96,22 +96,48 @@ def capture_refusal(loaded, codec) -> str | None:
     return None
 
 
-def out_of_memory(err: BaseException) -> bool:
-    """Whether `err` is the GPU running out of memory: torch's OutOfMemoryError, or a RuntimeError with CUDA's
-    message (a Triton launch that must load its kernel into a full GPU raises "Triton Error [CUDA]: out of memory")."""
-    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+def run_case_or_oom(*args, **kwargs) -> tuple[dict | None, str | None]:
+    """run_case(*args, **kwargs) -> (record, None), or (None, the error's first line) where the GPU ran out of
+    memory (other errors propagate). The failed case's memory is handed back to the driver before returning:
+    after the except block, since until then its traceback holds the case's tensors. Otherwise torch keeps it
+    cached, and what cannot come out of torch's cache (a Triton module load, a CUDA graph's pool) can run out of
+    memory in the next case, even at batch 1 (seen on an H100: rtn-int4 at batch 1 after fp16's search)."""
+    try:
+        return run_case(*args, **kwargs), None
+    except RuntimeError as err:  # OutOfMemoryError is one
+        if not out_of_memory(err):
+            raise
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    torch.cuda.empty_cache()
+    return None, message
 
 
-def largest_batch(loaded, method, codec, context: int, candidates: list[int]) -> int:
-    """Largest batch in `candidates` (ascending) whose cache fits and decodes 2 steps without running out of memory."""
-    best = 0
+def largest_batch(loaded, method, codec, context: int, candidates: list[int],
+                  tried: list[tuple[int, bool]] | None = None) -> int:
+    """Largest batch whose cache fits and decodes 3 steps (run_case: 2 warm-up steps, 1 timed; with step graphs one
+    launched, one recorded, one replayed) without running out of memory: `candidates` (ascending)
+    are tried in turn up to the first that fails, then the batches between the last fit and that one are
+    bisected, so the answer is exact to one row (memory use grows with the batch). Each try is appended to
+    `tried` as (batch, fits)."""
+
+    def fits(batch: int) -> bool:
+        ok = run_case_or_oom(loaded, "", method, codec, batch, context, steps=1)[0] is not None
+        if tried is not None:
+            tried.append((batch, ok))
+        return ok
+
+    best, failed = 0, None
     for batch in candidates:
-        try:
-            run_case(loaded, "", method, codec, batch, context, steps=1)
-            best = batch
-        except RuntimeError as err:  # OutOfMemoryError is one
-            if not out_of_memory(err):
-                raise
-            torch.cuda.empty_cache()
+        if not fits(batch):
+            failed = batch
             break
+        best = batch
+    if failed is None:
+        return best
+    while failed - best > 1:
+        middle = (best + failed) // 2
+        if fits(middle):
+            best = middle
+        else:
+            failed = middle
     return best

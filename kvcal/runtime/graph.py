@@ -8,6 +8,7 @@ only, and the step's inputs (token ids, positions) live in buffers updated in pl
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -31,7 +32,13 @@ class StepGraph:
     layers replay one after another on one stream, so they can reuse the same memory (torch's rule for sharing a
     pool). A graph is kept until its successor is recorded: torch releases a pool once no graph uses it, and
     cannot record into it again (an internal assertion). The output is the graph's buffer, which the layer's
-    next replay overwrites: callers use it before the next step."""
+    next replay overwrites: callers use it before the next step.
+
+    A recording that runs out of GPU memory is given up: that key's steps are launched instead, as without step
+    graphs, and torch's cache is emptied. During a capture torch cannot hand its cached blocks back to the driver,
+    and a graph's pool needs memory of its own, so a capture can fail where the launched step fits (on an H100
+    whose memory sat in torch's cache, a 1 GiB capture ran out of memory where a launched 1 GiB allocation did not,
+    `results/bench/capture-oom-probe-h100-s30.log`)."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -40,39 +47,72 @@ class StepGraph:
         self.graph = None
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.out = None
-        self.records = self.replays = 0  # (tests, diagnostics)
+        self.side = None  # the stream captures run on
+        self.failed_key = None  # the key whose recording ran out of memory: launched until the key changes
+        self.failed: list[torch.cuda.CUDAGraph] = []  # kept: a pool released by its last graph cannot be reused
+        self.records = self.replays = self.failed_records = 0  # (tests, diagnostics)
 
     def __call__(self, fn, key, *inputs: torch.Tensor) -> torch.Tensor:
         if key != self.key:
             self.key, self.current = key, False
             return fn(*inputs)
+        if key == self.failed_key:
+            return fn(*inputs)
         # streams, captures and replays belong to the current device: the layer's (a model split over GPUs)
         with torch.cuda.device(inputs[0].device):
-            return self._replay(fn, inputs)
+            if not self.current and not self._record(fn, inputs):
+                self.failed_key = key
+                torch.cuda.empty_cache()  # the failed capture's blocks, for the launched step
+                return fn(*inputs)
+            for static, t in zip(self.inputs, inputs):
+                static.copy_(t.detach())
+            self.graph.replay()
+            self.replays += 1
+            return self.out
 
-    def _replay(self, fn, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if not self.current:
-            self.records += 1
-            static = tuple(t.detach().clone() for t in inputs)  # no autograd history kept across steps
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()  # captures run off the current stream (torch.cuda.graph does the same)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+    def _record(self, fn, inputs: tuple[torch.Tensor, ...]) -> bool:
+        """Record fn on copies of `inputs`; False where the GPU ran out of memory (nothing ran: a capture only
+        records)."""
+        static = tuple(t.detach().clone() for t in inputs)  # no autograd history kept across steps
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        try:
+            if self.side is None:  # captures run off the current stream (torch.cuda.graph does the same)
+                self.side = torch.cuda.Stream()  # (on a full GPU even this runs out of memory)
+            self.side.wait_stream(current)
+            with torch.cuda.stream(self.side):
                 # capture_begin/end rather than torch.cuda.graph: that also synchronizes the device, collects
                 # garbage and empties torch's cache at every capture, which would cost more than the steps saved
                 graph.capture_begin(pool=self.pool)
                 try:
                     out = fn(*static)
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph, self.inputs, self.out, self.current = graph, static, out, True
-        else:
-            for static, t in zip(self.inputs, inputs):
-                static.copy_(t.detach())
-        self.graph.replay()
-        self.replays += 1
-        return self.out
+                except BaseException:
+                    try:
+                        with warnings.catch_warnings():  # torch warns that the abandoned graph is empty
+                            warnings.simplefilter("ignore")
+                            graph.capture_end()
+                    except RuntimeError:  # a capture the failure invalidated: the first error is the one to see
+                        pass
+                    raise
+                graph.capture_end()
+        except RuntimeError as err:  # OutOfMemoryError is one
+            if not out_of_memory(err):
+                raise
+            self.failed.append(graph)
+            self.failed_records += 1
+            return False
+        finally:
+            if self.side is not None:
+                current.wait_stream(self.side)
+        self.records += 1
+        self.graph, self.inputs, self.out, self.current = graph, static, out, True
+        return True
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is the GPU running out of memory: torch's OutOfMemoryError, or a RuntimeError with CUDA's
+    message (a Triton launch that must load its kernel into a full GPU raises "Triton Error [CUDA]: out of memory")."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
 
 
 class GraphDecoder:

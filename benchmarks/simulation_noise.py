@@ -35,6 +35,8 @@ def main():
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--recipe", action="append", default=None)
     parser.add_argument("--artifact", action="append", default=[], help="a calibrated artifact (e.g. KVQuant)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE override for the "
+                        "artifacts' codecs (e.g. exact_outliers=false: the runtime's stored outliers)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seqlen", type=int, default=512)
@@ -50,7 +52,7 @@ def main():
     targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in args.recipe or []]
     for path in args.artifact:
         targets.append((os.path.basename(path).removesuffix(".safetensors"),
-                        codec_for_artifact(load_artifact(path), loaded, path)[1]))
+                        codec_for_artifact(load_artifact(path), loaded, path, args.sets)[1]))
     if not targets:
         targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in ("rtn-int4", "kivi-4bit")]
     for recipe, codec in targets:
@@ -74,7 +76,9 @@ def main():
         records.append({"recipe": recipe, "ppl": ppls, "max_relative_change": spread})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "device": str(loaded.device), "dtype": args.dtype, "seqlen": args.seqlen, "nsamples": args.nsamples,
+            json.dump({"model": args.model, "device": str(loaded.device), "device_name": torch.cuda.get_device_name()
+                       if loaded.device.type == "cuda" else "cpu", "dtype": args.dtype, "seqlen": args.seqlen,
+                       "nsamples": args.nsamples, "sets": args.sets,
                        "command": "python " + " ".join(sys.argv), "records": records}, f, indent=1)
 
 

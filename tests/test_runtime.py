@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcal.accounting import bits_per_element, kv_elements
-from kvcal.eval.ppl import decoded_nll, simulated_nll
+from kvcal.eval.ppl import decoded_nll, scored_tokens, simulated_nll
 from kvcal.methods import build_method
 from kvcal.models import load_model
 from kvcal.runtime.attention import PackedKV, decode_attention_ref
@@ -91,9 +91,11 @@ def test_decode_mode_equals_simulation(tiny, name, config, protocol, prompt_len)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     codec = build_method(name, config).build_codec({}, tiny.dims)
     simulated = simulated_nll(tiny, codec, ids, protocol, prompt_len)
-    decoded = decoded_nll(tiny, codec, ids, protocol, prompt_len, batch_size=2)
-    assert decoded.tokens == simulated.tokens
+    advanced = []
+    decoded = decoded_nll(tiny, codec, ids, protocol, prompt_len, batch_size=2, progress=advanced.append)
+    assert decoded.tokens == simulated.tokens == scored_tokens(ids, protocol, prompt_len) == 2 * (39 - prompt_len)
     assert decoded.nll == pytest.approx(simulated.nll, rel=2e-6)
+    assert advanced == [2] * (39 - prompt_len)  # the progress bar moves every decode step
 
 
 KVQUANT_CONFIG = {"bits": 3, "outliers": 0.05}

@@ -36,6 +36,11 @@ def first_target(protocol: str, prompt_len: int) -> int:
     return prompt_len + 1 if protocol == "prefill-decode" else 1
 
 
+def scored_tokens(windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0) -> int:
+    """How many target tokens the windows [N, T] score under `protocol` (the unit of decoded_nll's progress)."""
+    return windows.shape[0] * (windows.shape[1] - first_target(protocol, prompt_len))
+
+
 def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Summed NLL of targets ids[:, start:] under logits[:, start-1:-1], computed in float32 (float64
     for float64 logits)."""
@@ -63,7 +68,9 @@ def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", 
 def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
                 batch_size: int = 1, backend: str = "packed", progress=None) -> NllSum:
     """NLL through the real cache, teacher-forced one token at a time (after a full-precision prefill
-    of `prompt_len` tokens for prefill-decode). Counts the same targets as `simulated_nll`."""
+    of `prompt_len` tokens for prefill-decode). Counts the same targets as `simulated_nll`. `progress(n)` is
+    called after every step with the tokens it scored (a batch's rows; scored_tokens(...) in all), since one batch
+    of long windows can take minutes."""
     from kvcal.runtime.cache import KvcalCache
 
     start = prompt_len if protocol == "prefill-decode" else 0
@@ -81,7 +88,7 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 nll += F.cross_entropy(logits, batch[:, t + 1], reduction="sum")
                 total.tokens += batch.shape[0]
+                if progress is not None:
+                    progress(batch.shape[0])
             total.nll += nll.item()
-            if progress is not None:
-                progress(batch.shape[0])
     return total

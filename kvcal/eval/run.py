@@ -10,7 +10,7 @@ from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
-from kvcal.eval.ppl import PROTOCOLS, decoded_nll, simulated_nll
+from kvcal.eval.ppl import PROTOCOLS, decoded_nll, scored_tokens, simulated_nll
 from kvcal.progress import progress_bar
 
 MODES = ("simulate", "decode")
@@ -81,7 +81,10 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     records = []
     software = software_versions()
     for method, codec, setting, artifact_record in targets:
-        with progress_bar(f"ppl {setting} ({protocol}, {mode})", windows.shape[0]) as advance:
+        # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window
+        total, unit = ((scored_tokens(windows, protocol, prompt_len), "tokens") if mode == "decode"
+                       else (windows.shape[0], "windows"))
+        with progress_bar(f"ppl {setting} ({protocol}, {mode}; {unit})", total) as advance:
             if mode == "decode":
                 result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance)
             else:

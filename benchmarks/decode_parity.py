@@ -6,7 +6,7 @@ KVQuant's simulation reads outliers back exactly by default (the paper's PPL, di
 stores them as fp16 residuals, at most key_outlier_capacity key outliers per token. The rows compare
 decode against the simulation of that storage (`--set exact_outliers=false`, same capacity) and also
 record the exact-outlier simulation (their gap is the storage's cost). Each KVQuant artifact runs twice:
-with the runtime's default key outlier capacity (4 slots per token on smollm2) and with a capacity no
+with the runtime's default key outlier capacity (2 slots per token and KV head on smollm2) and with a capacity no
 token reaches (64).
 
     python benchmarks/decode_parity.py --device cuda --dtype float16 --seqlen 512 --nsamples 2 \\

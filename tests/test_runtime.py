@@ -705,7 +705,7 @@ def test_largest_batch_stops_at_either_kind_of_out_of_memory(monkeypatch):
     from kvcal.runtime import bench_generate
 
     def fails_from(batch_limit, err, tried):
-        def run(loaded, name, method, codec, batch, context, steps, graph=False):
+        def run(loaded, name, method, codec, batch, context, steps):
             tried.append(batch)
             if batch >= batch_limit:
                 raise err

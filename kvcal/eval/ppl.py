@@ -73,7 +73,7 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
     of long windows can take minutes."""
     from kvcal.runtime.cache import KvcalCache
 
-    start = prompt_len if protocol == "prefill-decode" else 0
+    start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
     total = NllSum()
     with torch.inference_mode():
         for i in range(0, windows.shape[0], batch_size):

@@ -107,7 +107,8 @@ def run_case_or_oom(*args, **kwargs) -> tuple[dict | None, str | None]:
     except RuntimeError as err:  # OutOfMemoryError is one
         if not out_of_memory(err):
             raise
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = str(err).strip()
+        message = text.splitlines()[0] if text else type(err).__name__
     torch.cuda.empty_cache()
     return None, message
 

@@ -50,7 +50,12 @@ class StepGraph:
         self.side = None  # the stream captures run on
         self.failed_key = None  # the key whose recording ran out of memory: launched until the key changes
         self.failed: list[torch.cuda.CUDAGraph] = []  # kept: a pool released by its last graph cannot be reused
-        self.records = self.replays = self.failed_records = 0  # (tests, diagnostics)
+        self.records = self.replays = 0  # (tests, diagnostics)
+
+    @property
+    def failed_records(self) -> int:
+        """Recordings given up for lack of memory (tests, diagnostics)."""
+        return len(self.failed)
 
     def __call__(self, fn, key, *inputs: torch.Tensor) -> torch.Tensor:
         if key != self.key:
@@ -99,7 +104,6 @@ class StepGraph:
             if not out_of_memory(err):
                 raise
             self.failed.append(graph)
-            self.failed_records += 1
             return False
         finally:
             if self.side is not None:

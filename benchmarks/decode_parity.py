@@ -88,6 +88,9 @@ def main():
     ap.add_argument("--deterministic", action="store_true", help="torch's deterministic mode (kvcal.determinism): "
                     "KVQuant's fp16/bf16 GPU decode sums its value outliers in int64 fixed point, the same bits "
                     "every run")
+    ap.add_argument("--no-step-graphs", action="store_true", help="decode with every packed layer's kernels "
+                    "launched from Python (KvcalCache(step_graphs=False)) instead of each layer's step replayed "
+                    "from a CUDA graph: the same logits, more host time")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     with deterministic_algorithms(a.deterministic):
@@ -113,7 +116,7 @@ def run(a):
                 exact[base] = simulated_nll(loaded, exact_codec, windows, batch_size=a.nsamples).ppl
             row["simulate_exact_outliers"] = exact[base]
         t = time.time()
-        dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples).ppl
+        dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples, step_graphs=not a.no_step_graphs).ppl
         row.update(simulate=sim, decode=dec, difference=abs(dec - sim) / sim, decode_s=time.time() - t)
         rows.append(row)
         print(f"{name:45s} simulate {row['simulate']:.4f} decode {dec:.4f} diff {100 * row['difference']:.3f}% "
@@ -122,7 +125,7 @@ def run(a):
                   if loaded.device.type == "cuda" else "cpu", "software": software_versions(), "dtype": a.dtype,
                   "seqlen": a.seqlen, "nsamples": a.nsamples, "tokens": int(windows.shape[0] * (windows.shape[1] - 1)),
                   "dataset": text.provenance, "rmsnorm_in_dtype": a.rmsnorm_in_dtype,
-                  "deterministic": a.deterministic, "rows": rows}
+                  "deterministic": a.deterministic, "step_graphs": not a.no_step_graphs, "rows": rows}
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:  # after every row: long runs keep what they finished
             json.dump(result, f, indent=1)

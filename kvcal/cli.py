@@ -239,7 +239,8 @@ def report_command(
 @bench_app.command("generate")
 def bench_generate_command(
     model: str = typer.Option("random-llama-3.1-8b", "--model", "-m", help="Model (random weights are fine: speed only)."),
-    recipe: list[str] | None = typer.Option(None, help="Baseline recipe to benchmark (repeatable)."),
+    recipe: list[str] | None = typer.Option(None, help="Baseline recipe to benchmark (repeatable; fp16 when neither "
+                                            "--recipe nor --artifact is given)."),
     artifact: list[Path] | None = typer.Option(None, help="Artifact to benchmark (repeatable)."),
     context: int = typer.Option(32768, help="Tokens already in the cache of every row."),
     batch: list[int] | None = typer.Option(None, help="Batch sizes to time (repeatable; default 1 and 8)."),
@@ -249,7 +250,8 @@ def bench_generate_command(
                                           "same with every kernel launched from Python) and/or graph (one captured "
                                           "CUDA graph of the whole step; codecs whose steps are static). Repeatable; "
                                           "default eager and graph."),
-    max_batch: bool = typer.Option(True, help="Also search the largest batch that fits at this context."),
+    max_batch: bool = typer.Option(True, help="Also search the largest batch at which every mode fits and decodes "
+                                   "--steps steps at this context (exact to one row), and time it."),
     dtype: str = typer.Option("bfloat16", help="Model dtype."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the records as JSON."),
 ):
@@ -272,7 +274,7 @@ def bench_generate_command(
         raise KvcalError("kvcal bench generate needs a CUDA device")
     loaded = load_model(model, dtype, "cuda")
     cases = []
-    for name in recipe or ["fp16"]:
+    for name in recipe or ([] if artifact else ["fp16"]):  # fp16 alone when nothing is named
         method, tag, _ = resolve(None, name, None)
         cases.append((name, method, method.build_codec({}, loaded.dims)))
     for path in artifact or []:
@@ -281,6 +283,16 @@ def bench_generate_command(
     records, largest, tries, not_captured = [], {}, {}, {}
     table = Table("codec", "mode", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred",
                   "peak GiB")
+
+    def add_row(r: dict, largest_mark: str = "") -> None:
+        if r.get("out_of_memory"):
+            table.add_row(r["codec"], r["mode"], str(r["batch"]), "out of memory", *[""] * 5)
+            return
+        table.add_row(r["codec"], r["mode"], f"{r['batch']}{largest_mark}", f"{r['tokens_per_s']:.1f}",
+                      f"{r['ms_per_step']:.2f}", f"{r['cache_bytes'] / 2**30:.2f}",
+                      f"{r['cache_bytes_predicted'] / 2**30:.2f}", f"{r['cache_vs_prediction']:.3f}",
+                      f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
+
     for name, method, codec in cases:
         case_modes = list(modes)
         refusal = capture_refusal(loaded, codec) if "graph" in modes else None
@@ -291,18 +303,19 @@ def bench_generate_command(
             for m in case_modes:
                 r, oom = run_case_or_oom(loaded, name, method, codec, b, context, steps, mode=m)
                 if r is None:
-                    records.append({"codec": name, "mode": MODES[m], "batch": b,
-                                    "context": context, "out_of_memory": True, "error": oom})
-                    table.add_row(name, records[-1]["mode"], str(b), "out of memory", *[""] * 5)
-                    continue
+                    r = {"codec": name, "mode": MODES[m], "batch": b, "context": context, "out_of_memory": True,
+                         "error": oom}
                 records.append(r)
-                table.add_row(name, r["mode"], str(b), f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
-                              f"{r['cache_bytes'] / 2**30:.2f}", f"{r['cache_bytes_predicted'] / 2**30:.2f}",
-                              f"{r['cache_vs_prediction']:.3f}", f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
-        if max_batch:
+                add_row(r)
+        if max_batch:  # the same steps and modes as the timed cases: the largest batch at which they all run
             tries[name] = []
-            largest[name] = largest_batch(loaded, method, codec, context,
-                                          [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256], tries[name])
+            largest[name], at_largest = largest_batch(
+                loaded, name, method, codec, context, [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256],
+                tries[name], steps=steps, modes=tuple(case_modes))
+            for r in at_largest:
+                r["largest_batch"] = True
+                records.append(r)
+                add_row(r, " (largest)")
     console.print(table)
     for name, refusal in not_captured.items():
         console.print(f"{name}: eager only ({refusal})", markup=False, highlight=False)

@@ -467,14 +467,14 @@ def test_static_steps_are_refused_for_the_dequantized_backend(tiny):
         cache.begin_static()
 
 
-def _small_llama_cuda(dtype):
+def _small_llama_cuda(dtype, layers: int = 2):
     """Llama-3.1-8B's attention shapes per head (head_dim 128, GQA 4:1) in a 2-layer random model on CUDA."""
     from kvcal.models import LoadedModel, ModelDims
     from kvcal.models.adapter import install_adapter
     from kvcal.models.tiny import build_random_model, byte_tokenizer, llama31_8b_config
 
     config = llama31_8b_config()
-    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 1024, 2048
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = layers, 1024, 2048
     config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 8, 2, 512
     loaded = LoadedModel("small-llama", build_random_model(config, dtype, "cuda"), byte_tokenizer(),
                          ModelDims.from_config(config))
@@ -561,6 +561,39 @@ def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu():
+    """The step graphs of a cache's layers capture on one stream into one pool, so each layer's recording reuses the
+    memory of the previous layer's temporaries: 4 layers leave the pool as large as 1 layer does. With a capture
+    stream per layer (before stop 31) torch's allocator could not reuse a block across layers, and the pool held
+    every layer's temporaries (KVQuant: 32 x 200 MiB at 49 rows of 32K, Llama-3.1-8B shapes)."""
+    import gc
+
+    def private_pool_bytes() -> int:
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
+    pools = {}
+    for layers in (1, 4):
+        loaded = _small_llama_cuda(torch.bfloat16, layers)
+        codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
+        cache = KvcalCache(codec, layers)
+        prompt = torch.randint(0, 512, (8, 1000), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        with torch.inference_mode():
+            loaded.model(prompt, past_key_values=cache, use_cache=True)
+            ids = prompt[:, -1:]
+            for _ in range(5):  # each buffer generation: launched, then recorded and replayed
+                ids = loaded.model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        assert {layer.step_graph.records for layer in cache.layers} == {cache.layers[0].step_graph.records} != {0}
+        pools[layers] = private_pool_bytes()
+        del cache, loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("private pool bytes by layers:", pools)
+    assert 0 < pools[4] < 1.5 * pools[1], pools
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.filterwarnings("error:decode_attention_triton", "error:The CUDA Graph is empty")
 def test_step_graph_recording_out_of_memory_launches_instead_on_gpu(monkeypatch):
     """A step graph's recording that runs out of GPU memory is given up: the layer launches that key's steps (the
@@ -606,6 +639,14 @@ def test_step_graph_recording_out_of_memory_launches_instead_on_gpu(monkeypatch)
             ids = step()
         assert graphed.layers[0].generation > generation  # the buffers grew: a new key, recorded
         assert all(layer.step_graph.records == 1 and layer.step_graph.replays > 20 for layer in graphed.layers)
+        # the abandoned recordings went once the new graphs held the pool; the counts stay
+        assert [(len(layer.step_graph.failed), layer.step_graph.failed_records) for layer in graphed.layers] == [(0, 1)] * 2
+        grown = graphed.layers[0].generation
+        for _ in range(80):  # another growth: recorded again into the pool, which no abandoned graph holds now
+            ids = step()
+        growths = graphed.layers[0].generation - grown
+        assert growths > 0
+        assert all(layer.step_graph.records == 1 + growths for layer in graphed.layers)
 
 
 @pytest.mark.gpu
@@ -705,11 +746,11 @@ def test_largest_batch_stops_at_either_kind_of_out_of_memory(monkeypatch):
     from kvcal.runtime import bench_generate
 
     def fails_from(batch_limit, err, tried):
-        def run(loaded, name, method, codec, batch, context, steps):
+        def run(loaded, name, method, codec, batch, context, steps, mode):
             tried.append(batch)
             if batch >= batch_limit:
                 raise err
-            return {"batch": batch}
+            return {"batch": batch, "mode": mode, "steps": steps}
         return run
 
     triton_oom = RuntimeError("Triton Error [CUDA]: out of memory")
@@ -719,20 +760,50 @@ def test_largest_batch_stops_at_either_kind_of_out_of_memory(monkeypatch):
                                    (33, triton_oom, [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 34, 33])):
         tried = []
         monkeypatch.setattr(bench_generate, "run_case", fails_from(limit, err, tried))
-        assert bench_generate.largest_batch(None, None, None, 32768, candidates) == limit - 1
+        best, records = bench_generate.largest_batch(None, "c", None, None, 32768, candidates, steps=16)
+        assert best == limit - 1 and records == [{"batch": limit - 1, "mode": "eager", "steps": 16}]
         assert tried == want_tried
     tries = []
     monkeypatch.setattr(bench_generate, "run_case", fails_from(1000, triton_oom, []))
-    assert bench_generate.largest_batch(None, None, None, 32768, candidates, tries) == 64  # every candidate fits
-    assert tries == [(b, True) for b in candidates]
+    assert bench_generate.largest_batch(None, "c", None, None, 32768, candidates, tries)[0] == 64  # every one fits
+    assert tries == [(b, True, None) for b in candidates]
     monkeypatch.setattr(bench_generate, "run_case", fails_from(4, RuntimeError("illegal memory access"), []))
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        bench_generate.largest_batch(None, None, None, 32768, [1, 2, 4, 8])
+        bench_generate.largest_batch(None, "c", None, None, 32768, [1, 2, 4, 8])
+    monkeypatch.setattr(bench_generate, "run_case", fails_from(1, triton_oom, []))
+    assert bench_generate.largest_batch(None, "c", None, None, 32768, [4, 8]) == (0, [])  # not even the first
 
 
-def test_out_of_memory_case_frees_its_tensors_before_emptying_the_cache(monkeypatch):
+def test_largest_batch_needs_every_mode_to_fit(monkeypatch):
+    # a batch fits only if every mode of the run decodes its steps there (at the largest batch a few MiB decide, and
+    # the modes differ: one whole-step graph against per-layer graphs)
+    from kvcal.runtime import bench_generate
+
+    calls = []
+
+    def run(loaded, name, method, codec, batch, context, steps, mode):
+        calls.append((batch, mode))
+        if batch >= {"eager": 24, "graph": 40}[mode]:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"batch": batch, "mode": mode}
+
+    monkeypatch.setattr(bench_generate, "run_case", run)
+    tries = []
+    best, records = bench_generate.largest_batch(None, "c", None, None, 32768, [8, 16, 32], tries,
+                                                 modes=("eager", "graph"))
+    assert best == 23 and records == [{"batch": 23, "mode": "eager"}, {"batch": 23, "mode": "graph"}]
+    oom = "eager: CUDA out of memory"
+    assert tries == [(8, True, None), (16, True, None), (32, False, oom), (24, False, oom), (20, True, None),
+                     (22, True, None), (23, True, None)]
+    assert (32, "eager") in calls and (32, "graph") not in calls  # a failed mode ends the try
+
+
+@pytest.mark.parametrize("cycle", [False, True])
+def test_out_of_memory_case_frees_its_tensors_before_emptying_the_cache(monkeypatch, cycle):
     # torch.cuda.empty_cache can only hand back blocks nothing holds: inside the except block the traceback still
-    # holds the failed case's frame and its tensors (on the GPU, the next case then ran out of memory at batch 1)
+    # holds the failed case's frame and its tensors (on the GPU, the next case then ran out of memory at batch 1);
+    # and where a frame of the failed case holds its own exception (`err = ...; raise err`), frame and traceback form
+    # a cycle that only the garbage collector frees
     import weakref
 
     from kvcal.runtime import bench_generate
@@ -745,6 +816,10 @@ def test_out_of_memory_case_frees_its_tensors_before_emptying_the_cache(monkeypa
     def run(*args, **kwargs):
         buffers = Buffers()
         alive.append(weakref.ref(buffers))
+        err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        if cycle:
+            raise err
+        del err
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
 
     emptied = []

@@ -66,11 +66,12 @@ def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", 
 
 
 def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
-                batch_size: int = 1, backend: str = "packed", progress=None) -> NllSum:
+                batch_size: int = 1, backend: str = "packed", progress=None, step_graphs: bool = True) -> NllSum:
     """NLL through the real cache, teacher-forced one token at a time (after a full-precision prefill
     of `prompt_len` tokens for prefill-decode). Counts the same targets as `simulated_nll`. `progress(n)` is
     called after every step with the tokens it scored (a batch's rows; scored_tokens(...) in all), since one batch
-    of long windows can take minutes."""
+    of long windows can take minutes. `step_graphs=False` launches every packed layer's kernels from Python
+    instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits)."""
     from kvcal.runtime.cache import KvcalCache
 
     start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
@@ -78,7 +79,8 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
     with torch.inference_mode():
         for i in range(0, windows.shape[0], batch_size):
             batch = windows[i : i + batch_size].to(loaded.device)
-            cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1])
+            cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1],
+                               step_graphs=step_graphs)
             if start:
                 loaded.model(batch[:, :start], past_key_values=cache, use_cache=True)
             # summed on the device, read once per batch: an .item() per token would sync every step

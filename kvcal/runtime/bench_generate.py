@@ -13,6 +13,7 @@ batch that fits.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -80,6 +81,7 @@ def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: 
         "cache_vs_prediction": used / predicted, "peak_bytes_beyond_weights": torch.cuda.max_memory_allocated() - weights,
     }
     del cache
+    gc.collect()  # (CUDA graphs and their pools too, where only a cycle still holds them)
     torch.cuda.empty_cache()
     return record
 
@@ -101,7 +103,8 @@ def run_case_or_oom(*args, **kwargs) -> tuple[dict | None, str | None]:
     memory (other errors propagate). The failed case's memory is handed back to the driver before returning:
     after the except block, since until then its traceback holds the case's tensors. Otherwise torch keeps it
     cached, and what cannot come out of torch's cache (a Triton module load, a CUDA graph's pool) can run out of
-    memory in the next case, even at batch 1 (seen on an H100: rtn-int4 at batch 1 after fp16's search)."""
+    memory in the next case, even at batch 1 (seen on an H100: rtn-int4 at batch 1 after fp16's search). The
+    garbage collector runs first, for the failed case's objects that only a reference cycle still holds."""
     try:
         return run_case(*args, **kwargs), None
     except RuntimeError as err:  # OutOfMemoryError is one
@@ -109,23 +112,37 @@ def run_case_or_oom(*args, **kwargs) -> tuple[dict | None, str | None]:
             raise
         text = str(err).strip()
         message = text.splitlines()[0] if text else type(err).__name__
+    gc.collect()  # a frame that holds its own exception makes a cycle with the traceback: only the collector frees it
     torch.cuda.empty_cache()
     return None, message
 
 
-def largest_batch(loaded, method, codec, context: int, candidates: list[int],
-                  tried: list[tuple[int, bool]] | None = None) -> int:
-    """Largest batch whose cache fits and decodes 3 steps (run_case: 2 warm-up steps, 1 timed; with step graphs one
-    launched, one recorded, one replayed) without running out of memory: `candidates` (ascending)
-    are tried in turn up to the first that fails, then the batches between the last fit and that one are
-    bisected, so the answer is exact to one row (memory use grows with the batch). Each try is appended to
-    `tried` as (batch, fits)."""
+def largest_batch(loaded, name: str, method, codec, context: int, candidates: list[int],
+                  tried: list[tuple[int, bool, str | None]] | None = None, steps: int = 1,
+                  modes: tuple[str, ...] = ("eager",)) -> tuple[int, list[dict]]:
+    """Largest batch at which every mode in `modes` fills its cache and decodes `steps` timed steps (run_case:
+    after 2 warm-up steps) without running out of memory, and the records of that batch's try (its throughput).
+    The try at a batch runs the same cases a timed run of those steps and modes would, because at the largest batch
+    a few MiB decide: a search that decoded 3 steps in one mode found batches where 16 steps, or the other mode,
+    ran out of memory (`results/bench/generate-kivi-2bit-b82-*old-search-h100-s31.json`). `candidates` (ascending)
+    are tried in turn up to the first that fails, then the batches between the last fit and that one are bisected,
+    so the answer is exact to one row (memory use grows with the batch). Each try is appended to `tried` as (batch,
+    fits, the failed mode and its error's first line, or None)."""
+    found: dict[int, list[dict]] = {}
 
     def fits(batch: int) -> bool:
-        ok = run_case_or_oom(loaded, "", method, codec, batch, context, steps=1)[0] is not None
+        records, failure = [], None
+        for mode in modes:
+            record, error = run_case_or_oom(loaded, name, method, codec, batch, context, steps, mode=mode)
+            if record is None:
+                failure = f"{MODES[mode]}: {error}"
+                break
+            records.append(record)
+        if failure is None:
+            found[batch] = records
         if tried is not None:
-            tried.append((batch, ok))
-        return ok
+            tried.append((batch, failure is None, failure))
+        return failure is None
 
     best, failed = 0, None
     for batch in candidates:
@@ -133,12 +150,10 @@ def largest_batch(loaded, method, codec, context: int, candidates: list[int],
             failed = batch
             break
         best = batch
-    if failed is None:
-        return best
-    while failed - best > 1:
+    while failed is not None and failed - best > 1:
         middle = (best + failed) // 2
         if fits(middle):
             best = middle
         else:
             failed = middle
-    return best
+    return best, found.get(best, [])

@@ -28,7 +28,7 @@ from kvcal.quant.nonuniform import range_params
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.runtime import ops
 from kvcal.runtime.attention import PackedKV
-from kvcal.runtime.graph import StepGraph
+from kvcal.runtime.graph import GraphPool, StepGraph
 from kvcal.runtime.packing import words_per_vector
 
 
@@ -417,7 +417,7 @@ class PackedLayer(_LayerBase):
             out = step(*inputs)
         else:
             if self.step_graph is None:
-                self.step_graph = StepGraph(self.graph_pool.handle())
+                self.step_graph = StepGraph(self.graph_pool)
             ring = getattr(self, "ring_start_dev", None)
             key = (self.generation, tuple(inp.q.shape), tuple(inp.k_pre.shape), inp.q.dtype, inp.scale,
                    torch.are_deterministic_algorithms_enabled(),
@@ -667,18 +667,6 @@ class LosslessLayer(_LayerBase):
         self.v_buf[:, :, :tokens].normal_(generator=generator)
         self.length = tokens
         self.is_initialized = True
-
-
-class GraphPool:
-    """The CUDA-graph memory pool that the StepGraphs of one cache's layers share, made on first use."""
-
-    def __init__(self):
-        self._handle = None
-
-    def handle(self):
-        if self._handle is None:
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
 
 
 class KvcalCache(Cache):

@@ -15,6 +15,30 @@ import torch
 from kvcal.errors import KvcalError
 
 
+class GraphPool:
+    """What the StepGraphs of one cache's layers share: one CUDA-graph memory pool, and one stream per device that
+    their captures run on. torch's caching allocator reuses a freed block only for allocations on the stream that
+    freed it, so with a capture stream per layer no layer's capture could reuse another's temporaries, and the pool
+    held every layer's: 32 x 200 MiB for KVQuant's key-outlier scores at 49 rows of 32K on Llama-3.1-8B shapes, which
+    cut nuq4's largest batch from 54 to 48 (`results/bench/generate-max-batch-*-h100-s31{-stream-per-layer,}.json`)."""
+
+    def __init__(self):
+        self._handle = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The capture stream on `device` (made on first use; on a full GPU making it can run out of memory)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
+
+
 class StepGraph:
     """One cache layer's decode step, replayed from a CUDA graph while eager decoding (transformers' `generate()`,
     `kvcal eval ppl --mode decode`) runs the rest of the model in Python.
@@ -28,11 +52,11 @@ class StepGraph:
     `key` names everything the recorded launches depend on (the buffers' generation, shapes, dtypes, torch's
     deterministic mode). A new key runs its first step eagerly, since that step may compile Triton kernels,
     which must not happen during a capture, and records at the next step. The graphs of one cache share
-    `pool` (`torch.cuda.graph_pool_handle()`): each layer's temporaries are dead once its replay is done and
-    layers replay one after another on one stream, so they can reuse the same memory (torch's rule for sharing a
-    pool). A graph is kept until its successor is recorded: torch releases a pool once no graph uses it, and
-    cannot record into it again (an internal assertion). The output is the graph's buffer, which the layer's
-    next replay overwrites: callers use it before the next step.
+    `shared` (a GraphPool: one memory pool, captured on one stream): each layer's temporaries are dead once its
+    replay is done and layers replay one after another on one stream, so they can reuse the same memory (torch's
+    rule for sharing a pool). A graph is kept until its successor is recorded: torch releases a pool once no graph
+    uses it, and cannot record into it again (an internal assertion). The output is the graph's buffer, which the
+    layer's next replay overwrites: callers use it before the next step.
 
     A recording that runs out of GPU memory is given up: that key's steps are launched instead, as without step
     graphs, and torch's cache is emptied. During a capture torch cannot hand its cached blocks back to the driver,
@@ -40,22 +64,17 @@ class StepGraph:
     whose memory sat in torch's cache, a 1 GiB capture ran out of memory where a launched 1 GiB allocation did not,
     `results/bench/capture-oom-probe-h100-s30.log`)."""
 
-    def __init__(self, pool):
-        self.pool = pool
+    def __init__(self, shared: GraphPool):
+        self.shared = shared
         self.key = None
         self.current = False  # whether `graph` was recorded under `key`
         self.graph = None
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.out = None
-        self.side = None  # the stream captures run on
         self.failed_key = None  # the key whose recording ran out of memory: launched until the key changes
-        self.failed: list[torch.cuda.CUDAGraph] = []  # kept: a pool released by its last graph cannot be reused
-        self.records = self.replays = 0  # (tests, diagnostics)
-
-    @property
-    def failed_records(self) -> int:
-        """Recordings given up for lack of memory (tests, diagnostics)."""
-        return len(self.failed)
+        # abandoned recordings, kept until the next one succeeds: a pool released by its last graph cannot be reused
+        self.failed: list[torch.cuda.CUDAGraph] = []
+        self.records = self.replays = self.failed_records = 0  # (tests, diagnostics)
 
     def __call__(self, fn, key, *inputs: torch.Tensor) -> torch.Tensor:
         if key != self.key:
@@ -81,14 +100,16 @@ class StepGraph:
         static = tuple(t.detach().clone() for t in inputs)  # no autograd history kept across steps
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream()
+        side = None
         try:
-            if self.side is None:  # captures run off the current stream (torch.cuda.graph does the same)
-                self.side = torch.cuda.Stream()  # (on a full GPU even this runs out of memory)
-            self.side.wait_stream(current)
-            with torch.cuda.stream(self.side):
+            # captures run off the current stream (torch.cuda.graph does the same), on the cache's one capture
+            # stream (on a full GPU even making it runs out of memory)
+            side = self.shared.stream(inputs[0].device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
                 # capture_begin/end rather than torch.cuda.graph: that also synchronizes the device, collects
                 # garbage and empties torch's cache at every capture, which would cost more than the steps saved
-                graph.capture_begin(pool=self.pool)
+                graph.capture_begin(pool=self.shared.handle())
                 try:
                     out = fn(*static)
                 except BaseException:
@@ -104,12 +125,14 @@ class StepGraph:
             if not out_of_memory(err):
                 raise
             self.failed.append(graph)
+            self.failed_records += 1
             return False
         finally:
-            if self.side is not None:
-                current.wait_stream(self.side)
+            if side is not None:
+                current.wait_stream(side)
         self.records += 1
         self.graph, self.inputs, self.out, self.current = graph, static, out, True
+        self.failed.clear()  # the new graph holds the pool now
         return True
 
 

@@ -81,7 +81,6 @@ def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: 
         "cache_vs_prediction": used / predicted, "peak_bytes_beyond_weights": torch.cuda.max_memory_allocated() - weights,
     }
     del cache
-    gc.collect()  # (CUDA graphs and their pools too, where only a cycle still holds them)
     torch.cuda.empty_cache()
     return record
 

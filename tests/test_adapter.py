@@ -116,3 +116,75 @@ def test_hub_reachable(monkeypatch):
     assert not models.hub_reachable()
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")  # behind a proxy a direct connection says nothing
     assert models.hub_reachable()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_installed_transformers_hands_kvcal_its_cache(name):
+    """Runs the adapter against whatever transformers is installed: every layer's attention must receive the
+    KvcalCache it was given, under a name the adapter reads. If a release renames the argument again, the failure
+    names the keyword each attention call received it under."""
+    import transformers
+
+    from kvcal.methods import build_method
+    from kvcal.models.adapter import CACHE_ARGUMENTS, forward_with_cache
+    from kvcal.runtime.cache import KvcalCache
+
+    loaded = load_model(name)
+    cache = KvcalCache(build_method("fp16").build_codec({}, loaded.dims), loaded.dims.num_layers)
+    received = []
+    for module in loaded.model.model.layers:
+        attn = module.self_attn
+        real = attn.forward
+
+        def spy(*args, _real=real, **kwargs):
+            received.append([key for key, value in kwargs.items() if value is cache])
+            return _real(*args, **kwargs)
+
+        attn.forward = spy
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        forward_with_cache(loaded.model, ids, cache)
+        forward_with_cache(loaded.model, ids[:, :1], cache)
+    assert len(received) == 2 * loaded.dims.num_layers
+    for names in received:
+        assert len(names) == 1 and names[0] in CACHE_ARGUMENTS, (
+            f"transformers {transformers.__version__} handed the cache to attention as {names or 'nothing'}; "
+            f"kvcal's adapter reads {CACHE_ARGUMENTS}")
+    cache.check_holds(10)
+    with pytest.raises(KvcalError, match="holds 10 tokens per row after 11 were fed"):
+        cache.check_holds(11)
+
+
+def test_a_cache_the_adapter_cannot_see_is_refused_in_one_line(tiny):
+    """A Cache under a keyword the adapter does not know, or use_cache=True with no cache, would run attention
+    without the cache: both are refused, naming the argument and the transformers version."""
+    import transformers
+    from transformers.cache_utils import DynamicCache
+
+    attn = tiny.model.model.layers[0].self_attn
+    hidden = torch.randn(1, 3, tiny.dims.hidden_size)
+    positions = torch.arange(3)[None]
+    with pytest.raises(KvcalError, match=f"transformers {transformers.__version__} passes the cache to attention as "
+                                         "`kv_store`"):
+        attn(hidden, position_ids=positions, kv_store=DynamicCache())
+    with pytest.raises(KvcalError, match="use_cache=True"):
+        attn(hidden, position_ids=positions, use_cache=True)
+    out, _ = attn(hidden, position_ids=positions, use_cache=False)  # no cache asked for: plain attention
+    assert out.shape == hidden.shape
+
+
+def test_cache_argument_is_read_from_the_forward_signature():
+    from kvcal.models.adapter import cache_argument
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids, **kwargs): ...
+
+    assert cache_argument(Old()) == "past_key_values" and cache_argument(New()) == "cache"
+    with pytest.raises(KvcalError, match="takes neither `cache` nor `past_key_values`"):
+        cache_argument(Neither())

@@ -11,6 +11,7 @@ from kvcal.accounting import bits_per_element, kv_elements
 from kvcal.eval.ppl import decoded_nll, scored_tokens, simulated_nll
 from kvcal.methods import build_method
 from kvcal.models import load_model
+from kvcal.models.adapter import cache_kwargs, forward_with_cache
 from kvcal.runtime.attention import PackedKV, decode_attention_ref
 from kvcal.runtime.cache import KvcalCache
 from kvcal.runtime.packing import pack_codes, unpack_codes, words_per_vector
@@ -174,8 +175,8 @@ def test_left_padded_batch_matches_each_row_alone(kvquant_artifact, which):
     mask = torch.ones_like(prompt)
     mask[1, :6] = 0
     kwargs = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
-    both = tiny64.model.generate(prompt, attention_mask=mask, past_key_values=KvcalCache(codec, 2), **kwargs)
-    alone = tiny64.model.generate(prompt[1:, 6:], past_key_values=KvcalCache(codec, 2), **kwargs)
+    both = tiny64.model.generate(prompt, attention_mask=mask, **cache_kwargs(tiny64.model, KvcalCache(codec, 2)), **kwargs)
+    alone = tiny64.model.generate(prompt[1:, 6:], **cache_kwargs(tiny64.model, KvcalCache(codec, 2)), **kwargs)
     assert torch.equal(both.sequences[1, 15:], alone.sequences[0, 9:])
     for a, b in zip(both.logits, alone.logits):
         torch.testing.assert_close(a[1], b[0], rtol=0, atol=1e-10)
@@ -191,9 +192,9 @@ def test_cache_memory_follows_bits_per_element(name, config):
     cache = KvcalCache(codec, loaded.dims.num_layers, capacity_hint=tokens)
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        loaded.model(ids[:, :250], past_key_values=cache, use_cache=True)
+        forward_with_cache(loaded.model, ids[:, :250], cache)
         for t in range(250, tokens):
-            loaded.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            forward_with_cache(loaded.model, ids[:, t : t + 1], cache)
     allocated, used = cache.nbytes()
     predicted = bits_per_element(method, loaded.dims, tokens).bits_per_element * kv_elements(loaded.dims, tokens) / 8
     assert used == pytest.approx(predicted, rel=0.1)
@@ -218,9 +219,9 @@ def test_load_cache_on_a_plain_transformers_model(tmp_path):
     prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=258, output_scores=True, return_dict_in_generate=True)
     cache = kvcal.load_cache(path, plain)
-    got = plain.generate(prompt, past_key_values=cache, **options)
+    got = plain.generate(prompt, **cache_kwargs(plain, cache), **options)
     assert got.sequences.shape == (1, 18) and cache.get_seq_length() == 17
-    want = tiny.model.generate(prompt, past_key_values=kvcal.load_cache(path, tiny), **options)
+    want = tiny.model.generate(prompt, **cache_kwargs(tiny.model, kvcal.load_cache(path, tiny)), **options)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores))
     uncompressed = build_random_model(tiny_config("llama"), torch.float32, "cpu")
@@ -263,7 +264,7 @@ def test_synthetic_fill_is_a_prefill_of_that_length(kvquant_artifact, name, conf
     codec = method.build_codec(kvquant_artifact.tensors if name == "kvquant" else {}, tiny.dims)
     real, synthetic = KvcalCache(codec, tiny.dims.num_layers), KvcalCache(codec, tiny.dims.num_layers)
     with torch.inference_mode():
-        tiny.model(torch.randint(0, 256, (3, 200)), past_key_values=real, use_cache=True)
+        forward_with_cache(tiny.model, torch.randint(0, 256, (3, 200)), real)
     synthetic.fill_synthetic(3, 200, tiny.dims, torch.bfloat16, "cpu", headroom=4)
     assert synthetic.get_seq_length() == real.get_seq_length() == 200
     assert synthetic.nbytes()[1] == real.nbytes()[1]
@@ -283,7 +284,7 @@ def test_synthetic_fill_is_a_prefill_of_that_length(kvquant_artifact, name, conf
                 owner = torch.arange(heads)[None, None, :, None]
                 assert ((stored // dim == owner) | (stored == -1)).all(), key
     with torch.inference_mode():
-        out = tiny.model(torch.randint(0, 256, (3, 1)), past_key_values=synthetic, use_cache=True).logits
+        out = forward_with_cache(tiny.model, torch.randint(0, 256, (3, 1)), synthetic).logits
     assert out.shape == (3, 1, 259) and torch.isfinite(out).all() and synthetic.get_seq_length() == 201
     if name != "kvquant":  # KVQuant's key slots hold twice the nominal outlier rate (README: +4-8% at 8B shapes)
         predicted = 3 * bits_per_element(method, tiny.dims, 201).bits_per_element * kv_elements(tiny.dims, 201) / 8
@@ -312,9 +313,9 @@ def test_steady_decode_makes_no_host_to_device_copies(tiny, monkeypatch, name, c
     cache = KvcalCache(codec, tiny.dims.num_layers)
     ids = torch.randint(0, 256, (2, 1))
     with torch.inference_mode():
-        tiny.model(torch.randint(0, 256, (2, 20)), past_key_values=cache, use_cache=True)
+        forward_with_cache(tiny.model, torch.randint(0, 256, (2, 20)), cache)
         for _ in range(3 * (16 + 8)):  # several ring cycles: every slot pattern has been seen
-            tiny.model(ids, past_key_values=cache, use_cache=True)
+            forward_with_cache(tiny.model, ids, cache)
         calls = []
         real_tensor = torch.tensor
 
@@ -325,7 +326,7 @@ def test_steady_decode_makes_no_host_to_device_copies(tiny, monkeypatch, name, c
 
         monkeypatch.setattr(torch, "tensor", counting_tensor)
         for _ in range(2 * (16 + 8)):
-            tiny.model(ids, past_key_values=cache, use_cache=True)
+            forward_with_cache(tiny.model, ids, cache)
     assert calls == []
     assert cache.layers[0].lengths.tolist() == cache.layers[0].compressed  # the device mirror is in step
 
@@ -336,7 +337,7 @@ def test_pre_rope_tables_are_shared_by_all_layers(tiny, kvquant_codec):
 
     cache = KvcalCache(kvquant_codec, tiny.dims.num_layers)
     with torch.inference_mode():
-        tiny.model(torch.randint(0, 256, (1, 30)), past_key_values=cache, use_cache=True)
+        forward_with_cache(tiny.model, torch.randint(0, 256, (1, 30)), cache)
     first, second = cache.layers[0], cache.layers[1]
     assert first.rope_cos is second.rope_cos and first.rope_cos.shape[0] >= 30
     cos, _ = rope_cos_sin(tiny.dims.rope.inv_freq("cpu"), torch.arange(30)[None], torch.float32)
@@ -416,7 +417,7 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
     exact = which != "fp16"
     with torch.inference_mode():
         for cache in (eager, static, direct):
-            tiny.model(prompt, past_key_values=cache, use_cache=True)
+            forward_with_cache(tiny.model, prompt, cache)
         for layer in direct.layers if which != "fp16" else ():  # its steps must not take the host-side ring path
 
             def ring_used(*args):
@@ -427,13 +428,13 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
         room = static.static_room()
         for t in range(6):
             ids, pos = steps[:, t : t + 1], 20 + t
-            want = tiny.model(ids, past_key_values=eager, use_cache=True).logits
-            got = tiny.model(ids, position_ids=torch.full((2, 1), pos), cache_position=torch.tensor([pos]),
-                             past_key_values=static, use_cache=True).logits
+            want = forward_with_cache(tiny.model, ids, eager).logits
+            got = forward_with_cache(tiny.model, ids, static, position_ids=torch.full((2, 1), pos),
+                                     cache_position=torch.tensor([pos])).logits
             static.advance_static()
             if exact:
                 assert torch.equal(got, want)
-                assert torch.equal(tiny.model(ids, past_key_values=direct, use_cache=True).logits, want)
+                assert torch.equal(forward_with_cache(tiny.model, ids, direct).logits, want)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert static.static_room() == room - 6 and static.get_seq_length() == eager.get_seq_length() == 26
@@ -442,8 +443,8 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
         # flush), one again (KIVI: the device's ring positions refreshed from the host's)
         for span in (slice(6, 7), slice(7, 8), slice(8, 10), slice(10, 11)):
             ids = steps[:, span]
-            want = tiny.model(ids, past_key_values=eager, use_cache=True).logits
-            got = tiny.model(ids, past_key_values=static, use_cache=True).logits
+            want = forward_with_cache(tiny.model, ids, eager).logits
+            got = forward_with_cache(tiny.model, ids, static).logits
             torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
     if exact:
         for mine, ref in zip(static.layers, eager.layers):
@@ -462,7 +463,7 @@ def test_static_steps_are_refused_for_the_dequantized_backend(tiny):
     codec = build_method("rtn", {"bits": 4}).build_codec({}, tiny.dims)
     cache = KvcalCache(codec, tiny.dims.num_layers, backend="dequantized")
     with torch.inference_mode():
-        tiny.model(torch.randint(0, 256, (1, 20)), past_key_values=cache, use_cache=True)
+        forward_with_cache(tiny.model, torch.randint(0, 256, (1, 20)), cache)
     with pytest.raises(KvcalError, match="layer 0: dequantized reference backend"):
         cache.begin_static()
 
@@ -513,7 +514,7 @@ def test_graph_replay_equals_static_steps_on_gpu(which, tmp_path):
     caches = [KvcalCache(codec, 2, capacity_hint=340) for _ in range(2)]
     with torch.inference_mode():
         for cache in caches:
-            loaded.model(prompt, past_key_values=cache, use_cache=True)
+            forward_with_cache(loaded.model, prompt, cache)
     first = prompt[:, -1:]
     replayed, eager = GraphDecoder(loaded, caches[0], first), GraphDecoder(loaded, caches[1], first, capture=False)
     for _ in range(24):
@@ -544,11 +545,11 @@ def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
     graphed, launched = (KvcalCache(codec, 2, step_graphs=flag) for flag in (True, False))
     with torch.inference_mode(), deterministic_algorithms(which == "kvquant"):
         for cache in (graphed, launched):
-            loaded.model(prompt, past_key_values=cache, use_cache=True)
+            forward_with_cache(loaded.model, prompt, cache)
         ids, capacities = prompt[:, -1:], set()
         for _ in range(60):
-            got = loaded.model(ids, past_key_values=graphed, use_cache=True).logits.clone()
-            want = loaded.model(ids, past_key_values=launched, use_cache=True).logits
+            got = forward_with_cache(loaded.model, ids, graphed).logits.clone()
+            want = forward_with_cache(loaded.model, ids, launched).logits
             assert torch.equal(got, want)
             ids = want[:, -1:].argmax(-1)
             capacities.add(graphed.layers[0].capacity)
@@ -581,10 +582,10 @@ def test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu():
         cache = KvcalCache(codec, layers)
         prompt = torch.randint(0, 512, (8, 1000), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         with torch.inference_mode():
-            loaded.model(prompt, past_key_values=cache, use_cache=True)
+            forward_with_cache(loaded.model, prompt, cache)
             ids = prompt[:, -1:]
             for _ in range(5):  # each buffer generation: launched, then recorded and replayed
-                ids = loaded.model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                ids = forward_with_cache(loaded.model, ids, cache).logits[:, -1:].argmax(-1)
         assert {layer.step_graph.records for layer in cache.layers} == {cache.layers[0].step_graph.records} != {0}
         pools[layers] = private_pool_bytes()
         del cache, loaded
@@ -619,12 +620,12 @@ def test_step_graph_recording_out_of_memory_launches_instead_on_gpu(monkeypatch)
 
     with torch.inference_mode():
         for cache in (graphed, launched):
-            loaded.model(prompt, past_key_values=cache, use_cache=True)
+            forward_with_cache(loaded.model, prompt, cache)
         ids = prompt[:, -1:]
 
         def step():
-            got = loaded.model(ids, past_key_values=graphed, use_cache=True).logits.clone()
-            want = loaded.model(ids, past_key_values=launched, use_cache=True).logits
+            got = forward_with_cache(loaded.model, ids, graphed).logits.clone()
+            want = forward_with_cache(loaded.model, ids, launched).logits
             assert torch.equal(got, want)
             return want[:, -1:].argmax(-1)
 
@@ -670,10 +671,10 @@ def test_generate_left_padded_with_step_graphs_on_gpu(which, tmp_path):
                   return_dict_in_generate=True, pad_token_id=0)
     with torch.inference_mode():
         graphed_cache = KvcalCache(codec, 2)
-        graphed = loaded.model.generate(prompt, attention_mask=mask, past_key_values=graphed_cache, **kwargs)
+        graphed = loaded.model.generate(prompt, attention_mask=mask, **cache_kwargs(loaded.model, graphed_cache), **kwargs)
         launched_cache = KvcalCache(codec, 2, step_graphs=False)
-        launched = loaded.model.generate(prompt, attention_mask=mask, past_key_values=launched_cache, **kwargs)
-        alone = loaded.model.generate(prompt[1:, 9:], past_key_values=KvcalCache(codec, 2), **kwargs)
+        launched = loaded.model.generate(prompt, attention_mask=mask, **cache_kwargs(loaded.model, launched_cache), **kwargs)
+        alone = loaded.model.generate(prompt[1:, 9:], **cache_kwargs(loaded.model, KvcalCache(codec, 2)), **kwargs)
     assert all(layer.step_graph.replays > 30 for layer in graphed_cache.layers)
     assert torch.equal(graphed.sequences, launched.sequences)
     for a, b in zip(graphed.logits, launched.logits, strict=True):
@@ -698,7 +699,7 @@ def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, whic
     prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     eos = tiny.model.generation_config.eos_token_id
     with torch.inference_mode():
-        want = tiny.model.generate(prompt, past_key_values=KvcalCache(codec, tiny.dims.num_layers), max_new_tokens=9,
+        want = tiny.model.generate(prompt, **cache_kwargs(tiny.model, KvcalCache(codec, tiny.dims.num_layers)), max_new_tokens=9,
                                    do_sample=False, pad_token_id=eos)[:, 12:]
     for mode in ("eager", "static", "auto"):
         cache = KvcalCache(codec, tiny.dims.num_layers, capacity_hint=12)  # static steps reserve their room
@@ -736,7 +737,7 @@ def test_greedy_decode_replayed_gives_the_tokens_generate_gives_on_gpu():
     codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
     prompt = torch.randint(0, 512, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.inference_mode():
-        want = loaded.model.generate(prompt, past_key_values=KvcalCache(codec, 2), max_new_tokens=24, do_sample=False,
+        want = loaded.model.generate(prompt, **cache_kwargs(loaded.model, KvcalCache(codec, 2)), max_new_tokens=24, do_sample=False,
                                      pad_token_id=0)[:, 50:]
     got = greedy_decode(loaded, KvcalCache(codec, 2, capacity_hint=80), prompt, 24, None, "auto")
     assert got["mode"] == "cuda-graph" and torch.equal(got["tokens"], want)

@@ -8,6 +8,7 @@ import torch
 from kvcal.eval.ppl import first_target, sequence_nll, simulated_nll
 from kvcal.methods import build_method
 from kvcal.methods.base import FlushPolicy
+from kvcal.models.adapter import forward_with_cache
 from kvcal.runtime.cache import KvcalCache
 
 
@@ -18,9 +19,9 @@ def decode_nll(loaded, codec, ids, protocol, prompt_len):
     with torch.inference_mode():
         start = prompt_len if protocol == "prefill-decode" else 0
         if start:
-            logits.append(loaded.model(ids[:, :start], past_key_values=cache, use_cache=True).logits)
+            logits.append(forward_with_cache(loaded.model, ids[:, :start], cache).logits)
         for t in range(start, ids.shape[1]):
-            logits.append(loaded.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            logits.append(forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits)
     return sequence_nll(torch.cat(logits, 1), ids, first_target(protocol, prompt_len)).item()
 
 

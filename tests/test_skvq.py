@@ -24,6 +24,7 @@ from kvcal.methods.skvq import (
     clipped_group_params,
     fake_quant_clipped,
 )
+from kvcal.models.adapter import forward_with_cache
 from kvcal.quant.rope import RopeSpec
 from kvcal.recipes import load_recipe
 from kvcal.runtime.cache import KvcalCache
@@ -208,7 +209,7 @@ def decode_nll(loaded, codec, ids) -> float:
     its reference backend: SKVQ has no packed (Triton) storage format yet."""
     cache = KvcalCache(codec, loaded.dims.num_layers, backend="dequantized")
     with torch.inference_mode():
-        logits = [loaded.model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+        logits = [forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits
                   for t in range(ids.shape[1])]
     return sequence_nll(torch.cat(logits, 1), ids, 1).item()
 

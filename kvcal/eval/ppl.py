@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.eval.simulate import SimulatedAttention
+from kvcal.models.adapter import forward_with_cache
 
 PROTOCOLS = ("gptq", "prefill-decode")
 
@@ -82,15 +83,16 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
             cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1],
                                step_graphs=step_graphs)
             if start:
-                loaded.model(batch[:, :start], past_key_values=cache, use_cache=True)
+                forward_with_cache(loaded.model, batch[:, :start], cache)
             # summed on the device, read once per batch: an .item() per token would sync every step
             nll = torch.zeros((), dtype=torch.float64, device=loaded.device)
             for t in range(start, batch.shape[1] - 1):
-                logits = loaded.model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = forward_with_cache(loaded.model, batch[:, t : t + 1], cache).logits[:, -1]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 nll += F.cross_entropy(logits, batch[:, t + 1], reduction="sum")
                 total.tokens += batch.shape[0]
                 if progress is not None:
                     progress(batch.shape[0])
+            cache.check_holds(batch.shape[1] - 1)  # every token but the last was fed
             total.nll += nll.item()
     return total

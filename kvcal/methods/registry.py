@@ -31,8 +31,22 @@ def all_methods() -> dict[str, type]:
 
 
 def _load_all() -> None:
-    # Importing the modules registers their methods.
-    from kvcal.methods import baselines, kvquant, skvq  # noqa: F401
+    """Import every module of the kvcal.methods package once: a method registers itself with @register in its own
+    file, so adding one edits no shared list."""
+    global _LOADED
+    if _LOADED:
+        return
+    import importlib
+    import pkgutil
+
+    import kvcal.methods as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+    _LOADED = True
+
+
+_LOADED = False
 
 
 def runtime_overrides(method_name: str, sets: list[str] | dict | None) -> dict:

@@ -7,16 +7,26 @@ applies RoPE itself. Handlers decide what attention sees:
 
 - `StandardAttention` (the default): exact transformers semantics, including any HF `Cache`.
 - the gptq simulation (`kvcal.eval.simulate`), calibration capture (`kvcal.calib.capture`), ...
-- a kvcal runtime cache passed as `past_key_values` takes over attention for its layer.
+- a kvcal runtime cache passed to the model (as `cache=` or `past_key_values=`, whichever the installed
+  transformers takes) takes over attention for its layer.
+
+transformers 5.24 renamed the cache argument of every model and attention forward from `past_key_values` to
+`cache`. kvcal reads the name once per model class from the forward's signature (`cache_argument`) and passes
+the cache under it (`cache_kwargs`, `forward_with_cache`); the attention forward accepts both spellings and
+refuses, in one line, a call that asks for a cache (use_cache=True) but hands it under a name it does not know.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import transformers
+from transformers.cache_utils import Cache
 
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention
@@ -35,7 +45,7 @@ class AttentionInputs:
     cos: torch.Tensor  # [B, T, D]
     sin: torch.Tensor
     mask: torch.Tensor | None  # as transformers passed it
-    cache: object | None  # past_key_values
+    cache: object | None  # the cache transformers passed (`cache` or `past_key_values`)
     scale: float
 
     def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +104,59 @@ def install_adapter(loaded) -> Adapter:
     return adapter
 
 
+# The names under which transformers releases pass the cache to a model's and an attention module's forward,
+# newest first (5.24 renamed past_key_values to cache; some 4.x releases used past_key_value in attention).
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def cache_argument(model) -> str:
+    """The keyword under which this model's forward (and generate()) takes the cache: read once per class from
+    the forward's signature, not from the transformers version."""
+    params = _forward_parameters(type(model))
+    for name in CACHE_ARGUMENTS[:2]:
+        if name in params:
+            return name
+    raise KvcalError(f"transformers {transformers.__version__}: {type(model).__name__}.forward takes neither "
+                     "`cache` nor `past_key_values`, so kvcal cannot hand it a cache")
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache} for `model(...)` or `model.generate(...)` with the installed transformers' spelling."""
+    return {cache_argument(model): cache}
+
+
+def forward_with_cache(model, input_ids: torch.Tensor, cache, **kwargs):
+    """`model(input_ids, <cache argument>=cache, use_cache=True, **kwargs)`. `cache_position` is dropped where the
+    forward no longer takes it (transformers >= 5.24 derives positions from position_ids)."""
+    if "cache_position" in kwargs and "cache_position" not in _forward_parameters(type(model)):
+        kwargs.pop("cache_position")
+    return model(input_ids, **cache_kwargs(model, cache), use_cache=True, **kwargs)
+
+
+def _received_cache(kwargs: dict):
+    """The cache transformers handed to the attention forward, under whichever name it used. A Cache under a name
+    kvcal does not know, or use_cache=True with no cache at all, is a call kvcal would silently run without its
+    cache: refused in one line that names the argument and the transformers version."""
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    unknown = [name for name, value in kwargs.items() if isinstance(value, Cache) or hasattr(value, "kvcal_attend")]
+    if unknown:
+        raise KvcalError(f"transformers {transformers.__version__} passes the cache to attention as `{unknown[0]}`, "
+                         f"which kvcal's adapter does not know (it reads {', '.join(CACHE_ARGUMENTS)}): the cache "
+                         "would be bypassed; use a transformers version listed in kvcal's constraints.txt")
+    if kwargs.get("use_cache"):
+        raise KvcalError(f"transformers {transformers.__version__} asked kvcal's attention to use a cache "
+                         f"(use_cache=True) but passed none under {', '.join(CACHE_ARGUMENTS)}: the cache would be "
+                         "bypassed; use a transformers version listed in kvcal's constraints.txt")
+    return None
+
+
 def _positions(position_ids, cache_position, batch: int, length: int, device) -> torch.Tensor:
     if position_ids is not None:
         return position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
@@ -107,7 +170,6 @@ def kvcal_attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings=None,
     attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
     cache_position: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     **kwargs,
@@ -121,7 +183,7 @@ def kvcal_attention_forward(
     if adapter.qk_norm:
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    cache = past_key_values if past_key_values is not None else kwargs.get("past_key_value")
+    cache = _received_cache(kwargs)
     positions = _positions(position_ids, cache_position, batch, length, hidden_states.device)
     cos, sin = rope_cos_sin(adapter.inv_freq, positions, q.dtype)
     inputs = AttentionInputs(

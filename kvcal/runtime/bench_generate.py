@@ -20,6 +20,7 @@ import torch
 
 from kvcal.accounting import bits_per_element, kv_elements
 from kvcal.errors import KvcalError
+from kvcal.models.adapter import forward_with_cache
 from kvcal.runtime.cache import KvcalCache
 from kvcal.runtime.graph import GraphDecoder, out_of_memory
 
@@ -30,11 +31,11 @@ def eager_decode_seconds(loaded, cache, batch: int, steps: int, generator) -> fl
     ids = torch.randint(0, vocab, (batch, 1), device=loaded.device, generator=generator)
     with torch.inference_mode():
         for _ in range(2):
-            loaded.model(ids, past_key_values=cache, use_cache=True)
+            forward_with_cache(loaded.model, ids, cache)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            logits = loaded.model(ids, past_key_values=cache, use_cache=True).logits
+            logits = forward_with_cache(loaded.model, ids, cache).logits
             ids = logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
     return time.perf_counter() - start

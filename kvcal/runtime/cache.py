@@ -47,7 +47,9 @@ class _LayerBase(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        # transformers >= 5.10 passes the query length; earlier 5.x releases the query's cache_position tensor
+        query_length = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
         return self.length + query_length, 0
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -699,6 +701,16 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         return self.layers[inp.layer_idx].attend(inp)
+
+    def check_holds(self, tokens: int) -> None:
+        """Raise one line unless every layer holds `tokens` tokens per row (padding included): a model call that
+        did not reach this cache (a transformers release passing it under another name) must not go unnoticed."""
+        held = sorted({layer.length for layer in self.layers})
+        if held != [tokens]:
+            import transformers
+
+            raise KvcalError(f"the KV cache holds {'/'.join(map(str, held))} tokens per row after {tokens} were fed: "
+                             f"the model (transformers {transformers.__version__}) ran without kvcal's cache")
 
     # ---- static decode steps: what a CUDA graph can capture and replay (kvcal bench generate)
     def begin_static(self) -> None:

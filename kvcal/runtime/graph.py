@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.models.adapter import forward_with_cache
 
 
 class GraphPool:
@@ -176,8 +177,8 @@ class GraphDecoder:
                     self._advance(self._forward())
 
     def _forward(self) -> torch.Tensor:
-        return self.model(self.ids, position_ids=self.position_ids, cache_position=self.cache_position,
-                          past_key_values=self.cache, use_cache=True).logits
+        return forward_with_cache(self.model, self.ids, self.cache, position_ids=self.position_ids,
+                                  cache_position=self.cache_position).logits
 
     def _advance(self, logits: torch.Tensor) -> None:
         self.ids.copy_(logits[:, -1:].argmax(-1))
@@ -225,7 +226,7 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
     if mode == "graph" and not cuda:
         raise KvcalError("CUDA-graph decoding needs a CUDA device (--device cuda), or pass --no-graph")
     with torch.inference_mode():
-        logits = loaded.model(prompt_ids, past_key_values=cache, use_cache=True).logits
+        logits = forward_with_cache(loaded.model, prompt_ids, cache).logits
         tokens = [logits[:, -1:].argmax(-1)]
     _sync(cuda)
     start = time.perf_counter()
@@ -262,11 +263,12 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
         with torch.inference_mode():
             mark_warm()
             while len(tokens) <= steps and not _all_ended(tokens, eos):
-                logits = loaded.model(tokens[-1], past_key_values=cache, use_cache=True).logits
+                logits = forward_with_cache(loaded.model, tokens[-1], cache).logits
                 tokens.append(logits[:, -1:].argmax(-1))
                 mark_warm()
     _sync(cuda)
     end, done = time.perf_counter(), len(tokens) - 1
+    cache.check_holds(prompt_ids.shape[1] + done)  # the prompt and every emitted token but the last were fed
     if warmed is None or done == warmed[1]:  # no step after the warmup: time them all
         warmed = (start, 0)
     return {"tokens": _cut_after_eos(torch.cat(tokens, 1), eos), "mode": used, "warmup_seconds": warmed[0] - start,

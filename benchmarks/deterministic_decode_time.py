@@ -10,7 +10,7 @@ import sys
 import torch
 
 from kvcal.determinism import deterministic_algorithms
-from kvcal.runtime.bench import random_packed, time_kvcal, time_sdpa
+from kvcal.runtime.bench import storage_for, time_sdpa, time_storage
 
 rows = []
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -19,12 +19,12 @@ for batch in (8, 1):
     print(f"sdpa 32K x {batch}: {sdpa:.1f} us", flush=True)
     rows.append({"kernel": "sdpa", "batch": batch, "us": sdpa})
     for bits in (4, 2):
-        kv = random_packed("nuq", bits, batch, 8, 128, 32768 - 128)
+        storage, inv_freq = storage_for(f"kvquant-nuq{bits}-1pct")
         for det in (False, True, False, True):
             with deterministic_algorithms(det):
-                us = time_kvcal("nuq", bits, batch, 32, 8, 128, 32768, kv=kv)[0]
+                us = time_storage(storage, batch, 32, 8, 128, 32768, inv_freq=inv_freq)[0]
             print(f"nuq{bits} 32K x {batch} deterministic={det}: {us:.1f} us ({sdpa / us:.2f}x SDPA)", flush=True)
             rows.append({"kernel": f"nuq{bits}", "batch": batch, "deterministic": det, "us": us})
 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": 32768,
-           "timing": "kvcal.runtime.bench.time_kvcal (CUDA graph, do_bench write flush, median)", "rows": rows},
+           "timing": "kvcal.runtime.bench.time_storage (CUDA graph, do_bench write flush, median)", "rows": rows},
           open(sys.argv[1], "w"), indent=1)

@@ -18,10 +18,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcal.models import load_model  # noqa: E402
-from kvcal.models.adapter import AttentionInputs  # noqa: E402
+from kvcal.models.adapter import AttentionInputs, forward_with_cache  # noqa: E402
 from kvcal.quant.rope import rope_cos_sin  # noqa: E402
 from kvcal.recipes import resolve  # noqa: E402
-from kvcal.runtime import ops  # noqa: E402
 from kvcal.runtime.bench_generate import eager_decode_seconds  # noqa: E402
 from kvcal.runtime.cache import KvcalCache  # noqa: E402
 
@@ -44,18 +43,13 @@ def _per_call_costs(layer, loaded, batch: int) -> None:
         return
     hkv, d = loaded.dims.num_kv_heads, loaded.dims.head_dim
     q = torch.randn(batch, loaded.dims.num_heads, d, device="cuda", dtype=loaded.dtype)
-    kv = layer.packed()
-    attend_us = per_call_us(lambda: ops.decode_attention(q, kv, layer.fp_k, layer.fp_v, layer.fp_valid, 0.088))
-    print(f"decode_attention: {attend_us:.1f} us/call host")
+    attend_us = per_call_us(lambda: layer._decode(q, 0.088))
+    print(f"decode attention (storage kernel + merge): {attend_us:.1f} us/call host")
     x = torch.randn(batch, hkv, d, device="cuda", dtype=loaded.dtype)
     rows = layer._index(range(batch))
-    slots = layer.lengths.clone()
-    kf, buf = layer.key_format, layer.buffers
-    if kf.kind == "affine_channels":
-        quantize_us = per_call_us(lambda: ops.quantize_affine_channels_into(
-            x, kf.bits, kf.group, buf["k_codes"], buf["k_scale"], buf["k_zero"], rows, slots))
-        print(f"quantize_affine_channels_into: {quantize_us:.1f} us/call host")
-    print(f"packed(): {per_call_us(layer.packed):.1f} us/call host")
+    slots = layer.lengths.clone().long()
+    write_us = per_call_us(lambda: layer.storage.write(layer.packed(), x, x, rows, slots, True))
+    print(f"storage write (one token per row): {write_us:.1f} us/call host")
     print(f"lengths += 1: {per_call_us(lambda: slots.add_(1)):.1f} us/call host")
     # the whole one-token step of the layer (RoPE, quantize + pack, attention; each call appends a token), with its
     # kernels launched from Python and replayed from the layer's StepGraph (KvcalCache's default on CUDA)
@@ -78,7 +72,7 @@ def main():
     ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # the profiled steps' input
     for name in recipes:
         method, _, _ = resolve(None, name, None)
-        cache = KvcalCache(method.build_codec({}, loaded.dims), loaded.dims.num_layers)
+        cache = KvcalCache(method.build_codec(method.synthetic_tensors(loaded.dims), loaded.dims), loaded.dims.num_layers)
         # headroom: the per-call timings below append a token per call
         cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 1024)
         seconds = eager_decode_seconds(loaded, cache, batch, steps, torch.Generator(device="cuda").manual_seed(0))
@@ -87,7 +81,7 @@ def main():
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(steps):
-                loaded.model(ids, past_key_values=cache, use_cache=True)
+                forward_with_cache(loaded.model, ids, cache)
             torch.cuda.synchronize()
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)

@@ -18,11 +18,39 @@ import torch
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
-from kvcal.methods.kvquant import from_rows, quantize_dynamic, quantize_static, to_rows
+from kvcal.methods.kvquant import to_rows
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
-from kvcal.quant.nonuniform import quantile
+from kvcal.quant.nonuniform import (
+    dequantize_lut_dynamic,
+    dequantize_lut_static,
+    quantile,
+    quantize_lut_dynamic,
+    quantize_lut_static,
+    range_params,
+)
 from kvcal.recipes import resolve
+
+
+def from_rows(rows, heads):
+    b, t, c = rows.shape
+    return rows.reshape(b, t, heads, c // heads).transpose(1, 2)
+
+
+def quantize_static(rows, lo, hi, encode, decode, sparse):
+    """Per-channel nuq of token rows [B, T, C] with exact outliers (sparse) or clamped (the packed quantizers)."""
+    x = rows.reshape(-1, 1, rows.shape[-1])
+    bits = (encode.numel() - 1).bit_length()
+    codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, bits, x.shape[-1] if sparse else 0, torch.float64)
+    zero, scale = range_params(lo, hi)
+    return dequantize_lut_static(codes, zero, scale, decode, bits, x.shape[-1], idx, val).reshape(rows.shape)
+
+
+def quantize_dynamic(rows, encode, decode, per_side):
+    x = rows.reshape(-1, 1, rows.shape[-1])
+    bits = (encode.numel() - 1).bit_length()
+    out = quantize_lut_dynamic(x, encode, decode, bits, per_side, residual_dtype=torch.float64)
+    return dequantize_lut_dynamic(*out[:3], decode, bits, x.shape[-1], *out[3:]).reshape(rows.shape)
 
 torch.set_num_threads(2)
 ns = int(sys.argv[1]) if len(sys.argv) > 1 else 2
@@ -41,11 +69,8 @@ class V:
         base = base or codec
         s.policy, s.keys_pre_rope, s.lossless = base.policy, base.keys_pre_rope, False
 
-    def quantize_keys(s, layer, k):
-        return s.fk(layer, k) if s.fk else k
-
-    def quantize_values(s, layer, v):
-        return s.fv(layer, v) if s.fv else v
+    def reconstruct(s, layer, k, v):
+        return (s.fk(layer, k) if s.fk else k), (s.fv(layer, v) if s.fv else v)
 
 
 def oracle_keys(layer, k):
@@ -85,13 +110,13 @@ def perhead_values(layer, v):
 
 variants = {
     "fp": V(),
-    "k nuq-1% (artifact)": V(fk=codec.quantize_keys),
-    "k kivi g64": V(fk=kivi.quantize_keys, base=kivi),
+    "k nuq-1% (artifact)": V(fk=lambda i, k: codec.reconstruct(i, k, k)[0]),
+    "k kivi g64": V(fk=lambda i, k: kivi.reconstruct(i, k, k)[0], base=kivi),
     "k oracle per-window ranges": V(fk=oracle_keys),
     "k int-1% calibrated ranges": V(fk=int_keys),
     "k nuq table, per-64-token minmax": V(fk=group_keys),
-    "v nuq-1% (artifact)": V(fv=codec.quantize_values),
-    "v kivi g64": V(fv=kivi.quantize_values, base=kivi),
+    "v nuq-1% (artifact)": V(fv=lambda i, v: codec.reconstruct(i, v, v)[1]),
+    "v kivi g64": V(fv=lambda i, v: kivi.reconstruct(i, v, v)[1], base=kivi),
     "v nuq per-head 1/side": V(fv=perhead_values),
 }
 res = {}

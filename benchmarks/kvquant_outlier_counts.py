@@ -52,7 +52,7 @@ def main():
         simulated_nll(loaded, codec, windows)
         c = torch.cat(counts).float()
         ch = torch.cat(head_counts).float()
-        capacity = codec.runtime_formats(0)[0].capacity
+        capacity = codec.storage(0).capacity
         stats = {"channels": loaded.dims.kv_channels, "nominal": method.outliers * loaded.dims.kv_channels,
                  "mean": c.mean().item(), "max": c.max().item(),
                  "quantiles": {str(q): float(torch.quantile(c, q)) for q in (0.5, 0.9, 0.99, 0.999)},

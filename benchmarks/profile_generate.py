@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcal.models import load_model  # noqa: E402
+from kvcal.models.adapter import forward_with_cache  # noqa: E402
 from kvcal.recipes import resolve  # noqa: E402
 from kvcal.runtime.cache import KvcalCache  # noqa: E402
 
@@ -30,17 +31,17 @@ def main():
         cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=32)
         with torch.inference_mode():
             for _ in range(3):
-                loaded.model(ids, past_key_values=cache, use_cache=True)
+                forward_with_cache(loaded.model, ids, cache)
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(5):
-                loaded.model(ids, past_key_values=cache, use_cache=True)
+                forward_with_cache(loaded.model, ids, cache)
             torch.cuda.synchronize()
             print(f"== {name}: {(time.perf_counter() - start) / 5 * 1000:.1f} ms/step (batch {batch}, context {context})")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(2):
-                    loaded.model(ids, past_key_values=cache, use_cache=True)
+                    forward_with_cache(loaded.model, ids, cache)
                 torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=60))

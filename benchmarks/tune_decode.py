@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvcal.runtime.bench import copy_bandwidth, time_kvcal, time_sdpa  # noqa: E402
+from kvcal.runtime.bench import copy_bandwidth, storage_for, time_sdpa, time_storage  # noqa: E402
 
+RECIPES = {"int": "rtn-int{bits}", "kivi": "kivi-{bits}bit", "nuq": "kvquant-nuq{bits}-1pct"}  # the variants' names
 VARIANT_SETS = {}  # rounds 1-6: kivi rows with block_t 64 timed two-block tiles, since removed (KIVI tiles now
 # lie inside one key block, so block_t 64 runs as 32)
 VARIANT_SETS["round1"] = [
@@ -266,8 +267,9 @@ def main(argv=None):
         for i, (codec, bits, opts) in enumerate(variants):
             t0 = time.time()
             try:
-                us, nbytes = time_kvcal(codec, bits, args.batch, 32, 8, 128, args.context, graph=not args.eager,
-                                         flush=args.flush, **opts)
+                storage, inv_freq = storage_for(RECIPES[codec].format(bits=bits))
+                us, nbytes = time_storage(storage, args.batch, 32, 8, 128, args.context, graph=not args.eager,
+                                          flush=args.flush, inv_freq=inv_freq, **opts)
             except Exception as e:  # keep going: one failing variant must not lose the others
                 print(f"{codec}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue

@@ -2,7 +2,7 @@
 
     import kvcal
     cache = kvcal.load_cache("artifacts/smollm2-135m/kvquant-nuq4-1pct.safetensors", model)
-    model.generate(input_ids, past_key_values=cache)
+    model.generate(input_ids, cache=cache)  # transformers >= 5.24; past_key_values=cache before
 """
 
 __version__ = "0.1.0"

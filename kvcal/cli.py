@@ -154,7 +154,9 @@ def eval_ppl_command(
     batch_size: int = typer.Option(1, help="Windows per forward pass (decode mode: rows of the batch)."),
     mode: str = typer.Option("simulate", help="simulate (whole windows, the gptq emulation) or decode "
                              "(token by token through the real compressed cache)."),
-    backend: str = typer.Option("packed", help="decode mode: packed (the runtime) or dequantized (reference)."),
+    backend: str = typer.Option("packed", help="decode mode: packed (each method's storage: Triton kernels on CUDA, "
+                                "torch references elsewhere), reference (the storages' torch references on any "
+                                "device) or dequantized (reconstructed values in plain tensors)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic", help="torch's deterministic "
@@ -200,7 +202,9 @@ def generate_command(
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (greedy)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
-    backend: str = typer.Option("packed", help="packed (the runtime) or dequantized (reference; methods without kernels)."),
+    backend: str = typer.Option("packed", help="packed (each method's storage: Triton kernels on CUDA, torch references "
+                                "elsewhere), reference (the storages' torch references) or dequantized (reconstructed "
+                                "values in plain tensors; methods without a storage)."),
     graph: bool | None = typer.Option(None, "--graph/--no-graph", help="Replay decode steps from a CUDA graph "
                                       "(default: on CUDA with the packed or fp16 cache; the dequantized backend runs "
                                       "eagerly). --no-graph: a Python forward per step, as generate() runs it (packed "
@@ -275,8 +279,8 @@ def bench_generate_command(
     loaded = load_model(model, dtype, "cuda")
     cases = []
     for name in recipe or ([] if artifact else ["fp16"]):  # fp16 alone when nothing is named
-        method, tag, _ = resolve(None, name, None)
-        cases.append((name, method, method.build_codec({}, loaded.dims)))
+        method, tag, _ = resolve(None, name, None)  # a method that learns gets random tables (speed only)
+        cases.append((name, method, method.build_codec(method.synthetic_tensors(loaded.dims), loaded.dims)))
     for path in artifact or []:
         method, codec = codec_for_artifact(load_artifact(path), loaded, path)
         cases.append((Path(path).stem, method, codec))
@@ -329,12 +333,19 @@ def bench_generate_command(
                                      "command": invoked_command()})
 
 
+DECODE_BENCH_RECIPES = ("rtn-int4", "rtn-int2", "kivi-4bit", "kivi-2bit", "kvquant-nuq4-1pct")
+
+
 @bench_app.command("decode")
 def bench_decode_command(
+    recipe: list[str] | None = typer.Option(None, help="Recipe to benchmark (repeatable; any registered method: one "
+                                            "that learns gets random tables of the right shapes). Default: "
+                                            "rtn-int4, rtn-int2, kivi-4bit, kivi-2bit, kvquant-nuq4-1pct."),
+    artifact: list[Path] | None = typer.Option(None, help="Artifact to benchmark (repeatable; calibrated for "
+                                               "Llama-3.1-8B shapes)."),
+    sets: list[str] | None = SetOpt,
     context: list[int] | None = typer.Option(None, help="Context lengths (repeatable; default 4096, 16384, 32768, 131072)."),
     batch: list[int] | None = typer.Option(None, help="Batch sizes (repeatable; default 1, 8, 32)."),
-    codec: list[str] | None = typer.Option(None, help="int, kivi, nuq (repeatable; default all)."),
-    bits: list[int] | None = typer.Option(None, help="Bit widths (repeatable; default 4, 3, 2)."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float16 queries and fp window."),
     window: int = typer.Option(128, help="Full-precision tokens of each kvcal cache."),
     rep: int = typer.Option(100, help="do_bench repetition time in ms."),
@@ -344,21 +355,18 @@ def bench_decode_command(
                                              "leaving the L2 dirty) or 'read' (sums 256 MB, leaving it clean)."),
     json_out: Path | None = typer.Option(None, "--json", help="JSON path (default results/bench/decode-DEVICE.json)."),
 ):
-    """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each packed codec, same run."""
+    """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each method's packed storage, same run."""
     import torch
 
+    from kvcal.accounting import bits_per_element
+    from kvcal.models import ModelDims
+    from kvcal.models.tiny import llama31_8b_config
     from kvcal.runtime import bench
 
     if dtype not in ("bfloat16", "float16"):
         raise KvcalError(f"--dtype must be bfloat16 or float16, got {dtype}")
     if flush not in bench.FLUSHES:
         raise KvcalError(f"--flush must be one of {', '.join(bench.FLUSHES)}, got {flush}")
-    for name in codec or ():
-        if name not in bench.CODECS:
-            raise KvcalError(f"unknown codec '{name}' (known: {', '.join(bench.CODECS)})")
-    for b in bits or ():
-        if b not in (2, 3, 4):
-            raise KvcalError(f"--bits must be 2, 3 or 4, got {b}")
     for flag, values in (("--context", context), ("--batch", batch), ("--rep", [rep])):
         for v in values or ():
             _positive(flag, v)
@@ -366,12 +374,17 @@ def bench_decode_command(
         raise KvcalError(f"--window must be >= 0, got {window}")
     if json_out is not None:
         check_writable(json_out, folder=False)
+    dims = ModelDims.from_config(llama31_8b_config())
+    cases = [(name, codec, bits_per_element(method, dims).bits_per_element) for name, method, codec in
+             bench.bench_cases(recipe or ([] if artifact else DECODE_BENCH_RECIPES), artifact or [], dims, sets)]
+    for name, codec, _ in cases:
+        if codec.lossless or codec.storage(0) is None:
+            raise KvcalError(f"{name} has no packed storage to benchmark")
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench decode needs a CUDA device")
     result = bench.run_decode_bench(
-        contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)),
-        codecs=tuple(codec or bench.CODECS), bits=tuple(bits or (4, 3, 2)), dtype=getattr(torch, dtype),
-        window=window, rep=rep, graph=graph, flush=flush)
+        cases, contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)), dims=dims,
+        dtype=getattr(torch, dtype), window=window, rep=rep, graph=graph, flush=flush)
     result["command"] = invoked_command()
     out = json_out or Path("results") / "bench" / f"decode-{bench.device_slug(result['device'])}.json"
     write_json_atomic(out, result)

@@ -1,19 +1,19 @@
-"""Random packed caches built with the reference quantizers, and the kernel checks on them: tests/test_kernels.py runs
-them under the Triton interpreter (CPU, small shapes) and, marked gpu, natively at Llama-3.1-8B shapes."""
+"""Packed caches built with each storage's torch reference, and the kernel checks on them: tests/test_kernels.py runs
+them under the Triton interpreter (CPU, small shapes) and, marked gpu, natively at Llama-3.1-8B shapes.
+
+Every check compares a storage's Triton kernel with its torch reference (same signature): there is no fallback
+between the two, so a kernel that cannot take a case fails it."""
 
 from __future__ import annotations
-
-import dataclasses
-import warnings
 
 import torch
 
 from kvcal.models.adapter import forward_with_cache
-from kvcal.quant.rope import RopeSpec, rope_cos_sin
-from kvcal.runtime import quantize as Q  # noqa: N812
-from kvcal.runtime.attention import PackedKV
-from kvcal.runtime.packing import words_per_vector
-from kvcal.runtime.splits import split_share
+from kvcal.quant.rope import RopeSpec
+from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import FullPrecision, fp_partials_reference, merge_reference
+from kvcal.runtime.kernels import split_share
+from kvcal.runtime.storage import Packed, SharedState
 
 
 def _keys(gen, n, h, d, device):
@@ -22,122 +22,105 @@ def _keys(gen, n, h, d, device):
     return x
 
 
-def build_cache(codec: str, bits: int, lengths, hkv: int, d: int, *, tcap: int | None = None, group: int | None = None,
-                key_block: int = 32, kcap: int = 0, per_side: int = 0, pre_rope: bool = False, pos_offset: int = 0,
-                value_per_head: bool = False, poison: bool = False, misaligned_scales: bool = False, seed: int = 0,
-                device="cpu") -> PackedKV:
-    """codec: 'int' (affine_channels keys and values, `group` channels per scale, default d), 'kivi'
-    (affine_tokens keys in blocks of key_block tokens, affine_channels values in groups of 32 or `group`),
-    'nuq' (lut_static keys with kcap outlier slots per token and head, lut_dynamic values with per_side outliers per side, per token
-    or, with value_per_head, per token and head).
-    pre_rope: keys stored before RoPE (rotated at attention time from float32 cos/sin tables).
-    poison ('int'): the scale and zero rows past each row's length hold inf and nan, its code rows random words (a
+def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None = None, key_block: int = 32,
+                 kcap: int = 0, per_side: int = 0, value_per_head: bool = False, sink: int = 0, seed: int = 0,
+                 device="cpu", **skvq):
+    """method: 'rtn' (per-token groups of `group` channels, default d), 'kivi' (keys per channel in blocks of key_block
+    tokens, values per token in groups of key_block channels), 'kvquant' (pre-RoPE nuq keys with kcap outlier slots
+    per token and head, nuq values with per_side outliers per side, per token or per token and head; `sink` tokens
+    before the packed ones), 'skvq' (`bits` for keys, skvq's v_bits for values; see _skvq_storage)."""
+    from kvcal.methods.kivi import KiviStorage
+    from kvcal.methods.kvquant import KVQuantStorage
+    from kvcal.methods.rtn import RtnStorage
+
+    if method == "rtn":
+        return RtnStorage(bits, group or d)
+    if method == "skvq":
+        return _skvq_storage(bits, hkv, d, sink, seed, device, **skvq)
+    if method == "kivi":
+        return KiviStorage(bits, key_block, 0)
+    gen = torch.Generator(device=device).manual_seed(seed + 100)
+    levels = 1 << bits
+    enc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
+    enc[0], enc[-1] = -1.0, 1.0
+    venc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
+    sample = _keys(gen, 256, hkv, d, device).reshape(256, hkv * d)
+    tables = {"k_lo": sample.quantile(0.01, dim=0), "k_hi": sample.quantile(0.99, dim=0), "k_encode": enc,
+              "k_decode": enc + 0.01, "v_encode": venc, "v_decode": venc.clone()}
+    return KVQuantStorage(bits, tables, kcap, per_side, value_per_head, sink)
+
+
+def _skvq_storage(bits, hkv: int, d: int, sink: int, seed: int, device, v_bits: float = 2.0, groups: int = 5,
+                  param_dtype: str = "fp16", ternary_storage: str = "base3"):
+    """An SKVQ storage with random k-means-like layouts: a random permutation of the Hkv x D channels cut into
+    `groups` groups of uneven sizes (across heads), random clip ratios in [0.8, 1]."""
+    from kvcal.methods.skvq import ChannelQuantizer, GroupLayout, SKVQStorage
+
+    gen = torch.Generator().manual_seed(seed + 7)
+    channels = hkv * d
+    sides = []
+    for side_bits in (bits, v_bits):
+        cuts = torch.sort(torch.randperm(channels - 1, generator=gen)[: groups - 1] + 1).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([channels])])
+        layout = GroupLayout(torch.randperm(channels, generator=gen), offsets)
+        alpha = 0.8 + 0.2 * torch.rand(groups, generator=gen)
+        sides.append(ChannelQuantizer(layout, alpha, side_bits, param_dtype))
+    return SKVQStorage(sides[0], sides[1], sink, 0, ternary_storage)
+
+
+def build_packed(storage, lengths, hkv: int, d: int, *, tcap: int | None = None, poison: bool = False,
+                 misaligned_scales: bool = False, seed: int = 0, device="cpu") -> Packed:
+    """`lengths[b]` random tokens in row b of the storage's buffers, written by its torch reference (a few large key
+    channels, as real keys have).
+    poison (rtn): the scale and zero rows past each row's length hold inf and nan, its code rows random words (a
     kernel that reads them must not let them reach the output).
-    misaligned_scales ('int'): the same scales and zeros in buffers whose rows start one fp16 past an 8-byte boundary
+    misaligned_scales (rtn): the same scales and zeros in buffers whose rows start one fp16 past an 8-byte boundary
     (the fragment kernel then loads them one token at a time, not as 8-byte vectors)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     batch = len(lengths)
     tcap = tcap or max(max(lengths), 1)
-    c = hkv * d
-    kw = vw = words_per_vector(d, bits)
-    kc = torch.zeros(batch, hkv, tcap, kw, dtype=torch.int32, device=device)
-    vc = torch.zeros(batch, hkv, tcap, vw, dtype=torch.int32, device=device)
-    spec = dict(head_dim=d, lengths=torch.tensor(lengths, dtype=torch.int32, device=device), key_bits=bits,
-                value_bits=bits, k_codes=kc, v_codes=vc, pos_offset=pos_offset)
-    if codec == "int":
-        kg = vg = d // (group or d)
-        spec.update(key_format="affine_channels", value_format="affine_channels")
-        ks = torch.zeros(batch, hkv, tcap, kg, dtype=torch.float16, device=device)
-    elif codec == "kivi":
-        vg = d // (group or 32)
-        spec.update(key_format="affine_tokens", value_format="affine_channels", key_block=key_block)
-        ks = torch.zeros(batch, hkv, -(-tcap // key_block), d, dtype=torch.float16, device=device)
-    else:
-        spec.update(key_format="lut_static", value_format="lut_dynamic")
-        levels = 1 << bits
-        enc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
-        enc[0], enc[-1] = -1.0, 1.0
-        venc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
-        spec.update(k_table=enc + 0.01, v_table=venc.clone())
-        sample = _keys(gen, 256, hkv, d, device).reshape(256, c)
-        lo, hi = sample.quantile(0.01, dim=0), sample.quantile(0.99, dim=0)
-        spec.update(k_zero=(hi + lo) / 2, k_scale=(hi - lo) / 2)
-        ks = None
-    kz = None if ks is None else torch.zeros_like(ks)
-    if codec != "nuq":
-        spec.update(k_scale=ks, k_zero=kz)
-        vs = torch.zeros(batch, hkv, tcap, vg, dtype=torch.float16, device=device)
-    else:
-        vs = torch.zeros(batch, *((hkv,) if value_per_head else ()), tcap, dtype=torch.float16, device=device)
-    vz = torch.zeros_like(vs)
-    spec.update(v_scale=vs, v_zero=vz)
-    if codec == "nuq" and kcap:
-        spec.update(k_out_idx=torch.full((batch, tcap, hkv, kcap), -1, dtype=torch.int16, device=device),
-                    k_out_val=torch.zeros(batch, tcap, hkv, kcap, dtype=torch.float16, device=device))
-    if codec == "nuq" and per_side:
-        slots = (batch, tcap, *((hkv,) if value_per_head else ()), 2 * per_side)
-        spec.update(v_out_idx=torch.full(slots, -1, dtype=torch.int16, device=device),
-                    v_out_val=torch.zeros(slots, dtype=torch.float16, device=device))
-    if pre_rope:
-        rope = RopeSpec(head_dim=d, theta=500000.0, rope_type="llama3", factor=8.0)
-        positions = torch.arange(pos_offset + tcap + 8, device=device)[None]
-        cos, sin = rope_cos_sin(rope.inv_freq(device), positions, torch.float32)
-        spec.update(rope_cos=cos[0], rope_sin=sin[0], rope_inv_freq=rope.inv_freq(device))
-    kv = PackedKV(**spec)
+    storage.to(device)
+    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+               for name, spec in storage.buffers(batch, tcap, hkv, d).items()}
+    cos = sin = inv_freq = None
+    sink = storage.policy.sink
+    if storage.keys_pre_rope:
+        inv_freq = RopeSpec(head_dim=d, theta=500000.0, rope_type="llama3", factor=8.0).inv_freq(device)
+        cos, sin = SharedState().rope_tables(inv_freq, sink + tcap + 8)
+    packed = Packed(buffers, torch.tensor(lengths, dtype=torch.int32, device=device), hkv, d, tcap, sink, cos, sin,
+                    inv_freq)
     for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        xk = _keys(gen, n, hkv, d, device)
-        xv = torch.randn(n, hkv, d, generator=gen, device=device)
-        if codec == "int":
-            codes, s, z = Q.quantize_affine_channels(xk, bits, d // kg)
-            kc[b, :, :n], ks[b, :, :n], kz[b, :, :n] = codes.transpose(0, 1), s.transpose(0, 1), z.transpose(0, 1)
-        elif codec == "kivi":
-            for i, t0 in enumerate(range(0, n, key_block)):
-                codes, s, z = Q.quantize_affine_tokens(xk[t0 : t0 + key_block], bits)
-                kc[b, :, t0 : t0 + codes.shape[0]] = codes.transpose(0, 1)
-                ks[b, :, i], kz[b, :, i] = s, z
-        else:
-            lo, hi = kv.k_zero - kv.k_scale, kv.k_zero + kv.k_scale
-            codes, idx, val = Q.quantize_lut_static(xk, lo, hi, enc, kv.k_table, bits, kcap)
-            kc[b, :, :n] = codes.transpose(0, 1)
-            if kcap:
-                kv.k_out_idx[b, :n], kv.k_out_val[b, :n] = idx, val
-        if codec == "nuq":
-            codes, s, z, idx, val = Q.quantize_lut_dynamic(xv, venc, kv.v_table, bits, per_side, value_per_head)
-            vc[b, :, :n] = codes.transpose(0, 1)
-            if value_per_head:
-                vs[b, :, :n], vz[b, :, :n] = s.transpose(0, 1), z.transpose(0, 1)
-            else:
-                vs[b, :n], vz[b, :n] = s, z
-            if per_side:
-                kv.v_out_idx[b, :n], kv.v_out_val[b, :n] = idx, val
-        else:
-            codes, s, z = Q.quantize_affine_channels(xv, bits, d // vg)
-            vc[b, :, :n], vs[b, :, :n], vz[b, :, :n] = codes.transpose(0, 1), s.transpose(0, 1), z.transpose(0, 1)
+        if n:
+            rows = torch.full((n,), b, dtype=torch.int64, device=device)
+            storage.write_reference(packed, _keys(gen, n, hkv, d, device),
+                                    torch.randn(n, hkv, d, generator=gen, device=device), rows,
+                                    torch.arange(n, device=device))
     if poison:
         for b, n in enumerate(lengths):
-            ks[b, :, n:], kz[b, :, n:], vs[b, :, n:], vz[b, :, n:] = float("inf"), float("nan"), float("-inf"), float("nan")
-            for codes in (kc, vc):
-                codes[b, :, n:] = torch.randint(-2**31, 2**31 - 1, codes[b, :, n:].shape, generator=gen, device=device,
-                                                dtype=torch.int64).to(torch.int32)
+            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+                buffers[name][b, :, n:] = float("inf") if name.endswith("scale") else float("nan")
+            for name in ("k_codes", "v_codes"):
+                codes = buffers[name]
+                codes[b, :, n:] = torch.randint(-2**31, 2**31 - 1, codes[b, :, n:].shape, generator=gen,
+                                                device=device, dtype=torch.int64).to(torch.int32)
     if misaligned_scales:
         def shifted(t):
             buf = torch.empty(*t.shape[:-2], t.shape[-2] + 1, t.shape[-1], dtype=t.dtype, device=device)[..., 1:, :]
             return buf.copy_(t)
 
-        kv = dataclasses.replace(kv, k_scale=shifted(ks), k_zero=shifted(kz), v_scale=shifted(vs), v_zero=shifted(vz))
-    return kv
+        for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+            buffers[name] = shifted(buffers[name])
+    return packed
 
 
 def build_step(batch: int, hq: int, hkv: int, d: int, nfp: int, dtype, *, seed: int = 1, device="cpu", qscale=1.0):
-    """Query and full-precision segment for one decode step (some fp slots invalid)."""
+    """Query and full-precision part for one decode step (some fp slots invalid; None without slots)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = (torch.randn(batch, hq, d, generator=gen, device=device) * qscale).to(dtype)
     fp_k = torch.randn(batch, hkv, nfp, d, generator=gen, device=device).to(dtype)
     fp_v = torch.randn(batch, hkv, nfp, d, generator=gen, device=device).to(dtype)
     valid = torch.rand(batch, nfp, generator=gen, device=device) > 0.3
-    return q, fp_k, fp_v, valid
+    return q, (FullPrecision(fp_k, fp_v, valid) if nfp else None)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, per_head: bool = False) -> float:
@@ -163,141 +146,152 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.flo
 # (nuq2 without outliers; 2.2e-3 nuq4 with them), float32 1.03e-5 (int4), bf16 and float64 within TOL
 TOL_GPU = {**TOL, torch.float16: 4e-3, torch.float32: 2e-5}
 
-# (name, codec, bits, dtype, cache kwargs, kernel kwargs, step kwargs)
+# (name, method, bits, dtype, storage and cache kwargs, kernel kwargs, step kwargs)
 ATTENTION_CASES = [
-    ("int4_bf16", "int", 4, torch.bfloat16, {}, {}, {}),
-    # attention_frag's register-fragment kernel (rtn layout: one scale per token and head), asked for explicitly
-    # (its default needs 64 (row, KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the fp segment
-    ("int4_frag_bf16", "int", 4, torch.bfloat16, {}, {"frag": True}, {}),
-    # 45 full-precision tokens: three programs of the fp launch (FRAG_FP_CHUNK 16 tokens each), the last partial
-    ("int2_frag_d128_fp16", "int", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
-    ("int4_frag_d128_g3_fp16", "int", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
+    ("int4_bf16", "rtn", 4, torch.bfloat16, {}, {}, {}),
+    # the register-fragment kernel (one scale per token and head), asked for explicitly (its default needs 64 (row,
+    # KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the full-precision part
+    ("int4_frag_bf16", "rtn", 4, torch.bfloat16, {}, {"frag": True}, {}),
+    # 45 full-precision tokens: three programs of the fp launch (FP_CHUNK 16 tokens each), the last partial
+    ("int2_frag_d128_fp16", "rtn", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
+    ("int4_frag_d128_g3_fp16", "rtn", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
     # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: its last tile
     # is read from the clamped tile start (where the look-ahead past the end is clamped too; an out-of-bounds read
     # would only show as a fault on a GPU). Per-token scales are then loaded without masks: the rows past a length
     # hold inf and nan here, which must not reach the output (0 x inf); rows of whole tiles only (64) and one token
-    ("int4_frag_whole_tiles_bf16", "int", 4, torch.bfloat16, {"poison": True}, {"frag": True},
+    ("int4_frag_whole_tiles_bf16", "rtn", 4, torch.bfloat16, {"poison": True}, {"frag": True},
      {"tcap": 96, "lengths": [96, 0, 70]}),
-    ("int2_frag_whole_tiles_d128_fp16", "int", 2, torch.float16, {"poison": True}, {"frag": True},
+    ("int2_frag_whole_tiles_d128_fp16", "rtn", 2, torch.float16, {"poison": True}, {"frag": True},
      {"d": 128, "tcap": 96, "lengths": [33, 1, 64]}),
     # the same with scale rows off the 8-byte alignment: the scales come as one 2-byte load per token (SCALE_WORDS 0)
-    ("int4_frag_whole_tiles_misaligned_scales_fp16", "int", 4, torch.float16, {"poison": True, "misaligned_scales": True},
-     {"frag": True}, {"tcap": 96, "lengths": [96, 0, 70]}),
+    ("int4_frag_whole_tiles_misaligned_scales_fp16", "rtn", 4, torch.float16,
+     {"poison": True, "misaligned_scales": True}, {"frag": True}, {"tcap": 96, "lengths": [96, 0, 70]}),
     # a row of one token (one tile, nearly all masked) and a row filling the whole buffer (tcap 80: its last tile
     # runs past the buffer's end and must be masked, not read)
-    ("int4_len1_full_bf16", "int", 4, torch.bfloat16, {}, {}, {"lengths": [1, 80, 33]}),
-    ("nuq4_len1_full_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True}, {},
+    ("int4_len1_full_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"lengths": [1, 80, 33]}),
+    ("nuq4_len1_full_outliers_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {},
      {"lengths": [1, 80, 33]}),
-    ("int3_g32_fp16", "int", 3, torch.float16, {"group": 32}, {}, {}),
-    ("int2_bf16", "int", 2, torch.bfloat16, {}, {}, {}),
-    ("int4_g16_generic_fp16", "int", 4, torch.float16, {"group": 16}, {"generic_keys": True}, {}),
-    ("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True, "pos_offset": 5}, {}, {}),
-    ("kivi4_b16_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {}),
-    ("kivi3_block_t64_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {}),  # runs 32-token tiles
-    ("kivi2_b24_generic_bf16", "kivi", 2, torch.bfloat16, {"key_block": 24}, {}, {}),
-    ("nuq4_prerope_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True,
-                                                              "pos_offset": 3}, {}, {}),
-    ("nuq3_prerope_table_fp16", "nuq", 3, torch.float16, {"kcap": 9, "per_side": 1, "pre_rope": True}, {"rope_mode": "table"}, {}),
-    ("nuq2_plain_bf16", "nuq", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
+    ("int3_g32_fp16", "rtn", 3, torch.float16, {"group": 32}, {}, {}),
+    ("int2_bf16", "rtn", 2, torch.bfloat16, {}, {}, {}),
+    ("kivi4_b16_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
+    ("kivi3_block_t64_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {"lengths": [32, 0, 64]}),  # 32-token tiles
+    # blocks of 8 tokens (not a multiple of 16): the generic key path
+    ("kivi2_b8_generic_bf16", "kivi", 2, torch.bfloat16, {"key_block": 8}, {}, {"lengths": [24, 0, 72]}),
+    ("kivi4_b32_generic_keys_fp16", "kivi", 4, torch.float16, {}, {"generic_keys": True}, {"lengths": [32, 0, 64]}),
+    ("nuq4_prerope_outliers_bf16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
+    ("nuq3_prerope_table_fp16", "kvquant", 3, torch.float16, {"kcap": 9, "per_side": 1}, {"rope_mode": "table"}, {}),
+    ("nuq2_bf16", "kvquant", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
     # 12 value-outlier slots per token
-    ("nuq2_value_slots12_fp16", "nuq", 2, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {}, {}),
-    ("nuq4_vhead_prerope_fp16", "nuq", 4, torch.float16, {"kcap": 2, "per_side": 1, "pre_rope": True,
-                                                         "value_per_head": True}, {}, {}),
+    ("nuq2_value_slots12_fp16", "kvquant", 2, torch.float16, {"kcap": 3, "per_side": 6}, {}, {}),
+    ("nuq4_vhead_fp16", "kvquant", 4, torch.float16, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
     # key outliers only (the value pass does not run), and tiles loaded in their own iteration (lut_ahead off)
-    ("nuq3_key_outliers_fp16", "nuq", 3, torch.float16, {"kcap": 3, "pre_rope": True, "pos_offset": 2}, {}, {}),
-    ("nuq4_not_ahead_outliers_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
-     {"lut_ahead": False}, {}),
-    # the float32 generic path, which lut_mma replaced for fp16/bf16 lookup-table caches (still used for float32,
+    ("nuq3_key_outliers_fp16", "kvquant", 3, torch.float16, {"kcap": 3, "sink": 2}, {}, {}),
+    ("nuq4_not_ahead_outliers_bf16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 2}, {"lut_ahead": False},
+     {}),
+    # the float32 path, which the lookup-table path replaced for fp16/bf16 (still used for float32 and float64,
     # rope_mode="table" and codes of more than 4 bits)
-    ("nuq4_prerope_generic_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
-     {"lut_mma": False}, {}),
+    ("nuq4_float32_path_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {"lut_mma": False}, {}),
     # head_dim 128 on the small shapes: the code-word order of packing.unpack_mma (chosen against shared-memory
     # bank conflicts) only differs from the natural order there (at 64 the natural order is already conflict-free)
-    ("int4_d128_bf16", "int", 4, torch.bfloat16, {}, {}, {"d": 128}),
-    ("int2_d128_fp16", "int", 2, torch.float16, {}, {}, {"d": 128}),
-    ("kivi4_d128_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"d": 128}),
-    ("nuq4_d128_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True}, {}, {"d": 128}),
-    ("int4_mha_fp16", "int", 4, torch.float16, {}, {}, {"hq": 2}),
-    ("int4_g8_bf16", "int", 4, torch.bfloat16, {}, {}, {"hq": 16}),
-    ("int4_no_fp_segment_bf16", "int", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
-    ("int4_many_splits_bf16", "int", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
-    # more partials than the reduction merges per step (REDUCE_CHUNK, 256 by default, set to 32 here): two steps,
-    # with the value pass's sums
-    ("nuq4_splits40_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True},
-     {"num_splits": 40}, {"reduce_chunk": 32}),
+    ("int4_d128_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"d": 128}),
+    ("int2_d128_fp16", "rtn", 2, torch.float16, {}, {}, {"d": 128}),
+    ("kivi4_d128_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"d": 128, "lengths": [32, 0, 64]}),
+    ("nuq4_d128_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {}, {"d": 128}),
+    ("int4_mha_fp16", "rtn", 4, torch.float16, {}, {}, {"hq": 2}),
+    ("int4_g8_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"hq": 16}),
+    ("int4_no_fp_part_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
+    ("int4_many_splits_bf16", "rtn", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
+    # more partials than the merge takes per step (REDUCE_CHUNK, 256 by default, set to 32 here): two steps, with
+    # the value pass's sums
+    ("nuq4_splits40_outliers_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {"num_splits": 40},
+     {"reduce_chunk": 32}),
     # torch's deterministic mode: the value pass sums in int64 fixed point
-    ("nuq4_deterministic_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 2, "pre_rope": True,
-                                                                   "pos_offset": 3}, {}, {"deterministic": True}),
-    ("nuq2_vhead_deterministic_bf16", "nuq", 2, torch.bfloat16, {"kcap": 2, "per_side": 1, "pre_rope": True,
-                                                                 "value_per_head": True}, {}, {"deterministic": True}),
+    ("nuq4_deterministic_outliers_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2, "sink": 3}, {},
+     {"deterministic": True}),
+    ("nuq2_vhead_deterministic_bf16", "kvquant", 2, torch.bfloat16, {"kcap": 2, "per_side": 1,
+                                                                      "value_per_head": True}, {},
+     {"deterministic": True}),
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
-    ("int3_fp32", "int", 3, torch.float32, {}, {}, {}),
-    ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {}),
-    ("nuq4_prerope_outliers_fp32", "nuq", 4, torch.float32, {"kcap": 3, "per_side": 2, "pre_rope": True,
-                                                             "pos_offset": 3}, {}, {}),
-    ("int3_fp64", "int", 3, torch.float64, {}, {}, {}),
-    ("kivi4_b16_fp64", "kivi", 4, torch.float64, {"key_block": 16}, {}, {}),
-    ("nuq4_prerope_outliers_fp64", "nuq", 4, torch.float64, {"kcap": 3, "per_side": 2, "pre_rope": True,
-                                                             "pos_offset": 3}, {}, {}),
-    ("nuq3_plain_fp64", "nuq", 3, torch.float64, {"kcap": 2, "per_side": 1}, {}, {}),
-    ("nuq3_vhead_fp64", "nuq", 3, torch.float64, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
+    ("int3_fp32", "rtn", 3, torch.float32, {}, {}, {}),
+    ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
+    ("nuq4_outliers_fp32", "kvquant", 4, torch.float32, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
+    ("int3_fp64", "rtn", 3, torch.float64, {}, {}, {}),
+    ("kivi4_b16_fp64", "kivi", 4, torch.float64, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
+    ("nuq4_outliers_fp64", "kvquant", 4, torch.float64, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
+    ("nuq3_vhead_fp64", "kvquant", 3, torch.float64, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
+    # SKVQ: groups across heads, keys before RoPE; ternary values in base-3 bytes or 2-bit slots; fp8 parameters
+    ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 3}, {}, {}),
+    ("skvq_k2v1.5_base3_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5}, {}, {}),
+    ("skvq_k1.5v1.5_slots_bf16", "skvq", 1.5, torch.bfloat16, {"v_bits": 1.5, "ternary_storage": "2bit"}, {}, {}),
+    ("skvq_k4v3_fp8_fp16", "skvq", 4, torch.float16, {"v_bits": 3.0, "param_dtype": "fp8", "groups": 3}, {}, {}),
+    ("skvq_k8v4_d128_bf16", "skvq", 8, torch.bfloat16, {"v_bits": 4.0, "groups": 9}, {}, {"d": 128}),
+    ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"sink": 2}, {}, {}),
+    ("skvq_k2v1.5_fp64", "skvq", 2, torch.float64, {"v_bits": 1.5}, {}, {}),
 ]
+STORAGE_KEYS = ("group", "key_block", "kcap", "per_side", "value_per_head", "sink", "v_bits", "groups", "param_dtype",
+                "ternary_storage")
 
 
 def run_attention_case(case, *, small=True, device="cpu"):
     """Kernel vs reference for one case; returns the relative error."""
-    from kvcal.runtime.attention import decode_attention_ref, decode_attention_triton
-
-    name, codec, bits, dtype, cache_kw, kernel_kw, step_kw = case
+    name, method, bits, dtype, cache_kw, kernel_kw, step_kw = case
     if small:
         d, hkv, lengths, tcap, nfp = step_kw.get("d", 64), 2, step_kw.get("lengths", [37, 0, 70]), step_kw.get("tcap", 80), 19
         kernel_kw = {"num_splits": 2, "block_t": 16, **kernel_kw}
+        if method == "rtn" and kernel_kw.get("frag"):
+            kernel_kw.pop("block_t")  # a tile-kernel knob
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
+        if method == "kivi":
+            lengths = [n // 32 * 32 for n in lengths]
     hq = step_kw.get("hq", 4 * hkv if small else 32)
     if small and "hq" in step_kw:
         hq = step_kw["hq"] if step_kw["hq"] != 2 else hkv
     nfp = step_kw.get("nfp", nfp)
-    kv = None if codec is None else build_cache(codec, bits, lengths, hkv, d, tcap=tcap, device=device, **cache_kw)
-    q, fk, fv, valid = build_step(len(lengths), hq, hkv, d, nfp, dtype, device=device)
+    q, fp = build_step(len(lengths), hq, hkv, d, nfp, dtype, device=device)
     scale = d**-0.5
-    ref = decode_attention_ref(q, kv, fk, fv, valid, scale)
-    if kernel_kw.get("frag") and kv is not None:  # an explicit frag case must reach the fragment kernel, not the tile one
-        from kvcal.runtime.attention import _frag_applies
+    if method is None:  # the full-precision part alone: the generic kernel
+        ref = merge_reference(fp_partials_reference(q, fp, scale), len(lengths), q.dtype)
+        out = K.merge_triton(K.fp_partials_triton(q, fp, scale), q)
+        return rel_err(out, ref, per_head=True)
+    storage_kw = {k: v for k, v in cache_kw.items() if k in STORAGE_KEYS}
+    storage = make_storage(method, bits, hkv, d, device=device, **storage_kw)
+    packed = build_packed(storage, lengths, hkv, d, tcap=tcap, device=device,
+                          **{k: v for k, v in cache_kw.items() if k not in STORAGE_KEYS})
+    ref = merge_reference(storage.attend_reference(q, packed, scale, fp), len(lengths), q.dtype)
+    assert storage.supports_triton(q, packed) is None, f"{name}: {storage.supports_triton(q, packed)}"
+    if kernel_kw.get("frag"):  # an explicit frag case must reach the fragment kernel, not the tile one
+        from kvcal.methods.rtn_kernels import _frag_applies
 
-        assert _frag_applies(q, kv, hq // hkv), f"{name}: the fragment kernel does not take this cache"
-    from kvcal.runtime import attention
-
-    chunk = attention.REDUCE_CHUNK
+        assert _frag_applies(q, packed, bits, hq // hkv), f"{name}: the fragment kernel does not take this cache"
+    chunk = K.REDUCE_CHUNK
     deterministic = torch.are_deterministic_algorithms_enabled()
-    with warnings.catch_warnings():  # a fallback to the reference would compare the reference with itself
-        warnings.filterwarnings("error", message="decode_attention_triton")
-        attention.REDUCE_CHUNK = step_kw.get("reduce_chunk", chunk)
-        torch.use_deterministic_algorithms(step_kw.get("deterministic", deterministic))
-        try:
-            out = decode_attention_triton(q, kv, fk, fv, valid, scale, **kernel_kw)
-        finally:
-            attention.REDUCE_CHUNK = chunk
-            torch.use_deterministic_algorithms(deterministic)
+    K.REDUCE_CHUNK = step_kw.get("reduce_chunk", chunk)
+    torch.use_deterministic_algorithms(step_kw.get("deterministic", deterministic))
+    try:
+        out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, **kernel_kw), q)
+    finally:
+        K.REDUCE_CHUNK = chunk
+        torch.use_deterministic_algorithms(deterministic)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if not torch.isfinite(out.float()).all():
         return float("nan")
     return rel_err(out, ref, per_head=True)  # per (row, query head): an error in one head must not hide in the rest
 
 
-# (name, bits, cache kwargs): the outlier passes (attention_outliers) on their own, against their torch references
+# (name, bits, storage kwargs): KVQuant's outlier passes on their own, against their torch references
 OUTLIER_PASS_CASES = [
-    ("nuq4_prerope_pos3", 4, {"kcap": 3, "per_side": 2, "pre_rope": True, "pos_offset": 3}),
-    ("nuq3_post_rope", 3, {"kcap": 2, "per_side": 1}),
-    ("nuq2_values_per_head", 2, {"kcap": 1, "per_side": 2, "pre_rope": True, "value_per_head": True}),
-    ("nuq4_tables_only", 4, {"kcap": 3, "per_side": 2, "pre_rope": True, "pos_offset": 5, "inv_freq": False}),
+    ("nuq4_sink3", 4, {"kcap": 3, "per_side": 2, "sink": 3}),
+    ("nuq3", 3, {"kcap": 2, "per_side": 1}),
+    ("nuq2_values_per_head", 2, {"kcap": 1, "per_side": 2, "value_per_head": True}),
+    ("nuq4_tables_only", 4, {"kcap": 3, "per_side": 2, "sink": 5, "inv_freq": False}),
 ]
 
 
 def run_outlier_pass_checks(device="cpu", small=True) -> dict:
     """The key pass's score terms and the value pass's additions to given partials against the references:
     {name: relative error}. A slot that one side dropped or misplaced moves them by O(1)."""
-    from kvcal.runtime import attention_outliers as O  # noqa: N812
+    from kvcal.methods import kvquant_kernels as O  # noqa: N812
 
     if small:
         d, hkv, hq, lengths, tcap, nsplit, block_t = 64, 2, 8, [37, 0, 70], 80, 3, 16
@@ -305,20 +299,20 @@ def run_outlier_pass_checks(device="cpu", small=True) -> dict:
         d, hkv, hq, lengths, tcap, nsplit, block_t = 128, 8, 32, [4097, 32763, 1500, 16001], 32768, 33, 16
     group, gp = hq // hkv, 1 << (hq // hkv - 1).bit_length()
     res = {}
-    for name, bits, cache_kw in OUTLIER_PASS_CASES:
-        cache_kw = dict(cache_kw)
-        tables_only = not cache_kw.pop("inv_freq", True)  # the key pass reads the tables instead of computing angles
-        kv = build_cache("nuq", bits, lengths, hkv, d, tcap=tcap, device=device, **cache_kw)
-        if tables_only:
-            kv = dataclasses.replace(kv, rope_inv_freq=None)
+    for name, bits, storage_kw in OUTLIER_PASS_CASES:
+        storage_kw = dict(storage_kw)
+        tables_only = not storage_kw.pop("inv_freq", True)  # the key pass reads the tables instead of computing angles
+        storage = make_storage("kvquant", bits, hkv, d, device=device, **storage_kw)
+        kv = build_packed(storage, lengths, hkv, d, tcap=tcap, device=device)
+        inv_freq = None if tables_only else kv.inv_freq
         q = build_step(len(lengths), hq, hkv, d, 1, torch.bfloat16, device=device)[0]
         gen = torch.Generator(device=device).manual_seed(2)
         rows = len(lengths) * hkv
         scores = torch.randn(rows, tcap, gp, generator=gen, device=device) * 4
         ref, fast = scores.clone(), scores.clone()
-        args = (q, kv.k_out_idx, kv.k_out_val, kv.lengths, kv.rope_cos, kv.rope_sin, kv.pos_offset)
-        O.key_outlier_scores_ref(*args, ref, kv.rope_inv_freq)
-        O.key_outlier_scores_triton(*args, fast, kv.rope_inv_freq)
+        args = (q, kv["k_out_idx"], kv["k_out_val"], kv.lengths, kv.rope_cos, kv.rope_sin, kv.pos_offset)
+        O.key_outlier_scores_ref(*args, ref, inv_freq)
+        O.key_outlier_scores_triton(*args, fast, inv_freq)
         valid = torch.arange(tcap, device=device)[None, :] < kv.lengths.repeat_interleave(hkv)[:, None]
         moved = float((ref - scores)[valid][..., :group].norm() / scores[valid].norm())  # the terms are not all zero
         res[f"key_{name}"] = float((fast - ref)[valid][..., :group].norm() / (ref - scores)[valid].norm()) \
@@ -333,11 +327,12 @@ def run_outlier_pass_checks(device="cpu", small=True) -> dict:
                     if seg.numel():
                         m_part[b * hkv:(b + 1) * hkv, s] = seg.amax(1)
         sums = [torch.zeros(rows, nsplit + 1, d, gp, device=device) for _ in range(2)]
-        O.value_outlier_sums_ref(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[0])
-        O.value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, sums[1])
+        slots = (kv["v_out_idx"], kv["v_out_val"], kv.lengths, nsplit, block_t)
+        O.value_outlier_sums_ref(scores, m_part, *slots, sums[0])
+        O.value_outlier_sums_triton(scores, m_part, *slots, sums[1])
         # int64 fixed-point sums (torch's deterministic mode: order-independent)
         fixed = torch.zeros(sums[0].shape, dtype=torch.int64, device=device)
-        O.value_outlier_sums_triton(scores, m_part, kv.v_out_idx, kv.v_out_val, kv.lengths, nsplit, block_t, fixed)
+        O.value_outlier_sums_triton(scores, m_part, *slots, fixed)
         fixed = fixed.double() * 2.0**-O.FIXED_BITS
         ref_sums, fast_sums, fixed_sums = (x[..., :group] for x in (*sums, fixed))  # columns >= G are padding
         for key, got in ((f"value_{name}", fast_sums), (f"value_fixed_{name}", fixed_sums)):
@@ -345,9 +340,13 @@ def run_outlier_pass_checks(device="cpu", small=True) -> dict:
     return res
 
 
-def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
-    """Bit-exact comparisons of every quantize kernel with its reference; returns {name: ok}."""
-    from kvcal.runtime import packing as P
+def run_quantize_checks(device="cpu", n=8, h=3, d=64, seed=0) -> dict:
+    """Bit-exact comparisons of every quantize and pack kernel with its reference; returns {name: ok}."""
+    from kvcal.quant import nonuniform as N  # noqa: N812
+    from kvcal.quant import nonuniform_kernels as NK  # noqa: N812
+    from kvcal.quant import packing as P  # noqa: N812
+    from kvcal.quant import uniform as U  # noqa: N812
+    from kvcal.quant import uniform_kernels as UK  # noqa: N812
 
     gen = torch.Generator(device=device).manual_seed(seed)
     res = {}
@@ -373,86 +372,44 @@ def run_quantize_checks(device="cpu", n=7, h=3, d=64, seed=0) -> dict:
         for bits in (2, 3, 4):
             tag = f"{str(dtype)[6:]}_b{bits}"
             for group in (d, 32):
-                a, b = Q.quantize_affine_channels(x, bits, group), Q.quantize_affine_channels_triton(x, bits, group)
-                res[f"affine_channels_{tag}_g{group}"] = all(torch.equal(u, v) for u, v in zip(a, b))
-            a, b = Q.quantize_affine_tokens(x, bits), Q.quantize_affine_tokens_triton(x, bits)
-            res[f"affine_tokens_{tag}"] = all(torch.equal(u, v) for u, v in zip(a, b))
-            block = max(2, n // 4)  # several blocks at once (a prompt's keys, a static step's block per row)
-            blocks = x[: n // block * block]
-            a = Q.quantize_affine_token_blocks(blocks, bits, block)
-            b = Q.quantize_affine_token_blocks_triton(blocks, bits, block)
-            res[f"affine_token_blocks_{tag}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+                a, b = U.quantize_per_token(x, bits, group), UK.quantize_per_token_triton(x, bits, group)
+                res[f"per_token_{tag}_g{group}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+            for block in (n, max(2, n // 4)):  # one block, several at once (a prompt's keys)
+                a = U.quantize_per_channel(x, bits, block)
+                b = UK.quantize_per_channel_triton(x, bits, block)
+                res[f"per_channel_{tag}_block{block}"] = all(torch.equal(u, v) for u, v in zip(a, b))
             levels = torch.sort(torch.rand(1 << bits, generator=gen, device=device) * 2 - 1).values
             c = h * d
             lo = torch.randn(c, generator=gen, device=device) * 0.5 - 1.5
             hi = lo + 3 + torch.rand(c, generator=gen, device=device)
-            a = Q.quantize_lut_static(x, lo, hi, levels, levels + 0.01, bits, 5)
-            b = Q.quantize_lut_static_triton(x, lo, hi, levels, levels + 0.01, bits, 5)
+            a = N.quantize_lut_static(x, lo, hi, levels, levels + 0.01, bits, 5)
+            b = NK.quantize_lut_static_triton(x, lo, hi, levels, levels + 0.01, bits, 5)
             res[f"lut_static_{tag}"] = torch.equal(a[0], b[0]) and _same_outliers(x, a[1], a[2], b[1], b[2])
             for per_head in (False, True):
-                a = Q.quantize_lut_dynamic(x, levels, levels * 0.9, bits, 2, per_head)
-                b = Q.quantize_lut_dynamic_triton(x, levels, levels * 0.9, bits, 2, per_head)
+                a = N.quantize_lut_dynamic(x, levels, levels * 0.9, bits, 2, per_head)
+                b = NK.quantize_lut_dynamic_triton(x, levels, levels * 0.9, bits, 2, per_head)
                 res[f"lut_dynamic_{tag}{'_per_head' if per_head else ''}"] = all(
                     torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(x, a[3], a[4], b[3], b[4])
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
-    for dtype in (torch.float16, torch.bfloat16):
-        for sink, residual, bits in ((0, 4, 2), (1, 0, 4), (2, 4, 3)):
-            res[f"ring_step_{str(dtype)[6:]}_s{sink}_r{residual}_b{bits}"] = _ring_checks(dtype, sink, residual, bits,
-                                                                                       gen, device)
     return res
-
-
-def _ring_checks(dtype, sink: int, residual: int, bits: int, gen, device, batch=3, h=2, d=64, block=4) -> bool:
-    """runtime.ring: the step kernel leaves every buffer as the torch reference does after each of 9 steps from
-    random buffers, with rows at different ring positions (each flushes at a different step; residual 0: the
-    block holds the token just appended)."""
-    from kvcal.runtime import ring
-
-    ring_len, tcap = residual + block, 6 * block  # room for 3 flushes past the last lengths + a block
-    w = words_per_vector(d, bits)
-
-    def rand_int(shape, high):
-        return torch.randint(0, high, shape, generator=gen, device=device)
-
-    state = {
-        "fp_k": torch.randn(batch, h, sink + ring_len, d, generator=gen, device=device).to(dtype),
-        "fp_v": torch.randn(batch, h, sink + ring_len, d, generator=gen, device=device).to(dtype),
-        "fp_valid": rand_int((batch, sink + ring_len), 2).bool(),
-        "ring_start": rand_int((batch,), ring_len),
-        "ring_count": torch.tensor([ring_len - 1, ring_len - 3, max(residual - 1, 0)], device=device)[:batch],
-        "lengths": torch.tensor([0, block, 2 * block], dtype=torch.int32, device=device)[:batch],
-        "k_codes": rand_int((batch, h, tcap, w), 2**30).to(torch.int32),
-        "k_scale": torch.randn(batch, h, tcap // block, d, generator=gen, device=device).half(),
-        "k_zero": torch.randn(batch, h, tcap // block, d, generator=gen, device=device).half(),
-        "v_codes": rand_int((batch, h, tcap, w), 2**30).to(torch.int32),
-        "v_scale": torch.randn(batch, h, tcap, d // 32, generator=gen, device=device).half(),
-        "v_zero": torch.randn(batch, h, tcap, d // 32, generator=gen, device=device).half(),
-    }
-    ref, fast = state, {k: t.clone() for k, t in state.items()}
-    start_lengths = state["lengths"].clone()
-    settings = dict(sink=sink, residual=residual, block=block, key_bits=bits, value_bits=bits, value_group=32)
-    same = True
-    for _ in range(9):  # compared after every step
-        k = (torch.randn(batch, h, d, generator=gen, device=device) * 2).to(dtype)
-        v = torch.randn(batch, h, d, generator=gen, device=device).to(dtype)
-        ring.ring_step(k, v, *ref.values(), **settings)
-        ring.ring_step_triton(k, v, *fast.values(), **settings)
-        same = same and all(torch.equal(ref[name], fast[name]) for name in state)
-    flushed = (ref["lengths"] > start_lengths).all()  # every row packed at least one block
-    return bool(flushed) and same
 
 
 def _into_checks(x, bits: int, gen, tag: str) -> dict:
     """The *_into kernels write each token into its (row, slot) of cache-layout buffers exactly as the reference
     does, and touch nothing else (buffers start random). Token n goes to row rows[n], slot slots[n]: rows out of
     order, slots scattered (one decode step passes the cache's lengths as slots)."""
+    from kvcal.quant import nonuniform as N  # noqa: N812
+    from kvcal.quant import nonuniform_kernels as NK  # noqa: N812
+    from kvcal.quant import uniform as U  # noqa: N812
+    from kvcal.quant import uniform_kernels as UK  # noqa: N812
+    from kvcal.quant.packing import words_per_vector
+
     n, h, d = x.shape
     dev = x.device
     rows_n, tcap = 3, n + 4
     rows = torch.arange(n, device=dev) % rows_n
     slots = (torch.arange(n, device=dev) * 5 + 1) % tcap  # distinct (row, slot) pairs for n <= tcap
-    slots = slots.to(torch.int32)
     w = words_per_vector(d, bits)
     levels = torch.sort(torch.rand(1 << bits, generator=gen, device=dev) * 2 - 1).values
     lo = torch.randn(h * d, generator=gen, device=dev) * 0.5 - 1.5
@@ -473,11 +430,10 @@ def _into_checks(x, bits: int, gen, tag: str) -> dict:
         plain = all(torch.equal(a[k], b[k]) for k in a if k not in outliers)
         if not outliers:
             return plain
-        ia, va, ib, vb = (t[rows.long(), slots.long()] for t in (a[outliers[0]], a[outliers[1]], b[outliers[0]],
-                                                                  b[outliers[1]]))
+        ia, va, ib, vb = (t[rows, slots] for t in (a[outliers[0]], a[outliers[1]], b[outliers[0]], b[outliers[1]]))
         untouched = [torch.ones_like(a[k], dtype=torch.bool) for k in outliers]
         for m in untouched:
-            m[rows.long(), slots.long()] = False
+            m[rows, slots] = False
         rest = all(torch.equal(a[k][m], b[k][m]) for k, m in zip(outliers, untouched))
         return plain and rest and _same_outliers(x, ia, va, ib, vb)
 
@@ -485,19 +441,19 @@ def _into_checks(x, bits: int, gen, tag: str) -> dict:
     codes = ((rows_n, h, tcap, w), torch.int32)
     ref, fast = buffers({"codes": codes, "scale": ((rows_n, h, tcap, 2), torch.float16),
                          "zero": ((rows_n, h, tcap, 2), torch.float16)})
-    Q.quantize_affine_channels_into(x, bits, d // 2, *ref.values(), rows, slots)
-    Q.quantize_affine_channels_into_triton(x, bits, d // 2, *fast.values(), rows, slots)
-    res[f"affine_channels_into_{tag}"] = same(ref, fast)
+    U.quantize_per_token_into(x, bits, d // 2, *ref.values(), rows, slots)
+    UK.quantize_per_token_into_triton(x, bits, d // 2, *fast.values(), rows, slots)
+    res[f"per_token_into_{tag}"] = same(ref, fast)
     one_row = torch.ones(1, dtype=torch.int64, device=dev).expand(n)  # stride 0, as a prompt's row index
     ref, fast = buffers({"codes": codes, "scale": ((rows_n, h, tcap, 1), torch.float16),
                          "zero": ((rows_n, h, tcap, 1), torch.float16)})
-    Q.quantize_affine_channels_into(x, bits, d, *ref.values(), one_row, torch.arange(n, device=dev))
-    Q.quantize_affine_channels_into_triton(x, bits, d, *fast.values(), one_row, torch.arange(n, device=dev))
-    res[f"affine_channels_into_one_row_{tag}"] = same(ref, fast)
+    U.quantize_per_token_into(x, bits, d, *ref.values(), one_row, torch.arange(n, device=dev))
+    UK.quantize_per_token_into_triton(x, bits, d, *fast.values(), one_row, torch.arange(n, device=dev))
+    res[f"per_token_into_one_row_{tag}"] = same(ref, fast)
     ref, fast = buffers({"codes": codes, "idx": ((rows_n, tcap, h, 3), torch.int16),
                          "val": ((rows_n, tcap, h, 3), torch.float16)})
-    Q.quantize_lut_static_into(x, lo, hi, levels, levels + 0.01, bits, 3, *ref.values(), rows, slots)
-    Q.quantize_lut_static_into_triton(x, lo, hi, levels, levels + 0.01, bits, 3, *fast.values(), rows, slots)
+    N.quantize_lut_static_into(x, lo, hi, levels, levels + 0.01, bits, 3, *ref.values(), rows, slots)
+    NK.quantize_lut_static_into_triton(x, lo, hi, levels, levels + 0.01, bits, 3, *fast.values(), rows, slots)
     res[f"lut_static_into_{tag}"] = same(ref, fast, ("idx", "val"))
     for per_head in (False, True):
         heads = (h,) if per_head else ()
@@ -505,8 +461,8 @@ def _into_checks(x, bits: int, gen, tag: str) -> dict:
         slots_shape = (rows_n, tcap, *heads, 4)
         ref, fast = buffers({"codes": codes, "scale": scale, "zero": scale, "idx": (slots_shape, torch.int16),
                              "val": (slots_shape, torch.float16)})
-        Q.quantize_lut_dynamic_into(x, levels, levels * 0.9, bits, 2, per_head, *ref.values(), rows, slots)
-        Q.quantize_lut_dynamic_into_triton(x, levels, levels * 0.9, bits, 2, per_head, *fast.values(), rows, slots)
+        N.quantize_lut_dynamic_into(x, levels, levels * 0.9, bits, 2, per_head, *ref.values(), rows, slots)
+        NK.quantize_lut_dynamic_into_triton(x, levels, levels * 0.9, bits, 2, per_head, *fast.values(), rows, slots)
         res[f"lut_dynamic_into_{tag}{'_per_head' if per_head else ''}"] = same(ref, fast, ("idx", "val"))
     return res
 
@@ -532,15 +488,18 @@ def _same_outliers(x, ia, va, ib, vb) -> bool:
     return torch.equal(xa, xb) and torch.equal(ra, rb)
 
 
-# ---- the real cache through the Triton kernels (interpreter): KvcalCache's buffers, the quantize-into and ring kernels
-# and decode attention, against the same model decoding with the torch references
+# ---- the real cache through the Triton kernels (interpreter): KvcalCache's buffers, the storages' write kernels and
+# decode attention, against the same model decoding with the torch references
 
-CACHE_CODECS = [
-    ("rtn4", "rtn", {"bits": 4}),
-    ("kivi2_ring", "kivi", {"bits": 2, "group_size": 8, "residual": 8}),  # the ring flushes blocks during decode
-    ("kvquant4_outliers", "kvquant", {"bits": 4, "outliers": 0.05}),
-    ("kvquant3_vhead", "kvquant", {"bits": 3, "outliers": 0.05, "value_scope": "head"}),
-]
+def cache_codecs() -> list[tuple[str, str, dict]]:
+    """(name, method, config) of every registered method with a packed storage, at its test_config (the registry
+    drives these checks, as it drives tests/test_contract.py); KVQuant also with values per head."""
+    from kvcal.methods.registry import all_methods
+
+    cases = [(name, name, dict(cls.test_config)) for name, cls in sorted(all_methods().items()) if name != "fp16"]
+    if "kvquant" in all_methods():
+        cases.append(("kvquant_vhead", "kvquant", {**all_methods()["kvquant"].test_config, "value_scope": "head"}))
+    return cases
 
 
 def _cache_model(dtype):
@@ -554,31 +513,15 @@ def _cache_model(dtype):
     return as_loaded(build_random_model(config, dtype, "cpu"))
 
 
-def _decode_logits(loaded, codec, ids, prompt: int, fast: bool):
-    """Logits of the decode steps after a prompt of `prompt` tokens. fast: every op through its Triton kernel, and
-    any torch reference that has a Triton twin raises (a silent fallback would compare the reference with itself)."""
-    import contextlib
-    from unittest import mock
-
-    from kvcal.runtime import attention, ops, quantize, ring
+def _decode_logits(loaded, codec, ids, prompt: int, kernels: bool):
+    """Logits of the decode steps after a prompt of `prompt` tokens, every storage op through its Triton kernel
+    (kernels=True, forced on the CPU) or its torch reference."""
     from kvcal.runtime.cache import KvcalCache
 
-    with contextlib.ExitStack() as stack:
-        if fast:
-            stack.enter_context(mock.patch.object(ops, "use_triton", lambda t: True))
-            references = [(module, name[: -len("_triton")]) for module in (quantize, ring, attention) for name in dir(module)
-                          if name.endswith("_triton") and hasattr(module, name[: -len("_triton")])]
-            for module, name in references + [(attention, "decode_attention_ref")]:
-                def refuse(*args, _name=name, **kwargs):
-                    raise AssertionError(f"{_name}: fell back to the torch reference")
-                stack.enter_context(mock.patch.object(module, name, refuse))
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("error", message="decode_attention_triton")
-        cache = KvcalCache(codec, loaded.dims.num_layers)
-        with torch.inference_mode():
-            forward_with_cache(loaded.model, ids[:, :prompt], cache)
-            steps = [forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits
-                     for t in range(prompt, ids.shape[1])]
+    cache = KvcalCache(codec, loaded.dims.num_layers, kernels=kernels)
+    with torch.inference_mode():
+        forward_with_cache(loaded.model, ids[:, :prompt], cache)
+        steps = [forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits for t in range(prompt, ids.shape[1])]
     return torch.cat(steps, 1).double()
 
 
@@ -590,22 +533,20 @@ def run_cache_checks(dtype=torch.float16) -> dict:
 
     loaded = _cache_model(dtype)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
-    store = None
+    calibration = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
     out = {}
-    for name, method_name, config in CACHE_CODECS:
+    for name, method_name, config in cache_codecs():
         method = build_method(method_name, config)
         tensors = {}
         if method.learns:
-            if store is None:
-                store = capture(loaded, torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0)),
-                                {"k", "v", "fisher"})
-            tensors = method.calibrate(loaded, store)[0]
+            with capture(loaded, calibration, method.capture_needs()) as store:
+                tensors = method.calibrate(loaded, store)[0]
         codec = method.build_codec(tensors, loaded.dims)
-        ref = _decode_logits(loaded, codec, ids, 30, fast=False)
-        fast = _decode_logits(loaded, codec, ids, 30, fast=True)
+        if codec.storage(0) is None:
+            continue  # no packed storage (yet): nothing to run through kernels
+        ref = _decode_logits(loaded, codec, ids, 30, kernels=False)
+        fast = _decode_logits(loaded, codec, ids, 30, kernels=True)
         out[name] = float(((fast - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
-    if store is not None:
-        store.close()
     return out
 
 

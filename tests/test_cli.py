@@ -138,7 +138,7 @@ BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) ->
     "empty_prompt": (["generate", "--prompt", "", "--model", "tiny-llama", "--method", "fp16"], "--prompt is empty"),
     "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "dequantized"],
                                "--backend applies to --mode decode only"),
-    "bench_codec": (["bench", "decode", "--codec", "foo"], "unknown codec 'foo'"),  # before the CUDA check
+    "bench_recipe": (["bench", "decode", "--recipe", "foo"], "recipe 'foo' not found"),  # before the CUDA check
     # click's own usage errors (typer draws them as a multi-line box in standalone mode)
     "unknown_option": (["calibrate", "--method", "rtn", "--bogus", "1"], "No such option: --bogus"),
     "not_an_integer": (["eval", "ppl", "--nsamples", "abc"], "Invalid value for '--nsamples'"),

@@ -13,7 +13,6 @@ softmax over keys and values dequantized in float32 exactly as the reference doe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -24,11 +23,13 @@ import torch
 
 from tests.kernel_cases import (
     ATTENTION_CASES,
-    CACHE_CODECS,
     OUTLIER_PASS_CASES,
     TOL,
     TOL_GPU,
-    build_cache,
+    build_packed,
+    build_step,
+    cache_codecs,
+    make_storage,
     run_attention_case,
     run_quantize_checks,
 )
@@ -52,10 +53,10 @@ def interpreted():
 def test_word_alignment_hint_follows_strides_and_address():
     # the decode kernel tells Triton that code rows start on this many int32 words; the interpreter ignores the
     # hint, so a wrong value would only show on the GPU as misaligned vector loads: check the host rule here
-    from kvcal.runtime.attention import _word_alignment
+    from kvcal.runtime.kernels import word_alignment
 
     def align(t):
-        return _word_alignment(t, t.stride()[:3])
+        return word_alignment(t, t.stride()[:3])
 
     assert align(torch.zeros(2, 3, 5, 8, dtype=torch.int32)) == 4  # 2-bit rows at head_dim 128
     assert align(torch.zeros(2, 3, 5, 12, dtype=torch.int32)) == 4  # 3-bit
@@ -68,21 +69,25 @@ def test_word_alignment_hint_follows_strides_and_address():
     assert align(flat[1:-1].view(2, 3, 5, 8)) == 1
 
 
-def test_frag_kernel_takes_the_rtn_layout_only():
-    """attention_frag applies to one-scale-per-token int caches with head_dim * bits >= 256 (so the frag cases
-    above do run it), not to grouped scales, KIVI, pre-RoPE keys or 2-bit head_dim 64."""
-    from kvcal.runtime.attention import _frag_applies
+def _rtn(bits, lengths, hkv, d, tcap, **kw):
+    storage = make_storage("rtn", bits, hkv, d, group=kw.pop("group", None))
+    return storage, build_packed(storage, lengths, hkv, d, tcap=tcap, **kw)
+
+
+def test_frag_kernel_takes_one_scale_per_token_and_head_only():
+    """The fragment kernel applies to one scale per token and KV head with head_dim * bits >= 256 (so the frag cases
+    above do run it), not to grouped scales, float32 queries or 2-bit head_dim 64."""
+    from kvcal.methods.rtn_kernels import _frag_applies
 
     q = torch.zeros(3, 8, 64, dtype=torch.float16)
     q128 = torch.zeros(3, 8, 128, dtype=torch.float16)
-    assert _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10), 4)
-    assert _frag_applies(q128, build_cache("int", 2, [5, 0, 9], 2, 128, tcap=10), 4)
-    assert not _frag_applies(q, build_cache("int", 2, [5, 0, 9], 2, 64, tcap=10), 4)
-    assert _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=11), 4)
-    assert not _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10, group=32), 4)
-    assert not _frag_applies(q, build_cache("kivi", 4, [5, 0, 9], 2, 64, tcap=64), 4)
-    assert not _frag_applies(q, build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10, pre_rope=True), 4)
-    assert not _frag_applies(q.float(), build_cache("int", 4, [5, 0, 9], 2, 64, tcap=10), 4)
+    assert _frag_applies(q, _rtn(4, [5, 0, 9], 2, 64, 10)[1], 4, 4)
+    assert _frag_applies(q128, _rtn(2, [5, 0, 9], 2, 128, 10)[1], 2, 4)
+    assert not _frag_applies(q, _rtn(2, [5, 0, 9], 2, 64, 10)[1], 2, 4)
+    assert _frag_applies(q, _rtn(4, [5, 0, 9], 2, 64, 11)[1], 4, 4)
+    assert not _frag_applies(q, _rtn(4, [5, 0, 9], 2, 64, 10, group=32)[1], 4, 4)
+    assert not _frag_applies(q.float(), _rtn(4, [5, 0, 9], 2, 64, 10)[1], 4, 4)
+    assert not _frag_applies(q, _rtn(4, [5, 0, 9], 2, 64, 10)[1], 4, 9)  # GQA groups of more than 8 heads
 
 
 class _Launched(Exception):
@@ -100,47 +105,48 @@ class _StandIn:
         return launch
 
 
-def _launched(monkeypatch, q, kv, fk, fv, valid, **kw):
-    """Name and constexpr arguments of the packed kernel decode_attention_triton launches (kernels stubbed)."""
-    import kvcal.runtime.attention as A
-
-    monkeypatch.setattr(A, "_frag_decode_kernel", _StandIn("frag"))
-    monkeypatch.setattr(A, "_decode_kernel", _StandIn("tile"))
+def _launched(monkeypatch, module, storage, q, packed, fp, **kw):
+    """Name and constexpr arguments of the kernel a storage's attend_triton launches (kernels stubbed)."""
+    for name in ("_frag_decode_kernel", "_tile_kernel"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, _StandIn("frag" if "frag" in name else "tile"))
     with pytest.raises(_Launched) as info:
-        A.decode_attention_triton(q, kv, fk, fv, valid, 0.125, **kw)
+        storage.attend_triton(q, packed, 0.125, fp, **kw)
     return info.value.args
+
+
+def _kvquant(lengths, tcap, **kw):
+    storage = make_storage("kvquant", 4, 2, 64, kcap=3, per_side=2, **kw)
+    return storage, build_packed(storage, lengths, 2, 64, tcap=tcap)
 
 
 def test_kvquant_residuals_inside_the_kernel_for_float32_and_float64(monkeypatch):
     """fp16 and bf16 run KVQuant's sparse residuals as passes around the tile kernel (KCORR, SAVE_S); float32 and
     float64 add them inside it (KCAP, VCAP), as the reference does and without the value pass's atomics, whose
     run-dependent order made two float32 decodes of smollm2-135m on an H100 differ by up to 2.5% in perplexity."""
-    import kvcal.runtime.attention as A
-    from tests.kernel_cases import build_cache, build_step
+    import kvcal.methods.kvquant_kernels as KQ
 
-    monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)  # runs before the (stubbed) kernel
-    kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
+    monkeypatch.setattr(KQ, "key_outlier_scores_triton", lambda *args: None)  # runs before the (stubbed) kernel
+    storage, packed = _kvquant([40, 33], 48)
     for dtype, inside in ((torch.float16, False), (torch.bfloat16, False), (torch.float32, True),
                           (torch.float64, True)):
-        q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
-        name, kw = _launched(monkeypatch, q, kv, fk, fv, valid)
+        q, fp = build_step(2, 8, 2, 64, 5, dtype)
+        name, kw = _launched(monkeypatch, KQ, storage, q, packed, fp)
         where = (kw["KCAP"], kw["VCAP"], kw["KCORR"], kw["SAVE_S"])
         assert name == "tile" and where == ((3, 4, 0, 0) if inside else (0, 0, 1, 1)), (dtype, where)
 
 
 def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
     """fp16 / bf16 KVQuant decoding sums the value residuals in float32 by default and in int64 fixed point (integer
-    atomics: the same sums in any order) under torch.use_deterministic_algorithms(True); the reduction gets that
-    buffer."""
-    import kvcal.runtime.attention as A
-    from tests.kernel_cases import build_cache, build_step
+    atomics: the same sums in any order) under torch.use_deterministic_algorithms(True); the partials carry that
+    buffer and its unit to the merge."""
+    import kvcal.methods.kvquant_kernels as KQ
 
     calls = []
-    monkeypatch.setattr(A, "key_outlier_scores_triton", lambda *args: None)
-    monkeypatch.setattr(A, "_decode_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
-    monkeypatch.setattr(A, "value_outlier_sums_triton", lambda *args: calls.append(("pass", args[7].dtype, args[8])))
-    monkeypatch.setattr(A, "_reduce", lambda *args: calls.append(("reduce", args[4].dtype, args[8], args[10])))
-    kv = build_cache("nuq", 4, [40, 33], 2, 64, tcap=48, kcap=3, per_side=2, pre_rope=True)
+    monkeypatch.setattr(KQ, "key_outlier_scores_triton", lambda *args: None)
+    monkeypatch.setattr(KQ, "_tile_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+    monkeypatch.setattr(KQ, "value_outlier_sums_triton", lambda *args: calls.append((args[7].dtype, args[8])))
+    storage, packed = _kvquant([40, 33], 48)
     was = torch.are_deterministic_algorithms_enabled()
     try:
         for deterministic in (False, True):
@@ -148,14 +154,15 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
             sums = torch.int64 if deterministic else torch.float32
             for dtype in (torch.float16, torch.bfloat16):
                 calls.clear()
-                q, fk, fv, valid = build_step(2, 8, 2, 64, 5, dtype)
-                A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
-                assert calls == [("pass", sums, 28), ("reduce", sums, 4, 28)], (dtype, deterministic, calls)
-        # the pass and the reduction get the same fraction bits (fewer on long rows: here forced down)
-        monkeypatch.setattr(A.attention_outliers, "FIXED_BITS", 20)
+                q, fp = build_step(2, 8, 2, 64, 5, dtype)
+                parts = storage.attend_triton(q, packed, 0.125, fp)
+                assert calls == [(sums, 28)] and parts.extra.dtype == sums, (dtype, deterministic, calls)
+                assert parts.extra_unit == 2.0**-28
+        # the pass and the merge get the same fraction bits (fewer on long rows: here forced down)
+        monkeypatch.setattr(KQ, "FIXED_BITS", 20)
         calls.clear()
-        A.decode_attention_triton(q, kv, fk, fv, valid, 0.125)
-        assert calls == [("pass", torch.int64, 20), ("reduce", torch.int64, 4, 20)], calls
+        parts = storage.attend_triton(q, packed, 0.125, fp)
+        assert calls == [(torch.int64, 20)] and parts.extra_unit == 2.0**-20, calls
     finally:
         torch.use_deterministic_algorithms(was)
 
@@ -163,7 +170,7 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
 def test_fixed_point_bits_keep_int64_sums_from_overflowing():
     """A split's fixed-point sum of n terms below 2^16 stays below 2^63: 28 fraction bits up to 2^19 tokens, one
     fewer per doubling beyond."""
-    from kvcal.runtime.attention_outliers import FIXED_BITS, fixed_point_bits
+    from kvcal.methods.kvquant_kernels import FIXED_BITS, fixed_point_bits
 
     assert FIXED_BITS == 28
     assert fixed_point_bits(0) == fixed_point_bits(1) == fixed_point_bits(2**19) == 28
@@ -177,33 +184,32 @@ def test_frag_dispatch_rules(monkeypatch):
     """From FRAG_MIN_ROWS (row, KV head) pairs the fragment kernel is the default; a tile-kernel knob or frag=False
     selects the tile kernel, frag=True forces the fragment kernel below the threshold; its code words are vector
     loads only where every lane's words are aligned for them."""
-    import kvcal.runtime.attention as A
-    from tests.kernel_cases import build_cache, build_step
+    import kvcal.methods.rtn_kernels as R
 
-    kv = build_cache("int", 4, [40, 33], 8, 64, tcap=48)  # 2 rows x 8 KV heads = 16 pairs
-    q, fk, fv, valid = build_step(2, 32, 8, 64, 5, torch.float16)
-    assert _launched(monkeypatch, q, kv, fk, fv, valid)[0] == "tile"  # below the threshold
-    assert _launched(monkeypatch, q, kv, fk, fv, valid, frag=True)[0] == "frag"
-    monkeypatch.setattr(A, "FRAG_MIN_ROWS", 16)
-    name, kwargs = _launched(monkeypatch, q, kv, fk, fv, valid)
+    storage, packed = _rtn(4, [40, 33], 8, 64, 48)  # 2 rows x 8 KV heads = 16 pairs
+    q, fp = build_step(2, 32, 8, 64, 5, torch.float16)
+    assert _launched(monkeypatch, R, storage, q, packed, fp)[0] == "tile"  # below the threshold
+    assert _launched(monkeypatch, R, storage, q, packed, fp, frag=True)[0] == "frag"
+    monkeypatch.setattr(R, "FRAG_MIN_ROWS", 16)
+    name, kwargs = _launched(monkeypatch, R, storage, q, packed, fp)
     assert name == "frag" and kwargs["VEC"] == 1  # D 64 x 4 bits: 2 words per lane, 8-byte aligned rows
     assert kwargs["ROW_CLAMP"] == 1 and kwargs["maxnreg"] == 168  # 48 rows: not whole 32-token tiles; 4-bit cap
     assert kwargs["PDL"] == 0  # griddepcontrol only on sm_90+ GPUs
     assert kwargs["SCALE_WORDS"] == 0  # scales as vectors only without row clamps
-    whole = build_cache("int", 4, [40, 33], 8, 64, tcap=64)
-    kwargs = _launched(monkeypatch, q, whole, fk, fv, valid)[1]
+    whole = _rtn(4, [40, 33], 8, 64, 64)[1]
+    kwargs = _launched(monkeypatch, R, storage, q, whole, fp)[1]
     assert kwargs["ROW_CLAMP"] == 0 and kwargs["SCALE_WORDS"] == 1
     # scale rows one fp16 off the 8-byte alignment of a lane's four tokens: per-token loads
     odd = torch.zeros(2, 2, 8, 65, 1, dtype=torch.float16)[..., 1:, :]
-    shifted = dataclasses.replace(whole, k_scale=odd[0], k_zero=odd[1])
-    assert _launched(monkeypatch, q, shifted, fk, fv, valid)[1]["SCALE_WORDS"] == 0
-    assert _launched(monkeypatch, q, kv, fk, fv, valid, frag_vector=False)[1]["VEC"] == 0
-    for knob in ({"block_t": 16}, {"num_warps": 2}, {"num_stages": 3}, {"prefetch": 0}, {"generic_keys": True},
-                 {"frag": False}):
-        assert _launched(monkeypatch, q, kv, fk, fv, valid, **knob)[0] == "tile", knob
+    shifted = type(whole)({**whole.buffers, "k_scale": odd[0], "k_zero": odd[1]}, whole.lengths, 8, 64, 64)
+    assert _launched(monkeypatch, R, storage, q, shifted, fp)[1]["SCALE_WORDS"] == 0
+    assert _launched(monkeypatch, R, storage, q, packed, fp, frag_vector=False)[1]["VEC"] == 0
+    for knob in ({"block_t": 16}, {"num_warps": 2}, {"num_stages": 3}, {"prefetch": 0}, {"frag": False}):
+        assert _launched(monkeypatch, R, storage, q, packed, fp, **knob)[0] == "tile", knob
     # rows starting one word off the 8-byte alignment a lane's two-word load needs: scalar loads
-    shifted = dataclasses.replace(kv, k_codes=torch.zeros(2, 8, 48, 9, dtype=torch.int32)[..., 1:])
-    name, kwargs = _launched(monkeypatch, q, shifted, fk, fv, valid)
+    codes = torch.zeros(2, 8, 48, 9, dtype=torch.int32)[..., 1:]
+    shifted = type(packed)({**packed.buffers, "k_codes": codes}, packed.lengths, 8, 64, 48)
+    name, kwargs = _launched(monkeypatch, R, storage, q, shifted, fp)
     assert name == "frag" and kwargs["VEC"] == 0
 
 
@@ -211,7 +217,7 @@ def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]
     assert not bad, f"differ from the reference: {bad}"
-    assert len(res) == 158  # every format x bits x dtype ran (a check that stopped running would lower the count)
+    assert len(res) == 152  # every format x bits x dtype ran (a check that stopped running would lower the count)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
@@ -228,58 +234,58 @@ def test_interpreted_outlier_passes(interpreted):
     assert not bad, f"differ from the reference: {bad}"
 
 
-@pytest.mark.parametrize("codec", [c[0] for c in CACHE_CODECS])
+@pytest.mark.parametrize("codec", [c[0] for c in cache_codecs()])
 def test_interpreted_cache_decode_matches_the_references(interpreted, codec):
-    """A model decoding through KvcalCache with every op on its Triton kernel (fp16, interpreter) gives the logits the
-    torch references give: largest error per (row, step) measured 1.1e-3 (rtn4) to 5.7e-3 (kvquant4_outliers); a
-    kernel seeing one packed token less gave 0.7."""
+    """Every registered method with a packed storage: a model decoding through KvcalCache with every op on its Triton
+    kernel (fp16, interpreter) gives the logits the torch references give: largest error per (row, step) measured
+    1.1e-3 (rtn4) to 5.7e-3 (kvquant4_outliers); a kernel seeing one packed token less gave 0.7."""
     err = interpreted["cache"][codec]
     assert err == err and err <= 2e-2, f"{codec}: relative error {err}"
 
 
 # ---- GPU (Llama-3.1-8B shapes) -------------------------------------------------------------------------
 
+NUQ = {"kcap": 3, "per_side": 6, "sink": 7}
 GPU_CASES = [
-    (f"{codec}{bits}_{str(dtype)[6:]}", codec, bits, dtype, kw, {}, {})
-    for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 3, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
+    (f"{method}{bits}_{str(dtype)[6:]}", method, bits, dtype, kw, {}, {})
+    for method, kw in (("rtn", {}), ("kivi", {}), ("kvquant", NUQ))
     for bits in (4, 3, 2)
     for dtype in ((torch.bfloat16, torch.float16) if bits == 4 else (torch.bfloat16,))
-] + [(f"{codec}4_{str(dtype)[6:]}", codec, 4, dtype, kw, {}, {})
-      for codec, kw in (("int", {}), ("kivi", {}), ("nuq", {"kcap": 3, "per_side": 6, "pre_rope": True, "pos_offset": 7}))
-      for dtype in (torch.float32, torch.float64)
-] + [("int4_prerope_bf16", "int", 4, torch.bfloat16, {"pre_rope": True}, {}, {}),
-     # attention_frag (the default from 64 (row, KV head) pairs; these 4 x 8 are asked for explicitly)
-     ("int4_frag_bf16", "int", 4, torch.bfloat16, {}, {"frag": True}, {}),
-     ("int4_frag_fp16", "int", 4, torch.float16, {}, {"frag": True}, {}),
-     ("int2_frag_bf16", "int", 2, torch.bfloat16, {}, {"frag": True}, {}),
-     ("int2_frag_fp16", "int", 2, torch.float16, {}, {"frag": True}, {}),
+] + [(f"{method}4_{str(dtype)[6:]}", method, 4, dtype, kw, {}, {})
+     for method, kw in (("rtn", {}), ("kivi", {}), ("kvquant", NUQ))
+     for dtype in (torch.float32, torch.float64)
+] + [# the fragment kernel (the default from 64 (row, KV head) pairs; these 4 x 8 are asked for explicitly)
+     ("int4_frag_bf16", "rtn", 4, torch.bfloat16, {}, {"frag": True}, {}),
+     ("int4_frag_fp16", "rtn", 4, torch.float16, {}, {"frag": True}, {}),
+     ("int2_frag_bf16", "rtn", 2, torch.bfloat16, {}, {"frag": True}, {}),
+     ("int2_frag_fp16", "rtn", 2, torch.float16, {}, {"frag": True}, {}),
      # rows past each length hold inf / nan scales and random codes: unmasked scale loads must not let them through
-     ("int4_frag_poisoned_bf16", "int", 4, torch.bfloat16, {"poison": True}, {"frag": True}, {}),
-     ("int2_frag_poisoned_fp16", "int", 2, torch.float16, {"poison": True}, {"frag": True}, {}),
-     ("nuq4_vhead_bfloat16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "pre_rope": True, "value_per_head": True},
-      {}, {}),
+     ("int4_frag_poisoned_bf16", "rtn", 4, torch.bfloat16, {"poison": True}, {"frag": True}, {}),
+     ("int2_frag_poisoned_fp16", "rtn", 2, torch.float16, {"poison": True}, {"frag": True}, {}),
+     ("nuq4_vhead_bfloat16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "value_per_head": True}, {}, {}),
      ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),
-     # lut_mma without outliers (a per-lane table load once read as one lane's entry there: a wrong lookup table),
-     # and the float32 generic path it replaced
-     ("nuq4_no_outliers_bf16", "nuq", 4, torch.bfloat16, {"pre_rope": True, "pos_offset": 7}, {}, {}),
-     ("nuq2_no_outliers_fp16", "nuq", 2, torch.float16, {"pre_rope": True}, {}, {}),
-     ("nuq3_key_outliers_bf16", "nuq", 3, torch.bfloat16, {"kcap": 3, "pre_rope": True, "pos_offset": 7}, {}, {}),
-     ("nuq4_not_ahead_outliers_fp16", "nuq", 4, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True},
-      {"lut_ahead": False}, {}),
-     ("nuq4_generic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {"lut_mma": False},
-      {}),
+     # the lookup-table path without outliers (a per-lane table load once read as one lane's entry there: a wrong
+     # lookup table), and the float32 path it replaced
+     ("nuq4_no_outliers_bf16", "kvquant", 4, torch.bfloat16, {"sink": 7}, {}, {}),
+     ("nuq2_no_outliers_fp16", "kvquant", 2, torch.float16, {}, {}, {}),
+     ("nuq3_key_outliers_bf16", "kvquant", 3, torch.bfloat16, {"kcap": 3, "sink": 7}, {}, {}),
+     ("nuq4_not_ahead_outliers_fp16", "kvquant", 4, torch.float16, NUQ, {"lut_ahead": False}, {}),
+     ("nuq4_float32_path_bf16", "kvquant", 4, torch.bfloat16, NUQ, {"lut_mma": False}, {}),
      # torch's deterministic mode: the value pass sums in int64 fixed point
-     ("nuq4_deterministic_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 6, "pre_rope": True,
-                                                           "pos_offset": 7}, {}, {"deterministic": True}),
-     ("nuq2_deterministic_fp16", "nuq", 2, torch.float16, {"kcap": 3, "per_side": 6, "pre_rope": True}, {},
-      {"deterministic": True}),
+     ("nuq4_deterministic_bf16", "kvquant", 4, torch.bfloat16, NUQ, {}, {"deterministic": True}),
+     ("nuq2_deterministic_fp16", "kvquant", 2, torch.float16, NUQ, {}, {"deterministic": True}),
      ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
      # asks for 64-token tiles on 4 warps (Triton 3.6 lowers them to a wrong wgmma): runs 32-token tiles
      ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {}),
      # the int and nuq paths do take wgmma tiles when asked (64 tokens, 4 warps)
-     ("int4_wgmma_bf16", "int", 4, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
-     ("nuq4_wgmma_bf16", "nuq", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "pre_rope": True},
-      {"block_t": 64, "num_warps": 4}, {})]
+     ("int4_wgmma_bf16", "rtn", 4, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
+     ("nuq4_wgmma_bf16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 2}, {"block_t": 64, "num_warps": 4},
+      {}),
+     # SKVQ: 8 groups across the 1024 channels (g128), ternary values in base-3 bytes, fp8 parameters
+     ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 5, "groups": 8}, {}, {}),
+     ("skvq_k2v1.5_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5, "groups": 8}, {}, {}),
+     ("skvq_k4v4_fp8_bf16", "skvq", 4, torch.bfloat16, {"v_bits": 4.0, "param_dtype": "fp8", "groups": 16}, {}, {}),
+     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -312,16 +318,20 @@ def test_gpu_quantize_bit_exact():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.filterwarnings("error:decode_attention_triton")  # a fallback to the torch reference fails the test
-def test_gpu_dispatch_uses_triton():
-    from kvcal.runtime import ops
-    from kvcal.runtime.attention import decode_attention_ref
-    from tests.kernel_cases import build_cache, build_step, rel_err
+def test_gpu_cache_uses_the_kernels_and_refuses_what_they_cannot_take():
+    """On CUDA the packed cache runs each storage's Triton kernel (no fallback to the torch reference: a call the
+    kernel cannot take raises one line, unless the reference backend was asked for)."""
+    from kvcal.errors import KvcalError
+    from kvcal.runtime.decode import decode_attention, merge_reference
+    from tests.kernel_cases import rel_err
 
-    kv = build_cache("int", 4, [100, 64], 8, 128, device="cuda")
-    q, fk, fv, valid = build_step(2, 32, 8, 128, 16, torch.bfloat16, device="cuda")
-    assert ops.use_triton(q)
-    out = ops.decode_attention(q, kv, fk, fv, valid, 128**-0.5)
-    assert out.shape == (2, 32, 128)
-    err = rel_err(out, decode_attention_ref(q, kv, fk, fv, valid, 128**-0.5), per_head=True)
-    assert err <= TOL[torch.bfloat16], err
+    storage = make_storage("rtn", 4, 8, 128)
+    packed = build_packed(storage, [100, 64], 8, 128, device="cuda")
+    q, fp = build_step(2, 32, 8, 128, 16, torch.bfloat16, device="cuda")
+    out = decode_attention(q, storage, packed, fp, 128**-0.5, kernels=True)
+    ref = merge_reference(storage.attend_reference(q, packed, 128**-0.5, fp), 2, q.dtype)
+    assert rel_err(out, ref, per_head=True) <= TOL[torch.bfloat16]
+    odd = make_storage("rtn", 5, 8, 128)  # 5-bit codes: no kernel unpacks them
+    packed = build_packed(odd, [100, 64], 8, 128, device="cuda")
+    with pytest.raises(KvcalError, match="no Triton decode kernel.*5-bit codes.*backend='reference'"):
+        decode_attention(q, odd, packed, fp, 128**-0.5, kernels=True)

@@ -12,12 +12,33 @@ from kvcal.artifact import load_artifact
 from kvcal.calib.capture import capture
 from kvcal.calib.run import run_calibration
 from kvcal.methods import build_method
-from kvcal.methods.kvquant import per_side_outliers, quantize_dynamic, quantize_static
+from kvcal.methods.kvquant import per_side_outliers
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
 from tests.test_cli import kvcal
 
 LEVELS = torch.tensor([-1.0, -0.5, 0.25, 1.0])  # a 2-bit non-uniform table
+
+
+def quantize_static(rows, lo, hi, encode, decode, sparse: bool):
+    """KVQuant's per-channel quantization of token rows [B, T, C] through the packed quantizers (what the storage
+    and the simulation share), outliers exact (the paper's simulation) or clamped."""
+    from kvcal.quant.nonuniform import dequantize_lut_static, quantize_lut_static, range_params
+
+    x = rows.reshape(-1, 1, rows.shape[-1])
+    codes, idx, val = quantize_lut_static(x, lo, hi, encode, decode, 2, x.shape[-1] if sparse else 0, torch.float64)
+    zero, scale = range_params(lo, hi)
+    return dequantize_lut_static(codes, zero, scale, decode, 2, x.shape[-1], idx, val).reshape(rows.shape)
+
+
+def quantize_dynamic(rows, encode, decode, per_side: int):
+    """Per-token quantization of rows [B, T, C] (the dense range without each row's per_side largest and smallest
+    elements, kept exact)."""
+    from kvcal.quant.nonuniform import dequantize_lut_dynamic, quantize_lut_dynamic
+
+    x = rows.reshape(-1, 1, rows.shape[-1])
+    out = quantize_lut_dynamic(x, encode, decode, 2, per_side, residual_dtype=torch.float64)
+    return dequantize_lut_dynamic(*out[:3], decode, 2, x.shape[-1], *out[3:]).reshape(rows.shape)
 
 
 def test_static_per_channel_hand_computed():
@@ -174,7 +195,7 @@ def test_per_token_key_ablation_normalizes_each_token(tiny_store):
     lo, hi = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
     levels = per_token["layers.0.k.decode"].float()
     expected_levels = (hi + lo) / 2 + (hi - lo) / 2 * levels  # the table mapped onto each token's range
-    got = codec.quantize_keys(0, k).transpose(1, 2).flatten(2)
+    got = codec.reconstruct(0, k, k)[0].transpose(1, 2).flatten(2)
     distance = (got[..., None] - expected_levels[:, :, None, :]).abs().amin(-1)
     # every key lands on its own token's levels (to the fp16 rounding of the stored scale and zero; levels are
     # a third of the range apart at 2 bits, so another token's range would miss by far more)
@@ -281,9 +302,9 @@ def test_artifact_round_trip_gives_the_same_codec(tmp_path):
     _, codec = codec_for_artifact(again, loaded)
     direct = method.build_codec(art.tensors, loaded.dims)
     k = torch.randn(2, loaded.dims.num_kv_heads, 9, loaded.dims.head_dim)
-    torch.testing.assert_close(codec.quantize_keys(1, k), direct.quantize_keys(1, k), rtol=0, atol=0)
-    torch.testing.assert_close(codec.quantize_values(0, k), direct.quantize_values(0, k), rtol=0, atol=0)
-    assert not torch.equal(codec.quantize_keys(1, k), k)
+    torch.testing.assert_close(codec.reconstruct(1, k, k), direct.reconstruct(1, k, k), rtol=0, atol=0)
+    torch.testing.assert_close(codec.reconstruct(0, k, k), direct.reconstruct(0, k, k), rtol=0, atol=0)
+    assert not torch.equal(codec.reconstruct(1, k, k)[0], k)
     # deterministic: calibrating again gives a bit-identical file
     run_calibration(loaded, method, tmp_path / "b.safetensors", str(text), nsamples=3, seqlen=64)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()

@@ -53,17 +53,15 @@ def test_kivi_keys_per_channel_values_per_token():
     dims = type("D", (), {"head_dim": 8, "kv_channels": 16})()
     codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 0}).build_codec({}, dims)
     k = torch.randn(1, 2, 8, 8)
-    kq = codec.quantize_keys(0, k)
+    kq, vq = codec.reconstruct(0, k, k)
     torch.testing.assert_close(kq[0, 1, 4:8, 5], loop_minmax(k[0, 1, 4:8, 5], 2))  # channel 5, tokens 4..7
-    vq = codec.quantize_values(0, k)
     torch.testing.assert_close(vq[0, 1, 6, 4:8], loop_minmax(k[0, 1, 6, 4:8], 2))  # token 6, channels 4..7
 
 
-def test_rtn_groups_span_the_flattened_token_vector():
+def test_rtn_groups_of_channels_of_one_head():
     dims = type("D", (), {"head_dim": 4, "kv_channels": 8})()
     k = torch.randn(1, 2, 3, 4)
-    per_token = build_method("rtn", {"bits": 2, "group_size": 8}).build_codec({}, dims).quantize_keys(0, k)
-    flat = k[0, :, 1].reshape(-1)  # token 1, both heads
-    torch.testing.assert_close(per_token[0, :, 1].reshape(-1), loop_minmax(flat, 2))
-    per_head = build_method("rtn", {"bits": 2}).build_codec({}, dims).quantize_keys(0, k)
+    grouped = build_method("rtn", {"bits": 2, "group_size": 2}).build_codec({}, dims).reconstruct(0, k, k)[0]
+    torch.testing.assert_close(grouped[0, 1, 1, 2:4], loop_minmax(k[0, 1, 1, 2:4], 2))  # head 1, token 1, group 1
+    per_head = build_method("rtn", {"bits": 2}).build_codec({}, dims).reconstruct(0, k, k)[0]
     torch.testing.assert_close(per_head[0, 1, 2], loop_minmax(k[0, 1, 2], 2))

@@ -57,9 +57,20 @@ def test_a_wrong_window_is_detected(tiny):
 
 def test_sinks_window_policy_matches_decoding(tiny):
     """Sinks + sliding window (SKVQ/KVQuant-style policies) through the same two paths."""
+    from kvcal.methods.base import Codec
+    from kvcal.methods.rtn import RtnStorage
+
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
-    codec = build_method("rtn", {"bits": 2}).build_codec({}, tiny.dims)
-    codec.policy = FlushPolicy(sink=3, residual=5, block=1)
+    windowed = RtnStorage(2, tiny.dims.head_dim)
+    windowed.policy = FlushPolicy(sink=3, residual=5, block=1)  # the storage declares it; the codec follows
+
+    class Windowed(Codec):
+        policy = windowed.policy
+
+        def storage(self, layer):
+            return windowed
+
+    codec = Windowed()
     assert simulated_nll(tiny, codec, ids).nll == pytest.approx(decode_nll(tiny, codec, ids, "gptq", 0), rel=2e-6)
 
 

@@ -51,8 +51,9 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         raise KvcalError("--prompt-len applies to --protocol prefill-decode only")
     else:
         prompt_len = 0
-    if backend not in ("packed", "dequantized"):
-        raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")
+    from kvcal.runtime.cache import backend_ran
+
+    backend_ran(backend, "cpu")  # a one-line error for an unknown backend, before any loading
     if backend != "packed" and mode != "decode":
         raise KvcalError("--backend applies to --mode decode only")
     artifact_paths = list(artifact_paths or [])
@@ -102,7 +103,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
             "protocol": protocol,
             "prompt_len": prompt_len,
             "mode": mode,
-            "backend": backend if mode == "decode" else None,
+            "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
             "seqlen": seqlen,
             "nsamples": int(windows.shape[0]),
             "tokens": result.tokens,

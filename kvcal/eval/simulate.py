@@ -24,8 +24,8 @@ def reconstruct(codec, layer: int, k_src: torch.Tensor, v: torch.Tensor):
     start, end = codec.policy.compressed_span(k_src.shape[2])
     k_hat, v_hat = k_src.clone(), v.clone()
     if end > start:
-        k_hat[:, :, start:end] = codec.quantize_keys(layer, k_src[:, :, start:end])
-        v_hat[:, :, start:end] = codec.quantize_values(layer, v[:, :, start:end])
+        k_hat[:, :, start:end], v_hat[:, :, start:end] = codec.reconstruct(layer, k_src[:, :, start:end],
+                                                                           v[:, :, start:end])
     return k_hat, v_hat
 
 

@@ -3,9 +3,11 @@
 - `Method` (one dataclass per method, registered by name): validates its config, says what calibration
   needs captured, turns captured activations into learned tensors, counts its cache bytes, and builds
   its `Codec` from an artifact's tensors.
-- `Codec`: the torch reference of what the method stores. `quantize_keys` / `quantize_values` return
-  the dequantized values a runtime would reconstruct; `policy` says which tokens stay in full
-  precision as decoding proceeds (sinks, recent window, unflushed residual groups).
+- `Codec`: what the method does to the cache: its flush policy, its packed `Storage` per layer (the runtime
+  protocol, kvcal/runtime/storage.py), and the simulation's reconstruction (by default through that storage).
+
+A method lives in its own files: `kvcal/methods/<name>.py` (config, calibration, codec, storage) and
+`kvcal/methods/<name>_kernels.py` (its Triton kernels, beside the storage's torch references).
 """
 
 from __future__ import annotations
@@ -19,59 +21,67 @@ from typing import ClassVar
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.runtime.storage import FlushPolicy, Storage
 
-
-@dataclass(frozen=True)
-class FlushPolicy:
-    """Which tokens a method keeps in full precision, as a function of how many the cache holds.
-
-    Tokens [0, sink) stay full precision forever. After them, tokens are compressed in aligned blocks
-    of `block` tokens, but only once at least `residual` newer tokens exist. So with n tokens cached,
-    `compressed_count(n)` tokens after the sinks are compressed and the rest are full precision.
-    RTN: (0, 0, 1). KIVI: (0, R, G). SKVQ: (S, W, 1). KVQuant: (n_sink, 0, 1).
-    """
-
-    sink: int = 0
-    residual: int = 0
-    block: int = 1
-
-    def compressed_count(self, n: int) -> int:
-        return self.block * (max(0, n - self.sink - self.residual) // self.block)
-
-    def compressed_span(self, n: int) -> tuple[int, int]:
-        """[start, end) of the compressed tokens when the cache holds n tokens."""
-        return self.sink, self.sink + self.compressed_count(n)
-
-    def full_precision_mask(self, length: int, prompt_len: int = 0, device=None) -> torch.Tensor:
-        """Bool [T, T]: entry (i, j) is True when query i sees key j in full precision.
-
-        Query i runs with i + 1 tokens cached (gptq protocol: the token itself is already in the cache).
-        Queries before `prompt_len` are the full-precision prefill of the prefill-decode protocol.
-        """
-        n = torch.arange(1, length + 1, device=device)
-        compressed = self.block * torch.clamp(n - self.sink - self.residual, min=0).div(
-            self.block, rounding_mode="floor"
-        )
-        j = torch.arange(length, device=device)[None, :]
-        fp = (j < self.sink) | (j >= self.sink + compressed[:, None])
-        if prompt_len:
-            fp[:prompt_len] = True
-        return fp
+__all__ = ["Codec", "FlushPolicy", "Method", "Storage", "check_bits", "round_trip"]
 
 
 class Codec:
-    """Fake-quantization reference of one method with its learned tensors."""
+    """What a method applies to one model's cache, built from an artifact's tensors (or from nothing).
+
+    - `policy`, `keys_pre_rope`: which tokens stay in full precision as decoding proceeds (sinks, recent window,
+      unflushed residual groups), and whether compressed keys live before RoPE.
+    - `storage(layer)`: the packed runtime's storage of that layer (kvcal.runtime.storage.Storage), or None for a
+      method with no packed runtime (the simulation and the dequantized reference cache still run).
+    - `reconstruct(layer, k, v)`: the gptq simulation's view of a block of tokens: what dequantization gives back.
+      By default a round trip through the storage's own torch quantizer (write, then read): one numerics path for the
+      simulation and the packed cache. Methods whose published math the storage cannot hold exactly override it.
+    """
 
     policy: FlushPolicy = FlushPolicy()
     keys_pre_rope: bool = False  # compress keys before RoPE and rotate after reconstruction
     lossless: bool = False  # nothing is compressed (fp16 baseline)
 
-    def quantize_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        """k [B, Hkv, T, D] with T a multiple of policy.block -> reconstructed keys, same shape."""
-        raise NotImplementedError
+    def storage(self, layer: int) -> Storage | None:
+        return None
 
-    def quantize_values(self, layer: int, v: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def storage_refusal(self) -> str:
+        """Why `storage` is None (the packed cache's one-line error)."""
+        return f"{type(self).__name__} has no packed runtime"
+
+    def reconstruct(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (in the key space: before RoPE for keys_pre_rope) and v [B, Hkv, T, D], T a multiple of policy.block ->
+        the reconstructed k and v, same shapes and dtypes."""
+        storage = self.storage(layer)
+        if storage is None:
+            raise KvcalError(self.storage_refusal())
+        return round_trip(storage, k, v)
+
+
+def round_trip(storage: Storage, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v [B, H, T, D] into fresh buffers of `storage` through its torch reference, read them back (keys in
+    the storage's key space, not rotated)."""
+    from kvcal.runtime.storage import Packed
+
+    batch, heads, length, dim = k.shape
+    storage.check(heads, dim)
+    storage = storage.to(k.device)
+    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device=k.device)
+               for name, spec in storage.buffers(batch, length, heads, dim).items()}
+    lengths = torch.full((batch,), length, dtype=torch.int32, device=k.device)
+    packed = Packed(buffers, lengths, heads, dim, length)
+    rows = torch.arange(batch, device=k.device).repeat_interleave(length)
+    slots = torch.arange(length, device=k.device).repeat(batch)
+    storage.write_reference(packed, k.transpose(1, 2).reshape(-1, heads, dim),
+                            v.transpose(1, 2).reshape(-1, heads, dim), rows, slots)
+    compute = torch.promote_types(k.dtype, torch.float32)
+    read = [storage.read(packed, b, compute, rotate=False) for b in range(batch)]
+    return (torch.stack([r[0] for r in read]).to(k.dtype), torch.stack([r[1] for r in read]).to(v.dtype))
+
+
+def check_bits(bits: int, allowed=(2, 3, 4, 8)) -> None:
+    if bits not in allowed:
+        raise KvcalError(f"bits must be one of {', '.join(map(str, allowed))}, got {bits}")
 
 
 def _coerce(value, annotation, key: str, method: str):
@@ -104,6 +114,9 @@ class Method:
     # fields that only change how the runtime stores the codec (not what calibration learned): these may
     # be overridden on an existing artifact with --set
     runtime_fields: ClassVar[tuple[str, ...]] = ()
+    # small settings for tiny test models (2 KV heads of 16 channels, a few calibration windows): the contract test
+    # (tests/test_contract.py) runs every registered method with them
+    test_config: ClassVar[dict] = {}
 
     @classmethod
     def config_keys(cls) -> list[str]:
@@ -147,6 +160,13 @@ class Method:
 
     def build_codec(self, tensors: dict[str, torch.Tensor], dims) -> Codec:
         raise NotImplementedError
+
+    def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Random learned tensors of the shapes an artifact holds, for speed and memory benchmarks at shapes no
+        artifact exists for (speed does not depend on the values). Methods that learn nothing need none."""
+        if self.learns:
+            raise KvcalError(f"{self.name} has no synthetic tensors: benchmark a calibrated artifact (--artifact)")
+        return {}
 
     def footprint(self, dims, tokens: int) -> dict[str, float]:
         """Bytes of the compressed cache holding `tokens` tokens (batch 1, all layers), by category."""

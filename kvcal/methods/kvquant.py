@@ -33,9 +33,21 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant.kmeans import weighted_kmeans
-from kvcal.quant.nonuniform import largest_residuals, nearest_level, outlier_bounds, quantile, range_params
+from kvcal.quant.nonuniform import (
+    dequantize_lut_dynamic,
+    dequantize_lut_static,
+    nearest_level,
+    outlier_bounds,
+    quantile,
+    quantize_lut_dynamic,
+    quantize_lut_dynamic_into,
+    quantize_lut_static,
+    quantize_lut_static_into,
+    range_params,
+)
+from kvcal.quant.packing import words_per_vector
 from kvcal.quant.rope import apply_rope, rope_cos_sin
-from kvcal.runtime.formats import KeyFormat, ValueFormat
+from kvcal.runtime.storage import BufferSpec, Packed, Storage
 
 WEIGHTINGS = ("fisher_scale", "fisher", "none")
 DATATYPES = ("nuq", "int")
@@ -56,62 +68,143 @@ def to_rows(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, t, h * d)
 
 
-def from_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    b, t, c = rows.shape
-    return rows.reshape(b, t, heads, c // heads).transpose(1, 2)
+def key_round_trip(x: torch.Tensor, tables: dict, method: KVQuant, exact: bool, capacity: int) -> torch.Tensor:
+    """Keys x [N, H, D] quantized and read back with the packed quantizers of kvcal/quant/nonuniform.py: per channel
+    with the calibrated ranges (outliers: out-of-range elements, their residuals exact, or as a cache stores them,
+    fp16 and at most `capacity` per token and head), or per token (the key_granularity ablation)."""
+    bits, dtype = method.bits, torch.float64 if exact else torch.float16
+    n, h, d = x.shape
+    if method.key_granularity == "per_token":
+        per_side = per_side_outliers(method.outliers, h * d)
+        codes, s, z, idx, val = quantize_lut_dynamic(x, tables["k_encode"], tables["k_decode"], bits, per_side,
+                                                     residual_dtype=dtype)
+        return dequantize_lut_dynamic(codes, s, z, tables["k_decode"], bits, d, idx, val)
+    capacity = (d if exact else capacity) if method.outliers else 0
+    codes, idx, val = quantize_lut_static(x, tables["k_lo"], tables["k_hi"], tables["k_encode"], tables["k_decode"],
+                                          bits, capacity, dtype)
+    zero, scale = range_params(tables["k_lo"], tables["k_hi"])
+    return dequantize_lut_static(codes, zero, scale, tables["k_decode"], bits, d, idx, val)
 
 
-def lookup(xn: torch.Tensor, encode: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
-    """Nearest level of the encode table (on values clamped to [-1, 1]), read back from the decode table."""
-    return decode[nearest_level(xn.clamp(-1, 1), encode)]
+def value_round_trip(x: torch.Tensor, tables: dict, method: KVQuant, per_side: int, exact: bool) -> torch.Tensor:
+    """Values x [N, H, D] quantized per token (or per token and head) and read back, residuals exact or fp16."""
+    per_head = method.value_scope == "head"
+    codes, s, z, idx, val = quantize_lut_dynamic(x, tables["v_encode"], tables["v_decode"], method.bits, per_side,
+                                                 per_head, torch.float64 if exact else torch.float16)
+    return dequantize_lut_dynamic(codes, s, z, tables["v_decode"], method.bits, x.shape[-1], idx, val)
 
 
-def restore_outliers(x, dense, outliers, exact: bool) -> torch.Tensor:
-    """Outlier elements read back: exactly x (the digest's decision #7 for fake quantization), or, with
-    exact=False, what the packed runtime stores: the dense value plus the residual rounded to fp16."""
-    sparse = x if exact else dense + (x - dense).half().float()
-    return torch.where(outliers, sparse, dense)
+class KVQuantStorage(Storage):
+    """Keys before RoPE (rotated at attention time) per channel with the calibrated ranges: codes [B, Hkv, T, W] and
+    `capacity` outlier slots per token and KV head, [B, T, Hkv, capacity] (int16 channel over all heads, -1 empty;
+    fp16 residual). Values per token: codes [B, Hkv, T, W], fp16 scale and zero [B, T] ([B, Hkv, T] per head), 2
+    per_side outlier slots per vector [B, T, 2 per_side] ([B, T, Hkv, 2 per_side]). The first `sink` tokens stay in
+    full precision. Tables and ranges are per layer (the storage's own tensors)."""
 
+    keys_pre_rope = True
 
-def quantize_static(rows, lo, hi, encode, decode, sparse: bool, exact: bool = True,
-                    capacity: int | None = None, head_dim: int | None = None) -> torch.Tensor:
-    """Per-channel quantization with calibrated ranges [C]. Elements outside the range are outliers
-    (kept, see restore_outliers) when `sparse`, else clamped to the extreme levels. With `capacity`, only
-    that many outliers per head of `head_dim` channels of a row are kept (the largest residuals), as in
-    the packed runtime (whose slots are per token and KV head)."""
-    x = rows.to(torch.float32)
-    zero, scale = range_params(lo, hi)
-    out = lookup((x - zero) / scale, encode, decode) * scale + zero
-    if sparse:
-        outliers = (x > hi) | (x < lo)
-        if capacity is not None:  # the runtime's overflow rule: the largest residuals stay, the rest clamp
-            hd = head_dim or x.shape[-1]
-            heads = (*x.shape[:-1], x.shape[-1] // hd, hd)
-            top, valid = largest_residuals((x - out).reshape(heads), outliers.reshape(heads), capacity)
-            outliers = torch.zeros(heads, dtype=torch.bool, device=x.device).scatter_(-1, top, valid).reshape(x.shape)
-        out = restore_outliers(x, out, outliers, exact)
-    return out.to(rows.dtype)
+    def __init__(self, bits: int, tables: dict, capacity: int, value_per_side: int, per_head: bool, sink: int):
+        self.bits, self.capacity, self.value_per_side, self.per_head = bits, capacity, value_per_side, per_head
+        self.policy = FlushPolicy(sink=sink)
+        self.tables = tables
+        self.key_zero, self.key_scale = range_params(tables["k_lo"], tables["k_hi"])  # as the quantizer uses them
+        self.key_table, self.value_table = tables["k_decode"], tables["v_decode"]
 
+    def to(self, device) -> KVQuantStorage:
+        if self.key_table.device != torch.device(device):
+            self.tables = {k: t.to(device) for k, t in self.tables.items()}
+            self.key_zero, self.key_scale = self.key_zero.to(device), self.key_scale.to(device)
+            self.key_table, self.value_table = self.tables["k_decode"], self.tables["v_decode"]
+        return self
 
-def quantize_dynamic(rows, encode, decode, per_side: int, exact: bool = True) -> torch.Tensor:
-    """Per-token quantization: each row's range comes from its own values after setting aside its
-    `per_side` largest and smallest elements as outliers. Scale and zero are stored in fp16."""
-    x = rows.to(torch.float32)
-    lo, hi, outliers = outlier_bounds(x, per_side, dim=-1)
-    zero, scale = range_params(lo, hi, torch.float16)
-    out = lookup((x - zero) / scale, encode, decode) * scale + zero
-    return restore_outliers(x, out, outliers, exact).to(rows.dtype)
+    def buffers(self, batch, capacity, heads, dim):
+        codes = BufferSpec((batch, heads, capacity, words_per_vector(dim, self.bits)), torch.int32, 2)
+        specs = {"k_codes": codes, "v_codes": codes}
+        if self.capacity:
+            slots = (batch, capacity, heads, self.capacity)
+            specs["k_out_idx"] = BufferSpec(slots, torch.int16, 1)
+            specs["k_out_val"] = BufferSpec(slots, torch.float16, 1)
+        heads_axis = (heads,) if self.per_head else ()
+        params = BufferSpec((batch, *heads_axis, capacity), torch.float16, 1 + len(heads_axis))
+        specs["v_scale"] = specs["v_zero"] = params
+        if self.value_per_side:
+            slots = BufferSpec((batch, capacity, *heads_axis, 2 * self.value_per_side), torch.int16, 1)
+            specs["v_out_idx"] = slots
+            specs["v_out_val"] = BufferSpec(slots.shape, torch.float16, 1)
+        return specs
+
+    def _write(self, packed, keys, values, rows, slots, static_into, dynamic_into):
+        t, buf = self.tables, packed.buffers
+        static_into(keys, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.bits, self.capacity, buf["k_codes"],
+                    buf.get("k_out_idx"), buf.get("k_out_val"), rows, slots)
+        dynamic_into(values, t["v_encode"], t["v_decode"], self.bits, self.value_per_side, self.per_head,
+                     buf["v_codes"], buf["v_scale"], buf["v_zero"], buf.get("v_out_idx"), buf.get("v_out_val"), rows,
+                     slots)
+
+    def write_reference(self, packed, keys, values, rows, slots):
+        self._write(packed, keys, values, rows, slots, quantize_lut_static_into, quantize_lut_dynamic_into)
+
+    def write_triton(self, packed, keys, values, rows, slots):
+        from kvcal.quant.nonuniform_kernels import (
+            quantize_lut_dynamic_into_triton,
+            quantize_lut_static_into_triton,
+        )
+
+        self._write(packed, keys, values, rows, slots, quantize_lut_static_into_triton,
+                    quantize_lut_dynamic_into_triton)
+
+    def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
+        n, d, buf = int(packed.lengths[row]), packed.dim, packed.buffers
+
+        def slots(name):
+            return None if name not in buf else buf[name][row, :n]
+
+        k = dequantize_lut_static(buf["k_codes"][row, :, :n].transpose(0, 1), self.key_zero, self.key_scale,
+                                  self.key_table, self.bits, d, slots("k_out_idx"), slots("k_out_val"))
+        params = (buf["v_scale"][row, :, :n].transpose(0, 1), buf["v_zero"][row, :, :n].transpose(0, 1)) \
+            if self.per_head else (buf["v_scale"][row, :n], buf["v_zero"][row, :n])
+        v = dequantize_lut_dynamic(buf["v_codes"][row, :, :n].transpose(0, 1), *params, self.value_table, self.bits,
+                                   d, slots("v_out_idx"), slots("v_out_val"))
+        k, v = k.transpose(0, 1), v.transpose(0, 1).to(dtype)  # [H, n, D]
+        return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v
+
+    def supports_triton(self, q, packed):
+        from kvcal.methods import kvquant_kernels
+
+        return kvquant_kernels.unsupported(q, self.bits)
+
+    def attend_triton(self, q, packed, scale, fp, **knobs):
+        from kvcal.methods import kvquant_kernels
+
+        return kvquant_kernels.attend_triton(q, packed, scale, fp, self, **knobs)
+
+    def fill_synthetic(self, packed, generator):
+        """Random codes and ranges; about half the key outlier slots of a token and head used (cap // 2 + 1 of cap: 2 of
+        3 at head_dim 128, as with 1% outliers), each with a channel of its own head; every value slot used, with
+        channels of its vector."""
+        heads, dim = packed.heads, packed.dim
+        for name, t in packed.buffers.items():
+            if name.endswith("codes"):
+                t.random_(generator=generator)
+            elif name == "k_out_idx":
+                t.random_(0, dim, generator=generator)
+                t += (torch.arange(heads, device=t.device, dtype=t.dtype) * dim)[:, None]
+                t[..., t.shape[-1] // 2 + 1:] = -1
+            elif name == "v_out_idx" and self.per_head:
+                t.random_(0, dim, generator=generator)
+                t += (torch.arange(heads, device=t.device, dtype=t.dtype) * dim)[:, None]
+            elif name == "v_out_idx":
+                t.random_(0, heads * dim, generator=generator)
+            else:  # scales, zeros, residuals: small positive values
+                t.uniform_(0.01, 0.05, generator=generator)
 
 
 class KVQuantCodec(Codec):
     def __init__(self, method: KVQuant, tensors: dict[str, torch.Tensor], dims):
         self.method = method
-        self.heads = dims.num_kv_heads
         self.head_dim = dims.head_dim
         self.keys_pre_rope = method.pre_rope
         self.policy = FlushPolicy(sink=method.sink)
-        self.per_side = per_side_outliers(method.outliers, dims.kv_channels)
-        self.value_per_head = method.value_scope == "head"
         self.value_per_side = method.value_per_side(dims)
         self.tables = []
         for i in range(dims.num_layers):
@@ -122,33 +215,13 @@ class KVQuantCodec(Codec):
                     if key in tensors:
                         layer[f"{kind}_{name}"] = tensors[key].to(torch.float32)
             self.tables.append(layer)
-        self._device = None
+        self.storages: dict[int, KVQuantStorage] = {}
 
-    def _on(self, device):
-        if self._device != device:
-            self.tables = [{k: t.to(device) for k, t in layer.items()} for layer in self.tables]
-            self._device = device
-        return self.tables
-
-    def quantize_keys(self, layer, k):
-        t = self._on(k.device)[layer]
-        rows = to_rows(k)
-        if self.method.key_granularity == "per_channel":
-            # runtime-storage mode (exact_outliers=false) also keeps the runtime's slots per token
-            capacity = None if self.method.exact_outliers else self.key_capacity()
-            out = quantize_static(rows, t["k_lo"], t["k_hi"], t["k_encode"], t["k_decode"], self.per_side > 0,
-                                  self.method.exact_outliers, capacity, self.head_dim)
-        else:
-            out = quantize_dynamic(rows, t["k_encode"], t["k_decode"], self.per_side, self.method.exact_outliers)
-        return from_rows(out, self.heads)
-
-    def quantize_values(self, layer, v):
-        t = self._on(v.device)[layer]
-        rows = to_rows(v)
-        if self.value_per_head:  # one vector per (token, head)
-            rows = rows.unflatten(-1, (self.heads, self.head_dim))
-        values = quantize_dynamic(rows, t["v_encode"], t["v_decode"], self.value_per_side, self.method.exact_outliers)
-        return from_rows(values.flatten(-2) if self.value_per_head else values, self.heads)
+    def _on(self, layer: int, device) -> dict:
+        t = self.tables[layer]
+        if next(iter(t.values())).device != torch.device(device):
+            t = self.tables[layer] = {k: x.to(device) for k, x in t.items()}
+        return t
 
     def key_capacity(self) -> int:
         """Key outlier slots per token and KV head in the packed runtime. Key outliers vary per token: the
@@ -160,15 +233,29 @@ class KVQuantCodec(Codec):
         capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.head_dim)
         return min(capacity, self.head_dim)  # more slots than channels can never be used
 
-    def runtime_formats(self, layer):
+    def storage_refusal(self) -> str:
+        return "the packed runtime runs KVQuant with pre-RoPE per-channel keys only"
+
+    def storage(self, layer: int) -> KVQuantStorage | None:
         if self.method.key_granularity != "per_channel" or not self.method.pre_rope:
-            raise KvcalError("the packed runtime runs KVQuant with pre-RoPE per-channel keys only")
-        t = self.tables[layer]
-        keys = KeyFormat("lut_static", self.method.bits, lo=t["k_lo"], hi=t["k_hi"], encode=t["k_encode"],
-                         decode=t["k_decode"], capacity=self.key_capacity())
-        values = ValueFormat("lut_dynamic", self.method.bits, encode=t["v_encode"], decode=t["v_decode"],
-                             per_side=self.value_per_side, per_head=self.value_per_head)
-        return keys, values
+            return None
+        if layer not in self.storages:
+            self.storages[layer] = KVQuantStorage(self.method.bits, self.tables[layer], self.key_capacity(),
+                                                  self.value_per_side, self.method.value_scope == "head",
+                                                  self.method.sink)
+        return self.storages[layer]
+
+    def reconstruct(self, layer, k, v):
+        """exact_outliers (the paper's simulation, digest #7): the same quantizers as the packed storage, with every
+        outlier kept and its residual exact; false: the storage itself (fp16 residuals, key_outlier_capacity slots
+        per token and head), what decode mode gives."""
+        t = self._on(layer, k.device)
+        exact = self.method.exact_outliers
+        b, h, n, d = k.shape
+        k_hat = key_round_trip(k.transpose(1, 2).reshape(-1, h, d), t, self.method, exact, self.key_capacity())
+        v_hat = value_round_trip(v.transpose(1, 2).reshape(-1, h, d), t, self.method, self.value_per_side, exact)
+        return (k_hat.reshape(b, n, h, d).transpose(1, 2).to(k.dtype),
+                v_hat.reshape(b, n, h, d).transpose(1, 2).to(v.dtype))
 
 
 @register
@@ -181,6 +268,8 @@ class KVQuant(Method):
     learns = True
     captures = ("k", "v", "fisher")
     runtime_fields = ("key_outlier_capacity", "exact_outliers")
+    # the contract compares decoding with the simulation of what the cache stores (exact_outliers=false)
+    test_config = {"bits": 3, "outliers": 0.05, "exact_outliers": False}
 
     bits: int = 4
     outliers: float = 0.01  # fraction of each vector kept exact (half at each tail); 0 = dense only
@@ -304,8 +393,10 @@ class KVQuant(Method):
         weights = self._weights(fisher, scale.expand_as(k))
         encode, decode = self._datatype(xn[inside], None if weights is None else weights[inside])
         tables = {"k.lo": lo, "k.hi": hi, "k.encode": encode, "k.decode": decode}
-        err = self._fisher_err(fisher, k, quantize_static(k, lo, hi, encode, decode, self.outliers > 0))
-        return tables, float((~inside).float().mean()), err
+        k_hat = key_round_trip(k[:, None], {f"k_{n}": t for n, t in (("lo", lo), ("hi", hi), ("encode", encode),
+                                                                      ("decode", decode))},
+                               self, True, 0)[:, 0]
+        return tables, float((~inside).float().mean()), self._fisher_err(fisher, k, k_hat)
 
     def _fit_dynamic(self, x, fisher, per_side):
         lo, hi, outlier = outlier_bounds(x, per_side, dim=-1)
@@ -314,8 +405,10 @@ class KVQuant(Method):
         inside = ~outlier
         weights = self._weights(fisher, scale.expand_as(x))
         encode, decode = self._datatype(xn[inside], None if weights is None else weights[inside])
-        err = self._fisher_err(fisher, x, quantize_dynamic(x, encode, decode, per_side))
-        return {"encode": encode, "decode": decode}, float(outlier.float().mean()), err
+        codes, s, z, idx, val = quantize_lut_dynamic(x[:, None], encode, decode, self.bits, per_side,
+                                                     residual_dtype=torch.float64)
+        x_hat = dequantize_lut_dynamic(codes, s, z, decode, self.bits, x.shape[-1], idx, val)[:, 0]
+        return {"encode": encode, "decode": decode}, float(outlier.float().mean()), self._fisher_err(fisher, x, x_hat)
 
     def _weights(self, fisher, scale):
         if self.weighting == "none" or self.datatype != "nuq":
@@ -361,6 +454,21 @@ class KVQuant(Method):
                 raise KvcalError(f"kvquant table {name} has shape {list(t.shape)}, expected {list(want)} "
                                  f"({self.bits} bits, {channels} channels)")
         return KVQuantCodec(self, tensors, dims)
+
+    def synthetic_tensors(self, dims, seed: int = 0):
+        """Random sorted tables in [-1, 1] and key ranges of about unit width per layer (speed benchmarks)."""
+        gen = torch.Generator().manual_seed(seed)
+        levels, channels = 1 << self.bits, dims.kv_channels
+        tensors = {}
+        for i in range(dims.num_layers):
+            for kind in "kv":
+                table = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
+                tensors[f"layers.{i}.{kind}.encode"] = table
+                tensors[f"layers.{i}.{kind}.decode"] = table.clone()
+            zero = torch.randn(channels, generator=gen) * 0.1
+            half = torch.rand(channels, generator=gen) + 0.5
+            tensors[f"layers.{i}.k.lo"], tensors[f"layers.{i}.k.hi"] = zero - half, zero + half
+        return tensors
 
     def footprint(self, dims, tokens):
         channels, layers = dims.kv_channels, dims.num_layers

@@ -29,8 +29,18 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant.kmeans import weighted_kmeans
+from kvcal.quant.packing import (
+    TRITS_PER_BYTE,
+    bytes_per_trit_vector,
+    pack_codes,
+    pack_trits,
+    unpack_codes,
+    unpack_trits,
+    words_per_vector,
+)
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.quant.uniform import dequantize, minmax_params, quantize, round_params
+from kvcal.runtime.storage import BufferSpec, Packed, Storage
 
 SUPPORTED_BITS = (1.5, 2.0, 3.0, 4.0, 8.0)
 CLIP_MODES = ("none", "global", "layer", "group")
@@ -41,7 +51,6 @@ CLIP_STEP = 0.01
 SCALE_FLOOR = 1e-5  # [code]: scale = max((M - m) / qmax, 1e-5)
 FP8_MIN_SCALE = 2.0**-9  # smallest e4m3 subnormal: a smaller scale would round to 0 (rec #10)
 KMEANS_N_INIT = 10  # [code]: sklearn KMeans(n_init=10)
-TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256: base-3 packing stores a ternary code in 1.6 bits
 
 
 def clip_grid(lowest: float) -> tuple[float, ...]:
@@ -183,20 +192,124 @@ class ChannelQuantizer:
         return self.apply(x, self.alpha)
 
 
+class SKVQStorage(Storage):
+    """One layer's SKVQ cache. Codes stay in the model's channel order, one row per (token, KV head) like any
+    per-head cache: [B, Hkv, T, W] int32 words of `slot bits` (2 for ternary codes in 2-bit slots, the [code]'s), or
+    [B, Hkv, T, ceil(D / 5)] uint8 for base-3 ternary codes (5 per byte). Each token's groups (k-means clusters over
+    all of the layer's channels, across heads) have one clipped (scale, zero) each, [B, T, n_groups] in fp16 or fp8
+    e4m3. A static map [Hkv * D] gives each channel its group, so a kernel's program for one KV head reads its own
+    codes and gathers its channels' parameters: the permutation is never applied to the cache (digest rec #5 gathers
+    channels by `perm` at write time and scatters them back at read time; storing codes in channel order is the same
+    quantization with no scatter at read time). Keys before RoPE (rotated at attention time)."""
+
+    keys_pre_rope = True  # [code] pre_rope=True in every config: quantize pre-RoPE keys, rotate after
+
+    def __init__(self, keys: ChannelQuantizer, values: ChannelQuantizer, sink: int, window: int,
+                 ternary_storage: str):
+        # Sinks and the W most recent tokens (the current one included, [code] semantics, rec #14) stay in
+        # fp16; the oldest window token is quantized as each new token arrives.
+        self.policy = FlushPolicy(sink=sink, residual=window, block=1)
+        self.sides = {"k": keys, "v": values}
+        self.ternary_storage = ternary_storage
+        # channel (original order) -> its group
+        self.group_maps = {side: q.layout.group_of_position[q.layout.inverse].to(torch.int32)
+                           for side, q in self.sides.items()}
+
+    def to(self, device) -> SKVQStorage:
+        self.group_maps = {side: m.to(device) for side, m in self.group_maps.items()}
+        return self
+
+    def base3(self, side: str) -> bool:
+        return self.sides[side].levels == 3 and self.ternary_storage == "base3"
+
+    def slot_bits(self, side: str) -> int:
+        """Bits per code slot (0: base-3 bytes)."""
+        levels = self.sides[side].levels
+        return 0 if self.base3(side) else (2 if levels == 3 else levels.bit_length() - 1)
+
+    def num_groups(self, side: str) -> int:
+        return self.sides[side].layout.num_groups
+
+    def check(self, heads: int, dim: int) -> None:
+        channels = self.sides["k"].layout.channels
+        if heads * dim != channels:
+            raise KvcalError(f"skvq layout of {channels} channels for a layer of {heads} KV heads x head_dim {dim}")
+
+    def buffers(self, batch, capacity, heads, dim):
+        specs = {}
+        for side, q in self.sides.items():
+            if self.base3(side):
+                specs[f"{side}_codes"] = BufferSpec((batch, heads, capacity, bytes_per_trit_vector(dim)), torch.uint8, 2)
+            else:
+                words = words_per_vector(dim, self.slot_bits(side))
+                specs[f"{side}_codes"] = BufferSpec((batch, heads, capacity, words), torch.int32, 2)
+            params = BufferSpec((batch, capacity, q.layout.num_groups), PARAM_DTYPES[q.param_dtype], 1)
+            specs[f"{side}_scale"] = specs[f"{side}_zero"] = params
+        return specs
+
+    def _quantize(self, side: str, x: torch.Tensor):
+        """x [M, H, D] -> integer codes [M, H, D] in channel order, scale and zero [M, n_groups] as stored."""
+        q = self.sides[side]
+        m, h, d = x.shape
+        permuted = q.layout.reorder(x.reshape(m, h * d).to(torch.float32))
+        scale, zero = clipped_group_params(permuted, q.layout, q.alpha.to(x.device), q.levels, q.param_dtype)
+        position = q.layout.group_of_position.to(x.device)
+        codes = quantize(permuted, scale[..., position], zero[..., position], q.levels)
+        return q.layout.restore(codes).reshape(m, h, d).to(torch.int64), scale, zero
+
+    def write_reference(self, packed, keys, values, rows, slots):
+        for side, x in (("k", keys), ("v", values)):
+            codes, scale, zero = self._quantize(side, x)
+            bits = self.slot_bits(side)
+            packed[f"{side}_codes"][rows, :, slots] = pack_trits(codes) if bits == 0 else pack_codes(codes, bits)
+            dtype = packed[f"{side}_scale"].dtype
+            packed[f"{side}_scale"][rows, slots] = scale.to(dtype)
+            packed[f"{side}_zero"][rows, slots] = zero.to(dtype)
+
+    def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
+        n, heads, dim = int(packed.lengths[row]), packed.heads, packed.dim
+        out = []
+        for side in "kv":
+            words = packed[f"{side}_codes"][row, :, :n]  # [H, n, W]
+            bits = self.slot_bits(side)
+            codes = unpack_trits(words, dim) if bits == 0 else unpack_codes(words, bits, dim)
+            group = self.group_maps[side].to(words.device).long().reshape(heads, dim)
+            scale = packed[f"{side}_scale"][row, :n].float()[:, group].permute(1, 0, 2)  # [H, n, D]
+            zero = packed[f"{side}_zero"][row, :n].float()[:, group].permute(1, 0, 2)
+            out.append(dequantize(codes.to(torch.float32), scale, zero))
+        k, v = out
+        return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v.to(dtype)
+
+    def supports_triton(self, q, packed):
+        from kvcal.methods import skvq_kernels
+
+        return skvq_kernels.unsupported(q, self)
+
+    def attend_triton(self, q, packed, scale, fp, **knobs):
+        from kvcal.methods import skvq_kernels
+
+        return skvq_kernels.attend_triton(q, packed, scale, fp, self, **knobs)
+
+    def fill_synthetic(self, packed, generator):
+        """Random codes; scales and zeros that fp8 holds too (small positive values)."""
+        for name, t in packed.buffers.items():
+            if name.endswith("codes"):
+                t.random_(0, 243 if t.dtype == torch.uint8 else 2**31 - 1, generator=generator)
+            else:
+                small = torch.empty(t.shape, device=t.device).uniform_(0.01, 0.05, generator=generator)
+                t.copy_(small.to(t.dtype))
+
+
 class SKVQCodec(Codec):
     keys_pre_rope = True  # [code] pre_rope=True in every config: quantize pre-RoPE keys, rotate after
 
-    def __init__(self, keys: list[ChannelQuantizer], values: list[ChannelQuantizer], sink: int, window: int):
-        self.keys, self.values = keys, values
-        # Sinks and the W most recent tokens (the current one included, [code] semantics, rec #14) stay
-        # fp16; the oldest window token is quantized as each new token arrives.
-        self.policy = FlushPolicy(sink=sink, residual=window, block=1)
+    def __init__(self, keys: list[ChannelQuantizer], values: list[ChannelQuantizer], sink: int, window: int,
+                 ternary_storage: str):
+        self.storages = [SKVQStorage(k, v, sink, window, ternary_storage) for k, v in zip(keys, values)]
+        self.policy = self.storages[0].policy
 
-    def quantize_keys(self, layer, k):
-        return self.keys[layer](k)
-
-    def quantize_values(self, layer, v):
-        return self.values[layer](v)
+    def storage(self, layer: int) -> SKVQStorage:
+        return self.storages[layer]
 
 
 class AttentionOutputError:
@@ -296,6 +409,7 @@ class SKVQ(Method):
     summary = "k-means channel reorder, clipped per-token group quant, fp16 window + sinks"
     learns = True
     captures = ("k", "v", "q")  # pre-RoPE K and V (stats, search), pre-RoPE Q (clip search objective)
+    test_config = {"k_bits": 2.0, "v_bits": 1.5, "group_size": 8, "window": 8, "sink": 2, "clip_queries": 16}
 
     k_bits: float = 2.0  # 1.5 (ternary), 2, 3, 4 or 8
     v_bits: float = 2.0
@@ -343,6 +457,17 @@ class SKVQ(Method):
             raise KvcalError(f"skvq without reorder needs group_size to divide the {channels} K/V channels, "
                              f"got {self.group_size}")
 
+    def spans_heads(self, dims) -> str | None:
+        """A warning when the average group is wider than a head: the paper's group sizes (128) assume thousands of
+        channels per layer, and on a small model one group spans several heads (smollm2-135m, 3 KV heads x 64
+        channels: g128 is a single group per token, and perplexity about 1000)."""
+        if self.group_size <= dims.head_dim:
+            return None
+        groups = self.num_groups(dims)
+        return (f"skvq group_size {self.group_size} is wider than head_dim {dims.head_dim}: {groups} group"
+                f"{'s' if groups > 1 else ''} over the {dims.kv_channels} channels of a layer, each spanning heads "
+                "(the paper's g128 assumes thousands of channels; use group_size <= head_dim on this model)")
+
     def num_groups(self, dims) -> int:
         # [code]: n_clusters = C // G, so G is only the *average* group size (C / n_groups).
         return dims.kv_channels // self.group_size
@@ -359,6 +484,11 @@ class SKVQ(Method):
 
         dims = loaded.dims
         self.check_model(dims)
+        spans = self.spans_heads(dims)
+        if spans:
+            from kvcal.progress import stderr_console
+
+            stderr_console.print(f"warning: {spans}", markup=False, highlight=False, soft_wrap=True)
         positions = store.token_positions
         # Channel statistics leave out the sink positions: those tokens are never quantized, and the
         # first tokens carry extreme values that would skew the ranges (rec #1; the [code] uses all).
@@ -393,6 +523,7 @@ class SKVQ(Method):
                 group_sizes[kind].append(q.layout.sizes)
             del rows
         info = {
+            "warning": spans,
             "kmeans": {"features": "per-channel (min, max), sink positions excluded", "n_init": KMEANS_N_INIT,
                        "seed": self.seed} if self.reorder else None,
             "group_sizes_k": group_sizes["k"],
@@ -462,7 +593,22 @@ class SKVQ(Method):
                     raise KvcalError(f"{prefix}clip holds a ratio that is not a positive number: "
                                      f"{alpha.flatten().tolist()[:8]}")
                 quantizers[kind].append(ChannelQuantizer(layout, alpha, bits, self.param_dtype))
-        return SKVQCodec(quantizers["k"], quantizers["v"], self.sink, self.window)
+        return SKVQCodec(quantizers["k"], quantizers["v"], self.sink, self.window, self.ternary_storage)
+
+    def synthetic_tensors(self, dims, seed: int = 0):
+        """A random channel permutation cut into C // group_size groups of equal size, clip ratios 0.96 (speed
+        benchmarks at shapes no artifact exists for; the kernel's work does not depend on them)."""
+        gen = torch.Generator().manual_seed(seed)
+        channels, groups = dims.kv_channels, self.num_groups(dims)
+        offsets = torch.linspace(0, channels, groups + 1).round().to(torch.int32)
+        tensors = {}
+        for i in range(dims.num_layers):
+            for kind in "kv":
+                prefix = f"layers.{i}.{kind}."
+                tensors[prefix + "perm"] = torch.randperm(channels, generator=gen).to(torch.int32)
+                tensors[prefix + "group_offsets"] = offsets.clone()
+                tensors[prefix + "clip"] = torch.full((groups,), 0.96)
+        return tensors
 
     def footprint(self, dims, tokens):
         quantized = FlushPolicy(sink=self.sink, residual=self.window).compressed_count(tokens)

@@ -1,19 +1,14 @@
-"""Decode-attention benchmark (`kvcal bench decode`): per-layer time of one decode step at Llama-3.1-8B
-attention shapes, fp16/bf16 PyTorch SDPA against kvcal's packed-cache kernel for each codec and bit width,
-in the same process, with the bandwidth each kernel achieves from the bytes it must read.
+"""Decode-attention benchmark (`kvcal bench decode`): per-layer time of one decode step at Llama-3.1-8B attention
+shapes, bf16 PyTorch SDPA against each method's packed storage and Triton kernel (any registered method, from a recipe
+or an artifact), in the same process, with the bandwidth each kernel achieves from the bytes it must read.
 
-Speed does not depend on the values, so caches are random (random code words, random fp16 scales, random
-outlier positions); nothing is ever timed on zeros. Times are medians of triton.testing.do_bench, which
+Speed does not depend on the values, so caches are random (each storage fills its own buffers: random code words,
+random fp16 scales, random outlier positions; learned methods without an artifact get random tables from
+Method.synthetic_tensors); nothing is ever timed on zeros. Times are medians of triton.testing.do_bench, which
 flushes the L2 cache before every call (by zeroing 256 MB; `flush="read"` sums the buffer instead, leaving clean
 lines), so each call reads its cache from HBM; by default the call is replayed from a CUDA graph, so the time is the
-GPU's (see time_device).
-
-Codecs (the shapes the runtime stores):
-  int<b>:  affine_channels keys and values, one fp16 (scale, zero) per token, head and group of head_dim
-  kivi<b>: affine_tokens keys (per channel, blocks of 32 tokens), affine_channels values in groups of 32
-  nuq<b>:  lut_static keys stored before RoPE (rotated in the kernel) with 21 outliers per token over all
-           heads (about 2x KVQuant's 1% of C = 1024), lut_dynamic values with 6 outliers per side
-Each codec keeps a full-precision window of `window` tokens (the rest of the context is packed).
+GPU's (see time_device). Every cache keeps a full-precision window of `window` tokens; the rest of the context is
+packed.
 """
 
 from __future__ import annotations
@@ -24,82 +19,74 @@ import time
 
 import torch
 
-from kvcal.runtime.attention import DEFAULTS as KERNEL_DEFAULTS
-from kvcal.runtime.attention import PackedKV, decode_attention_triton
-from kvcal.runtime.packing import words_per_vector
-
-CODECS = ("int", "kivi", "nuq")
-KIVI_BLOCK = 32
-KIVI_VALUE_GROUP = 32
-NUQ_KEY_CAPACITY = 3  # per token and KV head: kvquant's default ceil(2 x 1% x 128) at head_dim 128
-NUQ_VALUE_PER_SIDE = 6
+from kvcal.runtime.decode import FullPrecision
+from kvcal.runtime.storage import Packed, SharedState
 
 
-def random_packed(codec: str, bits: int, batch: int, hkv: int, dim: int, tokens: int, *, device="cuda",
-                  seed: int = 0, pos_offset: int = 0, value_per_head: bool = False) -> PackedKV:
-    """A PackedKV of `tokens` random compressed tokens per row in the codec's layout (nuq with
-    value_per_head: kvquant's value_scope=head layout, one (scale, zero) and 1 + 1 outliers per token and head)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def bench_cases(recipes, artifacts, dims, sets: list[str] | None = None) -> list[tuple[str, object, object]]:
+    """(name, method, codec) for each recipe and artifact, at the shapes `dims` (a ModelDims). A recipe of a method
+    that learns gets random tensors of the right shapes (Method.synthetic_tensors: speed does not depend on them); an
+    artifact must have been calibrated for these shapes. `sets`: --set overrides (runtime fields on artifacts)."""
+    from types import SimpleNamespace
 
-    def words(n):
-        return torch.randint(-(2**31), 2**31 - 1, (batch, hkv, tokens, n), dtype=torch.int32, device=device,
-                             generator=gen)
+    from kvcal.artifact import check_model, load_artifact
+    from kvcal.methods.registry import build_method, runtime_overrides
+    from kvcal.recipes import resolve
 
-    def fp16(*shape, lo=0.01, hi=0.1):
-        return (torch.rand(*shape, device=device, generator=gen) * (hi - lo) + lo).half()
+    cases = []
+    for recipe in recipes:
+        method, _, _ = resolve(None, recipe, sets)
+        method.check_model(dims)
+        cases.append((recipe, method, method.build_codec(method.synthetic_tensors(dims), dims)))
+    for path in artifacts:
+        art = load_artifact(path)
+        check_model(art, SimpleNamespace(name="these shapes", identity=dims.to_dict()), path, identity=False)
+        method = build_method(art.method, {**art.config, **runtime_overrides(art.method, sets)})
+        cases.append((str(path).rsplit("/", 1)[-1].removesuffix(".safetensors"), method,
+                      method.build_codec(art.tensors, dims)))
+    return cases
 
-    w = words_per_vector(dim, bits)
-    spec = dict(head_dim=dim, lengths=torch.full((batch,), tokens, dtype=torch.int32, device=device),
-                key_bits=bits, value_bits=bits, k_codes=words(w), v_codes=words(w))
-    if codec == "int":
-        spec.update(key_format="affine_channels", k_scale=fp16(batch, hkv, tokens, 1),
-                    k_zero=fp16(batch, hkv, tokens, 1, lo=-1, hi=0), value_format="affine_channels",
-                    v_scale=fp16(batch, hkv, tokens, 1), v_zero=fp16(batch, hkv, tokens, 1, lo=-1, hi=0))
-    elif codec == "kivi":
-        blocks = -(-tokens // KIVI_BLOCK)
-        groups = dim // KIVI_VALUE_GROUP
-        spec.update(key_format="affine_tokens", key_block=KIVI_BLOCK, k_scale=fp16(batch, hkv, blocks, dim),
-                    k_zero=fp16(batch, hkv, blocks, dim, lo=-1, hi=0), value_format="affine_channels",
-                    v_scale=fp16(batch, hkv, tokens, groups), v_zero=fp16(batch, hkv, tokens, groups, lo=-1, hi=0))
-    elif codec == "nuq":
-        from kvcal.quant.rope import RopeSpec, rope_cos_sin
 
-        c = hkv * dim
-        levels = torch.sort(torch.rand(1 << bits, device=device, generator=gen) * 2 - 1).values
-        rope = RopeSpec(head_dim=dim, theta=500000.0, rope_type="llama3", factor=8.0)
-        cos, sin = rope_cos_sin(rope.inv_freq(device), torch.arange(pos_offset + tokens, device=device)[None],
-                                torch.float32)
-        head_base = torch.arange(hkv, device=device)[:, None] * dim  # slots per (token, head), global channels
-        kidx = torch.randint(0, dim, (batch, tokens, hkv, NUQ_KEY_CAPACITY), device=device, generator=gen) + head_base
-        kidx[..., NUQ_KEY_CAPACITY // 2 + 1:] = -1  # ~half the capacity used, as with 1% outliers
-        heads = (hkv,) if value_per_head else ()
-        vcap = 2 if value_per_head else 2 * NUQ_VALUE_PER_SIDE  # per_side_outliers(1%, 128) = 1 per head
-        vidx = torch.randint(0, dim if value_per_head else c, (batch, tokens, *heads, vcap), device=device, generator=gen)
-        if value_per_head:
-            vidx += torch.arange(hkv, device=device)[:, None] * dim
-        spec.update(key_format="lut_static", k_scale=torch.rand(c, device=device, generator=gen) + 0.5,
-                    k_zero=torch.randn(c, device=device, generator=gen) * 0.1, k_table=levels,
-                    k_out_idx=kidx.to(torch.int16), k_out_val=torch.randn(batch, tokens, hkv, NUQ_KEY_CAPACITY,
-                                                                           device=device, generator=gen).half(),
-                    value_format="lut_dynamic", v_table=levels.clone(), v_scale=fp16(batch, *heads, tokens),
-                    v_zero=fp16(batch, *heads, tokens, lo=-0.1, hi=0.1), v_out_idx=vidx.to(torch.int16),
-                    v_out_val=torch.randn(batch, tokens, *heads, vcap, device=device, generator=gen).half(),
-                    rope_cos=cos[0], rope_sin=sin[0], pos_offset=pos_offset, rope_inv_freq=rope.inv_freq(device))
-    else:
-        raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
-    return PackedKV(**spec)
+def storage_for(recipe: str, dims=None):
+    """(layer 0's storage, RoPE inv_freq) of a recipe at Llama-3.1-8B shapes by default (tuning scripts; a method
+    that learns gets random tables)."""
+    from kvcal.models import ModelDims
+    from kvcal.models.tiny import llama31_8b_config
+
+    dims = dims or ModelDims.from_config(llama31_8b_config())
+    (_, _, codec), = bench_cases([recipe], [], dims)
+    return codec.storage(0), dims.rope.inv_freq("cuda")
 
 
 def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def packed_bytes(kv: PackedKV) -> int:
-    """Bytes of the compressed tokens a decode step must read: codes, scales/zeros, outliers (tables and
-    per-channel ranges are per layer, counted too; RoPE tables are read a row per tile and not counted)."""
-    parts = (kv.k_codes, kv.v_codes, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table,
-             kv.k_out_idx, kv.k_out_val, kv.v_out_idx, kv.v_out_val, kv.lengths)
-    return sum(_nbytes(t) for t in parts)
+def random_packed(storage, batch: int, heads: int, dim: int, tokens: int, *, device="cuda", seed: int = 0,
+                  inv_freq: torch.Tensor | None = None) -> Packed:
+    """A Packed of `tokens` random compressed tokens per row in `storage`'s own buffers (storage.fill_synthetic),
+    keys stored before RoPE placed after the storage's sinks (RoPE tables from inv_freq)."""
+    storage.check(heads, dim)
+    storage.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    buffers = {name: torch.empty(spec.shape, dtype=spec.dtype, device=device)
+               for name, spec in storage.buffers(batch, tokens, heads, dim).items()}
+    lengths = torch.full((batch,), tokens, dtype=torch.int32, device=device)
+    offset = storage.policy.sink
+    cos = sin = None
+    if storage.keys_pre_rope:
+        cos, sin = SharedState().rope_tables(inv_freq.to(device), offset + tokens)
+    packed = Packed(buffers, lengths, heads, dim, tokens, offset, cos, sin,
+                    inv_freq.to(device) if inv_freq is not None else None)
+    storage.fill_synthetic(packed, gen)
+    return packed
+
+
+def packed_bytes(storage, packed: Packed) -> int:
+    """Bytes of the compressed tokens a decode step must read: the storage's buffers, plus its per-layer tables
+    (RoPE tables are read a row per tile and not counted)."""
+    static = sum(_nbytes(t) for t in getattr(storage, "tables", {}).values())
+    return sum(_nbytes(t) for t in packed.buffers.values()) + _nbytes(packed.lengths) + static
 
 
 def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
@@ -207,36 +194,52 @@ def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", 
     return ms * 1e3, nbytes, backend
 
 
-def time_kvcal(codec, bits, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
-               warmup=25, rep=100, kv: PackedKV | None = None, graph: bool = True, flush: str = "write", **options):
-    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed + window fp), and
-    the bytes it must read. `kv` replaces the random cache of the codec (e.g. one with parts removed)."""
+def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
+                 warmup=25, rep=100, graph: bool = True, flush: str = "write", inv_freq=None, **options):
+    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed in `storage`, window in full
+    precision) through the storage's Triton kernel and the merge, and the bytes it must read. options: the storage
+    kernel's tuning knobs (its attend_triton's keyword arguments)."""
+    from kvcal.runtime import kernels as K
+
     window = min(window, tokens)
-    if kv is None:
-        kv = random_packed(codec, bits, batch, hkv, dim, tokens - window, device=device)
+    packed = random_packed(storage, batch, hkv, dim, tokens - window, device=device, inv_freq=inv_freq)
     gen = torch.Generator(device=device).manual_seed(2)
     q = torch.randn(batch, hq, dim, device=device, dtype=dtype, generator=gen)
-    fk = torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen)
-    fv = torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen)
-    valid = torch.ones(batch, window, dtype=torch.bool, device=device)
+    fp = FullPrecision(torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen),
+                       torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen),
+                       torch.ones(batch, window, dtype=torch.bool, device=device))
     scale = dim**-0.5
-    out = decode_attention_triton(q, kv, fk, fv, valid, scale, **options)
+    reason = K.unsupported(q) or storage.supports_triton(q, packed)
+    if reason:
+        raise RuntimeError(f"{type(storage).__name__}: no Triton kernel for this shape ({reason})")
+
+    def step():
+        return K.merge_triton(storage.attend_triton(q, packed, scale, fp if window else None, **options), q)
+
+    out = step()
     if not torch.isfinite(out.float()).all():
-        raise RuntimeError(f"{codec}{bits}: non-finite output")
-    ms = time_device(lambda: decode_attention_triton(q, kv, fk, fv, valid, scale, **options), warmup, rep, graph,
-                     flush)
-    nbytes = packed_bytes(kv) + _nbytes(fk) + _nbytes(fv) + _nbytes(valid) + 2 * _nbytes(q)
+        raise RuntimeError(f"{type(storage).__name__}: non-finite output")
+    ms = time_device(step, warmup, rep, graph, flush)
+    nbytes = packed_bytes(storage, packed) + _nbytes(fp.k) + _nbytes(fp.v) + _nbytes(fp.valid) + 2 * _nbytes(q)
     return ms * 1e3, nbytes
 
 
-def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), codecs=CODECS, bits=(4, 3, 2),
-                     hq: int = 32, hkv: int = 8, dim: int = 128, window: int = 128, dtype=torch.bfloat16,
-                     device="cuda", warmup: int = 25, rep: int = 100, options: dict | None = None,
-                     log=print, graph: bool = True, flush: str = "write") -> dict:
-    """Benchmark grid; returns a JSON-ready dict (device, versions, copy bandwidth, one row per
-    (context, batch, method)). options: {codec or codec+bits: kwargs for decode_attention_triton}."""
+def run_decode_bench(cases, contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), dims=None,
+                     window: int = 128, dtype=torch.bfloat16, device="cuda", warmup: int = 25, rep: int = 100,
+                     options: dict | None = None, log=print, graph: bool = True, flush: str = "write") -> dict:
+    """Benchmark grid over `cases`, a list of (name, codec, bits per element); dims: the model's ModelDims (default
+    Llama-3.1-8B's). Returns a JSON-ready dict (device, versions, copy bandwidth, one row per (context, batch,
+    case)). options: {case name: tuning knobs of its storage kernel}."""
     import triton
 
+    from kvcal.models import ModelDims
+
+    if dims is None:
+        from kvcal.models.tiny import llama31_8b_config
+
+        dims = ModelDims.from_config(llama31_8b_config())
+    hq, hkv, dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    inv_freq = dims.rope.inv_freq(device)
     options = options or {}
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
@@ -256,33 +259,26 @@ def run_decode_bench(contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), 
                              gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy, speedup=1.0))
             log(f"ctx {tokens:6d} batch {batch:2d} sdpa ({backend}) {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s")
             torch.cuda.empty_cache()
-            for codec in codecs:
-                for b in bits:
-                    opts = dict(options.get(codec, {}), **options.get(f"{codec}{b}", {}))
-                    t0 = time.time()
-                    kus, kbytes = time_kvcal(codec, b, batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
-                                             device=device, warmup=warmup, rep=rep, graph=graph, flush=flush,
-                                             **opts)
-                    gbps = kbytes / kus / 1e3
-                    rows.append(dict(base, method=codec, bits=b, us=kus, bytes=kbytes, gbps=gbps,
-                                     pct_copy=100 * gbps / copy, speedup=us / kus, options=opts))
-                    log(f"ctx {tokens:6d} batch {batch:2d} {codec}{b:<2d} {kus:8.1f} us {gbps:7.0f} GB/s "
-                        f"{100 * gbps / copy:5.1f}% of copy  x{us / kus:5.2f} vs sdpa  ({time.time() - t0:.1f} s)")
-                    torch.cuda.empty_cache()
+            for name, codec, bits in cases:
+                opts = options.get(name, {})
+                t0 = time.time()
+                kus, kbytes = time_storage(codec.storage(0), batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
+                                           device=device, warmup=warmup, rep=rep, graph=graph, flush=flush,
+                                           inv_freq=inv_freq, **opts)
+                gbps = kbytes / kus / 1e3
+                rows.append(dict(base, method=name, bits=round(bits, 3), backend="kvcal-triton", us=kus, bytes=kbytes,
+                                 gbps=gbps, pct_copy=100 * gbps / copy, speedup=us / kus, options=opts))
+                log(f"ctx {tokens:6d} batch {batch:2d} {name:<20s} {kus:8.1f} us {gbps:7.0f} GB/s "
+                    f"{100 * gbps / copy:5.1f}% of copy  x{us / kus:5.2f} vs sdpa  ({time.time() - t0:.1f} s)")
+                torch.cuda.empty_cache()
     return dict(
         device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), dtype=str(dtype).replace("torch.", ""), hq=hq, hkv=hkv, head_dim=dim,
-        window=window, copy_gbps=copy,
-        flush=flush,
+        window=window, copy_gbps=copy, flush=flush, backend="kvcal-triton (every storage's own kernel)",
         timing=("triton.testing.do_bench median (L2 flushed before each call by zeroing 256 MB)" if flush == "write"
                 else "median as do_bench, the L2 flushed before each call by reading 256 MB (left clean)")
                + (" of a CUDA graph replay (GPU time only)" if graph else ", eager calls (host launch cost included)"),
-        kernel_defaults={k: dict(zip(("block_t", "num_warps", "num_stages", "max_registers"), v))
-                         for k, v in KERNEL_DEFAULTS.items()},
-        codecs={"int": "affine_channels keys+values, group=head_dim",
-                "kivi": f"affine_tokens keys (block {KIVI_BLOCK}) + affine_channels values (group {KIVI_VALUE_GROUP})",
-                "nuq": f"lut_static pre-RoPE keys ({NUQ_KEY_CAPACITY} outlier slots/token/head) + lut_dynamic values "
-                       f"({NUQ_VALUE_PER_SIDE} outliers/side)"},
+        cases=[name for name, _, _ in cases],
         rows=rows,
     )
 
@@ -293,7 +289,7 @@ def format_table(result: dict, context: int | None = None, batch: int | None = N
     for r in result["rows"]:
         if (context and r["context"] != context) or (batch and r["batch"] != batch):
             continue
-        name = "sdpa bf16" if r["method"] == "sdpa" else f"{r['method']}{r['bits']}"
+        name = "sdpa bf16" if r["method"] == "sdpa" else r["method"]
         lines.append(f"| {r['context']} | {r['batch']} | {name} | {r['us']:.1f} | {r['gbps']:.0f} | "
                      f"{r['pct_copy']:.0f} | {r['speedup']:.2f} |")
     return "\n".join(lines)
@@ -304,4 +300,4 @@ def device_slug(name: str) -> str:
 
 
 __all__ = ["run_decode_bench", "format_table", "random_packed", "packed_bytes", "copy_bandwidth", "time_sdpa",
-           "time_kvcal", "time_device", "device_slug"]
+           "time_storage", "time_device", "device_slug"]

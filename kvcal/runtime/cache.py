@@ -1,18 +1,21 @@
-"""KvcalCache: a transformers `Cache` whose layers hold K/V compressed the way a codec says.
+"""KvcalCache: a transformers `Cache` whose layers hold K/V compressed the way a codec says, whatever the method.
 
-Pass it as `past_key_values` to a model loaded by kvcal (its attention adapter routes every layer's
-attention here). Two backends:
+Pass it to a model loaded by kvcal (as `cache=` or `past_key_values=`, whichever the installed transformers takes:
+kvcal.models.adapter.cache_kwargs); the attention adapter routes every layer's attention here. Backends:
 
-- "packed" (the runtime): codes bit-packed in int32 words plus fp16 parameters and outliers, per row of
-  the batch; decode attention reads them through fused Triton kernels on CUDA (torch references
-  elsewhere, kvcal/runtime/ops.py). Left padding is never stored: each row holds its own tokens, so a
-  padded batch computes what each sequence computes alone.
-- "dequantized" (a reference for tests): keeps the reconstructed values in plain tensors.
+- "packed" (the runtime): each layer's tokens live in its codec's `Storage` (runtime/storage.py): the method's own
+  buffers, written and read by its own Triton kernels on CUDA (a storage whose kernel cannot take a call raises one
+  line: no silent fallback) and by their torch references elsewhere. Left padding is never stored: each row holds its
+  own tokens, so a padded batch computes what each sequence computes alone.
+- "reference": the same storages through their torch references everywhere (CUDA included): for checks, and for
+  inputs a kernel does not take.
+- "dequantized" (a reference for tests and methods without a storage): keeps the reconstructed values in plain
+  tensors.
 
-Both follow the same protocol. Prefill (the first call, several tokens): attention over the
-full-precision prompt, then the prompt is compressed in bulk as far as the codec's FlushPolicy allows.
-Decode (one token per call): the token is appended, the oldest tokens are flushed one block at a time
-while the policy allows, then attention runs. Sinks and the recent residual stay in full precision.
+All follow the same protocol. Prefill (the first call, several tokens): attention over the full-precision prompt,
+then the prompt is compressed in bulk as far as the storage's FlushPolicy allows. Decode (one token per call): the
+token is appended, the oldest tokens are flushed one block at a time while the policy allows, then attention runs.
+Sinks and the recent residual stay in full precision, here, in the generic part of the cache.
 """
 
 from __future__ import annotations
@@ -24,12 +27,22 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention, decode_attention_masked
-from kvcal.quant.nonuniform import range_params
-from kvcal.quant.rope import apply_rope, rope_cos_sin
-from kvcal.runtime import ops
-from kvcal.runtime.attention import PackedKV
+from kvcal.quant.rope import apply_rope
+from kvcal.runtime.decode import FullPrecision, decode_attention
 from kvcal.runtime.graph import GraphPool, StepGraph
-from kvcal.runtime.packing import words_per_vector
+from kvcal.runtime.storage import Packed, SharedState
+
+BACKENDS = ("packed", "reference", "dequantized")
+
+
+def backend_ran(backend: str, device) -> str:
+    """What a decode through `backend` on `device` runs, as records state it: the storages' Triton kernels (packed on
+    CUDA), their torch references (packed elsewhere, or reference) or the dequantized reference cache."""
+    if backend not in BACKENDS:
+        raise KvcalError(f"unknown cache backend '{backend}' ({', '.join(BACKENDS)})")
+    if backend == "dequantized":
+        return "dequantized"
+    return "packed-triton" if backend == "packed" and torch.device(device).type == "cuda" else "packed-reference"
 
 
 class _LayerBase(DynamicLayer):
@@ -57,7 +70,7 @@ class _LayerBase(DynamicLayer):
 
 
 class DequantizedLayer(_LayerBase):
-    """Reference backend: stores what dequantization gives, one tensor for the whole sequence."""
+    """Reference backend: stores what the codec's reconstruction gives, one tensor for the whole sequence."""
 
     def __init__(self, codec, layer_idx: int):
         super().__init__(codec, layer_idx)
@@ -83,8 +96,8 @@ class DequantizedLayer(_LayerBase):
         while self.compressed < policy.compressed_count(self.length):
             start = policy.sink + self.compressed
             end = start + policy.block
-            k_hat = self.codec.quantize_keys(self.layer_idx, self.k_src[:, :, start:end])
-            v_hat = self.codec.quantize_values(self.layer_idx, self.v_src[:, :, start:end])
+            k_hat, v_hat = self.codec.reconstruct(self.layer_idx, self.k_src[:, :, start:end],
+                                                  self.v_src[:, :, start:end])
             if self.codec.keys_pre_rope:
                 k_hat = apply_rope(k_hat, self.cos[:, start:end], self.sin[:, start:end])
             self.k_seen[:, :, start:end] = k_hat
@@ -118,33 +131,21 @@ def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[in
     return pads
 
 
-class RopeTables:
-    """cos/sin [positions, D] in float32 for keys stored before RoPE, shared by every layer of one cache
-    (all layers rotate alike): one table of the longest length asked for, not one per layer (32 copies of
-    32K x 128 x 2 floats would be 1 GiB on an 8B model)."""
-
-    def __init__(self):
-        self.cos = self.sin = None
-
-    def get(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos is None or self.cos.shape[0] < length or self.cos.device != inv_freq.device:
-            positions = torch.arange(length, device=inv_freq.device)[None]
-            cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
-            self.cos, self.sin = cos[0], sin[0]
-        return self.cos, self.sin
-
-
 class PackedLayer(_LayerBase):
-    """Packed storage of one layer. Row b holds sinks, `compressed[b]` packed tokens, and a residual ring."""
+    """One layer: the storage's packed tokens plus the full-precision part. Row b holds its sinks, `compressed[b]`
+    packed tokens, and a residual ring of the most recent ones."""
 
     GROWTH = 1.125  # buffers grow by 1/8 (bounded over-allocation, so memory tracks bits per element)
 
-    def __init__(self, codec, layer_idx: int, capacity_hint: int = 0, rope_tables: RopeTables | None = None):
+    def __init__(self, codec, layer_idx: int, storage, kernels: bool | None, capacity_hint: int = 0,
+                 shared: SharedState | None = None):
         super().__init__(codec, layer_idx)
-        self.rope_tables = rope_tables or RopeTables()
-        self.key_format, self.value_format = codec.runtime_formats(layer_idx)
-        self.policy = codec.policy
+        self.storage = storage
+        self.policy = storage.policy
+        self.keys_pre_rope = storage.keys_pre_rope
+        self.kernels_asked = kernels  # None: Triton kernels on CUDA, torch references elsewhere
         self.capacity_hint = capacity_hint
+        self.shared = shared or SharedState()
         self.buffers: dict[str, torch.Tensor] = {}
         self.compressed: list[int] = []  # packed tokens per row
         self.count: list[int] = []  # valid tokens per row (sinks + packed + residual)
@@ -154,22 +155,22 @@ class PackedLayer(_LayerBase):
         self.graph_pool: GraphPool | None = None  # set by KvcalCache(step_graphs=True): eager steps replay a graph
         self.step_graph: StepGraph | None = None
         self.generation = 0  # bumped whenever the buffers are replaced: a recorded step graph then records again
+        self._packed: Packed | None = None  # the storage's view of the buffers, made again when they grow
 
-    # ---- allocation ---------------------------------------------------------------------------------
+    # ---- allocation -------------------------------------------------------------------------------------------
     def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq) -> None:
         self.batch, self.heads, self.dim = batch, heads, dim
         self.dtype, self.device = dtype, device
-        for part, fmt in (("key", self.key_format), ("value", self.value_format)):
-            if fmt.kind == "affine_channels" and dim % fmt.group:
-                raise KvcalError(f"the packed runtime stores {part} groups inside one head: group_size {fmt.group} "
-                                 f"must divide head_dim {dim} (simulation accepts it: --mode simulate)")
+        self.kernels = (torch.device(device).type == "cuda") if self.kernels_asked is None else self.kernels_asked
+        self.storage.check(heads, dim)
+        self.storage.to(device)
         self.ring_capacity = self.policy.residual + self.policy.block
         fp_slots = self.policy.sink + self.ring_capacity
         z = dict(device=self.device)
         self.fp_k = torch.zeros(batch, heads, fp_slots, dim, dtype=self.dtype, **z)  # post-RoPE
         self.fp_v = torch.zeros_like(self.fp_k)
-        # keys in the codec's key space, for flushing (the post-RoPE keys themselves unless pre-RoPE)
-        self.fp_src = torch.zeros_like(self.fp_k) if self.codec.keys_pre_rope else self.fp_k
+        # keys in the storage's key space, for flushing (the post-RoPE keys themselves unless pre-RoPE)
+        self.fp_src = torch.zeros_like(self.fp_k) if self.keys_pre_rope else self.fp_k
         self.fp_valid = torch.zeros(batch, fp_slots, dtype=torch.bool, **z)
         self.compressed = [0] * batch
         self.count = [0] * batch
@@ -181,66 +182,31 @@ class PackedLayer(_LayerBase):
         # host-to-device copy (each such copy synchronizes the stream and stalls the CPU's kernel queue).
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=self.device)  # packed tokens per row
         self.index_tensors: dict[tuple, torch.Tensor] = {}
-        kf, vf = self.key_format, self.value_format
-        for name in ("lo", "hi", "encode", "decode"):
-            if getattr(kf, name) is not None:
-                self.buffers["k_" + name] = getattr(kf, name).to(self.device, torch.float32)
-        for name in ("encode", "decode"):
-            if getattr(vf, name) is not None:
-                self.buffers["v_" + name] = getattr(vf, name).to(self.device, torch.float32)
-        if kf.kind == "lut_static":  # the kernel reads the calibrated range as zero and scale
-            self.buffers["k_lut_zero"], self.buffers["k_lut_scale"] = range_params(self.buffers["k_lo"],
-                                                                                   self.buffers["k_hi"])
-        if self.codec.keys_pre_rope:
-            self.inv_freq = inv_freq.to(self.device)
+        self.inv_freq = inv_freq.to(self.device) if self.keys_pre_rope else None
+        self.rope_cos = self.rope_sin = None
         self.capacity = 0
         self._grow(max(self.capacity_hint, 16))
-
-    def _shapes(self, cap: int) -> dict[str, tuple[tuple, torch.dtype]]:
-        b, h, d = self.batch, self.heads, self.dim
-        kf, vf = self.key_format, self.value_format
-        shapes = {
-            "k_codes": ((b, h, cap, words_per_vector(d, kf.bits)), torch.int32),
-            "v_codes": ((b, h, cap, words_per_vector(d, vf.bits)), torch.int32),
-        }
-        if kf.kind == "affine_channels":
-            shapes["k_scale"] = shapes["k_zero"] = ((b, h, cap, d // kf.group), torch.float16)
-        elif kf.kind == "affine_tokens":
-            shapes["k_scale"] = shapes["k_zero"] = ((b, h, cap // kf.block, d), torch.float16)
-        elif kf.capacity:
-            shapes["k_out_idx"] = ((b, cap, h, kf.capacity), torch.int16)  # slots per token and head
-            shapes["k_out_val"] = ((b, cap, h, kf.capacity), torch.float16)
-        if vf.kind == "affine_channels":
-            shapes["v_scale"] = shapes["v_zero"] = ((b, h, cap, d // vf.group), torch.float16)
-        else:
-            heads = (h,) if vf.per_head else ()
-            shapes["v_scale"] = shapes["v_zero"] = ((b, *heads, cap), torch.float16)
-            if vf.per_side:
-                shapes["v_out_idx"] = ((b, cap, *heads, 2 * vf.per_side), torch.int16)
-                shapes["v_out_val"] = ((b, cap, *heads, 2 * vf.per_side), torch.float16)
-        return shapes
 
     def _grow(self, needed: int) -> None:
         block = self.policy.block
         cap = max(needed, int(self.capacity * self.GROWTH) + 1)
-        cap = -(-cap // block) * block  # whole key blocks
-        token_axis = {"k_codes": 2, "v_codes": 2, "k_scale": 2, "k_zero": 2, "v_scale": 2, "v_zero": 2,
-                      "k_out_idx": 1, "k_out_val": 1, "v_out_idx": 1, "v_out_val": 1}
-        if self.key_format.kind != "affine_channels":
-            token_axis["k_scale"] = token_axis["k_zero"] = 2
-        if self.value_format.kind == "lut_dynamic" and not self.value_format.per_head:
-            token_axis["v_scale"] = token_axis["v_zero"] = 1
-        for name, (shape, dtype) in self._shapes(cap).items():
-            new = torch.zeros(shape, dtype=dtype, device=self.device)
+        cap = -(-cap // block) * block  # whole blocks
+        for name, spec in self.storage.buffers(self.batch, cap, self.heads, self.dim).items():
+            new = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
             old = self.buffers.get(name)
             if old is not None:
-                axis = token_axis[name]
+                axis = spec.token_axis
                 new.narrow(axis, 0, old.shape[axis]).copy_(old)
             self.buffers[name] = new
         self.capacity = cap
         self.generation += 1
-        if self.codec.keys_pre_rope:  # tables may be longer than this layer needs (the kernel bounds reads)
-            self.rope_cos, self.rope_sin = self.rope_tables.get(self.inv_freq, self.policy.sink + cap)
+        if self.keys_pre_rope:  # tables may be longer than this layer needs (the kernels bound their reads)
+            self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self.policy.sink + cap)
+        self._packed = Packed(self.buffers, self.lengths, self.heads, self.dim, self.capacity, self.policy.sink,
+                              self.rope_cos, self.rope_sin, self.inv_freq, self.shared)
+
+    def packed(self) -> Packed:
+        return self._packed
 
     def _index(self, values) -> torch.Tensor:
         """Device int64 tensor of `values`, made once per distinct tuple. Decode steps cycle through
@@ -253,7 +219,16 @@ class PackedLayer(_LayerBase):
             found = self.index_tensors[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
         return found
 
-    # ---- storage ------------------------------------------------------------------------------------
+    # ---- storage ----------------------------------------------------------------------------------------------
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Compress tokens [M, H, D] into row rows[m], slot slots[m] (device int64 tensors; runs of the policy's
+        block of consecutive slots of one row each)."""
+        try:
+            self.storage.write(self.packed(), keys, values, rows, slots, self.kernels)
+        except ValueError as err:  # a write kernel that cannot take these shapes
+            raise KvcalError(f"{type(self.storage).__name__}: {err}; run the torch reference on purpose with "
+                             "backend='reference' (--backend reference)") from err
+
     def _prefill_row(self, b: int, pad: int, k_src, k_rot, v) -> None:
         """Store row b's valid prompt tokens [pad, T) in bulk: sinks, packed span, then the residual ring."""
         sink, total = self.policy.sink, k_src.shape[2] - pad
@@ -279,7 +254,6 @@ class PackedLayer(_LayerBase):
         self.fp_v[b, :, ring] = v[b, :, rest]
         self.fp_valid[b, ring] = True
         self.ring_start[b], self.ring_count[b], self.count[b] = 0, n_rest, total
-        self.ring_on_device = False
 
     def _append_step(self, k_src, k_rot, v) -> None:
         """Append one token per row ([B, H, D] each) to its sinks or its residual ring, all rows at once."""
@@ -325,71 +299,33 @@ class PackedLayer(_LayerBase):
         self.ring_on_device = False
 
     def _pack(self, rows: list[int], k_src: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
+        """Compress tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
         nrows, count = k_src.shape[:2]
         row_ids = self._index(rows)
         start = self.lengths[row_ids].long()  # packed tokens so far: the rows' next free slots
         slot = (start[:, None] + torch.arange(count, device=self.device)[None]).reshape(-1)  # [R*N]
         row = row_ids[:, None].expand(-1, count).reshape(-1)
         self._store(k_src.reshape(nrows * count, self.heads, self.dim), v.reshape(nrows * count, self.heads, self.dim),
-                    row, slot, nrows)
+                    row, slot)
 
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, slot: torch.Tensor, nrows: int):
-        """Quantize tokens [M, H, D] into row row[m], slot slot[m] of the buffers (device index tensors). The M
-        tokens are nrows runs of consecutive slots of one row each. On CUDA each side is one kernel that writes
-        straight into the buffers, except KIVI's keys (prompts and host-side flushes): their blocks of
-        consecutive slots are quantized at once, then written with index writes."""
-        kf, vf, buf = self.key_format, self.value_format, self.buffers
-        if kf.kind == "affine_channels":
-            ops.quantize_affine_channels_into(keys, kf.bits, kf.group, buf["k_codes"], buf["k_scale"], buf["k_zero"],
-                                              row, slot)
-        elif kf.kind == "affine_tokens":  # every run is whole key blocks: one (scale, zero) per block
-            count = keys.shape[0] // nrows
-            codes, scale, zero = ops.quantize_affine_token_blocks(keys, kf.bits, kf.block)
-            block_idx = (slot // kf.block).reshape(nrows, count)[:, :: kf.block].reshape(-1)
-            block_row = row.reshape(nrows, count)[:, :: kf.block].reshape(-1)
-            buf["k_scale"][block_row, :, block_idx] = scale.reshape(-1, self.heads, self.dim)
-            buf["k_zero"][block_row, :, block_idx] = zero.reshape(-1, self.heads, self.dim)
-            buf["k_codes"][row, :, slot] = codes
-        else:
-            ops.quantize_lut_static_into(keys, buf["k_lo"], buf["k_hi"], buf["k_encode"], buf["k_decode"], kf.bits,
-                                         kf.capacity, buf["k_codes"], buf.get("k_out_idx"), buf.get("k_out_val"), row,
-                                         slot)
-        if vf.kind == "affine_channels":
-            ops.quantize_affine_channels_into(values, vf.bits, vf.group, buf["v_codes"], buf["v_scale"],
-                                              buf["v_zero"], row, slot)
-        else:
-            ops.quantize_lut_dynamic_into(values, buf["v_encode"], buf["v_decode"], vf.bits, vf.per_side,
-                                          vf.per_head, buf["v_codes"], buf["v_scale"], buf["v_zero"],
-                                          buf.get("v_out_idx"), buf.get("v_out_val"), row, slot)
+    def _full_precision(self) -> FullPrecision:
+        return FullPrecision(self.fp_k, self.fp_v, self.fp_valid)
 
-    def packed(self) -> PackedKV:
-        kf, vf, buf = self.key_format, self.value_format, self.buffers
-        kv = PackedKV(
-            head_dim=self.dim, lengths=self.lengths, key_format=kf.kind, key_bits=kf.bits, k_codes=buf["k_codes"],
-            k_scale=buf.get("k_scale"), k_zero=buf.get("k_zero"), value_format=vf.kind, value_bits=vf.bits,
-            v_codes=buf["v_codes"], v_scale=buf["v_scale"], v_zero=buf["v_zero"], key_block=kf.block,
-            k_out_idx=buf.get("k_out_idx"), k_out_val=buf.get("k_out_val"), v_table=buf.get("v_decode"),
-            v_out_idx=buf.get("v_out_idx"), v_out_val=buf.get("v_out_val"),
-        )
-        if kf.kind == "lut_static":
-            kv.k_table = buf["k_decode"]
-            kv.k_zero, kv.k_scale = buf["k_lut_zero"], buf["k_lut_scale"]
-            kv.rope_cos, kv.rope_sin, kv.pos_offset = self.rope_cos, self.rope_sin, self.policy.sink
-            kv.rope_inv_freq = self.inv_freq
-        return kv
+    def _decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        packed = self.packed() if self.buffers else None
+        return decode_attention(q, self.storage, packed, self._full_precision(), scale, self.kernels)
 
-    # ---- attention ----------------------------------------------------------------------------------
+    # ---- attention --------------------------------------------------------------------------------------------
     def attend(self, inp) -> torch.Tensor:
         batch, _, length, _ = inp.q.shape
         if self.length == 0:
             adapter = inp.module._kvcal_binding[0]
             self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq)
-        if length == 1 and not self.static and self._static_eager_steps():  # fewer kernels than the host-side ring
+        if length == 1 and not self.static and self.static_refusal() is None:  # fewer kernels than the host ring
             return self._eager_static_step(inp)
         q = apply_rope(inp.q, inp.cos, inp.sin)
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
-        k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
+        k_src = inp.k_pre if self.keys_pre_rope else k_rot
         if self.length == 0 and length > 1:  # prefill: full-precision attention, then bulk compression
             out = attention(q, k_rot, inp.v, inp.mask, inp.scale)
             for b, pad in enumerate(_left_padding(inp.mask, batch, length)):
@@ -403,14 +339,13 @@ class PackedLayer(_LayerBase):
             self._append_step(k_src[:, :, t], k_rot[:, :, t], inp.v[:, :, t])
             self._flush_rows()
             self.length += 1
-            outs.append(ops.decode_attention(q[:, :, t], self.packed(), self.fp_k, self.fp_v, self.fp_valid,
-                                             inp.scale))
+            outs.append(self._decode(q[:, :, t], inp.scale))
         return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
 
     def _eager_static_step(self, inp) -> torch.Tensor:
         """An eager one-token decode step taken as a static step (then advance_static). On CUDA with step graphs it
         is replayed from this layer's StepGraph, RoPE included: the host launches one graph and copies five inputs
-        instead of a dozen torch ops and the runtime's kernels."""
+        instead of a dozen torch ops and the storage's kernels."""
         self.reserve_static(1)
         self._mirror_ring()
         step = functools.partial(self._rotated_static_step, scale=inp.scale)
@@ -431,41 +366,20 @@ class PackedLayer(_LayerBase):
     def _rotated_static_step(self, q, k_pre, v, cos, sin, *, scale: float) -> torch.Tensor:
         """_attend_static from the unrotated query and key."""
         k_rot = apply_rope(k_pre, cos, sin)
-        return self._attend_static(apply_rope(q, cos, sin), k_pre if self.codec.keys_pre_rope else k_rot, k_rot, v,
-                                   scale)
+        return self._attend_static(apply_rope(q, cos, sin), k_pre if self.keys_pre_rope else k_rot, k_rot, v, scale)
 
-    # ---- static decode steps (CUDA graphs) ------------------------------------------------------------
+    # ---- static decode steps (CUDA graphs) --------------------------------------------------------------------
     def static_refusal(self) -> str | None:
         """Why this layer cannot take static decode steps now, or None. A static step must not depend on
         host-side state that changes from step to step (a captured graph replays fixed kernels and indices)."""
         if not self.buffers or min(self.count) < self.policy.sink:
             return "a row does not hold its sink tokens yet (static steps start after the prefill)"
-        if not self._direct_steps() and not self._ring_steps():
-            return (f"static steps through a residual ring (residual {self.policy.residual}, block "
-                    f"{self.policy.block}) are implemented for KIVI's formats only (post-RoPE affine_tokens keys, "
-                    f"affine_channels values), not {self.key_format.kind} / {self.value_format.kind}")
         return None
-
-    def _direct_steps(self) -> bool:
-        """Whether a decode step may pack its token straight into slot lengths[b] (what static steps do): the
-        policy compresses every token at once and every row holds its sinks, so the ring would only ever
-        hold the token being packed."""
-        return self.policy.residual == 0 and self.policy.block == 1 and min(self.count) >= self.policy.sink
-
-    def _ring_steps(self) -> bool:
-        """Whether the device-side ring step (runtime/ring.py) handles this layer: KIVI's formats, keys after RoPE."""
-        kinds = (self.key_format.kind, self.value_format.kind)
-        return kinds == ("affine_tokens", "affine_channels") and self.fp_src is self.fp_k
-
-    def _static_eager_steps(self) -> bool:
-        """Whether eager decode steps take the static path too (one token per row, then advance_static): it
-        launches fewer kernels than _append_step + _flush_rows and gives the same cache."""
-        return self.static_refusal() is None
 
     def _mirror_ring(self) -> None:
         """Device copies of the ring positions, which static steps read and move in place (advance_static moves
         the lists alike); refreshed after the host-side ring path moved them (a host-to-device copy)."""
-        if self._direct_steps() or self.ring_on_device:
+        if self.policy.direct or self.ring_on_device:
             return
         start = torch.tensor(self.ring_start, dtype=torch.int64, device=self.device)
         count = torch.tensor(self.ring_count, dtype=torch.int64, device=self.device)
@@ -481,9 +395,9 @@ class PackedLayer(_LayerBase):
         self._mirror_ring()
 
     def _capacity_for(self, steps: int) -> int:
-        """Packed slots that `steps` more static steps need. A ring step may write a whole block from slot
-        lengths[b] (runtime/ring.py), where lengths[b] <= max(0, n - 1 - sink - residual) for a row holding n
-        tokens after the step (a direct step writes one slot: block 1, residual 0)."""
+        """Packed slots that `steps` more static steps need. A ring step writes a whole block from slot lengths[b]
+        (_ring_step_static), where lengths[b] <= max(0, n - 1 - sink - residual) for a row holding n tokens after the
+        step (a direct step writes one slot: block 1, residual 0)."""
         p = self.policy
         return max(self.count) + steps + p.block - 1 - p.sink - p.residual
 
@@ -499,31 +413,47 @@ class PackedLayer(_LayerBase):
     def _attend_static(self, q, k_src, k_rot, v, scale) -> torch.Tensor:
         """One decode step on device-side positions only: no host-side index, no host-to-device copy, the same
         kernels every step. Policies that compress every token at once (residual 0, block 1) pack the token
-        straight into slot lengths[b] (equal to the ring path, whose ring would only ever hold that token);
-        the others go through the ring as eager steps do (_ring_step_static). Host counters move in
-        advance_static()."""
+        straight into slot lengths[b] (equal to the ring path, whose ring would only ever hold that token); the
+        others go through the ring (_ring_step_static). Host counters move in advance_static()."""
         if q.shape[2] != 1:
             raise KvcalError("static decode steps take one token per row")
-        if self._direct_steps():
-            self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths, self.batch)
+        if self.policy.direct:
+            self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths.long())
             self.lengths += 1
         else:
-            self._ring_step_static(k_rot[:, :, 0], v[:, :, 0])
-        out = ops.decode_attention(q[:, :, 0], self.packed(), self.fp_k, self.fp_v, self.fp_valid, scale)
-        return out[:, :, None]
+            self._ring_step_static(k_src[:, :, 0], k_rot[:, :, 0], v[:, :, 0])
+        return self._decode(q[:, :, 0], scale)[:, :, None]
 
-    def _ring_step_static(self, k_rot, v) -> None:
-        """_append_step then _flush_rows with the ring positions on the device (runtime/ring.py: one kernel
-        for the step, one for the counters on CUDA)."""
-        kf, vf, buf = self.key_format, self.value_format, self.buffers
-        ops.ring_step(k_rot, v, self.fp_k, self.fp_v, self.fp_valid, self.ring_start_dev, self.ring_count_dev,
-                      self.lengths, buf["k_codes"], buf["k_scale"], buf["k_zero"], buf["v_codes"], buf["v_scale"],
-                      buf["v_zero"], sink=self.policy.sink, residual=self.policy.residual, block=self.policy.block,
-                      key_bits=kf.bits, value_bits=vf.bits, value_group=vf.group)
+    def _ring_step_static(self, k_src, k_rot, v) -> None:
+        """_append_step then _flush_rows with the ring positions on the device, whatever the storage: append the token
+        to its row's ring; write every row's oldest block into slots [lengths[b], lengths[b] + block) with the
+        storage's own write; count it (and drop it from the ring) only in the rows whose ring is full. A row that does
+        not flush writes past its length, into slots no kernel reads and its next flush overwrites (_capacity_for
+        keeps them allocated; the ring's slots hold earlier tokens or zeros, so those codes are finite)."""
+        p, ring = self.policy, self.ring_capacity
+        rows = self._index(range(self.batch))
+        slot = p.sink + (self.ring_start_dev + self.ring_count_dev) % ring
+        self.fp_k[rows, :, slot] = k_rot
+        if self.fp_src is not self.fp_k:
+            self.fp_src[rows, :, slot] = k_src
+        self.fp_v[rows, :, slot] = v
+        self.fp_valid[rows, slot] = True
+        flush = self.ring_count_dev + 1 >= p.residual + p.block  # [B]: what _flush_rows decides on the host
+        offsets = self._index(range(p.block))
+        oldest = p.sink + (self.ring_start_dev[:, None] + offsets[None]) % ring  # [B, block], oldest first
+        tokens = (self.batch * p.block, self.heads, self.dim)
+        self._store(self.fp_src[rows[:, None], :, oldest].reshape(tokens), self.fp_v[rows[:, None], :, oldest]
+                    .reshape(tokens), rows.repeat_interleave(p.block), (self.lengths.long()[:, None] + offsets[None])
+                    .reshape(-1))
+        self.fp_valid[rows[:, None], oldest] = self.fp_valid[rows[:, None], oldest] & ~flush[:, None]
+        moved = flush.to(torch.int64) * p.block
+        self.lengths += moved.to(self.lengths.dtype)
+        self.ring_start_dev.copy_((self.ring_start_dev + moved) % ring)
+        self.ring_count_dev += 1 - moved
 
     def advance_static(self) -> None:
         """The host counters after one static step (what the device did, replayed in Python)."""
-        block, direct = self.policy.block, self._direct_steps()
+        block, direct = self.policy.block, self.policy.direct
         for b in range(self.batch):
             self.count[b] += 1
             if not direct:
@@ -538,25 +468,13 @@ class PackedLayer(_LayerBase):
 
     def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
                        headroom: int = 0, generator=None) -> None:
-        """Fill with `tokens` tokens per row of random codes and parameters, as after a prefill (for speed and
-        memory benchmarks: decoding then runs through the real buffers and kernels). Every outlier slot is used
-        (a prefill leaves some key slots empty): the most work a decode step can have."""
+        """Fill with `tokens` tokens per row of random contents, as after a prefill (for speed and memory benchmarks:
+        decoding then runs through the real buffers and kernels; the storage fills its own buffers)."""
         self._init(batch, heads, dim, dtype, device, inv_freq)
         packed = self.policy.compressed_count(tokens)
         self.count = [tokens] * batch
         self._grow(max(packed, self._capacity_for(headroom)))  # room for `headroom` steps, static ones included
-        for name, t in self.buffers.items():
-            if name in self.STATIC:
-                continue
-            if name.endswith("codes"):
-                t.random_(generator=generator)
-            elif name.endswith("out_idx") and t.dim() == 4:  # slots per (token, KV head): channels of that head
-                t.random_(0, dim, generator=generator)
-                t += (torch.arange(heads, device=device, dtype=t.dtype) * dim)[:, None]
-            elif name.endswith("out_idx"):  # slots per token over all heads
-                t.random_(0, heads * dim, generator=generator)
-            else:  # scales, zeros, outlier residuals: small positive values
-                t.uniform_(0.01, 0.05, generator=generator)
+        self.storage.fill_synthetic(self.packed(), generator)
         fp_tokens = tokens - packed
         self.fp_k[:, :, :fp_tokens].normal_(generator=generator)
         self.fp_v[:, :, :fp_tokens].normal_(generator=generator)
@@ -569,15 +487,12 @@ class PackedLayer(_LayerBase):
         self.ring_on_device = False
         self.length = tokens
 
-    # per layer, not per token
-    STATIC = ("k_lo", "k_hi", "k_encode", "k_decode", "v_encode", "v_decode", "k_lut_zero", "k_lut_scale")
-
     def nbytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of this layer's per-token storage: packed buffers and full-precision
         slots. `used` counts the packed slots and fp slots that hold tokens."""
         if not self.buffers:
             return 0, 0
-        packed = sum(t.numel() * t.element_size() for name, t in self.buffers.items() if name not in self.STATIC)
+        packed = sum(t.numel() * t.element_size() for t in self.buffers.values())
         fp_tensors = [self.fp_k, self.fp_v] + ([self.fp_src] if self.fp_src is not self.fp_k else [])
         fp_alloc = sum(t.numel() * t.element_size() for t in fp_tensors)
         fp_slot = 2 * self.heads * self.dim * self.fp_k.element_size()  # one token's K and V
@@ -672,29 +587,35 @@ class LosslessLayer(_LayerBase):
 
 
 class KvcalCache(Cache):
-    """Pass as `past_key_values` to a model loaded by kvcal (its adapter routes attention here).
+    """Pass to a model loaded by kvcal (its adapter routes attention here).
 
+    backend: "packed" (each layer's storage; its Triton kernels on CUDA, torch references elsewhere), "reference"
+    (the storages' torch references everywhere) or "dequantized" (reconstructed values in plain tensors).
     step_graphs (packed backend, CUDA): each layer's eager one-token decode step is replayed from a CUDA graph
     (runtime.graph.StepGraph), which removes most of the host cost of its launches; the results are those of the
-    same launches run eagerly. False launches them from Python every step."""
+    same launches run eagerly. False launches them from Python every step. kernels (packed backend): None runs the
+    Triton kernels on CUDA and the torch references elsewhere; True forces the kernels (the CPU under
+    TRITON_INTERPRET=1, for tests)."""
 
     def __init__(self, codec, num_layers: int, backend: str = "packed", capacity_hint: int = 0,
-                 step_graphs: bool = True):
+                 step_graphs: bool = True, kernels: bool | None = None):
+        if backend not in BACKENDS:
+            raise KvcalError(f"unknown cache backend '{backend}' ({', '.join(BACKENDS)})")
+        self.shared = SharedState()
         if codec.lossless:
             layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
         elif backend == "dequantized":
             layers = [DequantizedLayer(codec, i) for i in range(num_layers)]
-        elif backend == "packed":
-            if not hasattr(codec, "runtime_formats"):
-                raise KvcalError(f"{type(codec).__name__} has no packed runtime yet: use the dequantized reference cache "
-                                 "(--backend dequantized) or the simulation (--mode simulate)")
-            rope_tables = RopeTables()
-            layers = [PackedLayer(codec, i, capacity_hint, rope_tables) for i in range(num_layers)]
+        else:
+            storages = [codec.storage(i) for i in range(num_layers)]
+            if any(s is None for s in storages):
+                raise KvcalError(f"{codec.storage_refusal()}: use the dequantized reference cache (--backend "
+                                 "dequantized) or the simulation (--mode simulate)")
+            kernels = False if backend == "reference" else kernels
+            layers = [PackedLayer(codec, i, s, kernels, capacity_hint, self.shared) for i, s in enumerate(storages)]
             pool = GraphPool() if step_graphs else None
             for layer in layers:
                 layer.graph_pool = pool
-        else:
-            raise KvcalError(f"unknown cache backend '{backend}' (packed or dequantized)")
         super().__init__(layers=layers)
         self.codec = codec
         self.backend = backend

@@ -28,7 +28,8 @@ def as_loaded(model):
 def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, step_graphs: bool = True,
                **runtime) -> KvcalCache:
     """A fresh compressed cache for `model` (a kvcal LoadedModel or a transformers model) from an
-    artifact (path or Artifact). Pass it as `model.generate(..., past_key_values=cache)`. On CUDA each
+    artifact (path or Artifact). Pass it as `model.generate(..., cache=cache)` (transformers >= 5.24;
+    `past_key_values=cache` before: kvcal.models.adapter.cache_kwargs gives the installed spelling). On CUDA each
     layer replays its one-token decode step from a CUDA graph (`step_graphs`, see KvcalCache). Other keyword
     arguments override the method's runtime fields (e.g. `key_outlier_capacity=16` for kvquant)."""
     from kvcal.artifact import Artifact, check_model, load_artifact

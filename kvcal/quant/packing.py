@@ -64,6 +64,30 @@ def unpack_codes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return (lo | hi) & ((1 << bits) - 1)
 
 
+TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256: base-3 packing stores a ternary code in 1.6 bits
+
+
+def bytes_per_trit_vector(dim: int) -> int:
+    return -(-dim // TRITS_PER_BYTE)
+
+
+def pack_trits(codes: torch.Tensor) -> torch.Tensor:
+    """Ternary codes [..., D] in {0, 1, 2} -> uint8 [..., ceil(D / 5)]: byte j holds codes 5j .. 5j + 4 as
+    sum_i code_{5j+i} 3^i (the missing codes of the last byte count as 0)."""
+    dim = codes.shape[-1]
+    pad = bytes_per_trit_vector(dim) * TRITS_PER_BYTE - dim
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, pad)).reshape(*codes.shape[:-1], -1, TRITS_PER_BYTE)
+    weights = torch.tensor([3**i for i in range(TRITS_PER_BYTE)], dtype=torch.int32, device=codes.device)
+    return (c * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_trits(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of pack_trits: uint8 [..., ceil(D / 5)] -> codes [..., dim] as int64."""
+    weights = torch.tensor([3**i for i in range(TRITS_PER_BYTE)], dtype=torch.int64, device=packed.device)
+    c = (packed.to(torch.int64)[..., None] // weights) % 3
+    return c.reshape(*packed.shape[:-1], -1)[..., :dim]
+
+
 # ---- Triton ---------------------------------------------------------------------------------------
 # The device functions below are shared by every kernel of the runtime (quantize-and-pack kernels pack
 # with `pack_tile`, the decode-attention kernel unpacks with `unpack_tile`); `pack_codes_triton` and
@@ -138,6 +162,16 @@ if triton is not None:
         """_chunks3_of the groups of channels [C0, C0 + NC) of R rows."""
         wa, wb, wc = _planes3(rowptr, rmask, C0, NC, D)
         return _chunks3_of(wa, wb, wc)
+
+    @triton.jit
+    def unpack_trits_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr):
+        """Codes of channels [C0, C0 + NC) of base-3 packed rows (pack_trits; rowptr [R] uint8 pointers, rows rmask
+        valid) as int32 [R, NC]: one byte load per code (the row's bytes are few and stay in L1)."""
+        c = C0 + tl.arange(0, NC)
+        byte = tl.load(rowptr[:, None] + (c // 5)[None, :], mask=rmask[:, None], other=0).to(tl.int32)
+        i = c % 5
+        power = tl.where(i == 0, 1, tl.where(i == 1, 3, tl.where(i == 2, 9, tl.where(i == 3, 27, 81))))
+        return (byte // power[None, :]) % 3
 
     @triton.jit
     def unpack_tile(rowptr, rmask, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
@@ -437,7 +471,7 @@ def unpack_codes_mma_triton(words: torch.Tensor, bits: int, dim: int) -> torch.T
     return _launch_unpack(_unpack_mma_kernel, words, bits, dim, torch.float32)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -450,7 +484,7 @@ def pack_codes_triton(codes: torch.Tensor, bits: int) -> torch.Tensor:
     rows = 4
     with launch_device(codes):
         _pack_kernel[(triton.cdiv(flat.shape[0], rows),)](flat, out, flat.shape[0], dim, bits, nwords,
-                                                          _pow2(nwords), rows)
+                                                          pow2(nwords), rows)
     return out.reshape(*codes.shape[:-1], nwords)
 
 

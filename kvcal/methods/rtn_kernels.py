@@ -1,12 +1,24 @@
-"""Decode attention over an int-N affine cache (rtn: one fp16 scale and zero per token and KV head) with the codes
-unpacked straight into tensor-core fragments: no shared memory at all.
+"""RTN's decode kernels: attention of one query per row over int-N per-token codes (one fp16 scale and zero per
+token, KV head and group of channels), the torch reference being RtnStorage.attend_reference (kvcal/methods/rtn.py).
 
-The reference is `attention.decode_attention_ref` (same arguments; `decode_attention_triton` dispatches here). The
-tile kernel of `attention.py` unpacks a tile's codes in a blocked layout and Triton moves them through shared memory
-into the `mma` operand layout: per byte of 4-bit codes read from HBM that is about 10 bytes of shared-memory
+Two kernels, both writing softmax partials that runtime/kernels.merge_triton combines:
+
+- the tile kernel (`_tile_kernel`), grid (B * Hkv, S): program (row b, KV head h, split s) handles all G = Hq/Hkv
+  query heads of that KV head (GQA in-kernel, K/V read once per group). Splits s < NSPLIT take an equal, BLOCK_T-
+  aligned share of that row's own length (no host sync, rows differ in length; a share past the row's end writes a
+  neutral partial); split s == NSPLIT takes the full-precision part (runtime/kernels.fp_segment). Each program runs an
+  online softmax in fp32 over BLOCK_T-token tiles, scales and zeros folded around tensor-core dots (quant/
+  uniform_kernels: token_group_scores, token_group_values).
+- the fragment kernel (`_frag_decode_kernel`), for one group per head of 2 or 4 bits and fp16/bf16 queries, from
+  FRAG_MIN_ROWS (row, KV head) pairs: codes unpacked straight into tensor-core fragments, no shared memory (below).
+
+Launch defaults were chosen by measurement at 32K x batch 8 on an H100 (benchmarks/NOTES-kernels.md).
+
+The fragment kernel. The tile kernel unpacks a tile's codes in a blocked layout and Triton moves them through shared
+memory into the `mma` operand layout: per byte of 4-bit codes read from HBM that is about 10 bytes of shared-memory
 traffic (staging copy, unpacked fp16 stores, ldmatrix), and ncu put the H100's L1/shared pipe at 74% busy with DRAM at
-61% (benchmarks/NOTES-kernels.md). Here every lane loads exactly the code bits that its own `mma.sync.m16n8k16`
-fragment registers need, so unpacking is a mask per register (and a shift by 8 that two registers share).
+61%. Here every lane loads exactly the code bits that its own `mma.sync.m16n8k16` fragment registers need, so
+unpacking is a mask per register (and a shift by 8 that two registers share).
 
 Programming model: every tensor is one-dimensional with 32 elements, element i living in lane i of the program's
 single warp (Triton gives a 32-element tensor one element per lane; `tl.static_range` and tuples hold a lane's
@@ -36,163 +48,160 @@ scale. Scores and softmax are float32; the query and P are fp16 operands, as in 
 
 from __future__ import annotations
 
+import torch
+
+from kvcal.quant.packing import launch_device, pow2
+from kvcal.runtime import kernels as K
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-else:
-    from kvcal.runtime.splits import split_share_tl
 
+PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
+# tile kernel: (block_t, num_warps, num_stages, max registers): one-warp programs, every reduction stays in the warp
+TILE_DEFAULTS = (32, 1, 2, 128)
+# Tiles ahead whose code rows are prefetched into L2 (0: none), measured at 32K x 8 on the H100: one tile ahead saves
+# 5% for int4; two or more thrash the L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against
+# 50 MB): int4 183 us at 4 ahead
+PREFETCH_DEFAULT = 1
+FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which the fragment kernel is the default
+# the fragment kernel: the full-precision part's launch overlaps its tail (sm_90 PDL); a switch for A/B timing
+FRAG_OVERLAP_FP = True
+# warps per program of the merge after the fragment kernel (1) and after the tile kernel (4): H100, 32K x 8,
+# (fp chunk, warps) (32, 4) -> (16, 1): int2 72.1 -> 70.9 us, int4 112.3 -> 110.6; 4K x 32 int2 51.7 -> 49.6
+FRAG_MERGE_WARPS = 1
+TILE_MERGE_WARPS = 4
 FRAG_BITS = (2, 4)
-BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
+FRAG_BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 # One-warp programs per SM and the register cap that lets them fit in the SM's 64K registers, by the wider of the key
 # and value widths. Without a cap ptxas (Triton 3.6, sm_90) gave 4-bit codes 204 registers once the tile's rows became
 # one pointer plus uniform offsets (10 programs: a second wave, int4 171.7 us at 32K x 8), 158 with the cap of 168
-# (127.2 us); 2-bit codes took 128 uncapped, so 16 fit (94.4 us against 97.0 at 12; H100,
-# results/bench/tune-h100-round22-frag-occupancy.json). The current kernel takes 150 / 116 under these caps. The
-# register file is split among the SM's 4 schedulers (16K registers each), so the warps that fit are
-# 4 floor(16384 / (32 r)) for r registers rounded up to 8: 150 (152) -> 12, 116 (120) -> 16, not 13 and 17. A 13th int4
-# or 17th int2 program per SM forms a second wave: 147.2 against 119.9 us and 99.1 against 80.3 at 32K x 8
-# (results/bench/tune-h100-round28-*.json). More programs would need 128 registers at 4 bits (16) or 102 at 2 (20).
+# (127.2 us); 2-bit codes took 128 uncapped, so 16 fit (94.4 us against 97.0 at 12). The current kernel takes 150 / 116
+# under these caps. The register file is split among the SM's 4 schedulers (16K registers each), so the warps that fit
+# are 4 floor(16384 / (32 r)) for r registers rounded up to 8: 150 (152) -> 12, 116 (120) -> 16, not 13 and 17. A
+# 13th int4 or 17th int2 program per SM forms a second wave: 147.2 against 119.9 us and 99.1 against 80.3 at 32K x 8.
+# More programs would need 128 registers at 4 bits (16) or 102 at 2 (20).
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 
 def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
-    """Shapes this kernel handles: D = 64 or 128; keys and values of 2 or 4 bits with at least 32 bits of a value row
-    per lane (D b >= 256)."""
+    """Shapes the fragment kernel handles: D = 64 or 128; keys and values of 2 or 4 bits with at least 32 bits of a
+    value row per lane (D b >= 256)."""
     return (head_dim in (64, 128) and key_bits in FRAG_BITS and value_bits in FRAG_BITS
             and head_dim * value_bits >= 256)
 
 
 if triton is not None:
-    # ---- warp-level primitives: PTX on the GPU, the same semantics from tensor ops under the interpreter
+    from kvcal.quant.packing import mma_channels
+    from kvcal.quant.uniform_kernels import (
+        token_group_output,
+        token_group_query,
+        token_group_scores,
+        token_group_values,
+        token_params,
+    )
+    from kvcal.runtime.kernels import (
+        byte_pair,
+        fp_segment,
+        halves,
+        lane_words,
+        launch_dependents,
+        mma16816,
+        pack_half2,
+        prefetch_l2,
+        regroup,
+        shfl_idx,
+        shfl_xor,
+        softmax_tile,
+        split_bounds,
+        split_share_tl,
+        store_partial,
+        transpose8,
+    )
 
     @triton.jit
-    def _halves(x):
-        """int32 [32] holding fp16 pairs -> (low half, high half) as float32."""
-        lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
-
-    @triton.jit
-    def pack_half2(lo, hi, INTERP: tl.constexpr):
-        """Two float32 [32] -> one int32 [32] of fp16 (lo, hi), each rounded to nearest."""
-        if INTERP:
-            lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            return lo16 | (hi16 << 16)
+    def _tile_kernel(
+        q_ptr, sqb, sqh, len_ptr,
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst,
+        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst,
+        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
+        D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GK: tl.constexpr, GPV: tl.constexpr,
+        GV: tl.constexpr, GPF: tl.constexpr, KALIGN: tl.constexpr, VALIGN: tl.constexpr,
+        KBITS: tl.constexpr, VBITS: tl.constexpr, HAS_FP: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+        PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr,
+    ):
+        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
+        # (not a tl.dtype launch argument: a run with one, and a torch scalar built per call, timed int4 at
+        # 301 us instead of 200 us at 32K x 8, small shapes slower still)
+        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
+        if PREC == 64:
+            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
         else:
-            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
-                                             is_pure=True, pack=1)
+            qk_scale = qk_scale_hi
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        S = NSPLIT + HAS_FP
+        q_row = q_ptr + b * sqb + h * G * sqh
+        part = pid * S + split
+        if split < NSPLIT:
+            # Token-major tiles: scores are [BLOCK_T, heads] = codes [BLOCK_T, D] x q^T [D, heads], so the
+            # big operand is the M side of the tensor-core dot (wgmma on Hopper for BLOCK_T >= 64).
+            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+            MV: tl.constexpr = GPV * GV
+            rk = tl.arange(0, GPK)
+            rv = tl.arange(0, GPV)
+            ks_base = ks_ptr + b * sksb + h * sksh
+            kz_base = kz_ptr + b * sksb + h * sksh
+            vs_base = vs_ptr + b * svsb + h * svsh
+            vz_base = vz_ptr + b * svsb + h * svsh
+            qg, sq = token_group_query(q_row, sqh, G, GPK, GK, D, KBITS, PREC, ACC)
+            m_i = tl.full((GPK,), float("-inf"), ACC)
+            l_i = tl.zeros((GPK,), ACC)
+            acc = tl.zeros((D, MV), ACC)
+            corr = tl.zeros((MV,), ACC)
+            kp_s, kp_z = token_params(ks_base, kz_base, start, end, skst, GK, BLOCK_T)
+            vp_s, vp_z = token_params(vs_base, vz_base, start, end, svst, GV, BLOCK_T)
+            krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
+            vrow0 = vc_ptr + b * svb + h * svh
+            for t0 in range(start, end, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                tm = t < end
+                # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton
+                # assumes 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
+                kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
+                if PREFETCH > 0 and not INTERP:  # the code rows of the tile PREFETCH tiles ahead into L2
+                    tp = t0 + PREFETCH * BLOCK_T  # rows are contiguous (the host checked): one range each
+                    nrow = tl.minimum(end - tp, BLOCK_T)
+                    prefetch_l2(krow0 + tp * skt, nrow * KROW)
+                    prefetch_l2(vrow0 + tp * svt, nrow * VROW)
+                ks_cur, kz_cur, vs_cur, vz_cur = kp_s, kp_z, vp_s, vp_z
+                kp_s, kp_z = token_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, GK, BLOCK_T)
+                vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, GV, BLOCK_T)
+                # ---- scores [BLOCK_T, GPK], log2 domain
+                s = token_group_scores(kptr, tm, qg, sq, ks_cur, kz_cur, qk_scale, GPK, GK, D, KBITS, BLOCK_T, PREC,
+                                       INTERP, ACC)
+                s = tl.where(tm[:, None], s, float("-inf"))
+                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
+                pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
+                ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
+                # ---- values
+                vptr = vc_ptr + tl.multiple_of(b * svb + h * svh + t * svt, VALIGN)
+                acc, corr = token_group_values(acc, corr, pr, ar, vs_cur, vz_cur, vptr, tm, D, VBITS, GPV, GV,
+                                               BLOCK_T, PREC, INTERP, ACC)
+            out = token_group_output(acc, corr, D, VBITS, GPV, GV, ACC)
+            store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, mma_channels(0, D, VBITS), rv, m_i, l_i, rk)
+        if HAS_FP:
+            if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
+                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
+                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
 
-    @triton.jit
-    def shfl_xor(x, MASK: tl.constexpr, INTERP: tl.constexpr):
-        """x of lane (l xor MASK), float32 [32]."""
-        if INTERP:
-            return tl.gather(x, tl.arange(0, 32) ^ MASK, 0)
-        else:
-            y = tl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {MASK}, 0x1f, 0xffffffff;", "=r,r",
-                                          [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
-            return y.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def shfl_idx(x, src, INTERP: tl.constexpr):
-        """x of lane src (int32 [32] in [0, 32)), float32 [32]."""
-        if INTERP:
-            return tl.gather(x, src, 0)
-        else:
-            y = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
-                                          [x.to(tl.int32, bitcast=True), src], dtype=tl.int32, is_pure=True, pack=1)
-            return y.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def transpose8(x, INTERP: tl.constexpr):
-        """Transpose of the 8 x 8 fp16 matrix whose row g, cols (2c, 2c + 1) lane 4g + c holds (movmatrix)."""
-        if INTERP:
-            lo, hi = _halves(x)
-            m = tl.trans(tl.reshape(tl.join(lo, hi), (8, 8)))
-            e0, e1 = tl.split(tl.reshape(m, (8, 4, 2)))
-            return pack_half2(tl.reshape(e0, (32,)), tl.reshape(e1, (32,)), INTERP)
-        else:
-            return tl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [x],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-
-    @triton.jit
-    def byte_pair(x, y, K: tl.constexpr, INTERP: tl.constexpr):
-        """Byte K of x in bits [0, 8) and byte K of y in bits [16, 24) (one prmt on the GPU)."""
-        if INTERP:
-            return ((x >> (8 * K)) & 0xFF) | (((y >> (8 * K)) & 0xFF) << 16)
-        else:
-            sel: tl.constexpr = K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12)
-            return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [x, y], dtype=tl.int32,
-                                             is_pure=True, pack=1)
-
-    @triton.jit
-    def lane_words(ptr, N: tl.constexpr, VEC: tl.constexpr, INTERP: tl.constexpr):
-        """N consecutive int32 words from each lane's `ptr` as a tuple. VEC (ptr 4 N-byte aligned; N = 2 or 4): one
-        vector load (ld.global.nc.v2 / v4) instead of N scalar ones, whose warp-wide loads would each touch every
-        sector of the rows and use a quarter of it (a lane's words are 16 bytes apart from the next lane's)."""
-        if INTERP or N == 1 or not VEC:
-            words = ()
-            for w in tl.static_range(N):
-                words = words + (tl.load(ptr + w),)
-            return words
-        elif N == 2:
-            return tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [ptr.to(tl.int64)],
-                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                                             [ptr.to(tl.int64)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                             is_pure=True, pack=1)
-
-    @triton.jit
-    def launch_dependents():
-        """Programmatic dependent launch (sm_90): the next kernel, if launched with launch_pdl, may start once every
-        program of this one has run this (a no-op otherwise)."""
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
-    def wait_prior_grid():
-        """Block until the kernel before this one in the stream has completed and its writes are visible (a no-op
-        when this kernel was not launched with launch_pdl)."""
-        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @triton.jit
-    def _emulated_a(x0, x1):
-        """A fragment registers (row g, cols 2c + e) and (row g, cols 8 + 2c + e) -> the 8 x 16 matrix rows."""
-        lo0, hi0 = _halves(x0)
-        lo1, hi1 = _halves(x1)
-        m0 = tl.reshape(tl.join(lo0, hi0), (8, 8))
-        m1 = tl.reshape(tl.join(lo1, hi1), (8, 8))
-        return tl.reshape(tl.permute(tl.join(m0, m1), (0, 2, 1)), (8, 16))
-
-    @triton.jit
-    def _emulated_d(d):
-        """8 x 8 result block (row g, col n) -> the fragment halves (row g, col 2c) and (row g, col 2c + 1)."""
-        e0, e1 = tl.split(tl.reshape(d, (8, 4, 2)))
-        return tl.reshape(e0, (32,)), tl.reshape(e1, (32,))
-
-    @triton.jit
-    def mma16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, INTERP: tl.constexpr):
-        """D = A B + C for one warp-wide mma.sync.m16n8k16 (fp16 operands as int32 pairs, float32 C and D)."""
-        if INTERP:
-            bt = _emulated_a(b0, b1)  # B^T [8 cols, 16 rows]: same register pattern as A's rows
-            top = tl.sum(_emulated_a(a0, a2)[:, None, :] * bt[None, :, :], 2)
-            bot = tl.sum(_emulated_a(a1, a3)[:, None, :] * bt[None, :, :], 2)
-            d0, d1 = _emulated_d(top)
-            d2, d3 = _emulated_d(bot)
-            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
-        else:
-            return tl.inline_asm_elementwise(
-                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-                "{$10,$11,$12,$13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-
-    # ---- channel order of the fragments
+    # ---- the fragment kernel: channel order of the fragments, loads, one tile
 
     @triton.jit
     def key_channel(c, r, e, D: tl.constexpr, BITS: tl.constexpr):
@@ -259,7 +268,7 @@ if triton is not None:
         from _tile_loads' `sw`: SCALE_WORDS, two words of fp16 pairs per parameter (tokens j = 0, 1 and 2, 3); else
         one fp16 per parameter and block."""
         if SCALE_WORDS:
-            lo, hi = _halves(sw[2 * p + j // 2])
+            lo, hi = halves(sw[2 * p + j // 2])
             if j % 2 == 0:
                 return lo
             else:
@@ -479,7 +488,7 @@ if triton is not None:
             lo = tl.load(q_row + g * sqh + key_channel(c, r, 0, D, KBITS), mask=head_ok, other=0.0).to(tl.float32)
             hi = tl.load(q_row + g * sqh + key_channel(c, r, 1, D, KBITS), mask=head_ok, other=0.0).to(tl.float32)
             reg = pack_half2(lo, hi, INTERP)
-            lo16, hi16 = _halves(reg)
+            lo16, hi16 = halves(reg)
             qsum += lo16 + hi16
             qb = qb + (_query_register(reg, lo16, hi16, r, KBITS, INTERP),)
         qsum += shfl_xor(qsum, 1, INTERP)
@@ -541,3 +550,172 @@ if triton is not None:
         tl.store(m_ptr + part * G + h0 + 1, m1, mask=first & (h0 + 1 < G))
         tl.store(l_ptr + part * G + h0, l0, mask=first & (h0 < G))
         tl.store(l_ptr + part * G + h0 + 1, l1, mask=first & (h0 + 1 < G))
+
+
+UNPACK_BITS = (1, 2, 3, 4, 8)
+
+
+def unsupported(q: torch.Tensor, packed, bits: int) -> str | None:
+    """Why attend_triton cannot take this call (None: it can)."""
+    d = q.shape[-1]
+    if bits not in UNPACK_BITS:
+        return f"{bits}-bit codes (the kernels unpack {', '.join(map(str, UNPACK_BITS))} bits)"
+    groups = packed["k_scale"].shape[-1]
+    if groups & (groups - 1) or d % groups:
+        return f"{groups} groups per head of {d} channels (a power of two that divides head_dim)"
+    return None
+
+
+def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block_t: int | None = None,
+                  num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  programs_per_sm: int | None = None, block_f: int | None = None, max_registers: int | None = None,
+                  prefetch: int | None = None, frag: bool | None = None, frag_vector: bool | None = None):
+    """Partials of q [B, Hq, D] over RTN's packed tokens and the full-precision part `fp` (runtime.decode.FullPrecision
+    or None). Keyword-only tuning knobs: block_t (tokens per tile), num_splits (token splits per row; default from
+    programs_per_sm x SMs: 16 for the tile kernel, FRAG_OCCUPANCY's for the fragment kernel, whose splits fill exactly
+    one wave), num_warps, num_stages, max_registers, block_f (full-precision tile), prefetch (tiles ahead whose code
+    rows are prefetched into L2 on sm_90+; 0 = off), frag (the fragment kernel: default on where it applies, from
+    FRAG_MIN_ROWS (row, KV head) pairs and when no tile-kernel knob is given; False: the tile kernel), frag_vector
+    (the fragment kernel loads each lane's code words with one vector load; default where the rows are aligned)."""
+    from kvcal.runtime.decode import Partials
+
+    batch, hq, d = q.shape
+    hkv = packed.heads
+    group = hq // hkv
+    dev = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tile_knobs = any(x is not None for x in (block_t, num_warps, num_stages, prefetch))
+    want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
+    if want_frag and _frag_applies(q, packed, bits, group):
+        return _attend_frag(q, packed, scale, fp, bits, hkv, group, num_splits, programs_per_sm, block_f,
+                            max_registers, frag_vector)
+    kc, vc = packed["k_codes"], packed["v_codes"]
+    ks, kz = K.same_layout(packed["k_scale"], packed["k_zero"])
+    vs, vz = K.same_layout(packed["v_scale"], packed["v_zero"])
+    gk, gv = ks.shape[-1], vs.shape[-1]
+    gp = pow2(group)
+    bt = block_t or TILE_DEFAULTS[0]
+    default_warps = TILE_DEFAULTS[1]
+    if q.dtype == torch.float64 and num_warps is None and block_t is None:
+        # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps, 16-token tiles)
+        default_warps, bt = 4, 16
+    tcap = kc.shape[2]
+    if num_splits:
+        nsplit = int(num_splits)
+    else:
+        target = (programs_per_sm or 16) * K.sm_count(dev)
+        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    warps = num_warps or default_warps
+    # wgmma (4 warps, BLOCK_T >= 64) wants dots of >= 16 columns; mma.sync pads N itself, so with fewer warps the
+    # heads are padded only to a power of two (less softmax work on padding)
+    wide = warps >= 4 and bt >= 64
+    gpk = max(gp, 16 // gk) if wide else gp
+    gpv = max(gp, 16 // gv) if wide else gp
+    has_fp = fp is not None
+    splits = nsplit + int(has_fp)
+    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
+    parts.merge_warps = TILE_MERGE_WARPS
+    fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
+                                              fp.valid if has_fp else None, has_fp, dev)
+    opts = {"num_warps": warps}
+    if num_warps is None and block_t is None:  # the measured defaults belong to the default tile
+        num_stages = TILE_DEFAULTS[2] if num_stages is None else num_stages
+        max_registers = TILE_DEFAULTS[3] if max_registers is None else max_registers
+    if max_registers:
+        opts["maxnreg"] = int(max_registers)
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
+        opts["enable_fp_fusion"] = False
+    kc_strides, vc_strides = kc.stride()[:3], vc.stride()[:3]
+    kalign, valign = K.word_alignment(kc, kc_strides), K.word_alignment(vc, vc_strides)  # 16-byte rows: 4 words
+    krow, vrow = 4 * kc.shape[-1], 4 * vc.shape[-1]
+    # L2 prefetch of code tiles (bulk prefetch: sm_90+, a tile's rows contiguous, 16-byte aligned, a multiple of 16
+    # bytes each)
+    can = (K.sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0 and kc_strides[2] == kc.shape[-1]
+           and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
+    prefetch_tiles = (PREFETCH_DEFAULT if prefetch is None else int(prefetch)) if can else 0
+    qk_hi, qk_lo = K.qk_scale_parts(scale)
+    with launch_device(q):
+        _tile_kernel[(batch * hkv, splits)](
+            q, q.stride(0), q.stride(1), packed.lengths,
+            kc, *kc_strides, ks, kz, *ks.stride()[:3],
+            vc, *vc_strides, vs, vz, *vs.stride()[:3],
+            fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
+            parts.m, parts.l, parts.acc, hkv, qk_hi, qk_lo, nsplit,
+            D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=max(gp, 16), KALIGN=kalign, VALIGN=valign,
+            KBITS=bits, VBITS=bits, HAS_FP=int(has_fp), BLOCK_T=bt, BLOCK_F=block_f or 16,
+            INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16), PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, **opts,
+        )
+    return parts
+
+
+def _frag_applies(q, packed, bits: int, group: int) -> bool:
+    """Whether the fragment kernel takes this call: one fp16 (scale, zero) per token and KV head, fp16/bf16 queries, a
+    GQA group of at most 8 heads, and scale rows with token stride 1."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or group > 8:
+        return False
+    if not frag_supported(q.shape[-1], bits, bits):
+        return False
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        t = packed[name]
+        if t.dtype != torch.float16 or t.dim() != 4 or t.shape[-1] != 1 or t.stride(2) != 1:
+            return False
+    return packed["k_codes"].stride(-1) == 1 and packed["v_codes"].stride(-1) == 1
+
+
+def _attend_frag(q, packed, scale: float, fp, bits: int, hkv: int, group: int, num_splits: int | None,
+                 programs_per_sm: int | None, block_f: int | None, max_registers: int | None = None,
+                 frag_vector: bool | None = None):
+    """attend_triton through the fragment kernel (one warp per program), the full-precision part by the generic
+    kernel overlapping its tail."""
+    from kvcal.runtime.decode import Partials
+
+    batch, hq, d = q.shape
+    dev = q.device
+    kc, vc = packed["k_codes"], packed["v_codes"]
+    tcap = kc.shape[2]
+    # one wave: at most `programs_per_sm` programs per SM (FRAG_OCCUPANCY: 12 at 4 bits under a 168-register cap, 16
+    # at 2 bits under 128), rounded down, since a second partial wave costs a whole program's time
+    default_programs, default_registers = FRAG_OCCUPANCY[bits]
+    max_registers = max_registers or default_registers
+    nsplit = num_splits or max(1, min((programs_per_sm or default_programs) * K.sm_count(dev) // (batch * hkv),
+                                      triton.cdiv(tcap, 4 * FRAG_BLOCK_T)))
+    fsplit = K.fp_splits(fp)
+    parts = Partials.empty(batch * hkv, nsplit + fsplit, group, d, q.dtype, dev)
+    parts.merge_warps = FRAG_MERGE_WARPS
+    ks, kz = K.same_layout(packed["k_scale"], packed["k_zero"])
+    vs, vz = K.same_layout(packed["v_scale"], packed["v_zero"])
+    kc_strides, vc_strides = kc.stride()[:3], vc.stride()[:3]
+    # vector loads: each lane's words of a row start 16 (keys) / 4 NWV (values) bytes apart; the row starts and the
+    # base must keep that alignment
+    kvec, vvec = min(4, d * bits // 128), min(4, d * bits // 256)
+    vec_ok = K.word_alignment(kc, kc_strides) >= kvec and K.word_alignment(vc, vc_strides) >= vvec
+    vec = vec_ok if frag_vector is None else bool(frag_vector) and vec_ok
+    # tiles start at multiples of FRAG_BLOCK_T: buffers of whole tiles let the kernel clamp tiles, not rows, and load
+    # per-token scales without masks (from scale buffers at least as long)
+    row_clamp = tcap % FRAG_BLOCK_T != 0 or tcap == 0 or min(ks.shape[2], vs.shape[2]) < tcap
+    # a lane's four tokens of a tile are adjacent: their scales are one 8-byte load per parameter where every scale
+    # row starts 8-byte aligned
+    scale_words = (not row_clamp
+                   and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
+                           for t in (ks, kz, vs, vz)))
+    # programmatic dependent launch (sm_90; griddepcontrol does not assemble for older targets): the window's
+    # programs start in the slots of fragment programs that finish early instead of after the whole kernel; they
+    # read only what was ready before it (launching the merge the same way gained nothing measurable: 123.8
+    # against 123.1-123.3 us)
+    pdl = bool(FRAG_OVERLAP_FP and fsplit and K.sm90_or_newer(dev))
+    with launch_device(q):
+        _frag_decode_kernel[(batch * hkv, nsplit)](
+            q, q.stride(0), q.stride(1), packed.lengths,
+            kc, *kc_strides, ks, kz, *ks.stride()[:2],
+            vc, *vc_strides, vs, vz, *vs.stride()[:2],
+            parts.m, parts.l, parts.acc, hkv, float(scale) * K.LOG2E, nsplit + fsplit, max(tcap - FRAG_BLOCK_T, 0),
+            D=d, G=group, KBITS=bits, VBITS=bits, INTERP=K.INTERPRET, BLOCK_T=FRAG_BLOCK_T,
+            VEC=int(vec), ROW_CLAMP=int(row_clamp), SCALE_WORDS=int(scale_words), PDL=int(pdl), num_warps=1,
+            **({"maxnreg": int(max_registers)} if max_registers else {}),
+        )
+    if fsplit:
+        K.fp_partials_into(q, fp, scale, parts, nsplit, pdl=pdl, block_f=block_f or 16)
+    return parts

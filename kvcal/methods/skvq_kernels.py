@@ -1,0 +1,234 @@
+"""SKVQ's decode kernel: attention of one query per row over codes kept in channel order, one row per (token, KV
+head), whose (scale, zero) come from the token's clipped groups (k-means clusters across heads); the torch reference
+is SKVQStorage.attend_reference (kvcal/methods/skvq.py).
+
+Grid (B * Hkv, S): program (row, KV head, split) over all G query heads of the KV head, an online softmax over
+BLOCK_T-token tiles; split NSPLIT takes the full-precision part (sinks and the recent window; runtime/kernels
+fp_segment). Per tile, the key codes of the head's two halves (packing.unpack_tile, or base-3 bytes) are dequantized
+in float32 with each channel's group parameters, gathered in registers from the token's [n_groups] row (the static
+channel -> group map is loaded once per program); the keys are stored before RoPE and rotated by angle addition
+(q.R(p0 + j)k = (R(-p0) q).(R(j) k), R(j) kept in registers, R(-p0) applied to q once per tile), then two dots.
+Values are dequantized the same way and accumulated by one dot. fp8 (e4m3) parameters are decoded from their bits
+(the same on the GPU and under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.quant.packing import launch_device, pow2
+from kvcal.runtime import kernels as K
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
+SLOT_BITS = (0, 2, 3, 4, 8)  # 0: base-3 bytes
+# (block_t, num_warps): 32-token tiles on 4 warps (the dequantizing paths' setting, as KVQuant's float32 path)
+DEFAULTS = (32, 4)
+
+if triton is not None:
+    from kvcal.quant.packing import unpack_tile, unpack_trits_tile
+    from kvcal.runtime.kernels import (
+        dot,
+        fp_segment,
+        operand,
+        rotate_query,
+        softmax_tile,
+        split_bounds,
+        store_partial,
+    )
+
+    @triton.jit
+    def _e4m3(bits):
+        """fp8 e4m3 bit patterns (int32) -> float32: subnormals m 2^-9, normals (8 + m) 2^(e - 10)."""
+        e = (bits >> 3) & 15
+        m = (bits & 7).to(tl.float32)
+        value = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        return tl.where((bits & 128) != 0, -value, value)
+
+    @triton.jit
+    def _params(base, t, tm, sst, NG: tl.constexpr, NGP: tl.constexpr, FP8: tl.constexpr):
+        """Scale or zero rows [BLOCK_T, NGP] of tokens t (groups past NG: 0), as float32."""
+        g = tl.arange(0, NGP)
+        mask = tm[:, None] & (g < NG)[None, :]
+        if FP8:
+            raw = tl.load(base + t[:, None] * sst + g[None, :], mask=mask, other=0).to(tl.int32)
+            return _e4m3(raw)
+        else:
+            return tl.load(base + t[:, None] * sst + g[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _dequantized(rowptr, tm, C0: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, scale, zero, group):
+        """Channels [C0, C0 + NC) of a tile, float32 [BLOCK_T, NC]: code x its group's scale + zero (scale, zero
+        [BLOCK_T, NGP] per token; group [NC] the channels' groups)."""
+        if BITS == 0:
+            codes = unpack_trits_tile(rowptr, tm, C0, NC)
+        else:
+            codes = unpack_tile(rowptr, tm, C0, NC, D, BITS, BLOCK_T)
+        idx = tl.broadcast_to(group[None, :], (BLOCK_T, NC))
+        return codes.to(tl.float32) * tl.gather(scale, idx, 1) + tl.gather(zero, idx, 1)
+
+    @triton.jit
+    def _tile_kernel(
+        q_ptr, sqb, sqh, len_ptr,
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, skst, kmap_ptr,
+        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svst, vmap_ptr,
+        cos_ptr, sin_ptr, pos_offset, TMAX,
+        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
+        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
+        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPF: tl.constexpr,
+        KBITS: tl.constexpr, VBITS: tl.constexpr, KNG: tl.constexpr, KNGP: tl.constexpr, VNG: tl.constexpr,
+        VNGP: tl.constexpr, FP8: tl.constexpr, HAS_FP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+        INTERP: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
+    ):
+        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
+        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
+        if PREC == 64:
+            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
+        else:
+            qk_scale = qk_scale_hi
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        S = NSPLIT + HAS_FP
+        q_row = q_ptr + b * sqb + h * G * sqh
+        part = pid * S + split
+        if split < NSPLIT:
+            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+            HD: tl.constexpr = D // 2
+            rk = tl.arange(0, GP)
+            hh = tl.arange(0, HD)
+            dd = tl.arange(0, D)
+            q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+            q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+            kg1 = tl.load(kmap_ptr + h * D + hh)  # each channel's group
+            kg2 = tl.load(kmap_ptr + h * D + HD + hh)
+            vg = tl.load(vmap_ptr + h * D + dd)
+            jr = tl.arange(0, BLOCK_T)  # R(j) for the offsets j of a tile, kept in registers
+            cj = tl.load(cos_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=1.0)
+            sj = tl.load(sin_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=0.0)
+            m_i = tl.full((GP,), float("-inf"), ACC)
+            l_i = tl.zeros((GP,), ACC)
+            acc = tl.zeros((D, GP), ACC)
+            krow0 = kc_ptr + b * skb + h * skh
+            vrow0 = vc_ptr + b * svb + h * svh
+            ks_base = ks_ptr + b * sksb
+            kz_base = kz_ptr + b * sksb
+            vs_base = vs_ptr + b * svsb
+            vz_base = vz_ptr + b * svsb
+            for t0 in range(start, end, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                tm = t < end
+                kptr = krow0 + t * skt
+                ks = _params(ks_base, t, tm, skst, KNG, KNGP, FP8)
+                kz = _params(kz_base, t, tm, skst, KNG, KNGP, FP8)
+                k1 = _dequantized(kptr, tm, 0, HD, D, KBITS, BLOCK_T, ks, kz, kg1).to(ACC)
+                k2 = _dequantized(kptr, tm, HD, HD, D, KBITS, BLOCK_T, ks, kz, kg2).to(ACC)
+                if ROPE == 1:  # angle addition
+                    ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, hh, D)
+                    ka = k1 * cj - k2 * sj  # R(j) k
+                    kb = k2 * cj + k1 * sj
+                else:  # the tables at each token's position (float32 and float64: as the reference rotates)
+                    ra = q1
+                    rb = q2
+                    pos = (pos_offset + t)[:, None] * D
+                    ca = tl.load(cos_ptr + pos + hh[None, :], mask=tm[:, None], other=1.0).to(ACC)
+                    sa = tl.load(sin_ptr + pos + hh[None, :], mask=tm[:, None], other=0.0).to(ACC)
+                    cb = tl.load(cos_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=1.0).to(ACC)
+                    sb = tl.load(sin_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=0.0).to(ACC)
+                    ka = k1 * ca - k2 * sa
+                    kb = k2 * cb + k1 * sb
+                s = dot(operand(ka, PREC), operand(ra, PREC), INTERP) + dot(operand(kb, PREC), operand(rb, PREC),
+                                                                            INTERP)
+                s = tl.where(tm[:, None], s * qk_scale, float("-inf"))
+                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
+                vs = _params(vs_base, t, tm, svst, VNG, VNGP, FP8)
+                vz = _params(vz_base, t, tm, svst, VNG, VNGP, FP8)
+                v = _dequantized(vrow0 + t * svt, tm, 0, D, D, VBITS, BLOCK_T, vs, vz, vg)
+                v = tl.where(tm[:, None], v, 0.0)
+                acc = acc * alpha[None, :] + dot(tl.trans(operand(v.to(ACC), PREC)), operand(p, PREC), INTERP)
+            store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, acc, dd, rk, m_i, l_i, rk)
+        if HAS_FP:
+            if split == NSPLIT:  # the full-precision part (sinks, window), post-RoPE
+                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
+                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+
+
+def unsupported(q: torch.Tensor, storage) -> str | None:
+    """Why attend_triton cannot take this call (None: it can)."""
+    for side in "kv":
+        if storage.slot_bits(side) not in SLOT_BITS:
+            return f"{storage.slot_bits(side)}-bit code slots"
+    if q.shape[-1] < 32:
+        return f"head_dim {q.shape[-1]}"
+    return None
+
+
+def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t: int | None = None,
+                  num_splits: int | None = None, num_warps: int | None = None, programs_per_sm: int | None = None,
+                  block_f: int | None = None, rope_mode: str | None = None):
+    """Partials of q [B, Hq, D] over SKVQ's packed tokens and the full-precision part `fp`. Keyword-only tuning knobs:
+    block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, block_f, rope_mode ('angle': angle
+    addition, the default for fp16/bf16; 'table': each token's table row, the default for float32 and float64, whose
+    results then follow the reference's rotation to their own rounding)."""
+    from kvcal.runtime.decode import Partials
+
+    batch, hq, d = q.shape
+    hkv = packed.heads
+    group = hq // hkv
+    dev = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    gp = pow2(group)
+    bt = block_t or DEFAULTS[0]
+    warps = num_warps or DEFAULTS[1]
+    if q.dtype == torch.float64 and block_t is None:
+        bt = 16  # the float64 dot is a broadcast product: keep its [M, K, N] block small
+    kc, vc = packed["k_codes"], packed["v_codes"]
+    tcap = kc.shape[2]
+    if num_splits:
+        nsplit = int(num_splits)
+    else:
+        target = (programs_per_sm or 16) * K.sm_count(dev)
+        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    has_fp = fp is not None
+    splits = nsplit + int(has_fp)
+    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
+    fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
+                                              fp.valid if has_fp else None, has_fp, dev)
+    params = {}
+    for side in "kv":
+        s, z = K.same_layout(packed[f"{side}_scale"], packed[f"{side}_zero"])
+        if s.dtype == torch.float8_e4m3fn:  # decoded from their bits in the kernel
+            s, z = s.view(torch.uint8), z.view(torch.uint8)
+        params[side] = (s, z)
+    fp8 = params["k"][0].dtype == torch.uint8
+    cos, sin = packed.rope_cos.float().contiguous(), packed.rope_sin.float().contiguous()
+    kng, vng = storage.num_groups("k"), storage.num_groups("v")
+    opts = {"num_warps": warps}
+    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
+        opts["enable_fp_fusion"] = False
+    if rope_mode is None:
+        rope_mode = "table" if q.dtype in (torch.float32, torch.float64) else "angle"
+    qk_hi, qk_lo = K.qk_scale_parts(scale)
+    (ks, kz), (vs, vz) = params["k"], params["v"]
+    with launch_device(q):
+        _tile_kernel[(batch * hkv, splits)](
+            q, q.stride(0), q.stride(1), packed.lengths,
+            kc, *kc.stride()[:3], ks, kz, ks.stride(0), ks.stride(1), storage.group_maps["k"],
+            vc, *vc.stride()[:3], vs, vz, vs.stride(0), vs.stride(1), storage.group_maps["v"],
+            cos, sin, packed.pos_offset, cos.shape[0],
+            fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
+            parts.m, parts.l, parts.acc, hkv, qk_hi, qk_lo, nsplit,
+            D=d, G=group, GP=gp, GPF=max(gp, 16), KBITS=storage.slot_bits("k"), VBITS=storage.slot_bits("v"),
+            KNG=kng, KNGP=pow2(kng), VNG=vng, VNGP=pow2(vng), FP8=int(fp8), HAS_FP=int(has_fp), BLOCK_T=bt,
+            BLOCK_F=block_f or 16, INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16), ROPE=1 if rope_mode == "angle" else 2,
+            **opts,
+        )
+    return parts

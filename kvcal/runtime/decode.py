@@ -1,0 +1,163 @@
+"""Decode attention of one query per row over a packed storage plus a full-precision part, whatever the method.
+
+A storage's `attend` returns softmax partials: for each (row, KV head) and each of S splits of its tokens, the
+running maximum m and sum l of exp2(s - m) and the accumulator sum exp2(s - m) v, per query head of the GQA group,
+with scores s = q.k x scale x log2(e). `merge` combines the partials of every split into the output. The partials a storage returns
+cover the full-precision part too (sinks, recent window, unflushed residual; keys after RoPE): its kernel takes it
+into its own launch (the shared `fp_segment` helper of runtime/kernels.py) or launches the generic full-precision
+kernel into the last splits (`kernels.fp_partials_into`); the torch reference appends `fp_partials_reference`.
+
+`decode_attention` is what the cache calls: the storage's Triton kernel on CUDA (one clear error where it cannot
+run: there is no silent fallback), or the torch references (`kernels=False`: the CPU, the reference backend).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.errors import KvcalError
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class FullPrecision:
+    """The full-precision part of one layer: keys (after RoPE) and values [B, Hkv, F, D], valid [B, F] bool (slot order
+    is free: softmax does not care, so a ring buffer works as is)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
+class Partials:
+    """Softmax partials of one decode step. m, l [R, S, G] and acc [R, S, G, D] (R = B x Hkv rows and KV heads, S
+    splits, G query heads per KV head), in float32 (float64 for float64 queries). `extra` [R, S, D, GP]: optional
+    additive terms of each acc (float32, or int64 fixed point in units of `extra_unit`), e.g. sparse residuals a
+    separate pass summed. `merge_warps`: warps per program of the merge kernel (a tuning hint of the kernel that
+    wrote them)."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 - the softmax sum, as in the papers
+    acc: torch.Tensor
+    extra: torch.Tensor | None = None
+    extra_unit: float = 1.0
+    merge_warps: int = 4
+
+    @classmethod
+    def empty(cls, rows: int, splits: int, group: int, dim: int, dtype, device) -> Partials:
+        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        m = torch.empty(rows, splits, group, dtype=acc_dtype, device=device)
+        return cls(m, torch.empty_like(m), torch.empty(rows, splits, group, dim, dtype=acc_dtype, device=device))
+
+    @property
+    def splits(self) -> int:
+        return self.m.shape[1]
+
+    def cat(self, other: Partials) -> Partials:
+        """The splits of both (torch references; the kernels write into one buffer instead)."""
+        if self.extra is not None or other.extra is not None:
+            return Partials(torch.cat([self.m, other.m], 1), torch.cat([self.l, other.l], 1),
+                            torch.cat([_with_extra(self), _with_extra(other)], 1))
+        return Partials(torch.cat([self.m, other.m], 1), torch.cat([self.l, other.l], 1),
+                        torch.cat([self.acc, other.acc], 1))
+
+
+# ---- torch references ------------------------------------------------------------------------------------------
+
+
+def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int) -> Partials:
+    """Partials (one split) of q [B, Hq, D] over each row's keys and values: rows[b] = (k, v) [Hkv, T_b, D] in the
+    compute dtype, or None for a row with no tokens (m = -inf, l = 0, acc = 0)."""
+    batch, hq, d = q.shape
+    group = hq // heads
+    parts = Partials.empty(batch * heads, 1, group, d, q.dtype, q.device)
+    compute = parts.m.dtype
+    parts.m.fill_(-math.inf)
+    parts.l.zero_()
+    parts.acc.zero_()
+    for b, kv in enumerate(rows):
+        if kv is None or kv[0].shape[1] == 0:
+            continue
+        k, v = kv
+        qg = q[b].to(compute).reshape(heads, group, d)
+        s = qg @ k.to(compute).transpose(1, 2) * (scale * LOG2E)  # [Hkv, G, T]
+        m = s.amax(-1)
+        p = torch.exp2(s - m[..., None])
+        at = slice(b * heads, (b + 1) * heads)
+        parts.m[at, 0] = m
+        parts.l[at, 0] = p.sum(-1)
+        parts.acc[at, 0] = p @ v.to(compute)
+    return parts
+
+
+def fp_partials_reference(q: torch.Tensor, fp: FullPrecision, scale: float) -> Partials:
+    compute = torch.promote_types(q.dtype, torch.float32)
+    rows = [(fp.k[b][:, fp.valid[b]].to(compute), fp.v[b][:, fp.valid[b]].to(compute)) for b in range(q.shape[0])]
+    return partials_from_rows(q, rows, scale, fp.k.shape[1])
+
+
+def with_fp_reference(parts: Partials, q: torch.Tensor, fp: FullPrecision | None, scale: float) -> Partials:
+    """`parts` of the packed tokens followed by the full-precision part's split (what a reference attend returns)."""
+    return parts if fp is None else parts.cat(fp_partials_reference(q, fp, scale))
+
+
+def merge_reference(parts: Partials, batch: int, out_dtype) -> torch.Tensor:
+    """Combine the splits of `parts` into the output [B, Hq, D]."""
+    m, l_sum, acc = parts.m, parts.l, _with_extra(parts)
+    top = m.amax(1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp2(m - top)  # [R, S, G]
+    total = (w * l_sum).sum(1)
+    out = (w[..., None] * acc).sum(1) / torch.where(total == 0, torch.ones_like(total), total)[..., None]
+    rows, group, d = out.shape
+    return out.reshape(batch, rows // batch * group, d).to(out_dtype)
+
+
+def _with_extra(p: Partials) -> torch.Tensor:
+    if p.extra is None:
+        return p.acc
+    extra = p.extra.to(p.acc.dtype) * p.extra_unit if p.extra.dtype == torch.int64 else p.extra.to(p.acc.dtype)
+    return p.acc + extra[..., : p.acc.shape[2]].permute(0, 1, 3, 2)  # [R, S, D, GP] -> [R, S, G, D]
+
+
+# ---- dispatch --------------------------------------------------------------------------------------------------
+
+
+def decode_attention(q: torch.Tensor, storage, packed, fp: FullPrecision | None, scale: float,
+                     kernels: bool) -> torch.Tensor:
+    """q [B, Hq, D] (after RoPE) over the packed tokens of `storage` (packed: runtime.storage.Packed, or None before
+    the storage holds anything) and the full-precision part -> [B, Hq, D] in q's dtype. kernels: the Triton kernels
+    (the storage's and the generic ones); a storage whose kernel cannot take these inputs raises one line naming why
+    (pass the cache's reference backend to run the torch references on purpose)."""
+    if fp is not None and fp.slots == 0:
+        fp = None
+    if kernels:
+        from kvcal.runtime import kernels as K
+
+        reason = K.unsupported(q) or (storage.supports_triton(q, packed) if packed is not None else None)
+        if reason:
+            raise KvcalError(f"{type(storage).__name__}: no Triton decode kernel for this call ({reason}); "
+                             "run the torch reference on purpose with backend='reference' (--backend reference)")
+        if packed is not None:
+            parts = storage.attend_triton(q, packed, scale, fp)
+        elif fp is not None:
+            parts = K.fp_partials_triton(q, fp, scale)
+        else:
+            return torch.zeros_like(q)
+        return K.merge_triton(parts, q)
+    if packed is not None:
+        parts = storage.attend_reference(q, packed, scale, fp)
+    elif fp is not None:
+        parts = fp_partials_reference(q, fp, scale)
+    else:
+        return torch.zeros_like(q)
+    return merge_reference(parts, q.shape[0], q.dtype)

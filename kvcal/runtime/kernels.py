@@ -1,0 +1,523 @@
+"""Shared Triton building blocks of the decode kernels, with no method names in them.
+
+- dot operands and products (`dot`, `operand`, `mma_operand`), RoPE by angle addition (`rotate_query`), L2 prefetch;
+- the split of a row's packed tokens among its split programs (`split_share`, `split_share_tl`);
+- the full-precision part of a decode step (`fp_segment` inside a storage's own kernel, or the generic kernel
+  through `fp_partials_into` / `fp_partials_triton`) and the split-K merge of the partials (`merge_triton`), the
+  Triton side of runtime/decode.py;
+- fragment-MMA helpers for one-warp kernels that unpack codes straight into tensor-core registers (warp shuffles,
+  movmatrix, mma.sync m16n8k16, vector loads, programmatic dependent launch);
+- small launch utilities (device properties, placeholder tensors, alignment hints).
+
+Bit packing and unpacking live in kvcal/quant/packing.py. Every jit function has the same semantics under
+TRITON_INTERPRET=1 (no inline PTX there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvcal.quant.packing import launch_device, pow2
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The merge: one program per (row, query head, REDUCE_CHANNELS channels), REDUCE_CHUNK partials per step at 4 warps (a
+# quarter of that at 1 warp). At batch 1 a tile kernel leaves ~265 partials per head and the merge has only B x Hq =
+# 32 (row, head) pairs: one program per pair over all 128 channels took 9 steps of 32 partials in a row (32K x 1, int4
+# 40.3 us); 32 channels per program and 256 partials per step: int4 32.5 us, int2 28.2, kivi4 41.2, nuq4 87.5 (was
+# 108.2); batch 8 within 1% (H100, benchmarks/NOTES-kernels.md). sm_90 SASS at 265 partials: 96 registers, 166 with
+# extra sums, no stack.
+REDUCE_CHANNELS = 32
+REDUCE_CHUNK = 256
+# Full-precision tokens per program of the generic full-precision kernel (chunks of a few tiles: one program walking a
+# 128-token window tile by tile took 10.5 us at 32K x 8 on the H100, most of it load latency; chunks of 16 with a
+# 1-warp merge were the fastest measured, 64 slower).
+FP_CHUNK = 16
+
+
+def split_share(length: int, num_splits: int, block_t: int) -> int:
+    """Tokens per split of a row of `length` packed tokens (0 when the row is empty): each split takes an equal share
+    rounded up to whole tiles; split s covers [s share, min((s + 1) share, length)), and one past the row's end is
+    empty. Kernels compute it from the row's own length (split_share_tl: no host sync, rows differ in length)."""
+    per_split = -(-length // num_splits)
+    return -(-per_split // block_t) * block_t
+
+
+def unsupported(q: torch.Tensor) -> str | None:
+    """Why no decode kernel can take these queries (None: they can)."""
+    if triton is None:
+        return "triton is not installed"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"query dtype {q.dtype} (fp16, bf16, fp32 and fp64 are supported)"
+    d = q.shape[-1]
+    if d < 32 or d & (d - 1):
+        return f"head_dim {d} (a power of two >= 32 is supported)"
+    return None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def sm90_or_newer(device) -> bool:
+    """Whether the device is sm_90 or newer, as cp.async.bulk.prefetch.L2 and griddepcontrol (programmatic dependent
+    launch) need (and a real GPU: the interpreter has no inline asm). Looked up once per device."""
+    if device.type != "cuda" or INTERPRET:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def placeholders(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32, int32) placeholder tensors for a kernel's absent arguments, made once per device (no per-call
+    launches)."""
+    return _placeholders(torch.device(device))
+
+
+def qk_scale_parts(scale: float) -> tuple[float, float]:
+    """scale x log2(e) as a float32 part and the rest (kernels take scalars as float32; float64 kernels add both)."""
+    import struct
+
+    hi = struct.unpack("f", struct.pack("f", float(scale) * LOG2E))[0]
+    return hi, float(scale) * LOG2E - hi
+
+
+if triton is not None:
+
+    @triton.jit
+    def split_share_tl(length, NSPLIT, TILE: tl.constexpr):
+        """split_share inside a kernel."""
+        return tl.cdiv(tl.cdiv(length, NSPLIT), TILE) * TILE
+
+    @triton.jit
+    def split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T: tl.constexpr):
+        """[start, end) of split `split` of row b's packed tokens (split_share; an empty split has end <= start)."""
+        length = tl.load(len_ptr + b)
+        share = split_share_tl(length, NSPLIT, BLOCK_T)
+        start = split * share
+        return start, tl.minimum(start + share, length)
+
+    @triton.jit
+    def softmax_tile(s, m_i, l_i, ok):
+        """Online softmax over one tile of scores s [BLOCK_T, heads] (log2 domain; -inf where masked) for the heads
+        whose `ok` is set: returns (p [BLOCK_T, heads], alpha [heads], the new max, the new sum). Padding heads get
+        p = alpha = 0."""
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(ok, tl.exp2(m_i - m_use), 0.0)
+        p = tl.where(ok[None, :], tl.exp2(s - m_use[None, :]), 0.0)
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+
+    @triton.jit
+    def store_partial(m_ptr, l_ptr, acc_ptr, part, G: tl.constexpr, D: tl.constexpr, out, channels, rv, m_i, l_i,
+                      rk):
+        """Partial `part` of a (row, KV head): out [D, heads] (rows in `channels` order, columns rv), m and l [heads]
+        (columns rk); only the G real heads are stored."""
+        tl.store(acc_ptr + (part * G + rv)[None, :] * D + channels[:, None], out, mask=(rv < G)[None, :])
+        tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
+        tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
+
+    @triton.jit
+    def dot(a, b, INTERP: tl.constexpr):
+        # Triton's interpreter multiplies bf16 operands as raw integers (3.6 and 3.9): upcast there
+        # (exact: the tensor cores also multiply bf16/fp16 exactly and accumulate in fp32).
+        if a.dtype == tl.float64:
+            # float64 inputs (an exactness mode, not a fast path): products and sums on the FP64 units.
+            # Triton 3.6's float64 tl.dot fails to compile on these operand layouts ("fp64 don't support
+            # largeK MMA") and gave wrong sums in a 1-warp N=4 test on the H100, so no tensor cores here.
+            return tl.sum(a[:, :, None] * b[None, :, :], 1)
+        elif INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif a.dtype == tl.float32:  # float32 inputs: exact products, no TF32
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def operand(x, PREC: tl.constexpr):
+        """A rounded dot operand: fp16 for fp16/bf16 inputs (PREC 16; bf16 queries are converted: exact in
+        fp16's range), float32 / float64 for float32 / float64 inputs (PREC 32 / 64: nothing rounded beyond
+        the input's own precision)."""
+        if PREC == 64:
+            return x.to(tl.float64)
+        elif PREC == 32:
+            return x.to(tl.float32)
+        else:
+            return x.to(tl.float16)
+
+    @triton.jit
+    def mma_operand(x, PREC: tl.constexpr, INTERP: tl.constexpr):
+        """operand for a dot operand built in registers from packed codes. On the GPU an fp16 operand also goes
+        through an opaque identity (one mov per register pair): Triton 3.6 picks the operands' kWidth from
+        the narrowest type in their backward slice of pure elementwise/view ops and halves it when a tl.join
+        is in it, so unpacked codes got kWidth 4, whose A operand is read back from shared memory with 64-bit
+        loads and register moves instead of ldmatrix. A non-pure inline asm ends that slice (kWidth 2). SASS
+        for sm_90, int4 decode main loop: 815 -> 627 instructions per 32-token tile, the 161 IMAD.MOV gone."""
+        y = operand(x, PREC)
+        if INTERP or PREC != 16:  # the interpreter has no inline asm; fp32/fp64 operands are not affected
+            return y
+        else:
+            return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float16, is_pure=False,
+                                             pack=2)
+
+    @triton.jit
+    def rotate_query(q1, q2, cos_ptr, sin_ptr, p0, ch, D: tl.constexpr):
+        """R(-p0) q for the query halves q1, q2 [HD, heads] whose rows are channels ch: (q1 c + q2 s, q2 c - q1 s)."""
+        c0 = tl.load(cos_ptr + p0 * D + ch)[:, None]
+        s0 = tl.load(sin_ptr + p0 * D + ch)[:, None]
+        return q1 * c0 + q2 * s0, q2 * c0 - q1 * s0
+
+    @triton.jit
+    def prefetch_l2(ptr, nbytes):
+        """Ask the L2 for nbytes (a multiple of 16; nothing when <= 0) from the 16-byte aligned address ptr:
+        one sm_90 bulk prefetch for the warp (a uniform address; per-lane addresses made ptxas serialize the
+        instruction over the lanes). Nothing comes back to the thread: the tile's own loads later hit L2.
+        Triton's two-stage pipeline issues a tile's copy only one iteration ahead, so each one-warp program
+        had a single tile in flight; prefetching further ahead costs no registers or shared memory."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r", [tl.full((1,), 0, tl.int64) + ptr.to(tl.int64), tl.full((1,), 0, tl.int32) + nbytes],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def regroup(x, SRC: tl.constexpr, DST: tl.constexpr, N: tl.constexpr):
+        """Columns [N, SRC] -> [N, DST] keeping columns < min(SRC, DST) (columns >= G must be zero)."""
+        if SRC == DST:
+            return x
+        elif SRC > DST:
+            return tl.sum(tl.reshape(x, (N, SRC // DST, DST)), 1)
+        else:
+            r = tl.arange(0, DST // SRC)
+            y = tl.where((r == 0)[None, :, None], tl.broadcast_to(x[:, None, :], (N, DST // SRC, SRC)), 0.0)
+            return tl.reshape(y, (N, DST))
+
+    @triton.jit
+    def fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F0, F, b, h, part, m_ptr, l_ptr,
+                    acc_ptr, qk_scale, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
+                    INTERP: tl.constexpr):
+        """Tokens [F0, F) of the full-precision segment (sinks, window, residual; post-RoPE) of one (row, KV head):
+        their softmax partial (m, l, acc) into partial `part`. Shared by the packed-cache kernels."""
+        DT: tl.constexpr = q_row.dtype.element_ty
+        ACC: tl.constexpr = m_ptr.dtype.element_ty
+        dd = tl.arange(0, D)
+        rf = tl.arange(0, GPF)
+        qx = tl.load(q_row + rf[:, None] * sqh + dd[None, :], mask=(rf < G)[:, None], other=0.0)
+        mf = tl.full((GPF,), float("-inf"), ACC)
+        lf = tl.zeros((GPF,), ACC)
+        af = tl.zeros((GPF, D), ACC)
+        for f0 in range(F0, F, BLOCK_F):
+            f = f0 + tl.arange(0, BLOCK_F)
+            fin = f < F
+            ok = (tl.load(fval_ptr + b * sfvb + f, mask=fin, other=0) != 0) & fin
+            fo = b * sfb + h * sfh + f[:, None] * sft + dd[None, :]
+            kf = tl.load(fk_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
+            vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)  # issued with the keys: one wait, not two
+            s = tl.where(ok[None, :], dot(qx, tl.trans(kf), INTERP) * qk_scale, float("-inf"))
+            m_new = tl.maximum(mf, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(mf - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            lf = lf * alpha + tl.sum(p, 1)
+            mf = m_new
+            p_hi = p.to(DT)  # p = p_hi + p_lo: two dots keep P at ~fp32 precision (F is small)
+            p_lo = (p - p_hi.to(ACC)).to(DT)
+            af = af * alpha[:, None] + dot(p_hi, vf, INTERP) + dot(p_lo, vf, INTERP)
+        tl.store(acc_ptr + (part * G + rf)[:, None] * D + dd[None, :], af, mask=(rf < G)[:, None])
+        tl.store(m_ptr + part * G + rf, mf, mask=rf < G)
+        tl.store(l_ptr + part * G + rf, lf, mask=rf < G)
+
+    @triton.jit
+    def _fp_kernel(q_ptr, sqb, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, m_ptr, l_ptr, acc_ptr, HKV,
+                   qk_scale, S, CHUNK, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
+                   INTERP: tl.constexpr, WAIT_PRIOR: tl.constexpr):
+        """The full-precision segment alone, where the packed kernel should not carry the segment's shared-memory
+        tiles (attention_frag): program (row and KV head, j) takes tokens [j CHUNK, (j + 1) CHUNK), into partial
+        S - num_programs(1) + j of the row and head's S (chunks of a few tiles: one program walking a 128-token
+        window tile by tile took 10.5 us at 32K x 8 on the H100, most of it load latency)."""
+        pid = tl.program_id(0)
+        j = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        f0 = j * CHUNK
+        fp_segment(q_ptr + b * sqb + h * G * sqh, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, f0,
+                    tl.minimum(F, f0 + CHUNK), b, h, pid * S + S - tl.num_programs(1) + j, m_ptr, l_ptr, acc_ptr,
+                    qk_scale, D, G, GPF, BLOCK_F, INTERP)
+        if WAIT_PRIOR:  # launched to overlap the fragment kernel: finish only after it, so the reduction sees both
+            wait_prior_grid()
+
+    @triton.jit
+    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, vo_ptr, G: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                       D: tl.constexpr, VO_GP: tl.constexpr, VO_UNIT: tl.constexpr, SC: tl.constexpr,
+                       DC: tl.constexpr):
+        """Merge the S partials (max, sum, acc) of one query head for DC of its channels, SC partials at a time (each
+        of a head's D / DC programs reads all S maxima and sums itself, S floats each; all S at once over 128
+        channels spilled at batch 1: 265 partials took 168 bytes of stack per thread, and with the value sums a
+        launch failed with "out of memory" in kvcal bench generate). VO_GP > 0: add the extra sums vo_ptr [row and
+        KV head, S, D, VO_GP] (a storage's separate pass, e.g. sparse value residuals: float32, or int64 fixed point
+        in units of VO_UNIT) to each acc."""
+        pid = tl.program_id(0)  # = (b * Hkv + h) * G + g = b * Hq + h * G + g
+        dc = tl.program_id(1)  # channels [dc DC, (dc + 1) DC) of the head
+        bh = pid // G
+        g = pid % G
+        s = tl.arange(0, SP)
+        sm = s < S
+        row = (bh * S + s) * G + g
+        m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+        lsum = tl.load(l_ptr + row, mask=sm, other=0.0)
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        total = tl.sum(tl.exp2(m - mx) * lsum, 0)
+        dd = dc * DC + tl.arange(0, DC)
+        o = tl.zeros((DC,), acc_ptr.dtype.element_ty)
+        for s0 in range(0, S, SC):  # a loop, not unrolled: unrolled, the loads of every step were live at once
+            sc = s0 + tl.arange(0, SC)
+            scm = sc < S
+            rc = (bh * S + sc) * G + g
+            wc = tl.exp2(tl.load(m_ptr + rc, mask=scm, other=float("-inf")) - mx)
+            acc = tl.load(acc_ptr + rc[:, None] * D + dd[None, :], mask=scm[:, None], other=0.0)
+            if VO_GP > 0:
+                vo = tl.load(vo_ptr + ((bh * S + sc)[:, None] * D + dd[None, :]) * VO_GP + g, mask=scm[:, None],
+                             other=0)
+                if vo_ptr.dtype.element_ty == tl.int64:  # fixed point
+                    vo = vo.to(tl.float32) * VO_UNIT
+                acc += vo
+            o += tl.sum(wc[:, None] * acc, 0)
+        o = o / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + pid * D + dd, o.to(out_ptr.dtype.element_ty))
+
+    # ---- fragment-MMA helpers: one warp, every tensor 32 elements (one per lane); PTX on the GPU, the same
+    # semantics from tensor ops under the interpreter
+
+    @triton.jit
+    def halves(x):
+        """int32 [32] holding fp16 pairs -> (low half, high half) as float32."""
+        lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def pack_half2(lo, hi, INTERP: tl.constexpr):
+        """Two float32 [32] -> one int32 [32] of fp16 (lo, hi), each rounded to nearest."""
+        if INTERP:
+            lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            return lo16 | (hi16 << 16)
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def shfl_xor(x, MASK: tl.constexpr, INTERP: tl.constexpr):
+        """x of lane (l xor MASK), float32 [32]."""
+        if INTERP:
+            return tl.gather(x, tl.arange(0, 32) ^ MASK, 0)
+        else:
+            y = tl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {MASK}, 0x1f, 0xffffffff;", "=r,r",
+                                          [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
+            return y.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def shfl_idx(x, src, INTERP: tl.constexpr):
+        """x of lane src (int32 [32] in [0, 32)), float32 [32]."""
+        if INTERP:
+            return tl.gather(x, src, 0)
+        else:
+            y = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                          [x.to(tl.int32, bitcast=True), src], dtype=tl.int32, is_pure=True, pack=1)
+            return y.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def transpose8(x, INTERP: tl.constexpr):
+        """Transpose of the 8 x 8 fp16 matrix whose row g, cols (2c, 2c + 1) lane 4g + c holds (movmatrix)."""
+        if INTERP:
+            lo, hi = halves(x)
+            m = tl.trans(tl.reshape(tl.join(lo, hi), (8, 8)))
+            e0, e1 = tl.split(tl.reshape(m, (8, 4, 2)))
+            return pack_half2(tl.reshape(e0, (32,)), tl.reshape(e1, (32,)), INTERP)
+        else:
+            return tl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [x],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def byte_pair(x, y, K: tl.constexpr, INTERP: tl.constexpr):
+        """Byte K of x in bits [0, 8) and byte K of y in bits [16, 24) (one prmt on the GPU)."""
+        if INTERP:
+            return ((x >> (8 * K)) & 0xFF) | (((y >> (8 * K)) & 0xFF) << 16)
+        else:
+            sel: tl.constexpr = K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12)
+            return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [x, y], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def lane_words(ptr, N: tl.constexpr, VEC: tl.constexpr, INTERP: tl.constexpr):
+        """N consecutive int32 words from each lane's `ptr` as a tuple. VEC (ptr 4 N-byte aligned; N = 2 or 4): one
+        vector load (ld.global.nc.v2 / v4) instead of N scalar ones, whose warp-wide loads would each touch every
+        sector of the rows and use a quarter of it (a lane's words are 16 bytes apart from the next lane's)."""
+        if INTERP or N == 1 or not VEC:
+            words = ()
+            for w in tl.static_range(N):
+                words = words + (tl.load(ptr + w),)
+            return words
+        elif N == 2:
+            return tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [ptr.to(tl.int64)],
+                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                             [ptr.to(tl.int64)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def launch_dependents():
+        """Programmatic dependent launch (sm_90): the next kernel, if launched with launch_pdl, may start once every
+        program of this one has run this (a no-op otherwise)."""
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def wait_prior_grid():
+        """Block until the kernel before this one in the stream has completed and its writes are visible (a no-op
+        when this kernel was not launched with launch_pdl)."""
+        tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+    @triton.jit
+    def _emulated_a(x0, x1):
+        """A fragment registers (row g, cols 2c + e) and (row g, cols 8 + 2c + e) -> the 8 x 16 matrix rows."""
+        lo0, hi0 = halves(x0)
+        lo1, hi1 = halves(x1)
+        m0 = tl.reshape(tl.join(lo0, hi0), (8, 8))
+        m1 = tl.reshape(tl.join(lo1, hi1), (8, 8))
+        return tl.reshape(tl.permute(tl.join(m0, m1), (0, 2, 1)), (8, 16))
+
+    @triton.jit
+    def _emulated_d(d):
+        """8 x 8 result block (row g, col n) -> the fragment halves (row g, col 2c) and (row g, col 2c + 1)."""
+        e0, e1 = tl.split(tl.reshape(d, (8, 4, 2)))
+        return tl.reshape(e0, (32,)), tl.reshape(e1, (32,))
+
+    @triton.jit
+    def mma16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, INTERP: tl.constexpr):
+        """D = A B + C for one warp-wide mma.sync.m16n8k16 (fp16 operands as int32 pairs, float32 C and D)."""
+        if INTERP:
+            bt = _emulated_a(b0, b1)  # B^T [8 cols, 16 rows]: same register pattern as A's rows
+            top = tl.sum(_emulated_a(a0, a2)[:, None, :] * bt[None, :, :], 2)
+            bot = tl.sum(_emulated_a(a1, a3)[:, None, :] * bt[None, :, :], 2)
+            d0, d1 = _emulated_d(top)
+            d2, d3 = _emulated_d(bot)
+            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+        else:
+            return tl.inline_asm_elementwise(
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+                "{$10,$11,$12,$13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+def word_alignment(codes: torch.Tensor, strides) -> int:
+    """Largest of 4, 2, 1 words that divides every row start of `codes` (its (batch, head, token) strides and
+    its address): the kernel's hint for 16-byte loads."""
+    align = 4
+    while align > 1 and (any(s % align for s in strides) or codes.data_ptr() % (4 * align)):
+        align //= 2
+    return align
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor):
+    if a.stride() == b.stride():
+        return a, b
+    return a.contiguous(), b.contiguous()
+
+
+def fp_args(fp_k, fp_v, fp_valid, has_fp: bool, dev):
+    """(keys, values, valid mask as uint8, (row, head, token) strides, mask row stride) of the full-precision
+    segment, placeholders without one."""
+    if not has_fp:
+        dummy, dummy_i = placeholders(dev)
+        return dummy, dummy, dummy_i, (0, 0, 0), 0
+    fk, fv = fp_k, fp_v
+    if fk.stride() != fv.stride() or fk.stride(-1) != 1:
+        fk, fv = fk.contiguous(), fv.contiguous()
+    fval = fp_valid.to(torch.bool).contiguous().view(torch.uint8)
+    return fk, fv, fval, fk.stride()[:3], fval.stride(0)
+
+
+def fp_partials_into(q: torch.Tensor, fp, scale: float, parts, first: int, pdl: bool = False,
+                     block_f: int = 16) -> None:
+    """The full-precision part's partials into splits [first, first + fp_splits(fp)) of `parts` (runtime.decode.
+    Partials with S splits per (row, KV head)): one program per FP_CHUNK tokens. pdl (sm_90): launched to overlap the
+    kernel before it (launched with launch_dependents), finishing only after it."""
+    batch, hq, d = q.shape
+    hkv = fp.k.shape[1]
+    group = hq // hkv
+    nf = fp.slots
+    fk, fv, fval, f_strides, sfvb = fp_args(fp.k, fp.v, fp.valid, True, q.device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    splits = parts.m.shape[1]
+    if first + fp_splits(fp) != splits:
+        raise ValueError("the full-precision splits must be the last ones of the partials")
+    with launch_device(q):
+        _fp_kernel[(batch * hkv, fp_splits(fp))](
+            q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, parts.m, parts.l, parts.acc, hkv,
+            float(scale) * LOG2E, splits, FP_CHUNK, D=d, G=group, GPF=max(pow2(group), 16), BLOCK_F=block_f,
+            INTERP=INTERPRET, WAIT_PRIOR=int(pdl), num_warps=1, **({"launch_pdl": True} if pdl else {}))
+
+
+def fp_splits(fp) -> int:
+    """Splits the generic full-precision kernel writes for `fp` (0 for None)."""
+    return 0 if fp is None else triton.cdiv(fp.slots, FP_CHUNK)
+
+
+def fp_partials_triton(q: torch.Tensor, fp, scale: float):
+    """Partials of the full-precision part alone (a cache whose storage holds no token yet)."""
+    from kvcal.runtime.decode import Partials
+
+    batch, hq, d = q.shape
+    hkv = fp.k.shape[1]
+    parts = Partials.empty(batch * hkv, fp_splits(fp), hq // hkv, d, q.dtype, q.device)
+    fp_partials_into(q, fp, scale, parts, 0)
+    return parts
+
+
+def merge_triton(parts, q: torch.Tensor) -> torch.Tensor:
+    """Combine the S splits of `parts` into the output [B, Hq, D] in q's dtype: one program per (row, query head,
+    REDUCE_CHANNELS channels), REDUCE_CHUNK partials per step at 4 warps (a quarter at 1 warp, the same registers per
+    thread). Extra sums (parts.extra [R, S, D, GP], float32 or int64 fixed point) are added to each acc."""
+    batch, hq, d = q.shape
+    splits = parts.m.shape[1]
+    group = parts.m.shape[2]
+    out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
+    extra = parts.extra if parts.extra is not None else parts.m
+    extra_gp = parts.extra.shape[-1] if parts.extra is not None else 0
+    warps = parts.merge_warps
+    dc = min(d, REDUCE_CHANNELS)
+    chunk = min(pow2(splits), max(1, REDUCE_CHUNK * warps // 4))
+    with launch_device(q):
+        _reduce_kernel[(batch * hq, d // dc)](parts.m, parts.l, parts.acc, out, extra, group, splits, pow2(splits), d,
+                                              extra_gp, float(parts.extra_unit), chunk, dc, num_warps=warps)
+    return out

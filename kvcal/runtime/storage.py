@@ -1,0 +1,227 @@
+"""The storage protocol: what a method's codec provides for the part of the KV cache it compresses.
+
+The generic cache (runtime/cache.py) owns everything methods share: the layers, batch rows and left padding,
+growth, the full-precision parts (sinks and the recent window, left by the rule the storage's FlushPolicy
+declares), CUDA step graphs, and one `SharedState` per cache. A `Storage` owns the rest, for one layer:
+
+- `buffers(batch, capacity)`: the per-token buffers it needs, as `BufferSpec`s (shape, dtype, token axis); the
+  cache allocates them, grows them along the token axis and counts their bytes. Per-layer constants (tables,
+  calibrated ranges, factors) stay on the storage object (`to(device)` moves them once).
+- `write(packed, keys, values, rows, slots)`: compress and pack tokens into given slots (torch reference and
+  Triton kernel of the method, one signature).
+- `attend(q, packed, scale, fp)`: decode attention of one query per row over the packed tokens, returning softmax
+  `Partials` that `runtime.decode.merge` combines with the full-precision part's (torch reference and Triton kernel
+  side by side, one signature). Whatever the method needs besides a K-hat and a V-hat (a logit remap, a table of q
+  against a codebook, a rematerialization) happens here.
+- `read(packed, row)`: the dequantized keys (after RoPE) and values of one row (the reference attention, tests and
+  debugging).
+
+Shapes and dtypes of the buffers, and what a token costs, are the storage's business; the runtime never looks
+inside them. Tokens reach `write` in the storage's key space: after RoPE, or before it for `keys_pre_rope`
+storages, which rotate keys at attention time (slot i of a row sits at position `packed.pos_offset + i`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlushPolicy:
+    """Which tokens a storage leaves in full precision, as a function of how many the cache holds.
+
+    Tokens [0, sink) stay full precision forever. After them, tokens are compressed in aligned blocks
+    of `block` tokens, but only once at least `residual` newer tokens exist. So with n tokens cached,
+    `compressed_count(n)` tokens after the sinks are compressed and the rest are full precision.
+    RTN: (0, 0, 1). KIVI: (0, R, G). SKVQ: (S, W, 1). KVQuant: (n_sink, 0, 1).
+    """
+
+    sink: int = 0
+    residual: int = 0
+    block: int = 1
+
+    def compressed_count(self, n: int) -> int:
+        return self.block * (max(0, n - self.sink - self.residual) // self.block)
+
+    def compressed_span(self, n: int) -> tuple[int, int]:
+        """[start, end) of the compressed tokens when the cache holds n tokens."""
+        return self.sink, self.sink + self.compressed_count(n)
+
+    def full_precision_mask(self, length: int, prompt_len: int = 0, device=None) -> torch.Tensor:
+        """Bool [T, T]: entry (i, j) is True when query i sees key j in full precision.
+
+        Query i runs with i + 1 tokens cached (gptq protocol: the token itself is already in the cache).
+        Queries before `prompt_len` are the full-precision prefill of the prefill-decode protocol.
+        """
+        n = torch.arange(1, length + 1, device=device)
+        compressed = self.block * torch.clamp(n - self.sink - self.residual, min=0).div(
+            self.block, rounding_mode="floor"
+        )
+        j = torch.arange(length, device=device)[None, :]
+        fp = (j < self.sink) | (j >= self.sink + compressed[:, None])
+        if prompt_len:
+            fp[:prompt_len] = True
+        return fp
+
+    @property
+    def direct(self) -> bool:
+        """Every token is compressed as it arrives (no residual, blocks of one): a decode step packs its token
+        straight into the next slot instead of passing through the full-precision ring."""
+        return self.residual == 0 and self.block == 1
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One per-token buffer of a storage: its shape for the batch and capacity asked for, its dtype, and the axis
+    along which tokens lie (the cache grows it there)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    token_axis: int
+
+    def nbytes(self) -> int:
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class SharedState:
+    """One per cache, handed to every layer's storage: RoPE tables that all layers share (one table of the longest
+    length asked for, not one per layer: 32 copies of 32K x 128 x 2 floats would be 1 GiB on an 8B model) and a dict
+    that a method may use across layers (XQuant's cross-layer deltas)."""
+
+    store: dict = field(default_factory=dict)
+    _cos: torch.Tensor | None = None
+    _sin: torch.Tensor | None = None
+
+    def rope_tables(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [positions >= length, D] in float32 (rope_cos_sin's: cos/sin(position * inv_freq), the two
+        halves duplicated)."""
+        from kvcal.quant.rope import rope_cos_sin
+
+        if self._cos is None or self._cos.shape[0] < length or self._cos.device != inv_freq.device:
+            positions = torch.arange(length, device=inv_freq.device)[None]
+            cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos, self._sin
+
+
+@dataclass
+class Packed:
+    """One layer's packed tokens for the whole batch, as a storage sees them: row b holds `lengths[b]` tokens in
+    slots [0, lengths[b]) of every buffer (left padding is never stored, so rows differ in length)."""
+
+    buffers: dict[str, torch.Tensor]
+    lengths: torch.Tensor  # [B] int32 on the device, kept in step with the host's counts
+    heads: int  # KV heads
+    dim: int  # head_dim
+    capacity: int  # slots per row in every buffer
+    pos_offset: int = 0  # position of slot 0 (the sinks come first)
+    rope_cos: torch.Tensor | None = None  # [Tmax, D] float32, for keys_pre_rope storages (else None)
+    rope_sin: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None  # [D / 2] float32: the tables are cos/sin(position * inv_freq)
+    shared: SharedState | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.buffers[name]
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def rotate_keys(self, k: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """Keys [H, T, D] of one row stored before RoPE -> after RoPE at positions pos_offset + slot."""
+        from kvcal.quant.rope import apply_rope
+
+        pos = slice(self.pos_offset, self.pos_offset + k.shape[1])
+        k = k.to(dtype)
+        return apply_rope(k[None], self.rope_cos[None, pos].to(dtype), self.rope_sin[None, pos].to(dtype))[0]
+
+
+class Storage:
+    """Packed storage of the tokens one layer's codec compresses (see the module docstring).
+
+    Subclasses declare `policy` and `keys_pre_rope`, and implement `buffers`, `write_reference`, `read`, and
+    where they have kernels `write_triton` / `attend_triton` (same signatures as the references). `attend_reference`
+    defaults to plain attention over what `read` returns; a method whose attention is not "softmax(q K-hat) V-hat"
+    overrides it. `supports_triton(q, packed)` says why a Triton kernel cannot run (None: it can).
+    """
+
+    policy: FlushPolicy = FlushPolicy()
+    keys_pre_rope: bool = False
+
+    # ---- buffers ------------------------------------------------------------------------------------------------
+    def buffers(self, batch: int, capacity: int, heads: int, dim: int) -> dict[str, BufferSpec]:
+        raise NotImplementedError
+
+    def to(self, device) -> Storage:
+        """Move per-layer constants to `device` (once, before the first write)."""
+        return self
+
+    def bytes_per_token(self, heads: int, dim: int) -> float:
+        """Bytes one token of one row costs in this storage's buffers (what memory accounting counts)."""
+        specs = self.buffers(1, 64, heads, dim)
+        return sum(spec.nbytes() for spec in specs.values()) / 64
+
+    def check(self, heads: int, dim: int) -> None:
+        """Raise KvcalError when this storage cannot hold a layer of these shapes (called once, at allocation)."""
+
+    # ---- write ----------------------------------------------------------------------------------------------------
+    def write(self, packed: Packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+              slots: torch.Tensor, kernel: bool) -> None:
+        """Compress tokens keys/values [M, H, D] into slot slots[m] of row rows[m] (int64 device tensors [M]). The M
+        tokens are runs of `policy.block` consecutive slots of one row each. `kernel`: the Triton kernel (CUDA)
+        rather than the torch reference."""
+        if kernel:
+            self.write_triton(packed, keys, values, rows, slots)
+        else:
+            self.write_reference(packed, keys, values, rows, slots)
+
+    def write_reference(self, packed, keys, values, rows, slots) -> None:
+        raise NotImplementedError
+
+    def write_triton(self, packed, keys, values, rows, slots) -> None:
+        self.write_reference(packed, keys, values, rows, slots)
+
+    # ---- read -----------------------------------------------------------------------------------------------------
+    def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of row `row`: [H, lengths[row], D] each, in `dtype`. Keys after RoPE, or, with
+        rotate=False, in the storage's key space (what `write` received: the simulation rotates them itself)."""
+        raise NotImplementedError
+
+    # ---- attend ---------------------------------------------------------------------------------------------------
+    def attend_reference(self, q: torch.Tensor, packed: Packed, scale: float, fp):
+        """Partials of the queries q [B, Hq, D] (after RoPE) over the packed tokens, then over the full-precision part
+        `fp` (runtime.decode.FullPrecision, or None), from `read` (float32, float64 for float64 queries)."""
+        from kvcal.runtime.decode import partials_from_rows, with_fp_reference
+
+        compute = torch.promote_types(q.dtype, torch.float32)
+        rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
+        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads), q, fp, scale)
+
+    def attend_triton(self, q: torch.Tensor, packed: Packed, scale: float, fp):
+        """attend_reference's partials from the method's kernel: the packed splits and the full-precision part's
+        (taken into the kernel's own launch with runtime.kernels.fp_segment, or by kernels.fp_partials_into)."""
+        raise NotImplementedError
+
+    def supports_triton(self, q: torch.Tensor, packed: Packed) -> str | None:
+        """None when attend_triton can take these inputs, else why not (one line)."""
+        if type(self).attend_triton is Storage.attend_triton:
+            return f"{type(self).__name__} has no Triton decode kernel"
+        return None
+
+    # ---- benchmarks -----------------------------------------------------------------------------------------------
+    def fill_synthetic(self, packed: Packed, generator: torch.Generator) -> None:
+        """Random contents in every buffer, as after a prefill of random tokens (speed and memory benchmarks: nothing
+        is ever timed on zeros). Integer buffers get random bits, floating ones small positive values; storages whose
+        buffers hold indices override it."""
+        for t in packed.buffers.values():
+            if t.dtype.is_floating_point:
+                t.uniform_(0.01, 0.05, generator=generator)
+            else:
+                t.random_(generator=generator)

@@ -1,0 +1,120 @@
+"""The contract every registered method keeps, run over the registry (a method added later is covered without editing
+this file): on tiny models of each family, calibrate (methods that learn) -> artifact round trip -> the simulated
+perplexity equals the decode-mode perplexity through the packed cache (torch references, float64) -> a batch of
+left-padded rows equals each row alone -> bad input gives one-line errors. Its Triton kernels against their torch
+references (the interpreter) are in tests/test_kernels.py, driven by the same registry (kernel_cases.run_cache_checks).
+
+A method's `test_config` (a class attribute) holds small settings for tiny models (budgets, group sizes that fit 2 KV
+heads of 16 channels); its defaults are kept otherwise."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcal.artifact import load_artifact
+from kvcal.errors import KvcalError
+from kvcal.eval.ppl import decoded_nll, simulated_nll
+from kvcal.methods.registry import all_methods, build_method, codec_for_artifact
+from kvcal.models import load_model
+from kvcal.models.adapter import cache_kwargs
+from kvcal.runtime.cache import KvcalCache
+
+METHODS = sorted(all_methods())
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+# fixed calibration text (a new test must not change what the artifacts calibrate on)
+TEXT = " ".join(f"key{(i * 7919) % 251} value {(i * 104729) % 97}." for i in range(3000))
+
+
+def _method(name: str):
+    cls = all_methods()[name]
+    return build_method(name, dict(cls.test_config))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("contract") / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifacts(text_file):
+    """(method name, family) -> the artifact's path, calibrated on the float64 tiny model once per module."""
+    from kvcal.calib.run import run_calibration
+
+    made = {}
+
+    def get(name: str, family: str):
+        if (name, family) not in made:
+            loaded = load_model(family, "float64")
+            out = text_file.parent / f"{name}-{family}.safetensors"
+            run_calibration(loaded, _method(name), out, str(text_file), nsamples=3, seqlen=64)
+            made[name, family] = out
+        return made[name, family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", METHODS)
+def test_simulation_equals_decode_through_the_packed_cache(name, family, artifacts):
+    """Artifact round trip, then the gptq simulation and token-by-token decoding through the packed storage (torch
+    references, float64) score the same tokens with the same NLL."""
+    loaded = load_model(family, "float64")
+    path = artifacts(name, family)
+    art = load_artifact(path)
+    assert art.method == name and art.config == _method(name).config()
+    method, codec = codec_for_artifact(art, loaded, path)
+    again = load_artifact(path)  # the file reads back the same tensors
+    assert again.tensors.keys() == art.tensors.keys()
+    assert all(torch.equal(again.tensors[k], t) for k, t in art.tensors.items())
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    simulated = simulated_nll(loaded, codec, ids)
+    if codec.lossless or codec.storage(0) is not None:
+        decoded = decoded_nll(loaded, codec, ids, batch_size=2, backend="packed")
+    else:
+        decoded = decoded_nll(loaded, codec, ids, batch_size=2, backend="dequantized")
+    assert decoded.tokens == simulated.tokens == 2 * 47
+    assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_left_padded_batch_equals_each_row_alone(name, artifacts):
+    """generate() over a batch whose second row is left-padded gives that row what it gives alone (float64)."""
+    loaded = load_model("tiny-llama", "float64")
+    _, codec = codec_for_artifact(load_artifact(artifacts(name, "tiny-llama")), loaded)
+    backend = "packed" if codec.lossless or codec.storage(0) is not None else "dequantized"
+    prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
+    layers = loaded.dims.num_layers
+    both = loaded.model.generate(prompt, attention_mask=mask, **cache_kwargs(
+        loaded.model, KvcalCache(codec, layers, backend)), **kwargs)
+    alone = loaded.model.generate(prompt[1:, 6:], **cache_kwargs(loaded.model, KvcalCache(codec, layers, backend)),
+                                  **kwargs)
+    assert torch.equal(both.sequences[1, 15:], alone.sequences[0, 9:])
+    for a, b in zip(both.logits, alone.logits):
+        torch.testing.assert_close(a[1], b[0], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_bad_input_is_one_line(name, artifacts):
+    """An artifact made for another model, an unknown config key and a value of the wrong type: each a KvcalError of
+    one line that names what is wrong."""
+    cls = all_methods()[name]
+    with pytest.raises(KvcalError, match="unknown config key 'no_such_key'") as err:
+        build_method(name, {"no_such_key": 1})
+    assert "\n" not in str(err.value)
+    fields = [f for f in dataclasses.fields(cls) if f.name not in cls.test_config]
+    if fields:
+        with pytest.raises(KvcalError, match=f"config key '{fields[0].name}'") as err:
+            build_method(name, {**cls.test_config, fields[0].name: [1, 2]})
+        assert "\n" not in str(err.value)
+    other = load_model("tiny-qwen3", "float64")
+    with pytest.raises(KvcalError, match="was calibrated for a model with") as err:
+        codec_for_artifact(load_artifact(artifacts(name, "tiny-llama")), other, "a.safetensors")
+    assert "\n" not in str(err.value)

@@ -242,8 +242,9 @@ def run_attention_case(case, *, small=True, device="cpu"):
             kernel_kw.pop("block_t")  # a tile-kernel knob
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
-        if method == "kivi":
-            lengths = [n // 32 * 32 for n in lengths]
+        if method == "kivi":  # whole key blocks
+            block = cache_kw.get("key_block", 32)
+            lengths = [n // block * block for n in lengths]
     hq = step_kw.get("hq", 4 * hkv if small else 32)
     if small and "hq" in step_kw:
         hq = step_kw["hq"] if step_kw["hq"] != 2 else hkv
@@ -375,8 +376,9 @@ def run_quantize_checks(device="cpu", n=8, h=3, d=64, seed=0) -> dict:
                 a, b = U.quantize_per_token(x, bits, group), UK.quantize_per_token_triton(x, bits, group)
                 res[f"per_token_{tag}_g{group}"] = all(torch.equal(u, v) for u, v in zip(a, b))
             for block in (n, max(2, n // 4)):  # one block, several at once (a prompt's keys)
-                a = U.quantize_per_channel(x, bits, block)
-                b = UK.quantize_per_channel_triton(x, bits, block)
+                blocks = x[: n // block * block]
+                a = U.quantize_per_channel(blocks, bits, block)
+                b = UK.quantize_per_channel_triton(blocks, bits, block)
                 res[f"per_channel_{tag}_block{block}"] = all(torch.equal(u, v) for u, v in zip(a, b))
             levels = torch.sort(torch.rand(1 << bits, generator=gen, device=device) * 2 - 1).values
             c = h * d
@@ -392,6 +394,45 @@ def run_quantize_checks(device="cpu", n=8, h=3, d=64, seed=0) -> dict:
                     torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(x, a[3], a[4], b[3], b[4])
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
+        res.update(_skvq_write_checks(x, gen, str(dtype)[6:]))
+    return res
+
+
+SKVQ_WRITES = [  # (key bits, storage kwargs)
+    (2, {"v_bits": 1.5}),  # base-3 ternary values, fp16 parameters
+    (4, {"v_bits": 3.0, "param_dtype": "fp8", "groups": 3}),
+    (1.5, {"v_bits": 8.0, "ternary_storage": "2bit", "groups": 7}),
+]
+
+
+def _skvq_write_checks(x, gen, tag: str) -> dict:
+    """SKVQ's write kernel leaves its buffers as its torch reference does, bit for bit (rows out of order, slots
+    scattered; buffers start random)."""
+    n, h, d = x.shape
+    dev = x.device
+    rows_n, tcap = 3, n + 4
+    rows = torch.arange(n, device=dev) % rows_n
+    slots = (torch.arange(n, device=dev) * 5 + 1) % tcap
+    res = {}
+    for bits, kw in SKVQ_WRITES + [(2, {"param_dtype": "fp8", "small": True})]:
+        kw = dict(kw)
+        scaled = x * 0.003 if kw.pop("small", False) else x  # fp8 parameters in e4m3's subnormal range
+        storage = make_storage("skvq", bits, h, d, device=dev, **kw).to(dev)
+        specs = storage.buffers(rows_n, tcap, h, d)
+        ref = {}
+        for name, spec in specs.items():
+            t = torch.randint(0, 120, spec.shape, generator=gen, device=dev, dtype=torch.int64)
+            ref[name] = t.to(torch.uint8).view(spec.dtype) if spec.dtype == torch.float8_e4m3fn else t.to(spec.dtype)
+        fast = {k: v.clone() for k, v in ref.items()}
+        lengths = torch.zeros(rows_n, dtype=torch.int32, device=dev)
+        values = torch.randn(n, h, d, generator=gen, device=dev).to(x.dtype)
+        storage.write_reference(Packed(ref, lengths, h, d, tcap), scaled, values, rows, slots)
+        storage.write_triton(Packed(fast, lengths, h, d, tcap), scaled, values, rows, slots)
+        same = all(torch.equal(ref[k].view(torch.uint8) if ref[k].dtype == torch.float8_e4m3fn else ref[k],
+                               fast[k].view(torch.uint8) if fast[k].dtype == torch.float8_e4m3fn else fast[k])
+                   for k in ref)
+        small = "_small" if scaled is not x else ""
+        res[f"skvq_write_{tag}_k{bits:g}_{'_'.join(f'{k}{v}' for k, v in kw.items())}{small}"] = same
     return res
 
 

@@ -217,7 +217,7 @@ def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]
     assert not bad, f"differ from the reference: {bad}"
-    assert len(res) == 152  # every format x bits x dtype ran (a check that stopped running would lower the count)
+    assert len(res) == 168  # every format x bits x dtype ran (a check that stopped running would lower the count)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])

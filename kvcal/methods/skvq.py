@@ -211,12 +211,14 @@ class SKVQStorage(Storage):
         self.policy = FlushPolicy(sink=sink, residual=window, block=1)
         self.sides = {"k": keys, "v": values}
         self.ternary_storage = ternary_storage
-        # channel (original order) -> its group
+        # channel (original order) -> its group; the clip ratios as the kernels read them
         self.group_maps = {side: q.layout.group_of_position[q.layout.inverse].to(torch.int32)
                            for side, q in self.sides.items()}
+        self.alphas = {side: q.alpha.to(torch.float32) for side, q in self.sides.items()}
 
     def to(self, device) -> SKVQStorage:
         self.group_maps = {side: m.to(device) for side, m in self.group_maps.items()}
+        self.alphas = {side: a.to(device) for side, a in self.alphas.items()}
         return self
 
     def base3(self, side: str) -> bool:
@@ -252,7 +254,8 @@ class SKVQStorage(Storage):
         q = self.sides[side]
         m, h, d = x.shape
         permuted = q.layout.reorder(x.reshape(m, h * d).to(torch.float32))
-        scale, zero = clipped_group_params(permuted, q.layout, q.alpha.to(x.device), q.levels, q.param_dtype)
+        scale, zero = clipped_group_params(permuted, q.layout, self.alphas[side].to(x.device), q.levels,
+                                           q.param_dtype)
         position = q.layout.group_of_position.to(x.device)
         codes = quantize(permuted, scale[..., position], zero[..., position], q.levels)
         return q.layout.restore(codes).reshape(m, h, d).to(torch.int64), scale, zero
@@ -279,6 +282,11 @@ class SKVQStorage(Storage):
             out.append(dequantize(codes.to(torch.float32), scale, zero))
         k, v = out
         return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v.to(dtype)
+
+    def write_triton(self, packed, keys, values, rows, slots):
+        from kvcal.methods import skvq_kernels
+
+        skvq_kernels.write_triton(self, packed, keys, values, rows, slots)
 
     def supports_triton(self, q, packed):
         from kvcal.methods import skvq_kernels

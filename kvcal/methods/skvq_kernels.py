@@ -31,7 +31,8 @@ SLOT_BITS = (0, 2, 3, 4, 8)  # 0: base-3 bytes
 DEFAULTS = (32, 4)
 
 if triton is not None:
-    from kvcal.quant.packing import unpack_tile, unpack_trits_tile
+    from kvcal.quant.packing import pack_tile, unpack_tile, unpack_trits_tile
+    from kvcal.quant.uniform_kernels import destinations, rint
     from kvcal.runtime.kernels import (
         dot,
         fp_segment,
@@ -72,6 +73,83 @@ if triton is not None:
             codes = unpack_tile(rowptr, tm, C0, NC, D, BITS, BLOCK_T)
         idx = tl.broadcast_to(group[None, :], (BLOCK_T, NC))
         return codes.to(tl.float32) * tl.gather(scale, idx, 1) + tl.gather(zero, idx, 1)
+
+    # ---- write: one program per token, all its KV heads (its groups span them)
+
+    @triton.jit
+    def _round_e4m3(v):
+        """v float32 (finite, |v| <= 448) rounded to fp8 e4m3, nearest even, as torch's cast: (the value as float32,
+        its bits as int32). The exponent comes from the float32 bits (exact, unlike log2), subnormals share
+        quantum 2^-9."""
+        a = tl.abs(v)
+        e = ((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        e = tl.maximum(e, -6)
+        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3), exact
+        r = rint(a / quantum) * quantum  # a power-of-two quotient: exact
+        er = ((r.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        normal = r >= 0.015625  # 2^-6
+        field = tl.where(normal, er + 7, 0)
+        unit = tl.where(normal, ((er - 3 + 127) << 23).to(tl.float32, bitcast=True), 0.001953125)
+        mantissa = (r / unit).to(tl.int32) - tl.where(normal, 8, 0)
+        bits = tl.where(r == 0.0, 0, (field << 3) | mantissa) | tl.where(v < 0, 128, 0)
+        return tl.where(v < 0, -r, r), bits
+
+    @triton.jit
+    def _write_kernel(x_ptr, sxm, sxh, gmap_ptr, alpha_ptr, codes_ptr, scb, sch, sct, scale_ptr, zero_ptr, spb, spt,
+                      row_ptr, slot_ptr, H,
+                      HP: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, LEVELS: tl.constexpr,
+                      BITS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, FP8: tl.constexpr, FLOOR: tl.constexpr,
+                      LIMIT: tl.constexpr):
+        """Token m (program_id 0) of x [M, H, D] into row rows[m], slot slots[m]: each group's clipped min/max over its
+        channels (the static map gmap [H * D]), scale = max(alpha (M - m) / (LEVELS - 1), FLOOR) and zero = alpha m
+        rounded to fp16 (or fp8 e4m3, FP8), codes against the rounded parameters, packed per head (BITS 0: base-3
+        bytes)."""
+        m = tl.program_id(0)
+        hh = tl.arange(0, HP)
+        dd = tl.arange(0, D)
+        hm = (hh < H)[:, None]
+        x = tl.load(x_ptr + m * sxm + hh[:, None] * sxh + dd[None, :], mask=hm, other=0.0).to(tl.float32)
+        group = tl.load(gmap_ptr + hh[:, None] * D + dd[None, :], mask=hm, other=-1)  # [HP, D]
+        g = tl.arange(0, NGP)
+        member = group[None, :, :] == g[:, None, None]  # [NGP, HP, D]
+        mn = tl.min(tl.min(tl.where(member, x[None, :, :], float("inf")), 2), 1)
+        mx = tl.max(tl.max(tl.where(member, x[None, :, :], float("-inf")), 2), 1)
+        alpha = tl.load(alpha_ptr + g, mask=g < NG, other=1.0)
+        lo = tl.where(g < NG, mn * alpha, 0.0)
+        hi = tl.where(g < NG, mx * alpha, 0.0)
+        scale = tl.minimum(tl.maximum(tl.math.div_rn(hi - lo, LEVELS - 1.0), FLOOR), LIMIT)
+        zero = tl.minimum(tl.maximum(lo, -LIMIT), LIMIT)
+        b, t = destinations(m, m >= 0, row_ptr, slot_ptr, 1)
+        gm = g < NG
+        if FP8:
+            scale, scale_bits = _round_e4m3(scale)
+            zero, zero_bits = _round_e4m3(zero)
+            tl.store(scale_ptr + b * spb + t * spt + g, scale_bits.to(tl.uint8), mask=gm)
+            tl.store(zero_ptr + b * spb + t * spt + g, zero_bits.to(tl.uint8), mask=gm)
+        else:
+            scale = scale.to(tl.float16).to(tl.float32)
+            zero = zero.to(tl.float16).to(tl.float32)
+            tl.store(scale_ptr + b * spb + t * spt + g, scale.to(tl.float16), mask=gm)
+            tl.store(zero_ptr + b * spb + t * spt + g, zero.to(tl.float16), mask=gm)
+        safe_group = tl.where(group >= 0, group, 0)
+        sc = tl.gather(tl.broadcast_to(scale[None, :], (HP, NGP)), safe_group, 1)  # each channel's group's
+        zr = tl.gather(tl.broadcast_to(zero[None, :], (HP, NGP)), safe_group, 1)
+        codes = tl.minimum(tl.maximum(rint(tl.math.div_rn(x - zr, sc)), 0.0), LEVELS - 1.0).to(tl.int32)
+        row = codes_ptr + b * scb + t * sct + hh[:, None] * sch
+        if BITS == 0:  # base 3: byte j holds codes 5j .. 5j + 4 as sum_i code 3^i
+            j = tl.arange(0, WP)
+            byte = tl.zeros((HP, WP), tl.int32)
+            power = 1
+            for i in tl.static_range(5):
+                c = tl.minimum(5 * j + i, D - 1)
+                take = tl.gather(codes, tl.broadcast_to(c[None, :], (HP, WP)), 1)
+                byte += tl.where((5 * j + i < D)[None, :], take * power, 0)
+                power = power * 3
+            tl.store(row + j[None, :], byte.to(tl.uint8), mask=hm & (j < W)[None, :])
+        else:
+            words = pack_tile(codes, HP, D, BITS, WP)
+            w = tl.arange(0, WP)
+            tl.store(row + w[None, :], words, mask=hm & (w < W)[None, :])
 
     @triton.jit
     def _tile_kernel(
@@ -158,6 +236,34 @@ if triton is not None:
             if split == NSPLIT:  # the full-precision part (sinks, window), post-RoPE
                 fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
                            acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+
+
+def write_triton(storage, packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """SKVQStorage.write_reference's Triton kernel, bit for bit: one program per token."""
+    from kvcal.methods.skvq import FP8_MIN_SCALE, SCALE_FLOOR
+
+    m, h, d = keys.shape
+    if not m:
+        return
+    for side, x in (("k", keys), ("v", values)):
+        q = storage.sides[side]
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        codes, scale, zero = packed[f"{side}_codes"], packed[f"{side}_scale"], packed[f"{side}_zero"]
+        fp8 = scale.dtype == torch.float8_e4m3fn
+        if fp8:
+            scale, zero = scale.view(torch.uint8), zero.view(torch.uint8)
+        bits = storage.slot_bits(side)
+        words = codes.shape[-1]
+        ng = q.layout.num_groups
+        with launch_device(x):
+            _write_kernel[(m,)](
+                x, x.stride(0), x.stride(1), storage.group_maps[side], storage.alphas[side], codes, codes.stride(0),
+                codes.stride(1), codes.stride(2), scale, zero, scale.stride(0), scale.stride(1), rows, slots, h,
+                HP=pow2(h), D=d, NG=ng, NGP=pow2(ng), LEVELS=q.levels, BITS=bits, W=words, WP=pow2(words),
+                FP8=int(fp8), FLOOR=FP8_MIN_SCALE if fp8 else SCALE_FLOOR,
+                LIMIT=float(torch.finfo(torch.float8_e4m3fn if fp8 else torch.float16).max), enable_fp_fusion=False,
+            )
 
 
 def unsupported(q: torch.Tensor, storage) -> str | None:

@@ -163,6 +163,10 @@ class PackedLayer(_LayerBase):
         self.dtype, self.device = dtype, device
         self.kernels = (torch.device(device).type == "cuda") if self.kernels_asked is None else self.kernels_asked
         self.storage.check(heads, dim)
+        refusal = self.storage.kernel_refusal() if self.kernels else None
+        if refusal:
+            raise KvcalError(f"{refusal}: run its torch reference on purpose with backend='reference' (--backend "
+                             "reference)")
         self.storage.to(device)
         self.ring_capacity = self.policy.residual + self.policy.block
         fp_slots = self.policy.sink + self.ring_capacity
@@ -181,6 +185,7 @@ class PackedLayer(_LayerBase):
         # below mirror what kernels need, updated in place, so a decode step never waits on a
         # host-to-device copy (each such copy synchronizes the stream and stalls the CPU's kernel queue).
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=self.device)  # packed tokens per row
+        self._true = torch.ones(batch, dtype=torch.bool, device=self.device)
         self.index_tensors: dict[tuple, torch.Tensor] = {}
         self.inv_freq = inv_freq.to(self.device) if self.keys_pre_rope else None
         self.rope_cos = self.rope_sin = None
@@ -437,13 +442,14 @@ class PackedLayer(_LayerBase):
         if self.fp_src is not self.fp_k:
             self.fp_src[rows, :, slot] = k_src
         self.fp_v[rows, :, slot] = v
-        self.fp_valid[rows, slot] = True
+        self.fp_valid[rows, slot] = self._true  # a device tensor: a Python True is a copy from the host
         flush = self.ring_count_dev + 1 >= p.residual + p.block  # [B]: what _flush_rows decides on the host
         offsets = self._index(range(p.block))
         oldest = p.sink + (self.ring_start_dev[:, None] + offsets[None]) % ring  # [B, block], oldest first
         tokens = (self.batch * p.block, self.heads, self.dim)
         self._store(self.fp_src[rows[:, None], :, oldest].reshape(tokens), self.fp_v[rows[:, None], :, oldest]
-                    .reshape(tokens), rows.repeat_interleave(p.block), (self.lengths.long()[:, None] + offsets[None])
+                    .reshape(tokens), rows[:, None].expand(-1, p.block).reshape(-1),
+                    (self.lengths.long()[:, None] + offsets[None])
                     .reshape(-1))
         self.fp_valid[rows[:, None], oldest] = self.fp_valid[rows[:, None], oldest] & ~flush[:, None]
         moved = flush.to(torch.int64) * p.block

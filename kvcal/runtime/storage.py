@@ -185,7 +185,15 @@ class Storage:
         raise NotImplementedError
 
     def write_triton(self, packed, keys, values, rows, slots) -> None:
-        self.write_reference(packed, keys, values, rows, slots)
+        raise NotImplementedError
+
+    def kernel_refusal(self) -> str | None:
+        """Why this storage has no Triton kernels at all (None: it has both, write and attend): a packed cache on CUDA
+        refuses it in one line at its first token rather than fall back to the torch references."""
+        for name in ("write_triton", "attend_triton"):
+            if getattr(type(self), name) is getattr(Storage, name):
+                return f"{type(self).__name__} has no Triton {name.removesuffix('_triton')} kernel"
+        return None
 
     # ---- read -----------------------------------------------------------------------------------------------------
     def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True

@@ -144,7 +144,10 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.flo
 # the GPU cases (Llama-3.1-8B shapes, up to 32763 tokens a row), per (row, query head): the largest of 128 rows, so
 # above the whole-output error the tolerances above were set for; measured on an H100, largest per dtype: fp16 3.0e-3
 # (nuq2 without outliers; 2.2e-3 nuq4 with them), float32 1.03e-5 (int4), bf16 and float64 within TOL
-TOL_GPU = {**TOL, torch.float16: 4e-3, torch.float32: 2e-5}
+# (nuq2 without outliers; 2.2e-3 nuq4 with them), float32 1.03e-5 (int4), bf16 and float64 within TOL. KVQuant's caches as
+# its storage writes them (tables and keys drawn apart): nuq4 fp16 4.4e-3 to 5.1e-3 over four draws, bf16 5.2e-3 to
+# 5.7e-3, float32 1e-6 to 2e-6 (H100): the lookup-table path's fp16 rounding of keys (three roundings per key)
+TOL_GPU = {**TOL, torch.float16: 6e-3, torch.float32: 2e-5}
 
 # (name, method, bits, dtype, storage and cache kwargs, kernel kwargs, step kwargs)
 ATTENTION_CASES = [

@@ -82,7 +82,7 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     artifacts = []
     try:
         for method, out in jobs:
-            tensors, info = method.calibrate(loaded, store) if method.learns else ({}, {})
+            tensors, info = method.calibrate(loaded, store if method.learns else None)
             bits = bits_per_element(method, loaded.dims)
             header = make_header(method, loaded, calibration if method.learns else None, bits, info)
             artifact = Artifact(header, tensors)

@@ -12,6 +12,7 @@ from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import PROTOCOLS, decoded_nll, scored_tokens, simulated_nll
 from kvcal.progress import progress_bar
+from kvcal.runtime.cache import backend_ran
 
 MODES = ("simulate", "decode")
 
@@ -51,8 +52,6 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         raise KvcalError("--prompt-len applies to --protocol prefill-decode only")
     else:
         prompt_len = 0
-    from kvcal.runtime.cache import backend_ran
-
     backend_ran(backend, "cpu")  # a one-line error for an unknown backend, before any loading
     if backend != "packed" and mode != "decode":
         raise KvcalError("--backend applies to --mode decode only")
@@ -64,10 +63,10 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         model = model or artifacts[0].header["model"]["name"]
     else:
         method, tag, _ = resolve(method_name, recipe, sets)
-        if method.learns:
+        if method.needs_artifact():
             raise KvcalError(
-                f"method {method.name} learns from calibration data: run `kvcal calibrate --method {method.name}` "
-                "and pass the artifact with --artifact"
+                f"method {method.name} ({tag}) needs an artifact: run `kvcal calibrate --method {method.name}` "
+                "and pass it with --artifact"
             )
     loaded = load_model(model or "smollm2-135m", dtype, device)
     targets = []  # (method, codec, setting, artifact record)
@@ -79,42 +78,46 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
         targets.append((method, method.build_codec({}, loaded.dims), setting, None))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
-    records = []
-    software = software_versions()
-    for method, codec, setting, artifact_record in targets:
-        # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window
-        total, unit = ((scored_tokens(windows, protocol, prompt_len), "tokens") if mode == "decode"
-                       else (windows.shape[0], "windows"))
-        with progress_bar(f"ppl {setting} ({protocol}, {mode}; {unit})", total) as advance:
-            if mode == "decode":
-                result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance)
-            else:
-                result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance)
-        bits = bits_per_element(method, loaded.dims)
-        records.append({
-            "method": method.name,
-            "setting": setting,
-            "config": method.config(),
-            "artifact": artifact_record,
-            "model": loaded.identity,
-            "dtype": dtype,
-            "device": str(loaded.device),
-            "dataset": text.provenance,
-            "protocol": protocol,
-            "prompt_len": prompt_len,
-            "mode": mode,
-            "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
-            "seqlen": seqlen,
-            "nsamples": int(windows.shape[0]),
-            "tokens": result.tokens,
-            "nll": result.nll,
-            "ppl": result.ppl,
-            "bits_per_element": bits.bits_per_element,
-            "bits": bits.to_dict(),
-            "kvcal_version": __version__,
-            "software": software,
-        })
-    return records
+    return [ppl_record(loaded, method, codec, setting, artifact_record, text, windows, dtype, protocol, prompt_len,
+                       batch_size, mode, backend) for method, codec, setting, artifact_record in targets]
+
+
+def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None, text, windows, dtype: str,
+               protocol: str = "gptq", prompt_len: int = 0, batch_size: int = 1, mode: str = "simulate",
+               backend: str = "packed") -> dict:
+    """Evaluate one codec on the windows and return `kvcal eval ppl`'s JSON record (without its command)."""
+    # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window
+    total, unit = ((scored_tokens(windows, protocol, prompt_len), "tokens") if mode == "decode"
+                   else (windows.shape[0], "windows"))
+    with progress_bar(f"ppl {setting} ({protocol}, {mode}; {unit})", total) as advance:
+        if mode == "decode":
+            result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance)
+        else:
+            result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance)
+    bits = bits_per_element(method, loaded.dims)
+    return {
+        "method": method.name,
+        "setting": setting,
+        "config": method.config(),
+        "artifact": artifact_record,
+        "model": loaded.identity,
+        "dtype": dtype,
+        "device": str(loaded.device),
+        "dataset": text.provenance,
+        "protocol": protocol,
+        "prompt_len": prompt_len,
+        "mode": mode,
+        "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
+        "seqlen": int(windows.shape[1]),
+        "nsamples": int(windows.shape[0]),
+        "tokens": result.tokens,
+        "nll": result.nll,
+        "ppl": result.ppl,
+        "bits_per_element": bits.bits_per_element,
+        "bits": bits.to_dict(),
+        "kvcal_version": __version__,
+        "software": software_versions(),
+    }
 
 
 def compare_with_fp16(loaded, artifact, dataset, data_dir, seqlen, nsamples) -> list[tuple[str, float, float]]:

@@ -16,16 +16,21 @@ from kvcal.models.attention import attention, mixed_attention
 from kvcal.quant.rope import apply_rope
 
 
-def reconstruct(codec, layer: int, k_src: torch.Tensor, v: torch.Tensor):
+def reconstruct(codec, inp: AttentionInputs, k_src: torch.Tensor, state: dict):
     """Reconstructed K (in the codec's key space) and V for every token compressed at some point of a
     window of this length. The others (sinks, the final residual) are returned unchanged: no query in
-    the window sees them compressed.
+    the window sees them compressed. Codecs of source "x" rebuild them from the layer input.
     """
     start, end = codec.policy.compressed_span(k_src.shape[2])
-    k_hat, v_hat = k_src.clone(), v.clone()
+    k_hat, v_hat = k_src.clone(), inp.v.clone()
     if end > start:
-        k_hat[:, :, start:end], v_hat[:, :, start:end] = codec.reconstruct(layer, k_src[:, :, start:end],
-                                                                           v[:, :, start:end])
+        span = slice(start, end)
+        if codec.source == "x":
+            k_hat[:, :, span], v_hat[:, :, span] = codec.rematerialize(inp.layer_idx, inp.x[:, span], inp.project,
+                                                                       state)
+        else:
+            k_hat[:, :, span], v_hat[:, :, span] = codec.reconstruct(inp.layer_idx, k_src[:, :, span],
+                                                                     inp.v[:, :, span])
     return k_hat, v_hat
 
 
@@ -35,6 +40,7 @@ class SimulatedAttention:
     def __init__(self, codec, prompt_len: int = 0):
         self.codec = codec
         self.prompt_len = prompt_len
+        self.state: dict = {}  # what a cross-layer codec passes from layer to layer within one forward
 
     def attend(self, inp: AttentionInputs) -> torch.Tensor:
         if inp.cache is not None:
@@ -44,7 +50,7 @@ class SimulatedAttention:
             return attention(q, k_fp, inp.v, inp.mask, inp.scale)
         length = inp.k_pre.shape[2]
         k_src = inp.k_pre if self.codec.keys_pre_rope else k_fp
-        k_hat, v_hat = reconstruct(self.codec, inp.layer_idx, k_src, inp.v)
+        k_hat, v_hat = reconstruct(self.codec, inp, k_src, self.state)
         if self.codec.keys_pre_rope:
             k_hat = apply_rope(k_hat, inp.cos, inp.sin)
         full_precision = self.codec.policy.full_precision_mask(length, self.prompt_len, q.device)

@@ -36,11 +36,14 @@ class Codec:
     - `reconstruct(layer, k, v)`: the gptq simulation's view of a block of tokens: what dequantization gives back.
       By default a round trip through the storage's own torch quantizer (write, then read): one numerics path for the
       simulation and the packed cache. Methods whose published math the storage cannot hold exactly override it.
+    - `source`: what the cache compresses of each token: "kv" (its keys and values: `reconstruct`) or "x" (the
+      layer's attention input, from which the codec rebuilds keys and values: `rematerialize`).
     """
 
     policy: FlushPolicy = FlushPolicy()
     keys_pre_rope: bool = False  # compress keys before RoPE and rotate after reconstruction
     lossless: bool = False  # nothing is compressed (fp16 baseline)
+    source: str = "kv"
 
     def storage(self, layer: int) -> Storage | None:
         return None
@@ -56,6 +59,14 @@ class Codec:
         if storage is None:
             raise KvcalError(self.storage_refusal())
         return round_trip(storage, k, v)
+
+    def rematerialize(self, layer: int, x: torch.Tensor, project, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """For source "x" codecs: x [B, T, hidden], the attention inputs of a span of tokens compressed together (T
+        a multiple of policy.block) -> the keys (before RoPE) and values [B, Hkv, T, D] that attention sees of them.
+        `project(xk, xv)` is the layer's own K and V projection (AttentionInputs.project). `state` is one dict per
+        batch row passed to every layer in order for the same span (a method working across layers keeps what it
+        needs there)."""
+        raise NotImplementedError(f"{type(self).__name__} compresses keys and values, not X")
 
 
 def round_trip(storage: Storage, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +153,10 @@ class Method:
     def validate(self) -> None:
         """Raise KvcalError on impossible settings that do not depend on the model."""
 
+    def needs_artifact(self) -> bool:
+        """Whether the codec needs an artifact's tensors (learned from data, or derived from the weights alone)."""
+        return self.learns
+
     def capture_needs(self) -> set[str]:
         """What calibration must capture for this setting (defaults to the class's `captures`)."""
         return set(self.captures)
@@ -154,8 +169,9 @@ class Method:
         return "-".join(f"{k}{v}" for k, v in self.config().items()) or "default"
 
     def calibrate(self, loaded, store) -> tuple[dict[str, torch.Tensor], dict]:
-        """Learn tensors from captured activations (a CaptureStore). Returns the artifact's tensors
-        (named layers.{i}.{k|v|x}.{name}) and a JSON-able dict of calibration diagnostics."""
+        """Learn tensors from captured activations (a CaptureStore; None for methods that do not learn from data, which
+        may still derive tensors from the model's weights). Returns the artifact's tensors (named
+        layers.{i}.{k|v|x}.{name}) and a JSON-able dict of calibration diagnostics."""
         return {}, {}
 
     def build_codec(self, tensors: dict[str, torch.Tensor], dims) -> Codec:

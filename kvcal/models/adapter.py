@@ -51,6 +51,14 @@ class AttentionInputs:
     def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rope(self.q, self.cos, self.sin), apply_rope(self.k_pre, self.cos, self.sin)
 
+    def project(self, xk: torch.Tensor, xv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values [B, Hkv, T, D] that this layer's projections make of attention inputs
+        xk (for the keys) and xv (for the values; default xk), [B, T, hidden]: exactly how k_pre and v came from x
+        (bias, Qwen3's k_norm). Methods that cache X or a latent of it rebuild K and V with it."""
+        adapter = self.module._kvcal_binding[0]
+        xv = xk if xv is None else xv
+        return project_kv(self.module, adapter, xk.to(self.x.dtype), xv.to(self.x.dtype))
+
 
 class StandardAttention:
     """Plain attention with transformers' cache semantics (what the stock model computes)."""
@@ -102,6 +110,11 @@ def install_adapter(loaded) -> Adapter:
         module.forward = types.MethodType(kvcal_attention_forward, module)
     loaded.adapter = adapter
     return adapter
+
+
+def kv_projection_weights(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(k_proj.weight, v_proj.weight) of every layer, [out, in] as transformers stores them (detached)."""
+    return [(m.k_proj.weight.detach(), m.v_proj.weight.detach()) for m in attention_modules(model)]
 
 
 # The names under which transformers releases pass the cache to a model's and an attention module's forward,
@@ -157,6 +170,17 @@ def _received_cache(kwargs: dict):
     return None
 
 
+def project_kv(module, adapter, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_pre and v [B, Hkv, T, D] of attention inputs xk and xv [B, T, hidden]."""
+    batch, length, _ = xk.shape
+    head_dim = adapter.dims.head_dim
+    k = module.k_proj(xk).view(batch, length, -1, head_dim)
+    v = module.v_proj(xv).view(batch, length, -1, head_dim)
+    if adapter.qk_norm:
+        k = module.k_norm(k)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
 def _positions(position_ids, cache_position, batch: int, length: int, device) -> torch.Tensor:
     if position_ids is not None:
         return position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
@@ -178,11 +202,10 @@ def kvcal_attention_forward(
     batch, length, _ = hidden_states.shape
     head_dim = adapter.dims.head_dim
     q = self.q_proj(hidden_states).view(batch, length, -1, head_dim)
-    k = self.k_proj(hidden_states).view(batch, length, -1, head_dim)
-    v = self.v_proj(hidden_states).view(batch, length, -1, head_dim)
     if adapter.qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = self.q_norm(q)
+    q = q.transpose(1, 2)
+    k, v = project_kv(self, adapter, hidden_states, hidden_states)
     cache = _received_cache(kwargs)
     positions = _positions(position_ids, cache_position, batch, length, hidden_states.device)
     cos, sin = rope_cos_sin(adapter.inv_freq, positions, q.dtype)

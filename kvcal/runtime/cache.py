@@ -70,39 +70,62 @@ class _LayerBase(DynamicLayer):
 
 
 class DequantizedLayer(_LayerBase):
-    """Reference backend: stores what the codec's reconstruction gives, one tensor for the whole sequence."""
+    """Reference backend: what the codec's reconstruction gives, kept in plain tensors [B, H, T, D] (left padding
+    included, as transformers' mask expects). Each row's own tokens (after its padding) are compressed as that row
+    alone would be: its flushes and aligned blocks count from its first token. Codecs of source "x" get the rows'
+    attention inputs and rebuild keys and values (state across layers in the cache's SharedState, per row)."""
 
-    def __init__(self, codec, layer_idx: int):
+    def __init__(self, codec, layer_idx: int, shared: SharedState | None = None):
         super().__init__(codec, layer_idx)
-        self.compressed = 0
-        self.k_src = self.v_src = self.cos = self.sin = self.k_seen = self.v_seen = None
+        self.shared = shared or SharedState()
+        self.pads: list[int] = []
+        self.compressed: list[int] = []  # tokens compressed per row (after its sinks)
+        self.src: tuple[torch.Tensor, ...] = ()  # what the codec compresses: (k_src, v) [B, H, T, D], or (x,) [B, T, C]
+        self.cos = self.sin = self.k_seen = self.v_seen = None
+
+    def _sources(self, inp, k_rot) -> tuple[torch.Tensor, ...]:
+        if self.codec.source == "x":
+            return (inp.x,)
+        return (inp.k_pre if self.codec.keys_pre_rope else k_rot, inp.v)
 
     def append(self, inp) -> None:
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
-        k_src = inp.k_pre if self.codec.keys_pre_rope else k_rot
-        new = (k_src, inp.v, inp.cos, inp.sin, k_rot, inp.v.clone())
-        if self.k_src is None:
-            self.k_src, self.v_src, self.cos, self.sin, self.k_seen, self.v_seen = new
+        src = self._sources(inp, k_rot)
+        if self.k_seen is None:
+            batch, length = inp.k_pre.shape[0], inp.k_pre.shape[2]
+            self.pads = _left_padding(inp.mask, batch, length) if length > 1 else [0] * batch
+            self.compressed = [0] * batch
+            self.src, self.cos, self.sin = src, inp.cos, inp.sin
+            self.k_seen, self.v_seen = k_rot, inp.v.clone()
         else:
-            old = (self.k_src, self.v_src, self.cos, self.sin, self.k_seen, self.v_seen)
-            dims = (2, 2, 1, 1, 2, 2)
-            self.k_src, self.v_src, self.cos, self.sin, self.k_seen, self.v_seen = (
-                torch.cat([a, b], dim=d) for a, b, d in zip(old, new, dims))
+            # x [B, T, C] and cos/sin [B, T, D] hold tokens on axis 1, k/v [B, H, T, D] on axis 2
+            self.src = tuple(torch.cat([a, b], dim=a.dim() - 2) for a, b in zip(self.src, src))
+            self.cos, self.sin = torch.cat([self.cos, inp.cos], 1), torch.cat([self.sin, inp.sin], 1)
+            self.k_seen = torch.cat([self.k_seen, k_rot], 2)
+            self.v_seen = torch.cat([self.v_seen, inp.v], 2)
         self.length += inp.k_pre.shape[2]
         self.is_initialized = True
 
-    def flush(self) -> None:
+    def flush(self, inp) -> None:
+        """Compress, row by row, every block the policy lets go (all pending blocks of a row in one call)."""
         policy = self.codec.policy
-        while self.compressed < policy.compressed_count(self.length):
-            start = policy.sink + self.compressed
-            end = start + policy.block
-            k_hat, v_hat = self.codec.reconstruct(self.layer_idx, self.k_src[:, :, start:end],
-                                                  self.v_src[:, :, start:end])
+        for b, pad in enumerate(self.pads):
+            done, target = self.compressed[b], policy.compressed_count(self.length - pad)
+            if target == done:
+                continue
+            span = slice(pad + policy.sink + done, pad + policy.sink + target)
+            rows = slice(b, b + 1)
+            if self.codec.source == "x":
+                state = self.shared.store.setdefault(("rematerialize", b), {})
+                k_hat, v_hat = self.codec.rematerialize(self.layer_idx, self.src[0][rows, span], inp.project, state)
+            else:
+                k_hat, v_hat = self.codec.reconstruct(self.layer_idx, self.src[0][rows, :, span],
+                                                      self.src[1][rows, :, span])
             if self.codec.keys_pre_rope:
-                k_hat = apply_rope(k_hat, self.cos[:, start:end], self.sin[:, start:end])
-            self.k_seen[:, :, start:end] = k_hat
-            self.v_seen[:, :, start:end] = v_hat
-            self.compressed += policy.block
+                k_hat = apply_rope(k_hat, self.cos[rows, span], self.sin[rows, span])
+            self.k_seen[rows, :, span] = k_hat.to(self.k_seen.dtype)
+            self.v_seen[rows, :, span] = v_hat.to(self.v_seen.dtype)
+            self.compressed[b] = target
 
     def attend(self, inp) -> torch.Tensor:
         q = apply_rope(inp.q, inp.cos, inp.sin)
@@ -110,9 +133,9 @@ class DequantizedLayer(_LayerBase):
         self.append(inp)
         if prefill:  # full-precision prompt attention, then bulk compression
             out = attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
-            self.flush()
+            self.flush(inp)
             return out
-        self.flush()
+        self.flush(inp)
         return attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
 
 
@@ -611,7 +634,7 @@ class KvcalCache(Cache):
         if codec.lossless:
             layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
         elif backend == "dequantized":
-            layers = [DequantizedLayer(codec, i) for i in range(num_layers)]
+            layers = [DequantizedLayer(codec, i, self.shared) for i in range(num_layers)]
         else:
             storages = [codec.storage(i) for i in range(num_layers)]
             if any(s is None for s in storages):

@@ -68,8 +68,9 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
         method, codec = codec_for_artifact(art, loaded, artifact_path, sets)
     else:
         method, _, _ = resolve(method_name or "fp16", None, sets)
-        if method.learns:
-            raise KvcalError(f"method {method.name} needs an artifact: pass --artifact")
+        if method.needs_artifact():
+            raise KvcalError(f"method {method.name} needs an artifact: run `kvcal calibrate --method {method.name}` "
+                             "and pass it with --artifact")
         codec = method.build_codec({}, loaded.dims)
     if loaded.tokenizer is None:
         raise KvcalError(f"{loaded.name} has no tokenizer")

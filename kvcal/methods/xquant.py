@@ -1,0 +1,319 @@
+"""XQuant (Tomar, Hooper et al. 2025, "Breaking the Memory Wall for LLM Inference with KV Cache Rematerialization"): cache the layer's attention input X, or latents of it,
+instead of K and V, and rematerialize K and V from it at every step; XQuant-CL caches closed-loop deltas of X
+across layers. There is no official code: where the paper is silent we follow the digest (papers/xquant.md), cited
+as "rec §7.N" for its section 7 choices.
+
+Variants (`variant`, `cross_layer`):
+- "x": the MHA recipe: cache post-norm X (the input of q/k/v_proj, the norm's gamma included: rec §7.1) per token,
+  in groups of `group_channels` channels. On a GQA model X is wider than K and V together (SmolLM2: 576 vs 384).
+- "svd": the GQA recipe (§2.4): cache Z_k = X U_k per channel (groups of `group_tokens` tokens) and Z_v = X U_v per
+  token, where W_k = U_k R_k is the exact thin SVD of the key projection (no truncation: a change of basis), likewise
+  for values; K = Z_k R_k, V = Z_v R_v. Optionally latent channel 0 of Z_k (the outlier channel, App. B) in fp16.
+- "kv": the paper's KIVI* baseline with the same quantizer and groups: pre-RoPE K per channel, V per token.
+- cross_layer (x or svd, §2.3, §2.5): below `base_layer` plain at `hp_bits` (rec §7.5); the base layer caches X at
+  `hp_bits` per token (the accumulator's seed; rec §7.4 `full_x`, or its latent); every later layer caches the
+  delta against the *reconstructed* previous layer, Q(X_i - X^_{i-1}) (closed loop: errors do not compound), or for
+  svd its latent Q((X_i - X^_{i-1}) U_kv), U_kv from the SVD of [W_k | W_v], added back as Q(.) U_kv^T.
+  `closed_loop=False` (the open-loop ablation) takes deltas against the exact previous X instead.
+
+Only K and V come from the cached tensor; queries, the MLP and the residual stream stay exact (rec §7.2). Keys are
+rematerialized before RoPE and rotated at their positions (rec §7.12). The quantizer is kvcal's shared asymmetric
+min/max with fp16 scale and zero, round to nearest, no clipping (rec §7.8); `bits=16` stores the values in fp16
+(the lossless check of the identity). Tokens leave full precision in aligned blocks of `group_tokens` (the
+per-channel groups need whole blocks; the paper's residual method, §2.6), for every variant alike, so variants of
+one comparison see the same full-precision tokens.
+
+The calibration is data-free (§2.7): SVDs of the projection weights in float64, signs normalized (the largest-|.|
+entry of each column of U positive), R recomputed from the stored float32 U, the reconstruction error recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.accounting import fp16_token_bytes
+from kvcal.errors import KvcalError
+from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.registry import register
+from kvcal.quant.uniform import fake_quant_groups
+
+VARIANTS = ("kv", "x", "svd")
+BASE_REPRS = ("full_x", "latent")
+DELTA_AXES = ("token", "channel")
+SUPPORTED_BITS = (2, 3, 4, 8, 16)
+PARAM_BYTES = 2  # fp16 scale and fp16 zero per group
+OUTLIER_TOP_K = 8  # App. B: the Key outlier channel predicted among the top-k of |B_k^T[0, :]|
+MAX_RECON_ERROR = 1e-5  # ||U R - W|| / ||W|| of every stored factorization (digest §8.2 unit test)
+
+PLAIN, BASE, DELTA = "plain", "base", "delta"
+
+
+def thin_svd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """w [d, r] (paper orientation: K = X w) -> U [d, r'] float32 with orthonormal columns, R [r', r] float32,
+    singular values [r'] and ||U R - w|| / ||w||, r' = min(d, r). The SVD runs in float64; each column of U has its
+    largest-magnitude entry positive (a deterministic sign: it does not change U R); R = U^T w from the stored U,
+    so that U R matches w as closely as float32 U allows."""
+    w64 = w.to(torch.float64)
+    u, s, _ = torch.linalg.svd(w64, full_matrices=False)
+    pivot = u.abs().argmax(0)
+    sign = torch.sign(u[pivot, torch.arange(u.shape[1])])
+    u32 = (u * torch.where(sign == 0, 1.0, sign)).to(torch.float32)
+    r32 = (u32.to(torch.float64).T @ w64).to(torch.float32)
+    error = float(torch.linalg.norm(u32.double() @ r32.double() - w64) / torch.linalg.norm(w64).clamp_min(1e-300))
+    return u32, r32, s, error
+
+
+def _quantize(t: torch.Tensor, bits: int, axis: int, group: int) -> torch.Tensor:
+    """Fake quantization of t (float) in groups of `group` consecutive elements along `axis`; 16 bits: fp16."""
+    if bits == 16:
+        return t.to(torch.float16).to(t.dtype)
+    return fake_quant_groups(t, bits, axis, group).to(t.dtype)
+
+
+class XQuantCodec(Codec):
+    """Rebuilds each compressed span's keys and values from its layer inputs X (Codec.source "x")."""
+
+    keys_pre_rope = True
+    source = "x"
+
+    def __init__(self, method: XQuant, tensors: dict[str, torch.Tensor], dims):
+        self.method = method
+        self.policy = FlushPolicy(residual=method.residual, block=method.group_tokens)
+        self.plan = method.layer_plan(dims.num_layers)
+        self.factors = {name: t.to(torch.float32) for name, t in tensors.items() if t.is_floating_point()}
+
+    def _factor(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        key = f"layers.{layer}.{name}"
+        if key not in self.factors:
+            raise KvcalError(f"xquant artifact has no tensor {key}: recalibrate (kvcal calibrate --method xquant)")
+        t = self.factors[key]
+        if t.device != like.device or t.dtype != like.dtype:
+            t = self.factors[key] = t.to(device=like.device, dtype=like.dtype)
+        return t
+
+    def _per_token(self, t: torch.Tensor, bits: int) -> torch.Tensor:  # t [B, T, C]
+        return _quantize(t, bits, -1, self.method.group_channels)
+
+    def _per_channel(self, t: torch.Tensor, bits: int) -> torch.Tensor:  # t [B, T, C]: groups along the tokens
+        return _quantize(t, bits, 1, self.method.group_tokens)
+
+    def _plain(self, layer: int, x: torch.Tensor, bits: int, project):
+        m = self.method
+        if m.variant == "kv":  # KIVI*: K per channel (before RoPE), V per token, from the exact projections
+            k, v = project(x)
+            b, h, t, d = k.shape
+            flat = [y.transpose(1, 2).reshape(b, t, h * d).to(x.dtype) for y in (k, v)]
+            k_hat, v_hat = self._per_channel(flat[0], bits), self._per_token(flat[1], bits)
+            return tuple(y.reshape(b, t, h, d).transpose(1, 2) for y in (k_hat, v_hat))
+        if m.variant == "x":
+            return project(self._per_token(x, bits))
+        u_k, u_v = self._factor(layer, "k.U", x), self._factor(layer, "v.U", x)
+        z_k = x @ u_k
+        z_k_hat = self._per_channel(z_k, bits)
+        if m.outlier_channel:  # App. B: latent channel 0 of X U_k (the largest singular value) kept in fp16
+            z_k_hat[..., :1] = _quantize(z_k[..., :1], 16, 1, 1)
+        z_v_hat = self._per_token(x @ u_v, bits)
+        return project(z_k_hat @ u_k.T, z_v_hat @ u_v.T)
+
+    def _seed(self, layer: int, x: torch.Tensor, bits: int) -> torch.Tensor:
+        """The base layer's reconstruction: X at hp bits per token (rec §7.4 full_x), or its latent."""
+        if self.method.variant == "svd" and self.method.base_repr == "latent":
+            u = self._factor(layer, "x.U", x)
+            return self._per_token(x @ u, bits) @ u.T
+        return self._per_token(x, bits)
+
+    def _delta(self, layer: int, delta: torch.Tensor, bits: int) -> torch.Tensor:
+        quantize = self._per_token if self.method.delta_axis == "token" else self._per_channel
+        if self.method.variant == "x":
+            return quantize(delta, bits)
+        u = self._factor(layer, "x.U", delta)  # [d, 2 d_kv]: only the part W_kv sees is kept
+        return quantize(delta @ u, bits) @ u.T
+
+    def rematerialize(self, layer, x, project, state):
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+        role, bits = self.plan[layer]
+        if role == PLAIN:
+            return self._plain(layer, x, bits, project)
+        if role == BASE:
+            acc = self._seed(layer, x, bits)
+        else:
+            if state.get("layer") != layer - 1 or state["acc"].shape != x.shape:
+                raise RuntimeError(f"xquant layer {layer}: the cross-layer state does not come from layer {layer - 1} "
+                                   "of the same tokens (layers must see every span in order)")
+            reference = state["acc"] if self.method.closed_loop else state["exact"]
+            acc = state["acc"] + self._delta(layer, x - reference, bits)
+        state.update(layer=layer, acc=acc, exact=x)
+        return project(acc)
+
+
+@register
+@dataclass
+class XQuant(Method):
+    """XQuant: cache the attention input X (or SVD latents of it) and rematerialize K and V; XQuant-CL: closed-loop
+    cross-layer deltas of X above a base layer."""
+
+    name = "xquant"
+    summary = "cache X or its SVD latents, rematerialize K/V; cross-layer deltas"
+    runtime_fields = ("bits", "hp_layers", "hp_bits", "outlier_channel", "group_tokens", "group_channels",
+                      "delta_axis", "closed_loop", "residual")
+    # tiny models (hidden 64, 2 KV heads x 16, 2 layers): a 4-bit base at layer 0 and a 2-bit latent delta above it
+    test_config = {"variant": "svd", "cross_layer": True, "base_layer": 0, "bits": 2, "group_tokens": 8,
+                   "group_channels": 16}
+
+    variant: str = "svd"  # svd (GQA latents), x (cache X: the MHA recipe), kv (the paper's KIVI* baseline)
+    cross_layer: bool = False  # XQuant-CL: closed-loop deltas above base_layer (variants x and svd)
+    bits: int = 4  # 2, 3, 4, 8; 16 stores fp16 (no quantization)
+    hp_layers: int = 0  # the first hp_layers layers at hp_bits (the paper's Table 4 runs: 3)
+    hp_bits: int = 4  # those layers' bits, and the cross-layer base's (the accumulator precision)
+    base_layer: int = 2  # cross_layer: the paper's base is the third layer (§4.3)
+    base_repr: str = "full_x"  # cross_layer svd: the base as full-width X (rec §7.4) or as its [W_k|W_v] latent
+    outlier_channel: bool = False  # svd: latent channel 0 of X U_k kept in fp16 (App. B, Table B.1)
+    group_tokens: int = 128  # per-channel groups (tokens), and the block in which tokens leave full precision
+    group_channels: int = 128  # per-token groups (channels); SmolLM2's widths (576, 192) need 64 (rec §7.7)
+    delta_axis: str = "token"  # cross_layer deltas per token (rec §7.3) or per channel (ablation)
+    closed_loop: bool = True  # deltas against the reconstructed previous layer (False: the open-loop ablation)
+    residual: int = 0  # full-precision recent tokens kept besides the unfinished block (generation)
+
+    def validate(self):
+        for key, allowed in (("variant", VARIANTS), ("base_repr", BASE_REPRS), ("delta_axis", DELTA_AXES)):
+            if getattr(self, key) not in allowed:
+                raise KvcalError(f"xquant {key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        for key in ("bits", "hp_bits"):
+            if getattr(self, key) not in SUPPORTED_BITS:
+                raise KvcalError(f"xquant {key} must be one of {', '.join(map(str, SUPPORTED_BITS))}, "
+                                 f"got {getattr(self, key)}")
+        if self.cross_layer and self.variant == "kv":
+            raise KvcalError("xquant cross_layer applies to variants x and svd (kv caches K and V, not X)")
+        if self.outlier_channel and self.variant != "svd":
+            raise KvcalError("xquant outlier_channel applies to variant svd (a channel of X U_k)")
+        for key in ("group_tokens", "group_channels"):
+            if getattr(self, key) <= 0:
+                raise KvcalError(f"xquant {key} must be positive, got {getattr(self, key)}")
+        for key in ("hp_layers", "base_layer", "residual"):
+            if getattr(self, key) < 0:
+                raise KvcalError(f"xquant {key} must be >= 0, got {getattr(self, key)}")
+
+    # ---- structure --------------------------------------------------------------------------------------------
+    def layer_plan(self, num_layers: int) -> list[tuple[str, int]]:
+        """(role, bits) per layer: plain layers, the cross-layer base, and delta layers above it."""
+        plan = []
+        for i in range(num_layers):
+            bits = self.hp_bits if i < self.hp_layers else self.bits
+            if not self.cross_layer or i < self.base_layer:
+                plan.append((PLAIN, bits))
+            else:
+                plan.append((BASE, self.hp_bits) if i == self.base_layer else (DELTA, bits))
+        return plan
+
+    def _widths(self, dims) -> dict[str, int]:
+        return {"x": dims.hidden_size, "kv": dims.kv_channels, "latent": min(dims.hidden_size, 2 * dims.kv_channels)}
+
+    def _per_token_widths(self, dims) -> set[int]:
+        """Widths quantized per token (in groups of group_channels) under this config."""
+        w = self._widths(dims)
+        widths = set()
+        roles = {role for role, _ in self.layer_plan(dims.num_layers)}
+        if PLAIN in roles:
+            widths.add(w["x"] if self.variant == "x" else w["kv"])
+        if BASE in roles:
+            widths.add(w["latent"] if self.variant == "svd" and self.base_repr == "latent" else w["x"])
+        if DELTA in roles and self.delta_axis == "token":
+            widths.add(w["x"] if self.variant == "x" else w["latent"])
+        return widths
+
+    def check_model(self, dims):
+        if self.cross_layer and self.base_layer >= dims.num_layers:
+            raise KvcalError(f"xquant base_layer {self.base_layer} is past the model's {dims.num_layers} layers")
+        if self.hp_layers > dims.num_layers:
+            raise KvcalError(f"xquant hp_layers {self.hp_layers} is more than the model's {dims.num_layers} layers")
+        for width in sorted(self._per_token_widths(dims)):
+            if width % self.group_channels:
+                raise KvcalError(f"xquant group_channels {self.group_channels} does not divide a per-token width of "
+                                 f"{width} channels on this model (try a divisor such as 64)")
+
+    def needs_artifact(self) -> bool:
+        return self.variant == "svd"
+
+    def tag(self) -> str:
+        parts = [self.variant + ("-cl" if self.cross_layer else ""), f"{self.bits}bit"]
+        if self.hp_layers:
+            parts.append(f"hp{self.hp_layers}")
+        if self.outlier_channel:
+            parts.append("outlier")
+        return "-".join(parts)
+
+    # ---- calibration: the SVD factors (weights only) -----------------------------------------------------------
+    def calibrate(self, loaded, store):
+        from kvcal.models.adapter import kv_projection_weights
+
+        self.check_model(loaded.dims)
+        if self.variant != "svd":
+            return {}, {}
+        tensors, errors = {}, {}
+        plan = self.layer_plan(loaded.dims.num_layers)
+        for i, (w_k, w_v) in enumerate(kv_projection_weights(loaded.model)):
+            role = plan[i][0]
+            # HF weights are [out, in]: the paper's W (K = X W) is their transpose
+            if role == PLAIN:
+                for side, w in (("k", w_k), ("v", w_v)):
+                    u, r, s, err = thin_svd(w.T)
+                    tensors.update({f"layers.{i}.{side}.U": u, f"layers.{i}.{side}.R": r,
+                                    f"layers.{i}.{side}.S": s.to(torch.float32)})
+                    errors[f"layers.{i}.{side}"] = err
+                top = min(OUTLIER_TOP_K, tensors[f"layers.{i}.k.R"].shape[1])
+                # App. B: the Key channel j with the largest |B_k^T[0, j]| (R_k's row 0 is sigma_0 B_k^T[0, :])
+                tensors[f"layers.{i}.k.outlier_pred"] = tensors[f"layers.{i}.k.R"][0].abs().topk(top).indices.to(
+                    torch.int32)
+            elif role == DELTA or self.base_repr == "latent":
+                u, _, s, err = thin_svd(torch.cat([w_k, w_v], 0).T)  # [W_k | W_v]; its R is not needed (§2.5)
+                tensors.update({f"layers.{i}.x.U": u, f"layers.{i}.x.S": s.to(torch.float32)})
+                # the factorization that matters: U U^T [W_k | W_v] = [W_k | W_v]
+                w = torch.cat([w_k, w_v], 0).T.double()
+                ud = u.double()
+                errors[f"layers.{i}.x"] = float(torch.linalg.norm(ud @ (ud.T @ w) - w) / torch.linalg.norm(w))
+        worst = max(errors.values(), default=0.0)
+        if worst > MAX_RECON_ERROR:
+            name = max(errors, key=errors.get)
+            raise KvcalError(f"xquant: the SVD of {name} reconstructs its weight to {worst:.2e} relative error "
+                             f"(more than {MAX_RECON_ERROR:g}): the weights are not finite or not float")
+        info = {"svd": {"dtype": "float64", "stored": "float32", "sign": "largest-magnitude entry of each U column "
+                        "positive", "max_relative_error": worst, "relative_error": errors}}
+        return tensors, info
+
+    def build_codec(self, tensors, dims) -> Codec:
+        self.check_model(dims)
+        if self.needs_artifact() and not tensors:
+            raise KvcalError("xquant variant svd needs the SVD factors of an artifact: run `kvcal calibrate --method "
+                             "xquant` (seconds, no data) and pass it with --artifact")
+        return XQuantCodec(self, tensors, dims)
+
+    # ---- memory --------------------------------------------------------------------------------------------------
+    def footprint(self, dims, tokens):
+        n = FlushPolicy(residual=self.residual, block=self.group_tokens).compressed_count(tokens)
+        w = self._widths(dims)
+        parts = {"codes": 0.0, "scales_zeros": 0.0, "fp16_outlier_channel": 0.0}
+
+        def cost(width: int, bits: int, axis: str) -> None:
+            if bits == 16:
+                parts["codes"] += n * width * 2
+                return
+            parts["codes"] += n * width * bits / 8
+            groups = n * width / (self.group_channels if axis == "token" else self.group_tokens)
+            parts["scales_zeros"] += groups * 2 * PARAM_BYTES
+
+        for role, bits in self.layer_plan(dims.num_layers):
+            if role == BASE:
+                cost(w["latent"] if self.variant == "svd" and self.base_repr == "latent" else w["x"], bits, "token")
+            elif role == DELTA:
+                cost(w["x"] if self.variant == "x" else w["latent"], bits, self.delta_axis)
+            elif self.variant == "x":
+                cost(w["x"], bits, "token")
+            else:  # kv, svd: a key-side tensor per channel, a value-side tensor per token
+                outlier = 1 if self.outlier_channel else 0
+                cost(w["kv"] - outlier, bits, "channel")
+                parts["fp16_outlier_channel"] += n * outlier * 2
+                cost(w["kv"], bits, "token")
+        parts["fp16_residual"] = fp16_token_bytes(dims, tokens - n)
+        return parts

@@ -31,11 +31,12 @@ def relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--nsamples", type=int, default=2)
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    loaded = load_model(a.model, "float32", "cpu")
+    loaded = load_model(a.model, "float32", a.device)
     dims = loaded.dims
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen,
                                       a.nsamples)
@@ -47,8 +48,8 @@ def main():
     for i in range(dims.num_layers):
         rows = store.layer(i)  # x [N, hidden], k (pre-RoPE) and v [N, d_kv]
         x, k, v = rows["x"], rows["k"], rows["v"]
-        u_k, r_k, _, _ = thin_svd(weights[i][0].T.float())
-        u_v, _, _, _ = thin_svd(weights[i][1].T.float())
+        u_k, r_k, _, _ = thin_svd(weights[i][0].T.float().cpu())
+        u_v, _, _, _ = thin_svd(weights[i][1].T.float().cpu())
         z_k, z_v = x @ u_k, x @ u_v
         row = {
             "layer": i,

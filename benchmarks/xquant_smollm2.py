@@ -2,7 +2,7 @@
 fp16; KIVI* at 4/3/2 bits with and without the first 3 layers at 4 bits; XQuant-X at 8/4/3/2 (and 3/2 with the
 first 3 layers at 4); XQuant-SVD at 4/3/2 and with the fp16 outlier channel at 3/2; XQuant-CL on X and on the SVD
 latents at 4/3/2 (base = layer 2, layers 0-2 at 4 bits); the 2-bit CL-SVD ablations (per-channel deltas, latent base,
-open loop); one per-token group size check (192 channels). Every row's record carries the `kvcal eval ppl` command
+open loop, layers 0-1 at 2 bits); one per-token group size check (192 channels). Every row's record carries the `kvcal eval ppl` command
 that reproduces it alone (the artifacts are the data-free calibrations this script writes first).
 
     python benchmarks/xquant_smollm2.py --device cuda --nsamples 16 --json results/xquant/ppl-smollm2-16x2048.json
@@ -46,6 +46,8 @@ ROWS += [
     ("cl-svd-2-delta-per-channel", "xquant-cl-svd-2bit", ["delta_axis=channel"]),
     ("cl-svd-2-open-loop", "xquant-cl-svd-2bit", ["closed_loop=false"]),
     ("cl-svd-2-latent-base", "ablations/xquant-cl-svd-latent-base", []),
+    ("cl-svd-2-no-hp", "xquant-cl-svd-2bit", ["hp_layers=0"]),  # layers 0-1 at 2 bits (the base stays at 4)
+    ("cl-x-2-no-hp", "xquant-cl-x-2bit", ["hp_layers=0"]),
     ("svd-2-g192", "xquant-svd-2bit", ["group_channels=192"]),
 ]
 

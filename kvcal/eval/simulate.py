@@ -26,8 +26,7 @@ def reconstruct(codec, inp: AttentionInputs, k_src: torch.Tensor, state: dict):
     if end > start:
         span = slice(start, end)
         if codec.source == "x":
-            k_hat[:, :, span], v_hat[:, :, span] = codec.rematerialize(inp.layer_idx, inp.x[:, span], inp.project,
-                                                                       state)
+            k_hat[:, :, span], v_hat[:, :, span] = codec.rematerialize(inp.layer_idx, inp.x[:, span], inp, state)
         else:
             k_hat[:, :, span], v_hat[:, :, span] = codec.reconstruct(inp.layer_idx, k_src[:, :, span],
                                                                      inp.v[:, :, span])

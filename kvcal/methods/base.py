@@ -60,12 +60,12 @@ class Codec:
             raise KvcalError(self.storage_refusal())
         return round_trip(storage, k, v)
 
-    def rematerialize(self, layer: int, x: torch.Tensor, project, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def rematerialize(self, layer: int, x: torch.Tensor, proj, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """For source "x" codecs: x [B, T, hidden], the attention inputs of a span of tokens compressed together (T
         a multiple of policy.block) -> the keys (before RoPE) and values [B, Hkv, T, D] that attention sees of them.
-        `project(xk, xv)` is the layer's own K and V projection (AttentionInputs.project). `state` is one dict per
-        batch row passed to every layer in order for the same span (a method working across layers keeps what it
-        needs there)."""
+        `proj` is the layer's AttentionInputs: `proj.project(xk, xv)` its own K and V projections of attention inputs,
+        `proj.finish(k_lin, v_lin)` the same from bias-free linear outputs. `state` is one dict per batch row passed
+        to every layer in order for the same span (a method working across layers keeps what it needs there)."""
         raise NotImplementedError(f"{type(self).__name__} compresses keys and values, not X")
 
 

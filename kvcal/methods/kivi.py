@@ -26,23 +26,25 @@ PARAM_BYTES = 2  # fp16 scale and fp16 zero per quantization group
 
 class KiviStorage(Storage):
     """Key codes [B, Hkv, T, W] with one fp16 (scale, zero) per channel and block, [B, Hkv, T / G, D]; value codes
-    [B, Hkv, T, W] with fp16 (scale, zero) per token and group, [B, Hkv, T, D / G]. Tokens arrive one whole key block
-    at a time (the policy's block), keys after RoPE."""
+    [B, Hkv, T, W] with fp16 (scale, zero) per token and group, [B, Hkv, T, D / Gv] (Gv = G unless `value_group` says
+    otherwise). Tokens arrive one whole key block at a time (the policy's block), keys after RoPE. (XQuant stores its
+    SVD latents in this format, one "head" as wide as all KV heads.)"""
 
-    def __init__(self, bits: int, group: int, residual: int):
+    def __init__(self, bits: int, group: int, residual: int, value_group: int | None = None):
         self.bits, self.group = bits, group
+        self.value_group = value_group or group
         # Keys are quantized per channel over blocks of `group` tokens, so tokens leave the fp16
         # residual one whole block at a time, and only while `residual` newer tokens remain.
         self.policy = FlushPolicy(sink=0, residual=residual, block=group)
 
     def check(self, heads: int, dim: int) -> None:
-        if dim % self.group:
-            raise KvcalError(f"kivi group_size {self.group} does not divide head_dim {dim}")
+        if dim % self.value_group:
+            raise KvcalError(f"kivi group_size {self.value_group} does not divide head_dim {dim}")
 
     def buffers(self, batch, capacity, heads, dim):
         codes = BufferSpec((batch, heads, capacity, words_per_vector(dim, self.bits)), torch.int32, 2)
         key_params = BufferSpec((batch, heads, capacity // self.group, dim), torch.float16, 2)
-        value_params = BufferSpec((batch, heads, capacity, dim // self.group), torch.float16, 2)
+        value_params = BufferSpec((batch, heads, capacity, dim // self.value_group), torch.float16, 2)
         return {"k_codes": codes, "k_scale": key_params, "k_zero": key_params,
                 "v_codes": codes, "v_scale": value_params, "v_zero": value_params}
 
@@ -54,8 +56,8 @@ class KiviStorage(Storage):
         packed["k_scale"][block_rows, :, blocks] = scale.reshape(-1, heads, dim)
         packed["k_zero"][block_rows, :, blocks] = zero.reshape(-1, heads, dim)
         packed["k_codes"][rows, :, slots] = codes
-        per_token_into(values, self.bits, self.group, packed["v_codes"], packed["v_scale"], packed["v_zero"], rows,
-                       slots)
+        per_token_into(values, self.bits, self.value_group, packed["v_codes"], packed["v_scale"], packed["v_zero"],
+                       rows, slots)
 
     def write_reference(self, packed, keys, values, rows, slots):
         self._write(packed, keys, values, rows, slots, quantize_per_channel, quantize_per_token_into)

@@ -99,23 +99,28 @@ class XQuantCodec(Codec):
     def _per_channel(self, t: torch.Tensor, bits: int) -> torch.Tensor:  # t [B, T, C]: groups along the tokens
         return _quantize(t, bits, 1, self.method.group_tokens)
 
-    def _plain(self, layer: int, x: torch.Tensor, bits: int, project):
+    def _plain(self, layer: int, x: torch.Tensor, bits: int, proj):
         m = self.method
         if m.variant == "kv":  # KIVI*: K per channel (before RoPE), V per token, from the exact projections
-            k, v = project(x)
+            k, v = proj.project(x)
             b, h, t, d = k.shape
             flat = [y.transpose(1, 2).reshape(b, t, h * d).to(x.dtype) for y in (k, v)]
             k_hat, v_hat = self._per_channel(flat[0], bits), self._per_token(flat[1], bits)
             return tuple(y.reshape(b, t, h, d).transpose(1, 2) for y in (k_hat, v_hat))
         if m.variant == "x":
-            return project(self._per_token(x, bits))
+            return proj.project(self._per_token(x, bits))
+        z_k_hat, z_v_hat = self.latents(layer, x, bits)
+        # K = Z_k R_k, V = Z_v R_v (the packed storage computes the same products)
+        return proj.finish(z_k_hat @ self._factor(layer, "k.R", x), z_v_hat @ self._factor(layer, "v.R", x))
+
+    def latents(self, layer: int, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The svd variant's reconstructed latents Z_k = X U_k (per channel) and Z_v = X U_v (per token)."""
         u_k, u_v = self._factor(layer, "k.U", x), self._factor(layer, "v.U", x)
         z_k = x @ u_k
         z_k_hat = self._per_channel(z_k, bits)
-        if m.outlier_channel:  # App. B: latent channel 0 of X U_k (the largest singular value) kept in fp16
+        if self.method.outlier_channel:  # App. B: latent channel 0 of X U_k (the largest singular value) in fp16
             z_k_hat[..., :1] = _quantize(z_k[..., :1], 16, 1, 1)
-        z_v_hat = self._per_token(x @ u_v, bits)
-        return project(z_k_hat @ u_k.T, z_v_hat @ u_v.T)
+        return z_k_hat, self._per_token(x @ u_v, bits)
 
     def _seed(self, layer: int, x: torch.Tensor, bits: int) -> torch.Tensor:
         """The base layer's reconstruction: X at hp bits per token (rec §7.4 full_x), or its latent."""
@@ -131,11 +136,11 @@ class XQuantCodec(Codec):
         u = self._factor(layer, "x.U", delta)  # [d, 2 d_kv]: only the part W_kv sees is kept
         return quantize(delta @ u, bits) @ u.T
 
-    def rematerialize(self, layer, x, project, state):
+    def rematerialize(self, layer, x, proj, state):
         x = x.to(torch.promote_types(x.dtype, torch.float32))
         role, bits = self.plan[layer]
         if role == PLAIN:
-            return self._plain(layer, x, bits, project)
+            return self._plain(layer, x, bits, proj)
         if role == BASE:
             acc = self._seed(layer, x, bits)
         else:
@@ -145,7 +150,7 @@ class XQuantCodec(Codec):
             reference = state["acc"] if self.method.closed_loop else state["exact"]
             acc = state["acc"] + self._delta(layer, x - reference, bits)
         state.update(layer=layer, acc=acc, exact=x)
-        return project(acc)
+        return proj.project(acc)
 
 
 @register

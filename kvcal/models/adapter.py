@@ -59,6 +59,39 @@ class AttentionInputs:
         xv = xk if xv is None else xv
         return project_kv(self.module, adapter, xk.to(self.x.dtype), xv.to(self.x.dtype))
 
+    def finish(self, k_lin: torch.Tensor, v_lin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values [B, Hkv, T, D] from the bias-free outputs of the K and V projections
+        [B, T, Hkv * D] (x W^T, however it was computed): the bias added, Qwen3's k_norm applied."""
+        adapter = self.module._kvcal_binding[0]
+        batch, length, _ = k_lin.shape
+        out = []
+        for lin, proj in ((k_lin, self.module.k_proj), (v_lin, self.module.v_proj)):
+            lin = lin.to(self.x.dtype)
+            out.append((lin if proj.bias is None else lin + proj.bias).view(batch, length, -1, adapter.dims.head_dim))
+        k, v = out
+        if adapter.qk_norm:
+            k = self.module.k_norm(k)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def kv_projection(self) -> KVProjection:
+        """This layer's K and V projections as tensors (for storages that rebuild keys and values themselves)."""
+        adapter = self.module._kvcal_binding[0]
+        k, v = self.module.k_proj, self.module.v_proj
+        return KVProjection(k.weight.detach(), None if k.bias is None else k.bias.detach(), v.weight.detach(),
+                            None if v.bias is None else v.bias.detach(), adapter.qk_norm)
+
+
+@dataclass(frozen=True)
+class KVProjection:
+    """k = x w_k^T + b_k, v = x w_v^T + b_v (weights [Hkv * D, hidden] as transformers stores them); k_norm: a
+    per-head norm follows the key projection (Qwen3)."""
+
+    w_k: torch.Tensor
+    b_k: torch.Tensor | None
+    w_v: torch.Tensor
+    b_v: torch.Tensor | None
+    k_norm: bool
+
 
 class StandardAttention:
     """Plain attention with transformers' cache semantics (what the stock model computes)."""

@@ -117,7 +117,7 @@ class DequantizedLayer(_LayerBase):
             rows = slice(b, b + 1)
             if self.codec.source == "x":
                 state = self.shared.store.setdefault(("rematerialize", b), {})
-                k_hat, v_hat = self.codec.rematerialize(self.layer_idx, self.src[0][rows, span], inp.project, state)
+                k_hat, v_hat = self.codec.rematerialize(self.layer_idx, self.src[0][rows, span], inp, state)
             else:
                 k_hat, v_hat = self.codec.reconstruct(self.layer_idx, self.src[0][rows, :, span],
                                                       self.src[1][rows, :, span])
@@ -181,7 +181,7 @@ class PackedLayer(_LayerBase):
         self._packed: Packed | None = None  # the storage's view of the buffers, made again when they grow
 
     # ---- allocation -------------------------------------------------------------------------------------------
-    def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq) -> None:
+    def _init(self, batch: int, heads: int, dim: int, dtype, device, inv_freq, hidden: int = 0) -> None:
         self.batch, self.heads, self.dim = batch, heads, dim
         self.dtype, self.device = dtype, device
         self.kernels = (torch.device(device).type == "cuda") if self.kernels_asked is None else self.kernels_asked
@@ -196,8 +196,15 @@ class PackedLayer(_LayerBase):
         z = dict(device=self.device)
         self.fp_k = torch.zeros(batch, heads, fp_slots, dim, dtype=self.dtype, **z)  # post-RoPE
         self.fp_v = torch.zeros_like(self.fp_k)
-        # keys in the storage's key space, for flushing (the post-RoPE keys themselves unless pre-RoPE)
-        self.fp_src = torch.zeros_like(self.fp_k) if self.keys_pre_rope else self.fp_k
+        # what the storage compresses of each token, kept until it is flushed: its keys (in the storage's key space:
+        # the post-RoPE keys themselves unless pre-RoPE) and values, or for source "x" storages the attention
+        # inputs X [B, 1, slots, hidden]
+        if self.storage.source == "x":
+            self.fp_src = None
+            self.fp_sources = [torch.zeros(batch, 1, fp_slots, hidden, dtype=self.dtype, **z)]
+        else:
+            self.fp_src = torch.zeros_like(self.fp_k) if self.keys_pre_rope else self.fp_k
+            self.fp_sources = [self.fp_src, self.fp_v]
         self.fp_valid = torch.zeros(batch, fp_slots, dtype=torch.bool, **z)
         self.compressed = [0] * batch
         self.count = [0] * batch
@@ -248,43 +255,45 @@ class PackedLayer(_LayerBase):
         return found
 
     # ---- storage ----------------------------------------------------------------------------------------------
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Compress tokens [M, H, D] into row rows[m], slot slots[m] (device int64 tensors; runs of the policy's
-        block of consecutive slots of one row each)."""
+    def _store(self, sources, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Compress tokens (the storage's sources, [M, H, D] keys and values or [M, 1, hidden] inputs) into row
+        rows[m], slot slots[m] (device int64 tensors; runs of the policy's block of consecutive slots of one row
+        each)."""
         try:
-            self.storage.write(self.packed(), keys, values, rows, slots, self.kernels)
+            self.storage.write(self.packed(), *sources, rows, slots, self.kernels)
         except ValueError as err:  # a write kernel that cannot take these shapes
             raise KvcalError(f"{type(self.storage).__name__}: {err}; run the torch reference on purpose with "
                              "backend='reference' (--backend reference)") from err
 
-    def _prefill_row(self, b: int, pad: int, k_src, k_rot, v) -> None:
-        """Store row b's valid prompt tokens [pad, T) in bulk: sinks, packed span, then the residual ring."""
-        sink, total = self.policy.sink, k_src.shape[2] - pad
+    def _keep(self, b, slots, src, k_rot, v, tokens) -> None:
+        """Full-precision slots `slots` of row b take tokens `tokens` (attention's keys and values, and the sources)."""
+        self.fp_k[b, :, slots] = k_rot[b, :, tokens]
+        self.fp_v[b, :, slots] = v[b, :, tokens]
+        for buf, s in zip(self.fp_sources, src):
+            buf[b, :, slots] = s[b, :, tokens]
+        self.fp_valid[b, slots] = True
+
+    def _prefill_row(self, b: int, pad: int, src, k_rot, v) -> None:
+        """Store row b's valid prompt tokens [pad, T) in bulk: sinks, packed span, then the residual ring. src: the
+        storage's sources [B, H, T, C] each (token axis 2)."""
+        sink, total = self.policy.sink, k_rot.shape[2] - pad
         n_sink = min(sink, total)
         packed = self.policy.compressed_count(total)
-        tokens = slice(pad, pad + n_sink)
-        self.fp_k[b, :, :n_sink] = k_rot[b, :, tokens]
-        self.fp_src[b, :, :n_sink] = k_src[b, :, tokens]
-        self.fp_v[b, :, :n_sink] = v[b, :, tokens]
-        self.fp_valid[b, :n_sink] = True
+        self._keep(b, slice(0, n_sink), src, k_rot, v, slice(pad, pad + n_sink))
         if packed:
             span = slice(pad + sink, pad + sink + packed)
             if packed > self.capacity:
                 self._grow(packed)
-            self._pack([b], k_src[b, :, span].transpose(0, 1)[None], v[b, :, span].transpose(0, 1)[None])
+            self._pack([b], [s[b, :, span].transpose(0, 1)[None] for s in src])
             self.compressed[b] = packed
             self.lengths[b] = packed
-        rest = slice(pad + n_sink + packed, pad + total)
         n_rest = total - n_sink - packed
-        ring = slice(sink, sink + n_rest)
-        self.fp_k[b, :, ring] = k_rot[b, :, rest]
-        self.fp_src[b, :, ring] = k_src[b, :, rest]
-        self.fp_v[b, :, ring] = v[b, :, rest]
-        self.fp_valid[b, ring] = True
+        self._keep(b, slice(sink, sink + n_rest), src, k_rot, v, slice(pad + n_sink + packed, pad + total))
         self.ring_start[b], self.ring_count[b], self.count[b] = 0, n_rest, total
 
-    def _append_step(self, k_src, k_rot, v) -> None:
-        """Append one token per row ([B, H, D] each) to its sinks or its residual ring, all rows at once."""
+    def _append_step(self, src, k_rot, v) -> None:
+        """Append one token per row (k_rot, v [B, H, D]; the sources [B, H, C] each) to its sinks or its residual
+        ring, all rows at once."""
         sink = self.policy.sink
         slots = []
         for b in range(self.batch):
@@ -298,12 +307,17 @@ class PackedLayer(_LayerBase):
             self.count[b] += 1
         rows = self._index(range(self.batch))
         slot = self._index(slots)
-        self.fp_k[rows, :, slot] = k_rot
-        if self.fp_src is not self.fp_k:
-            self.fp_src[rows, :, slot] = k_src
-        self.fp_v[rows, :, slot] = v
+        self._keep_step(rows, slot, src, k_rot, v)
         self.fp_valid[rows, slot] = True
         self.ring_on_device = False
+
+    def _keep_step(self, rows, slot, src, k_rot, v) -> None:
+        """Slot slot[b] of every row b takes its token (device index tensors)."""
+        self.fp_k[rows, :, slot] = k_rot
+        self.fp_v[rows, :, slot] = v
+        for buf, s in zip(self.fp_sources, src):
+            if buf is not self.fp_k and buf is not self.fp_v:
+                buf[rows, :, slot] = s
 
     def _flush_rows(self) -> None:
         """Pack the oldest residual block of every row that the policy allows to (at most one per step)."""
@@ -317,7 +331,7 @@ class PackedLayer(_LayerBase):
         slots = self._index([sink + (self.ring_start[b] + i) % self.ring_capacity
                              for b in rows for i in range(block)]).view(len(rows), block)
         row_idx = self._index(rows)[:, None]
-        self._pack(rows, self.fp_src[row_idx, :, slots], self.fp_v[row_idx, :, slots])  # [R, block, H, D]
+        self._pack(rows, [s[row_idx, :, slots] for s in self.fp_sources])  # [R, block, H, C] each
         self.fp_valid[row_idx, slots] = False
         self.lengths[row_idx[:, 0]] += block
         for b in rows:
@@ -326,15 +340,15 @@ class PackedLayer(_LayerBase):
             self.compressed[b] += block
         self.ring_on_device = False
 
-    def _pack(self, rows: list[int], k_src: torch.Tensor, v: torch.Tensor) -> None:
-        """Compress tokens [R, N, H, D] of rows `rows` (N a multiple of the block) into their next slots."""
-        nrows, count = k_src.shape[:2]
+    def _pack(self, rows: list[int], sources) -> None:
+        """Compress the sources' tokens [R, N, H, C] of rows `rows` (N a multiple of the block) into their next
+        slots."""
+        nrows, count = sources[0].shape[:2]
         row_ids = self._index(rows)
         start = self.lengths[row_ids].long()  # packed tokens so far: the rows' next free slots
         slot = (start[:, None] + torch.arange(count, device=self.device)[None]).reshape(-1)  # [R*N]
         row = row_ids[:, None].expand(-1, count).reshape(-1)
-        self._store(k_src.reshape(nrows * count, self.heads, self.dim), v.reshape(nrows * count, self.heads, self.dim),
-                    row, slot)
+        self._store([s.reshape(nrows * count, *s.shape[2:]) for s in sources], row, slot)
 
     def _full_precision(self) -> FullPrecision:
         return FullPrecision(self.fp_k, self.fp_v, self.fp_valid)
@@ -348,27 +362,36 @@ class PackedLayer(_LayerBase):
         batch, _, length, _ = inp.q.shape
         if self.length == 0:
             adapter = inp.module._kvcal_binding[0]
-            self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq)
+            self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq,
+                       inp.x.shape[-1])
+            self.storage.bind(inp.kv_projection())
         if length == 1 and not self.static and self.static_refusal() is None:  # fewer kernels than the host ring
             return self._eager_static_step(inp)
         q = apply_rope(inp.q, inp.cos, inp.sin)
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
-        k_src = inp.k_pre if self.keys_pre_rope else k_rot
+        src = self._sources(inp.k_pre, k_rot, inp.v, inp.x)
         if self.length == 0 and length > 1:  # prefill: full-precision attention, then bulk compression
             out = attention(q, k_rot, inp.v, inp.mask, inp.scale)
             for b, pad in enumerate(_left_padding(inp.mask, batch, length)):
-                self._prefill_row(b, pad, k_src, k_rot, inp.v)
+                self._prefill_row(b, pad, src, k_rot, inp.v)
             self.length = length
             return out
         if self.static:
-            return self._attend_static(q, k_src, k_rot, inp.v, inp.scale)
+            return self._attend_static(q, src, k_rot, inp.v, inp.scale)
         outs = []
         for t in range(length):  # decode, one token at a time (several tokens are decoded in sequence)
-            self._append_step(k_src[:, :, t], k_rot[:, :, t], inp.v[:, :, t])
+            self._append_step([s[:, :, t] for s in src], k_rot[:, :, t], inp.v[:, :, t])
             self._flush_rows()
             self.length += 1
             outs.append(self._decode(q[:, :, t], inp.scale))
         return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
+
+    def _sources(self, k_pre, k_rot, v, x) -> list[torch.Tensor]:
+        """What the storage compresses of these tokens, [B, H, T, C] each: its keys and values, or X [B, 1, T, hidden]
+        for source "x" storages."""
+        if self.storage.source == "x":
+            return [x[:, None]]
+        return [k_pre if self.keys_pre_rope else k_rot, v]
 
     def _eager_static_step(self, inp) -> torch.Tensor:
         """An eager one-token decode step taken as a static step (then advance_static). On CUDA with step graphs it
@@ -377,7 +400,7 @@ class PackedLayer(_LayerBase):
         self.reserve_static(1)
         self._mirror_ring()
         step = functools.partial(self._rotated_static_step, scale=inp.scale)
-        inputs = (inp.q, inp.k_pre, inp.v, inp.cos, inp.sin)
+        inputs = (inp.q, inp.k_pre, inp.v, inp.cos, inp.sin, inp.x)
         if self.graph_pool is None or not inp.q.is_cuda:
             out = step(*inputs)
         else:
@@ -391,10 +414,10 @@ class PackedLayer(_LayerBase):
         self.advance_static()
         return out
 
-    def _rotated_static_step(self, q, k_pre, v, cos, sin, *, scale: float) -> torch.Tensor:
+    def _rotated_static_step(self, q, k_pre, v, cos, sin, x, *, scale: float) -> torch.Tensor:
         """_attend_static from the unrotated query and key."""
         k_rot = apply_rope(k_pre, cos, sin)
-        return self._attend_static(apply_rope(q, cos, sin), k_pre if self.keys_pre_rope else k_rot, k_rot, v, scale)
+        return self._attend_static(apply_rope(q, cos, sin), self._sources(k_pre, k_rot, v, x), k_rot, v, scale)
 
     # ---- static decode steps (CUDA graphs) --------------------------------------------------------------------
     def static_refusal(self) -> str | None:
@@ -438,7 +461,7 @@ class PackedLayer(_LayerBase):
         if self.buffers and self._capacity_for(steps) > self.capacity:
             self._grow(self._capacity_for(steps))
 
-    def _attend_static(self, q, k_src, k_rot, v, scale) -> torch.Tensor:
+    def _attend_static(self, q, src, k_rot, v, scale) -> torch.Tensor:
         """One decode step on device-side positions only: no host-side index, no host-to-device copy, the same
         kernels every step. Policies that compress every token at once (residual 0, block 1) pack the token
         straight into slot lengths[b] (equal to the ring path, whose ring would only ever hold that token); the
@@ -446,13 +469,13 @@ class PackedLayer(_LayerBase):
         if q.shape[2] != 1:
             raise KvcalError("static decode steps take one token per row")
         if self.policy.direct:
-            self._store(k_src[:, :, 0], v[:, :, 0], self._index(range(self.batch)), self.lengths.long())
+            self._store([s[:, :, 0] for s in src], self._index(range(self.batch)), self.lengths.long())
             self.lengths += 1
         else:
-            self._ring_step_static(k_src[:, :, 0], k_rot[:, :, 0], v[:, :, 0])
+            self._ring_step_static([s[:, :, 0] for s in src], k_rot[:, :, 0], v[:, :, 0])
         return self._decode(q[:, :, 0], scale)[:, :, None]
 
-    def _ring_step_static(self, k_src, k_rot, v) -> None:
+    def _ring_step_static(self, src, k_rot, v) -> None:
         """_append_step then _flush_rows with the ring positions on the device, whatever the storage: append the token
         to its row's ring; write every row's oldest block into slots [lengths[b], lengths[b] + block) with the
         storage's own write; count it (and drop it from the ring) only in the rows whose ring is full. A row that does
@@ -461,19 +484,14 @@ class PackedLayer(_LayerBase):
         p, ring = self.policy, self.ring_capacity
         rows = self._index(range(self.batch))
         slot = p.sink + (self.ring_start_dev + self.ring_count_dev) % ring
-        self.fp_k[rows, :, slot] = k_rot
-        if self.fp_src is not self.fp_k:
-            self.fp_src[rows, :, slot] = k_src
-        self.fp_v[rows, :, slot] = v
+        self._keep_step(rows, slot, src, k_rot, v)
         self.fp_valid[rows, slot] = self._true  # a device tensor: a Python True is a copy from the host
         flush = self.ring_count_dev + 1 >= p.residual + p.block  # [B]: what _flush_rows decides on the host
         offsets = self._index(range(p.block))
         oldest = p.sink + (self.ring_start_dev[:, None] + offsets[None]) % ring  # [B, block], oldest first
-        tokens = (self.batch * p.block, self.heads, self.dim)
-        self._store(self.fp_src[rows[:, None], :, oldest].reshape(tokens), self.fp_v[rows[:, None], :, oldest]
-                    .reshape(tokens), rows[:, None].expand(-1, p.block).reshape(-1),
-                    (self.lengths.long()[:, None] + offsets[None])
-                    .reshape(-1))
+        self._store([s[rows[:, None], :, oldest].reshape(self.batch * p.block, *s.shape[1:2], s.shape[3])
+                     for s in self.fp_sources], rows[:, None].expand(-1, p.block).reshape(-1),
+                    (self.lengths.long()[:, None] + offsets[None]).reshape(-1))
         self.fp_valid[rows[:, None], oldest] = self.fp_valid[rows[:, None], oldest] & ~flush[:, None]
         moved = flush.to(torch.int64) * p.block
         self.lengths += moved.to(self.lengths.dtype)
@@ -496,10 +514,10 @@ class PackedLayer(_LayerBase):
         self.length += 1
 
     def fill_synthetic(self, batch: int, tokens: int, heads: int, dim: int, dtype, device, inv_freq,
-                       headroom: int = 0, generator=None) -> None:
+                       headroom: int = 0, generator=None, hidden: int = 0) -> None:
         """Fill with `tokens` tokens per row of random contents, as after a prefill (for speed and memory benchmarks:
         decoding then runs through the real buffers and kernels; the storage fills its own buffers)."""
-        self._init(batch, heads, dim, dtype, device, inv_freq)
+        self._init(batch, heads, dim, dtype, device, inv_freq, hidden)
         packed = self.policy.compressed_count(tokens)
         self.count = [tokens] * batch
         self._grow(max(packed, self._capacity_for(headroom)))  # room for `headroom` steps, static ones included
@@ -522,7 +540,7 @@ class PackedLayer(_LayerBase):
         if not self.buffers:
             return 0, 0
         packed = sum(t.numel() * t.element_size() for t in self.buffers.values())
-        fp_tensors = [self.fp_k, self.fp_v] + ([self.fp_src] if self.fp_src is not self.fp_k else [])
+        fp_tensors = {id(t): t for t in [self.fp_k, self.fp_v, *self.fp_sources]}.values()
         fp_alloc = sum(t.numel() * t.element_size() for t in fp_tensors)
         fp_slot = 2 * self.heads * self.dim * self.fp_k.element_size()  # one token's K and V
         used = packed * sum(self.compressed) / (self.batch * self.capacity) + fp_slot * int(self.fp_valid.sum())
@@ -606,7 +624,8 @@ class LosslessLayer(_LayerBase):
         per_token = 2 * self.k_buf[:, :, :1].numel() * self.k_buf.element_size()
         return per_token * self.k_buf.shape[2], per_token * self.length
 
-    def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None):
+    def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None,
+                       hidden=0):
         like = torch.empty(batch, heads, 1, dim, dtype=dtype, device=device)
         self._reserve(tokens + headroom, like)
         self.k_buf[:, :, :tokens].normal_(generator=generator)
@@ -698,7 +717,7 @@ class KvcalCache(Cache):
         inv_freq = dims.rope.inv_freq(device)
         for layer in self.layers:
             layer.fill_synthetic(batch, tokens, dims.num_kv_heads, dims.head_dim, dtype, device, inv_freq,
-                                 headroom, generator)
+                                 headroom, generator, dims.hidden_size)
 
     def nbytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of the per-token cache over all layers."""

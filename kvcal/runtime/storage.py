@@ -153,6 +153,15 @@ class Storage:
 
     policy: FlushPolicy = FlushPolicy()
     keys_pre_rope: bool = False
+    # what `write` takes of each token: "kv", its keys (in the storage's key space) and values [M, H, D]; "x", the
+    # layer's attention inputs [M, 1, hidden] (a storage that rebuilds keys and values from them: write(packed, x,
+    # rows, slots, kernel))
+    source: str = "kv"
+
+    def bind(self, projection) -> None:
+        """Called once per cache layer, before the first write, with the layer's K and V projections
+        (models.adapter.KVProjection): source "x" storages take what they rebuild keys and values with; a
+        storage that cannot use them raises KvcalError (one line)."""
 
     # ---- buffers ------------------------------------------------------------------------------------------------
     def buffers(self, batch: int, capacity: int, heads: int, dim: int) -> dict[str, BufferSpec]:

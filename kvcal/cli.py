@@ -10,11 +10,11 @@ import tempfile
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from kvcal.errors import KvcalError, first_line
+from kvcal.progress import make_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Calibrate, apply and evaluate KV-cache compression methods.")
@@ -22,7 +22,21 @@ eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a method or an artif
 app.add_typer(eval_app, name="eval")
 bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks of the compressed cache.")
 app.add_typer(bench_app, name="bench")
-console = Console()
+console = make_console()
+
+
+def _version(value: bool):
+    if value:
+        from kvcal import __version__
+
+        console.print(f"kvcal {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print kvcal's version and exit.")):
+    """Calibrate, apply and evaluate KV-cache compression methods."""
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Model alias (see `kvcal models`) or local HF directory.")
 DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (exactness checks).")
@@ -80,6 +94,8 @@ def calibrate_command(
     evaluate: bool = typer.Option(False, "--eval", help="Then evaluate the artifact and fp16 on the dataset's "
                                   "evaluation split (gptq protocol) and print both perplexities."),
     eval_nsamples: int = typer.Option(8, help="--eval: evaluation windows."),
+    eval_json_dir: Path | None = typer.Option(None, help="--eval: also write both results as `kvcal eval ppl` JSON "
+                                              "records in this folder (fp16.json and SETTING.json)."),
 ):
     """Calibrate a method on a model and write its artifact."""
     import time
@@ -110,30 +126,49 @@ def calibrate_command(
         if calib["seqlen"] < 2:
             raise KvcalError("--eval needs --seqlen of at least 2 (a window scores its tokens after the first)")
     # before the model loads and the calibration runs (the default folder is artifacts/MODEL, named after loading)
-    check_writable(out if out is not None else out_dir or Path("artifacts"), folder=out is None)
+    check_writable(out if out is not None else out_dir or Path("artifacts"), folder=out is None,
+                   flag="--out" if out is not None else "--out-dir")
+    if eval_json_dir is not None:
+        if not evaluate:
+            raise KvcalError("--eval-json-dir needs --eval")
+        check_writable(eval_json_dir, folder=True, flag="--eval-json-dir")
     if capture_cache is not None:  # written only on a miss: a read-only cache of what is needed still serves
-        check_writable(capture_cache, folder=True, permission=False)
+        check_writable(capture_cache, folder=True, permission=False, flag="--capture-cache")
+    if any(instance.learns for instance, _, _ in jobs) or evaluate:  # a missing dataset fails before the model loads
+        from kvcal.data import check_text
+        from kvcal.models import check_model_args
+
+        check_model_args(model, dtype, device)
+        if any(i.learns for i, _, _ in jobs):
+            check_text(calib["dataset"], "calib", data_dir)
+        if evaluate:
+            check_text(calib["dataset"], "eval", data_dir)
     loaded = load_model(model, dtype, device)
     folder = out_dir or Path("artifacts") / loaded.name
     targets = [(instance, out or folder / f"{instance.name}-{tag}.safetensors") for instance, tag, _ in jobs]
     started = time.perf_counter()
 
     def done(instance, target, artifact):
+        learned = (f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB" if artifact.tensors else
+                   "no learned tensors: the artifact records the config")
         console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
-                      f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB, "
-                      f"{time.perf_counter() - started:.1f} s)")
+                      f"{learned}, {time.perf_counter() - started:.1f} s)")
 
     artifacts = run_calibrations(loaded, targets, calib["dataset"], calib["nsamples"], calib["seqlen"], calib["seed"],
                                  data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache, done)
     if evaluate:
         from kvcal.eval.run import compare_with_fp16
 
-        for artifact in artifacts:
-            rows = compare_with_fp16(loaded, artifact, calib["dataset"], data_dir, calib["seqlen"], eval_nsamples)
+        for (instance, target), artifact in zip(targets, artifacts):
+            records = compare_with_fp16(loaded, artifact, target, calib["dataset"], data_dir, calib["seqlen"],
+                                        eval_nsamples, dtype)
             table = Table("method", "PPL", "bits/elem", title=f"{calib['dataset']} evaluation split, "
                           f"{eval_nsamples} windows of {calib['seqlen']}, gptq protocol")
-            for name, ppl, bits in rows:
-                table.add_row(name, f"{ppl:.4f}", f"{bits:.3f}")
+            for record in records:
+                table.add_row(record["method"], f"{record['ppl']:.4f}", f"{record['bits_per_element']:.3f}")
+                record["command"] = invoked_command()
+                if eval_json_dir is not None:
+                    write_json_atomic(Path(eval_json_dir) / f"{record['setting']}.json", record)
             console.print(table)
 
 
@@ -171,9 +206,9 @@ def eval_ppl_command(
     if json_out and artifact and len(artifact) > 1:
         raise KvcalError("--json takes one artifact; use --json-dir with several")
     _positive("--batch-size", batch_size)
-    for path, folder in ((json_out, False), (json_dir, True)):
+    for path, folder, flag in ((json_out, False, "--json"), (json_dir, True, "--json-dir")):
         if path is not None:
-            check_writable(path, folder)
+            check_writable(path, folder, flag=flag)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                    protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic)
     table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
@@ -269,7 +304,7 @@ def bench_generate_command(
     from kvcal.runtime.bench_generate import MODES, capture_refusal, largest_batch, run_case_or_oom
 
     if json_out is not None:
-        check_writable(json_out, folder=False)
+        check_writable(json_out, folder=False, flag="--json")
     modes = mode or ["eager", "graph"]
     for m in modes:
         if m not in MODES:
@@ -373,7 +408,7 @@ def bench_decode_command(
     if window < 0:
         raise KvcalError(f"--window must be >= 0, got {window}")
     if json_out is not None:
-        check_writable(json_out, folder=False)
+        check_writable(json_out, folder=False, flag="--json")
     dims = ModelDims.from_config(llama31_8b_config())
     cases = [(name, codec, bits_per_element(method, dims).bits_per_element) for name, method, codec in
              bench.bench_cases(recipe or ([] if artifact else DECODE_BENCH_RECIPES), artifact or [], dims, sets)]
@@ -393,11 +428,18 @@ def bench_decode_command(
 
 
 @app.command("inspect")
-def inspect_command(path: Path = typer.Argument(..., help="Artifact file.")):
-    """Print an artifact's header, tensors, sizes and bits per element."""
+def inspect_command(path: Path = typer.Argument(..., help="Artifact file."),
+                    show_all: bool = typer.Option(False, "--all", help="Every tensor and every calibration "
+                                                  "diagnostic (default: a summary per tensor kind).")):
+    """Check an artifact and print its header, tensors, sizes and bits per element."""
+    import re
+    from collections import defaultdict
+
     from kvcal.artifact import load_artifact
+    from kvcal.methods.registry import check_artifact
 
     art = load_artifact(path)
+    check_artifact(art, path)
     h = art.header
     m = h["model"]
     console.print(f"[bold]{path}[/bold]")
@@ -415,14 +457,40 @@ def inspect_command(path: Path = typer.Argument(..., help="Artifact file.")):
     console.print(f"artifact     {len(art.tensors)} tensors, {art.nbytes()} bytes (static, not per token)")
     console.print(f"kvcal        {h.get('kvcal_version')}, schema {h['schema_version']}, "
                   f"tensor sha256 {str(h['tensor_hash'])[:16]}")
-    if h.get("info"):
-        console.print("info         " + json.dumps(h["info"], sort_keys=True))
-    if art.tensors:
+    long = []
+    for key, value in sorted((h.get("info") or {}).items()):
+        text = json.dumps(value, sort_keys=True)
+        if show_all or len(text) <= 160:
+            console.print(f"info         {key}: {text}")
+        else:
+            long.append(key)
+    if long:
+        console.print(f"info         {len(long)} longer diagnostics (--all prints them): {', '.join(long)}")
+    if not art.tensors:
+        return
+    if show_all:
         table = Table("tensor", "dtype", "shape", "bytes")
         for name in sorted(art.tensors, key=_natural):
             t = art.tensors[name]
             table.add_row(name, str(t.dtype).removeprefix("torch."), str(list(t.shape)), str(t.numel() * t.element_size()))
         console.print(table)
+        return
+    kinds = defaultdict(list)  # layers.{i}.{part}.{name} -> kind {part}.{name}, its layers
+    for name, t in art.tensors.items():
+        match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        kinds[match.group(2) if match else name].append((int(match.group(1)) if match else None, t))
+    table = Table("tensor kind", "layers", "dtype", "shape", "bytes")
+    for kind in sorted(kinds, key=_natural):
+        entries = kinds[kind]
+        layers = sorted(i for i, _ in entries if i is not None)
+        shapes = {tuple(t.shape) for _, t in entries}
+        dtypes = {str(t.dtype).removeprefix("torch.") for _, t in entries}
+        span = (f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else
+                ",".join(map(str, layers))) if layers else "-"
+        table.add_row(kind, span, "/".join(sorted(dtypes)), str(list(shapes.pop())) if len(shapes) == 1 else "varies",
+                      str(sum(t.numel() * t.element_size() for _, t in entries)))
+    console.print(table)
+    console.print(f"{len(art.tensors)} tensors in {len(kinds)} kinds (--all lists every tensor)")
 
 
 @app.command("compare")
@@ -466,22 +534,29 @@ def _positive(flag: str, value: int) -> None:
         raise KvcalError(f"{flag} must be positive, got {value}")
 
 
-def check_writable(path: Path, folder: bool, permission: bool = True) -> None:
-    """One-line errors, before any long work, for an output path kvcal could not write: a file path that is a
-    folder, a folder path that is a file, a parent that is a file, or (permission) a place without write permission
-    (os.access: always granted to root)."""
+def check_writable(path: Path, folder: bool, permission: bool = True, flag: str | None = None) -> None:
+    """One-line errors naming the flag, before any long work, for an output path kvcal could not write: a file path
+    that is a folder, a folder path that is a file, a parent that is a file, or (permission) a place where no file
+    can be created (probed by creating and deleting a temporary file in the nearest existing folder: permission
+    bits alone say yes to root, and /proc or a read-only mount refuse anyway)."""
     path = Path(path)
+    where = f"{flag} {path}" if flag else str(path)
     if not str(path).strip():
-        raise KvcalError("an output path is empty")
+        raise KvcalError(f"{flag or 'an output path'} is empty")
     if path.exists() and path.is_dir() != folder:
-        raise KvcalError(f"{path} is {'a file' if folder else 'a folder'}; expected {'a folder' if folder else 'a file path'}")
+        raise KvcalError(f"{where} is {'a file' if folder else 'a folder'}; expected {'a folder' if folder else 'a file path'}")
     existing = path if folder and path.is_dir() else path.parent
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise KvcalError(f"cannot write {path}: {existing} is a file, not a folder")
-    if permission and not os.access(existing, os.W_OK | os.X_OK):
-        raise KvcalError(f"cannot write {path}: no write permission in {existing}")
+        raise KvcalError(f"cannot write {where}: {existing} is a file, not a folder")
+    if permission:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".kvcal-write-check.", dir=existing)
+        except OSError as exc:
+            raise KvcalError(f"cannot write {where}: {exc.strerror or type(exc).__name__} in {existing}") from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def write_json_atomic(path: Path, record: dict) -> None:
@@ -514,6 +589,9 @@ def _finite_or_null(value):
     return value
 
 
+# artifacts and records are written to a temporary file and renamed: an interrupted command leaves none half-written
+INTERRUPTED = "nothing written (no artifact or record of this command is left half-written)"
+
 # click's exception base, whether typer re-exports click's (typer < 0.20) or its own vendored copy
 _CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
@@ -525,22 +603,24 @@ def main() -> None:
     try:
         # not standalone: click's usage errors reach us instead of being drawn as a multi-line box
         code = app(standalone_mode=False)  # typer.Exit(n) returns n here; commands return None
+        if code == 130:  # typer >= 0.2x turns Ctrl-C into Exit(130) itself, silently
+            make_console(stderr=True).print(f"[red]interrupted:[/red] {INTERRUPTED}")
     except Exception as exc:
         code = _report(exc)
     except KeyboardInterrupt:
-        Console(stderr=True).print("[red]interrupted[/red]")
+        make_console(stderr=True).print(f"[red]interrupted:[/red] {INTERRUPTED}")
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
 
 
 def _report(exc: Exception) -> int:
     """Print `exc` as one line on stderr and return its exit code (re-raise it under KVCAL_DEBUG=1)."""
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a group called without a command
         exc.show()
         return exc.exit_code
     if isinstance(exc, typer.Abort):  # click turns Ctrl-C (and EOF at a prompt) into Abort
-        err.print("[red]interrupted[/red]")
+        err.print(f"[red]interrupted:[/red] {INTERRUPTED}")
         return 130
     if os.environ.get("KVCAL_DEBUG") == "1":
         raise exc

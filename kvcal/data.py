@@ -39,7 +39,32 @@ def load_text(dataset: str, split: str, data_dir: str | None = None) -> Text:
     if split not in ("eval", "calib"):
         raise ValueError(split)
     if dataset == "wikitext2":
-        return _wikitext2(split, data_dir or os.environ.get("KVCAL_DATA_DIR"))
+        data_dir = data_dir or os.environ.get("KVCAL_DATA_DIR")
+    return _load_text(dataset, split, data_dir)
+
+
+def check_text(dataset: str, split: str, data_dir: str | None = None) -> None:
+    """The one-line error load_text would raise for a missing dataset, found without reading it (the CLI calls this
+    before loading a model): a local file or folder that lacks it, or no Hub and no cached copy."""
+    if dataset == "wikitext2":
+        data_dir = data_dir or os.environ.get("KVCAL_DATA_DIR")
+        if data_dir:
+            folder = Path(data_dir)
+            if not any((folder / name).is_file() for name in _wikitext_files(split)):
+                raise KvcalError(f"wikitext2 {split} data not found in {folder}: expected "
+                                 f"{' or '.join(_wikitext_files(split))}")
+        else:
+            _check_hub()
+        return
+    if dataset == "shakespeare":
+        _shakespeare(split)
+        return
+    _load_text(dataset, split, data_dir)  # a local file (read once more later) or the unknown-dataset error
+
+
+def _load_text(dataset: str, split: str, data_dir: str | None) -> Text:
+    if dataset == "wikitext2":
+        return _wikitext2(split, data_dir)
     if dataset == "shakespeare":
         return _shakespeare(split)
     path = Path(dataset)
@@ -59,10 +84,7 @@ def _sha(text: str) -> str:
 def _wikitext2(split: str, data_dir: str | None) -> Text:
     if data_dir:
         folder = Path(data_dir)
-        if split == "eval":
-            candidates = ["wiki.test.raw"]
-        else:
-            candidates = ["wiki.train.raw", "wiki.train.tokens", "wiki.valid.raw", "wiki.valid.tokens"]
+        candidates = _wikitext_files(split)
         for name in candidates:
             if (folder / name).is_file():
                 try:
@@ -75,6 +97,7 @@ def _wikitext2(split: str, data_dir: str | None) -> Text:
             f"wikitext2 {split} data not found in {folder}: expected {' or '.join(candidates)}"
         )
     hub_split = "test" if split == "eval" else "train"
+    _check_hub()
     try:
         from datasets import load_dataset
 
@@ -87,6 +110,28 @@ def _wikitext2(split: str, data_dir: str | None) -> Text:
         ) from None
     text = join_documents(rows)
     return Text(text, {"dataset": "wikitext2", "split": f"hub:{hub_split}", "sha256": _sha(text)})
+
+
+def _wikitext_files(split: str) -> list[str]:
+    """The local files of a split, in order of preference."""
+    if split == "eval":
+        return ["wiki.test.raw"]
+    return ["wiki.train.raw", "wiki.train.tokens", "wiki.valid.raw", "wiki.valid.tokens"]
+
+
+def _check_hub() -> None:
+    """Without a data folder: fail at once when the Hub is unreachable and `datasets` has no cached copy (instead of
+    its half a minute of retries); with a cached copy and no Hub, `datasets` is told to stay offline."""
+    from kvcal.models import hub_reachable
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False") or not hub_reachable():
+        cache = Path(os.environ.get("HF_DATASETS_CACHE") or Path(os.environ.get("HF_HOME") or
+                     Path.home() / ".cache" / "huggingface") / "datasets")
+        if not any(cache.glob("wikitext*")):
+            raise KvcalError("wikitext2 is not available offline (the Hub is unreachable and the datasets cache has "
+                             "no copy): pass --data-dir DIR holding wiki.test.raw (and wiki.train.raw or "
+                             "wiki.valid.tokens), or set KVCAL_DATA_DIR")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the cached copy, without retries (read at import)
 
 
 def _shakespeare(split: str) -> Text:

@@ -196,3 +196,80 @@ def test_unexpected_errors_are_one_line_with_exit_3(monkeypatch, capsys):
     monkeypatch.setenv("KVCAL_DEBUG", "1")
     with pytest.raises(RuntimeError):
         cli.main()
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["calibrate", "--method", "rtn", "--model", "tiny-llama", "--out", "/proc/kvcal-nope/x.safetensors"], "--out"),
+    (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--json", "/proc/kvcal-nope/r.json"], "--json"),
+])
+def test_an_unwritable_output_fails_first_naming_its_flag(argv, flag):
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc (a folder where no file can be created, even by root)")
+    assert_one_line_error(kvcal(*argv), f"cannot write {flag} /proc/kvcal-nope/")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda h: {**h, "config": {**h["config"], "bits": 4}}, "bits per element but its config gives"),
+    (lambda h: {**h, "method": "kvquant"}, "unknown config key 'group_size' for method kvquant"),
+])
+def test_inspect_refuses_an_edited_header(edit, needle, tiny_artifact, tmp_path):
+    art = _malformed_header(tiny_artifact, tmp_path, "edited", edit)
+    assert_one_line_error(kvcal("inspect", art), needle)
+
+
+def test_version_planned_methods_and_an_artifact_with_nothing_learned(tmp_path):
+    from kvcal import __version__
+
+    result = kvcal("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"kvcal {__version__}"
+    assert_one_line_error(kvcal("calibrate", "--method", "calibquant", "--model", "tiny-llama"),
+                          "calibquant is not implemented yet")
+    result = kvcal("calibrate", "--method", "rtn", "--model", "tiny-llama", "--out", tmp_path / "rtn.safetensors")
+    assert result.returncode == 0, result.stderr
+    assert "no learned tensors: the artifact records the config" in result.stdout
+
+
+def test_interrupt_says_nothing_was_written(tmp_path):
+    """SIGINT while the model loads: exit 130, one line, no artifact."""
+    import signal
+    import time
+
+    env = dict(os.environ, COLUMNS="200")
+    out = tmp_path / "a.safetensors"
+    proc = subprocess.Popen([sys.executable, "-m", "kvcal.cli", "calibrate", "--method", "kvquant", "--model",
+                             "tiny-llama", "--dataset", "shakespeare", "--nsamples", "64", "--seqlen", "512",
+                             "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: nothing written"), stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_missing_data_fails_at_once_with_one_line(tmp_path):
+    """No data folder and no Hub: the clear line comes from the data check that runs before the model loads (no
+    retries of `datasets`); a wrong --data-dir the same."""
+    env = {k: v for k, v in os.environ.items() if k != "KVCAL_DATA_DIR"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "empty"), COLUMNS="200")
+    result = subprocess.run([sys.executable, "-m", "kvcal.cli", "calibrate", "--method", "kvquant", "--model",
+                             "tiny-llama", "--out", str(tmp_path / "a.safetensors")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert_one_line_error(result, "wikitext2 is not available offline (the Hub is unreachable")
+    assert_one_line_error(kvcal("eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--data-dir", tmp_path),
+                          f"wikitext2 eval data not found in {tmp_path}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_calibrate_eval_writes_records_that_report_compares(tmp_path):
+    result = kvcal("calibrate", "--method", "kvquant", "--model", "tiny-llama", "--dataset", "shakespeare",
+                   "--nsamples", "2", "--seqlen", "64", "--eval", "--eval-nsamples", "2", "--eval-json-dir",
+                   tmp_path / "rec", "--out", tmp_path / "kvq.safetensors")
+    assert result.returncode == 0, result.stderr
+    fp16, kvq = (json.loads((tmp_path / "rec" / f"{n}.json").read_text()) for n in ("fp16", "kvq"))
+    assert (fp16["method"], kvq["method"], kvq["nsamples"], kvq["seqlen"]) == ("fp16", "kvquant", 2, 64)
+    printed = [line for line in result.stdout.splitlines() if line.startswith("│ kvquant")][0]
+    assert f"{kvq['ppl']:.4f}" in printed  # the record holds what the table printed
+    report = kvcal("report", tmp_path / "rec" / "fp16.json", tmp_path / "rec" / "kvq.json").stdout
+    assert f"{100 * (kvq['ppl'] / fp16['ppl'] - 1):+.1f}%" in report

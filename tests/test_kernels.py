@@ -240,6 +240,8 @@ def test_interpreted_cache_decode_matches_the_references(interpreted, codec):
     kernel (fp16, interpreter) gives the logits the torch references give: largest error per (row, step) measured
     1.1e-3 (rtn4) to 5.7e-3 (kvquant4_outliers); a kernel seeing one packed token less gave 0.7."""
     err = interpreted["cache"][codec]
+    if err is None:
+        pytest.skip(f"{codec} at its test_config has no packed storage yet (simulation and reference cache only)")
     assert err == err and err <= 2e-2, f"{codec}: relative error {err}"
 
 

@@ -38,14 +38,27 @@ def _relative(value: float, reference: dict | None) -> str:
     return f"{100 * (value / reference['ppl'] - 1):+.1f}%"
 
 
+def comparison_key(record: dict) -> tuple:
+    """What two records must share for one's perplexity to be compared with the other's: the model, the dataset and
+    split, the protocol (and its prompt length), the window length and the number of windows."""
+    dataset = record.get("dataset") or {}
+    return (json.dumps(record.get("model", {}).get("name")), dataset.get("dataset"), dataset.get("split"),
+            record.get("protocol"), record.get("prompt_len"), record.get("seqlen"), record.get("nsamples"))
+
+
 def markdown_table(records: list[dict], commands: bool = False) -> str:
-    reference = next((r for r in records if r["method"] == "fp16"), None)
+    """One row per record; "vs fp16" against the fp16 record of the same model, dataset, protocol, seqlen and
+    windows among `records` (blank when there is none)."""
+    references = {}
+    for r in records:
+        if r["method"] == "fp16":
+            references.setdefault(comparison_key(r), r)
     header = ["setting", "method", "PPL", "vs fp16", "bits/elem", "protocol", "windows", "device"]
     if commands:
         header.append("command")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in records:
-        delta = _relative(r["ppl"], reference)
+        delta = _relative(r["ppl"], references.get(comparison_key(r)))
         mode = r.get("mode", "simulate")
         row = [r["setting"], r["method"], f"{r['ppl']:.3f}", delta, f"{r['bits_per_element']:.2f}",
                r["protocol"] + ("" if mode in ("simulate", "simulated") else f" ({mode})"),

@@ -7,7 +7,7 @@ from pathlib import Path
 from kvcal import __version__, software_versions
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import load_artifact
-from kvcal.data import load_eval_windows
+from kvcal.data import check_text, load_eval_windows
 from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import PROTOCOLS, decoded_nll, scored_tokens, simulated_nll
@@ -33,7 +33,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                   protocol, prompt_len, batch_size, dtype, device, mode, backend) -> list[dict]:
     from kvcal.methods.registry import codec_for_artifact
-    from kvcal.models import load_model
+    from kvcal.models import check_model_args, load_model
     from kvcal.recipes import resolve
 
     if mode not in MODES:
@@ -68,6 +68,8 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
                 f"method {method.name} ({tag}) needs an artifact: run `kvcal calibrate --method {method.name}` "
                 "and pass it with --artifact"
             )
+    check_model_args(model or "smollm2-135m", dtype, device)
+    check_text(dataset, "eval", data_dir)  # a missing dataset fails here, before the model loads
     loaded = load_model(model or "smollm2-135m", dtype, device)
     targets = []  # (method, codec, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
@@ -120,15 +122,14 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
     }
 
 
-def compare_with_fp16(loaded, artifact, dataset, data_dir, seqlen, nsamples) -> list[tuple[str, float, float]]:
-    """(name, PPL, bits per element) of fp16 and of the artifact on the dataset's evaluation split."""
+def compare_with_fp16(loaded, artifact, path, dataset, data_dir, seqlen, nsamples, dtype: str) -> list[dict]:
+    """`kvcal eval ppl` records of fp16 and of the artifact on the dataset's evaluation split (gptq protocol)."""
     from kvcal.methods import build_method
 
-    _, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
-    rows = []
-    for method in (build_method("fp16"), build_method(artifact.method, artifact.config)):
-        codec = method.build_codec(artifact.tensors if method.name == artifact.method else {}, loaded.dims)
-        with progress_bar(f"ppl {method.name}", windows.shape[0]) as advance:
-            result = simulated_nll(loaded, codec, windows, progress=advance)
-        rows.append((method.name, result.ppl, bits_per_element(method, loaded.dims).bits_per_element))
-    return rows
+    text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
+    fp16 = build_method("fp16")
+    method = build_method(artifact.method, artifact.config)
+    record = {"path": str(path), "tensor_hash": artifact.header["tensor_hash"]}
+    return [ppl_record(loaded, fp16, fp16.build_codec({}, loaded.dims), "fp16", None, text, windows, dtype),
+            ppl_record(loaded, method, method.build_codec(artifact.tensors, loaded.dims), Path(path).stem, record, text,
+                       windows, dtype)]

@@ -289,7 +289,9 @@ class XQuant(Method):
 
     def build_codec(self, tensors, dims) -> Codec:
         self.check_model(dims)
-        if self.needs_artifact() and not tensors:
+        factored = any(role == PLAIN or role == DELTA or self.base_repr == "latent"
+                       for role, _ in self.layer_plan(dims.num_layers))  # a lone base layer caches full X
+        if self.needs_artifact() and factored and not tensors:
             raise KvcalError("xquant variant svd needs the SVD factors of an artifact: run `kvcal calibrate --method "
                              "xquant` (seconds, no data) and pass it with --artifact")
         return XQuantCodec(self, tensors, dims)

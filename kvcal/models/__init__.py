@@ -109,16 +109,23 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_model_args(name: str, dtype: str, device: str) -> tuple[torch.dtype, str]:
+    """The checks of load_model that need no loading (the CLI runs them before anything slow): the dtype, the device
+    and the model's name. Returns the torch dtype and the resolved device."""
+    torch_dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    if name not in ALIASES and not Path(name).is_dir():
+        known = ", ".join(ALIASES)
+        raise KvcalError(f"unknown model '{name}': use one of {known}, or a local Hugging Face model directory")
+    return torch_dtype, device
+
+
 def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bool = True) -> LoadedModel:
     """Load a model by alias or local directory and install kvcal's attention adapter on it."""
     from kvcal.models.adapter import install_adapter
 
-    torch_dtype = resolve_dtype(dtype)
-    device = resolve_device(device)
+    torch_dtype, device = check_model_args(name, dtype, device)
     spec = ALIASES.get(name)
-    if spec is None and not Path(name).is_dir():
-        known = ", ".join(ALIASES)
-        raise KvcalError(f"unknown model '{name}': use one of {known}, or a local Hugging Face model directory")
     _quiet_transformers()
     if spec is None:
         loaded = _load_local(name, torch_dtype, device)

@@ -347,7 +347,7 @@ class PackedLayer(_LayerBase):
         row_ids = self._index(rows)
         start = self.lengths[row_ids].long()  # packed tokens so far: the rows' next free slots
         slot = (start[:, None] + torch.arange(count, device=self.device)[None]).reshape(-1)  # [R*N]
-        row = row_ids[:, None].expand(-1, count).reshape(-1)
+        row = row_ids.repeat_interleave(count)  # contiguous: the write kernels index it as an array
         self._store([s.reshape(nrows * count, *s.shape[2:]) for s in sources], row, slot)
 
     def _full_precision(self) -> FullPrecision:
@@ -490,7 +490,7 @@ class PackedLayer(_LayerBase):
         offsets = self._index(range(p.block))
         oldest = p.sink + (self.ring_start_dev[:, None] + offsets[None]) % ring  # [B, block], oldest first
         self._store([s[rows[:, None], :, oldest].reshape(self.batch * p.block, *s.shape[1:2], s.shape[3])
-                     for s in self.fp_sources], rows[:, None].expand(-1, p.block).reshape(-1),
+                     for s in self.fp_sources], rows.repeat_interleave(p.block),
                     (self.lengths.long()[:, None] + offsets[None]).reshape(-1))
         self.fp_valid[rows[:, None], oldest] = self.fp_valid[rows[:, None], oldest] & ~flush[:, None]
         moved = flush.to(torch.int64) * p.block

@@ -184,9 +184,10 @@ class Storage:
               slots: torch.Tensor, kernel: bool) -> None:
         """Compress tokens keys/values [M, H, D] into slot slots[m] of row rows[m] (int64 device tensors [M]). The M
         tokens are runs of `policy.block` consecutive slots of one row each. `kernel`: the Triton kernel (CUDA)
-        rather than the torch reference."""
+        rather than the torch reference; kernels read rows and slots as plain int64 arrays, so they are made
+        contiguous here: an expanded index of stride 0 would be read past its one element)."""
         if kernel:
-            self.write_triton(packed, keys, values, rows, slots)
+            self.write_triton(packed, keys, values, rows.contiguous(), slots.contiguous())
         else:
             self.write_reference(packed, keys, values, rows, slots)
 

@@ -45,6 +45,7 @@ class CaptureStore:
         self.memory_bytes = 0
         self._spill_dir: Path | None = None
         self.positions: list[torch.Tensor] = []  # position of each token within its window
+        self.windows: torch.Tensor | None = None  # the calibration windows [N, T] (set by run_calibrations)
 
     def add(self, per_layer: list[dict[str, torch.Tensor]], positions: torch.Tensor) -> None:
         nbytes = sum(t.numel() * 4 for layer in per_layer for t in layer.values())

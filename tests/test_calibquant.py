@@ -265,6 +265,35 @@ def test_tail_protocol_equals_an_independent_token_by_token_decode(setting):
     assert abs(got.nll - exact.nll) > 1e-4  # the block was compressed
 
 
+def _every_method():
+    from kvcal.methods.registry import all_methods
+
+    return sorted(all_methods())
+
+
+@pytest.mark.parametrize("name", _every_method())
+def test_tail_protocol_runs_every_method(name):
+    """The tail protocol is generic: every registered method (its test_config; calibrated on the tiny model where it
+    learns) scores the tail's targets, and every compressing one moves the NLL away from fp16's."""
+    from kvcal.calib.capture import capture
+    from kvcal.methods.registry import all_methods
+    from kvcal.models import load_model
+
+    loaded = load_model("tiny-llama", "float64")
+    method = build_method(name, dict(all_methods()[name].test_config))
+    tensors = {}
+    if method.learns or method.needs_artifact():
+        calibration = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+        with capture(loaded, calibration, method.capture_needs()) as store:
+            tensors = method.calibrate(loaded, store)[0]
+    codec_ = method.build_codec(tensors, loaded.dims)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(9))
+    got = simulated_nll(loaded, codec_, ids, "tail", 52, prefix_len=4)
+    exact = simulated_nll(loaded, build_method("fp16").build_codec({}, loaded.dims), ids, "tail", 52, prefix_len=4)
+    assert got.tokens == 2 * 11 and math.isfinite(got.nll)
+    assert codec_.lossless or abs(got.nll - exact.nll) > 1e-6
+
+
 # -- errors --------------------------------------------------------------------------------------------------------
 
 

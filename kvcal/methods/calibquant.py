@@ -289,8 +289,9 @@ class CalibQuant(Method):
         dims = loaded.dims
         self.check_model(dims)
         c_k, c_v = self.range_scales()
-        info = {"range_scale": {"k": c_k, "v": c_v, "source": "authors' code" if self.bits == 1 and
-                                self.k_range_scale is None and self.v_range_scale is None else "config"},
+        defaults = self.k_range_scale is None and self.v_range_scale is None
+        info = {"range_scale": {"k": c_k, "v": c_v, "source": "default (the authors' code: 0.5 / 0.3 at 1 bit, 1.0 "
+                                "otherwise)" if defaults else "config"},
                 "remap": self.remap_on()}
         if not self.remap_on():
             return {}, info

@@ -184,8 +184,11 @@ def eval_ppl_command(
     data_dir: str | None = DataDirOpt,
     seqlen: int = typer.Option(2048, help="Tokens per evaluation window."),
     nsamples: int | None = typer.Option(None, help="Number of windows (default: all)."),
-    protocol: str = typer.Option("gptq", help="gptq or prefill-decode."),
+    protocol: str = typer.Option("gptq", help="gptq, prefill-decode or tail (full-precision prefix, a block "
+                                 "compressed in bulk, a full-precision tail scored alone; simulate mode)."),
     prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window (default: seqlen/2)."),
+    prefix_len: int | None = typer.Option(None, help="tail: full-precision prefix tokens (default: seqlen/64)."),
+    block_len: int | None = typer.Option(None, help="tail: compressed block tokens (default: 3*seqlen/4)."),
     batch_size: int = typer.Option(1, help="Windows per forward pass (decode mode: rows of the batch)."),
     mode: str = typer.Option("simulate", help="simulate (whole windows, the gptq emulation) or decode "
                              "(token by token through the real compressed cache)."),
@@ -210,7 +213,8 @@ def eval_ppl_command(
         if path is not None:
             check_writable(path, folder, flag=flag)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                                   protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic)
+                                   protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic,
+                                   prefix_len, block_len)
     table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
     for record in records:
         record["command"] = invoked_command()

@@ -45,6 +45,7 @@ class CaptureStore:
         self.memory_bytes = 0
         self._spill_dir: Path | None = None
         self.positions: list[torch.Tensor] = []  # position of each token within its window
+        self.windows: torch.Tensor | None = None  # the calibration windows [N, T] (capture and run_calibrations set it)
 
     def add(self, per_layer: list[dict[str, torch.Tensor]], positions: torch.Tensor) -> None:
         nbytes = sum(t.numel() * 4 for layer in per_layer for t in layer.values())
@@ -181,6 +182,7 @@ def capture(loaded, windows: torch.Tensor, needs, budget_bytes: int = 4 << 30, b
         raise ValueError(f"cannot capture {sorted(unknown)}")
     model = loaded.model
     store = CaptureStore(loaded.dims.num_layers, budget_bytes)
+    store.windows = windows
     fisher = "fisher" in needs
     saved_grad = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():  # gradients flow to activations only, never accumulate on weights

@@ -69,7 +69,10 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
         text = load_text(dataset, "calib", data_dir)
         windows = calibration_windows(tokenize(loaded.tokenizer, text.text), nsamples, seqlen, seed)
         needs = set().union(*(method.capture_needs() for method in learners))
-        store = cached_capture(loaded, windows, needs, budget_bytes, batch_size, capture_cache)
+        # a method that only runs the model on the windows (CalibQuant's tau search) needs no capture
+        store = (cached_capture(loaded, windows, needs, budget_bytes, batch_size, capture_cache) if needs
+                 else CaptureStore(loaded.dims.num_layers))
+        store.windows = windows
         calibration = {
             **text.provenance,
             "nsamples": nsamples,

@@ -6,6 +6,10 @@ Protocols:
 - prefill-decode: the first `prompt_len` tokens are a full-precision prefill, compressed in bulk
   afterwards; the rest are decoded one by one. Only the predictions made by decode steps count
   (targets prompt_len+1 .. seqlen-1).
+- tail (CalibQuant's regime, any method): a full-precision prefix of S tokens, a block of P tokens compressed in
+  bulk after the full-precision prefill of the S + P tokens, then a full-precision tail scored teacher-forced
+  (kvcal.eval.simulate.TailAttention). `prompt_len` is S + P (the prefill) and `prefix_len` is S; only the tail's
+  predictions count (targets S+P+1 .. seqlen-1: target S+P is the exact prefill's prediction).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcal.eval.simulate import SimulatedAttention
+from kvcal.errors import KvcalError
+from kvcal.eval.simulate import SimulatedAttention, TailAttention
 from kvcal.models.adapter import forward_with_cache
 
-PROTOCOLS = ("gptq", "prefill-decode")
+PROTOCOLS = ("gptq", "prefill-decode", "tail")
 
 
 @dataclass
@@ -34,7 +39,7 @@ class NllSum:
 
 def first_target(protocol: str, prompt_len: int) -> int:
     """Index of the first target token that counts."""
-    return prompt_len + 1 if protocol == "prefill-decode" else 1
+    return prompt_len + 1 if protocol in ("prefill-decode", "tail") else 1
 
 
 def scored_tokens(windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0) -> int:
@@ -50,9 +55,13 @@ def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.T
 
 
 def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
-                  batch_size: int = 1, progress=None) -> NllSum:
-    """NLL of the windows through the gptq simulation of `codec` (whole-window forwards, no cache)."""
-    handler = SimulatedAttention(codec, prompt_len if protocol == "prefill-decode" else 0)
+                  batch_size: int = 1, progress=None, prefix_len: int = 0) -> NllSum:
+    """NLL of the windows through the simulation of `codec` under `protocol` (whole-window forwards, no cache);
+    tail: `prompt_len` = S + P, `prefix_len` = S."""
+    if protocol == "tail":
+        handler = TailAttention(codec, prefix_len, prompt_len - prefix_len)
+    else:
+        handler = SimulatedAttention(codec, prompt_len if protocol == "prefill-decode" else 0)
     start = first_target(protocol, prompt_len)
     total = NllSum()
     with torch.inference_mode(), loaded.adapter.use(handler):
@@ -75,6 +84,9 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
     instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits)."""
     from kvcal.runtime.cache import KvcalCache
 
+    if protocol == "tail":
+        raise KvcalError("the tail protocol runs in simulate mode only (--mode simulate): the cache has no "
+                         "compress-this-block-once rule yet")
     start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
     total = NllSum()
     with torch.inference_mode():

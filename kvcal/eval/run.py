@@ -19,19 +19,21 @@ MODES = ("simulate", "decode")
 
 def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                          protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed",
-                         deterministic: bool = False) -> list[dict]:
+                         deterministic: bool = False, prefix_len: int | None = None,
+                         block_len: int | None = None) -> list[dict]:
     """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once.
     deterministic: the whole evaluation, model load included, in torch's deterministic mode (kvcal.determinism)."""
     with deterministic_algorithms(deterministic):
         records = _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                                protocol, prompt_len, batch_size, dtype, device, mode, backend)
+                                protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len, block_len)
     for record in records:
         record["deterministic"] = deterministic
     return records
 
 
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                  protocol, prompt_len, batch_size, dtype, device, mode, backend) -> list[dict]:
+                  protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
+                  block_len=None) -> list[dict]:
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import check_model_args, load_model
     from kvcal.recipes import resolve
@@ -52,6 +54,17 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         raise KvcalError("--prompt-len applies to --protocol prefill-decode only")
     else:
         prompt_len = 0
+    if protocol == "tail":
+        from kvcal.eval.simulate import tail_layout
+
+        if mode != "simulate":
+            raise KvcalError("--protocol tail runs in --mode simulate only")
+        prefix_len, block_len = tail_layout(seqlen, prefix_len, block_len)
+        prompt_len = prefix_len + block_len
+    elif prefix_len is not None or block_len is not None:
+        raise KvcalError("--prefix-len and --block-len apply to --protocol tail only")
+    else:
+        prefix_len = 0
     backend_ran(backend, "cpu")  # a one-line error for an unknown backend, before any loading
     if backend != "packed" and mode != "decode":
         raise KvcalError("--backend applies to --mode decode only")
@@ -81,13 +94,14 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         targets.append((method, method.build_codec({}, loaded.dims), setting, None))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     return [ppl_record(loaded, method, codec, setting, artifact_record, text, windows, dtype, protocol, prompt_len,
-                       batch_size, mode, backend) for method, codec, setting, artifact_record in targets]
+                       batch_size, mode, backend, prefix_len) for method, codec, setting, artifact_record in targets]
 
 
 def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None, text, windows, dtype: str,
                protocol: str = "gptq", prompt_len: int = 0, batch_size: int = 1, mode: str = "simulate",
-               backend: str = "packed") -> dict:
-    """Evaluate one codec on the windows and return `kvcal eval ppl`'s JSON record (without its command)."""
+               backend: str = "packed", prefix_len: int = 0) -> dict:
+    """Evaluate one codec on the windows and return `kvcal eval ppl`'s JSON record (without its command). Under the
+    tail protocol prompt_len is the full-precision prefill S + P and prefix_len is S."""
     # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window
     total, unit = ((scored_tokens(windows, protocol, prompt_len), "tokens") if mode == "decode"
                    else (windows.shape[0], "windows"))
@@ -95,7 +109,7 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
         if mode == "decode":
             result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance)
         else:
-            result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance)
+            result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance, prefix_len)
     bits = bits_per_element(method, loaded.dims)
     return {
         "method": method.name,
@@ -108,6 +122,10 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
         "dataset": text.provenance,
         "protocol": protocol,
         "prompt_len": prompt_len,
+        **({"tail_layout": {"prefix": prefix_len, "block": prompt_len - prefix_len,
+                            "tail": int(windows.shape[1]) - prompt_len,
+                            "scored_targets_per_window": int(windows.shape[1]) - prompt_len - 1}}
+           if protocol == "tail" else {}),
         "mode": mode,
         "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
         "seqlen": int(windows.shape[1]),

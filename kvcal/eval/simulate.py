@@ -1,4 +1,5 @@
-"""The `gptq` protocol's simulation: every query sees every key exactly as token-by-token decoding would.
+"""The `gptq` protocol's simulation: every query sees every key exactly as token-by-token decoding would (and the
+`tail` protocol's: a block compressed in bulk between a full-precision prefix and a full-precision tail).
 
 Compression in every method is either per token or per aligned block of tokens, so the reconstructed
 value of token j does not depend on when it is compressed. We therefore reconstruct all tokens once,
@@ -9,19 +10,23 @@ against a cache fed one token at a time (kvcal.runtime.cache).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from kvcal.errors import KvcalError
 from kvcal.models.adapter import AttentionInputs
-from kvcal.models.attention import attention, mixed_attention
+from kvcal.models.attention import NEG, additive_mask, attention, mixed_attention, remapped_attention
 from kvcal.quant.rope import apply_rope
 
 
-def reconstruct(codec, inp: AttentionInputs, k_src: torch.Tensor, state: dict):
+def reconstruct(codec, inp: AttentionInputs, k_src: torch.Tensor, state: dict, span: tuple[int, int] | None = None):
     """Reconstructed K (in the codec's key space) and V for every token compressed at some point of a
-    window of this length. The others (sinks, the final residual) are returned unchanged: no query in
-    the window sees them compressed. Codecs of source "x" rebuild them from the layer input.
+    window of this length (or of the tokens [start, end) of `span`, compressed together). The others (sinks, the final
+    residual) are returned unchanged: no query in the window sees them compressed. Codecs of source "x" rebuild them
+    from the layer input.
     """
-    start, end = codec.policy.compressed_span(k_src.shape[2])
+    start, end = codec.policy.compressed_span(k_src.shape[2]) if span is None else span
     k_hat, v_hat = k_src.clone(), inp.v.clone()
     if end > start:
         span = slice(start, end)
@@ -47,12 +52,82 @@ class SimulatedAttention:
         q, k_fp = inp.rotated()
         if self.codec.lossless:
             return attention(q, k_fp, inp.v, inp.mask, inp.scale)
+        if self.codec.bulk_only:
+            raise KvcalError(self.codec.bulk_only)
         length = inp.k_pre.shape[2]
         k_src = inp.k_pre if self.codec.keys_pre_rope else k_fp
         k_hat, v_hat = reconstruct(self.codec, inp, k_src, self.state)
         if self.codec.keys_pre_rope:
             k_hat = apply_rope(k_hat, inp.cos, inp.sin)
         full_precision = self.codec.policy.full_precision_mask(length, self.prompt_len, q.device)
+        if self.codec.remaps_scores:  # one softmax over [k_fp; k_hat], exactly one copy of each key allowed
+            bias = additive_mask(inp.mask, q.shape[2], length, q.device)
+            fp = full_precision[None, None]
+            both = torch.cat([torch.where(fp, bias, NEG), torch.where(fp, NEG, bias)], dim=-1)
+            compressed = torch.cat([torch.zeros_like(fp), ~fp], dim=-1)
+            return remapped_attention(q, torch.cat([k_fp, k_hat], 2), torch.cat([inp.v, v_hat], 2), both, compressed,
+                                      inp.scale, functools.partial(self.codec.remap_scores, inp.layer_idx))
         if not full_precision.any():
             return attention(q, k_hat, v_hat, inp.mask, inp.scale)
         return mixed_attention(q, k_fp, inp.v, k_hat, v_hat, full_precision, inp.mask, inp.scale)
+
+
+def tail_layout(seqlen: int, prefix_len: int | None = None, block_len: int | None = None) -> tuple[int, int]:
+    """(S, P) of the tail protocol for windows of `seqlen`: a full-precision prefix of S tokens (default seqlen/64:
+    32 at 2048), a compressed block of P tokens (default 3/4 of seqlen: 1536 at 2048) and a full-precision tail of the
+    rest (480 at 2048; digest calibquant §8.1). One-line error unless S >= 0, P >= 1 and the tail holds at least
+    two tokens (its first query predicts a counted target)."""
+    prefix = seqlen // 64 if prefix_len is None else prefix_len
+    block = 3 * seqlen // 4 if block_len is None else block_len
+    if prefix < 0 or block < 1 or prefix + block > seqlen - 2:
+        raise KvcalError(f"the tail protocol needs prefix >= 0, block >= 1 and prefix + block <= seqlen - 2; got "
+                         f"prefix {prefix}, block {block}, seqlen {seqlen}")
+    return prefix, block
+
+
+class TailAttention:
+    """Adapter handler for whole-window forwards under the `tail` protocol (any method).
+
+    Tokens [0, S+P) are the full-precision prefill: their queries attend exactly. Then the block [S, S+P) is
+    compressed in bulk, the codec's `reconstruct` (or `rematerialize`) taking the whole block as one span (a
+    whole-block statistic, such as CalibQuant's per-channel ranges, spans all P tokens), and the tail queries
+    [S+P, T) see [full-precision prefix | the reconstructed block | the causal full-precision tail], with the
+    codec's score remap on the block. The codec's own flush policy (sinks, residual window) does not apply: the
+    protocol's prefix and tail are its full-precision tokens. P must be a multiple of the policy's block."""
+
+    def __init__(self, codec, prefix: int, block: int):
+        if not codec.lossless and block % codec.policy.block:
+            raise KvcalError(f"the tail protocol's block of {block} tokens is not a multiple of the method's "
+                             f"{codec.policy.block}-token blocks: choose --block-len accordingly")
+        self.codec, self.prefix, self.block = codec, prefix, block
+        self.state: dict = {}
+
+    def attend(self, inp: AttentionInputs) -> torch.Tensor:
+        if inp.cache is not None:
+            raise RuntimeError("the tail simulation runs whole windows without a cache (use_cache=False)")
+        q, k_fp = inp.rotated()
+        if self.codec.lossless:
+            return attention(q, k_fp, inp.v, inp.mask, inp.scale)
+        length = k_fp.shape[2]
+        start, end = self.prefix, self.prefix + self.block
+        if end >= length:
+            raise KvcalError(f"the tail protocol's prefix + block ({end}) leaves no tail in a window of {length}")
+        mask = inp.mask
+        head_mask = None if mask is None else mask[..., :end, :end]
+        head = attention(q[:, :, :end], k_fp[:, :, :end], inp.v[:, :, :end], head_mask, inp.scale)
+        k_src = inp.k_pre if self.codec.keys_pre_rope else k_fp
+        k_hat, v_hat = reconstruct(self.codec, inp, k_src, self.state, (start, end))
+        if self.codec.keys_pre_rope:
+            k_hat = apply_rope(k_hat, inp.cos, inp.sin)
+        k_mix, v_mix = k_fp.clone(), inp.v.clone()  # each key in one version for every tail query
+        k_mix[:, :, start:end], v_mix[:, :, start:end] = k_hat[:, :, start:end], v_hat[:, :, start:end]
+        q_tail = q[:, :, end:]
+        if self.codec.remaps_scores:
+            bias = additive_mask(mask, q_tail.shape[2], length, q.device)
+            compressed = torch.zeros(length, dtype=torch.bool, device=q.device)
+            compressed[start:end] = True
+            tail = remapped_attention(q_tail, k_mix, v_mix, bias, compressed, inp.scale,
+                                      functools.partial(self.codec.remap_scores, inp.layer_idx))
+        else:
+            tail = attention(q_tail, k_mix, v_mix, mask, inp.scale)
+        return torch.cat([head, tail], dim=2)

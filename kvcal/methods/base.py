@@ -38,12 +38,22 @@ class Codec:
       simulation and the packed cache. Methods whose published math the storage cannot hold exactly override it.
     - `source`: what the cache compresses of each token: "kv" (its keys and values: `reconstruct`) or "x" (the
       layer's attention input, from which the codec rebuilds keys and values: `rematerialize`).
+    - `remap_scores(layer, scores, compressed)`: what the method does to the pre-softmax scores (q.k * scale) of the
+      keys attention sees compressed, before the softmax that they share with the full-precision keys: the identity
+      unless `remaps_scores` (a logit remap is not a K-hat and a V-hat). The simulation and the dequantized
+      reference cache then compute attention with explicit scores and call it; the packed storages do it in
+      `attend`.
+    - `bulk_only`: non-empty for a codec that compresses a span of tokens only as a whole (its statistics span the
+      block it is given), so it has no token-by-token flush rule: it runs under the `tail` protocol only; the string
+      says why, as the one-line refusal of the other protocols and of the cache.
     """
 
     policy: FlushPolicy = FlushPolicy()
     keys_pre_rope: bool = False  # compress keys before RoPE and rotate after reconstruction
     lossless: bool = False  # nothing is compressed (fp16 baseline)
     source: str = "kv"
+    remaps_scores: bool = False  # remap_scores is not the identity
+    bulk_only: str = ""
 
     def storage(self, layer: int) -> Storage | None:
         return None
@@ -59,6 +69,12 @@ class Codec:
         if storage is None:
             raise KvcalError(self.storage_refusal())
         return round_trip(storage, k, v)
+
+    def remap_scores(self, layer: int, scores: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
+        """scores [B, Hq, Tq, Tk] (float, after the 1/sqrt(d) scale, before the mask), compressed bool broadcastable
+        to them: True where the query sees that key compressed (and the mask allows it) -> the scores the softmax
+        takes (entries where compressed is False must come back unchanged). Default: the identity."""
+        return scores
 
     def rematerialize(self, layer: int, x: torch.Tensor, proj, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """For source "x" codecs: x [B, T, hidden], the attention inputs of a span of tokens compressed together (T

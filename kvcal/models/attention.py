@@ -88,3 +88,22 @@ def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: fl
     fp = full_precision[None, None]
     both = torch.cat([torch.where(fp, bias, NEG), torch.where(fp, NEG, bias)], dim=-1)
     return _sdpa(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both, scale)
+
+
+def remapped_attention(q, k, v, bias: torch.Tensor, compressed: torch.Tensor, scale: float, remap) -> torch.Tensor:
+    """Attention with explicit scores, for codecs that remap the scores of compressed keys (Codec.remap_scores).
+
+    q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], bias an additive float mask broadcastable to [B, 1, Tq, Tk] (NEG where
+    masked), compressed bool broadcastable to [B, 1, Tq, Tk]: the keys the query sees compressed. The scores
+    q.k * scale of the allowed compressed keys go through `remap(scores, compressed)` ([B, Hq, Tq, Tk]); then one
+    softmax over all keys (masked keys get NEG, as in SDPA) in at least float32, and the weighted sum of v."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    groups = q.shape[1] // k.shape[1]
+    k = k.to(dtype).repeat_interleave(groups, 1)
+    v = v.to(dtype).repeat_interleave(groups, 1)
+    scores = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    bias = bias.to(dtype)
+    allowed = bias > NEG / 2
+    scores = remap(scores, compressed & allowed)
+    scores = torch.where(allowed, scores + bias, torch.finfo(dtype).min)
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)

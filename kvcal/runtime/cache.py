@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
-from kvcal.models.attention import attention, decode_attention_masked
+from kvcal.models.attention import additive_mask, attention, decode_attention_masked, remapped_attention
 from kvcal.quant.rope import apply_rope
 from kvcal.runtime.decode import FullPrecision, decode_attention
 from kvcal.runtime.graph import GraphPool, StepGraph
@@ -136,7 +136,22 @@ class DequantizedLayer(_LayerBase):
             self.flush(inp)
             return out
         self.flush(inp)
+        if self.codec.remaps_scores:
+            return self._remapped(q, inp)
         return attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
+
+    def _remapped(self, q, inp) -> torch.Tensor:
+        """Attention with the codec's remap of the compressed keys' scores (Codec.remap_scores): row b sees its
+        tokens [pad + sink, pad + sink + compressed[b]) compressed."""
+        batch, length = q.shape[0], self.k_seen.shape[2]
+        positions = torch.arange(length, device=q.device)
+        compressed = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=q.device)
+        for b, pad in enumerate(self.pads):
+            start = pad + self.codec.policy.sink
+            compressed[b, 0, 0] = (positions >= start) & (positions < start + self.compressed[b])
+        bias = additive_mask(inp.mask, q.shape[2], length, q.device)
+        return remapped_attention(q, self.k_seen, self.v_seen, bias, compressed, inp.scale,
+                                  functools.partial(self.codec.remap_scores, self.layer_idx))
 
 
 def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
@@ -650,6 +665,8 @@ class KvcalCache(Cache):
         if backend not in BACKENDS:
             raise KvcalError(f"unknown cache backend '{backend}' ({', '.join(BACKENDS)})")
         self.shared = SharedState()
+        if codec.bulk_only and not codec.lossless:
+            raise KvcalError(codec.bulk_only)
         if codec.lossless:
             layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
         elif backend == "dequantized":

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# CalibQuant 1-bit ablations on smollm2-135m (digest §8.2 run 3; same budget and windows as run.sh): the ablations
+# that search tau (c = (1, 1), global V, per-token V) are calibrated as run.sh does; then their tail-protocol
+# perplexities, and a diagnostic run with tau fixed at (100, 100): slope 1, every block score lowered by 100, so the
+# block gets ~0 attention weight (the block evicted; not a paper setting).
+# Run from the repository root after run.sh: bash results/calibquant/run-ablations.sh
+# (26 Nov 2026: the evict and calibquant-1bit-c1 stages ran; vglobal was stopped after 29 minutes of its search on the
+# shared 2-core machine, and vtoken not started, for the deadline: run-extra.sh has a fixed-tau vtoken row instead)
+set -euo pipefail
+export KVCAL_DATA_DIR=${KVCAL_DATA_DIR:-../shared/data/wikitext2}
+KVCAL="python -m kvcal.cli"
+OUT=results/calibquant
+ART=artifacts/smollm2-135m
+CAL="--model smollm2-135m --nsamples 4 --seqlen 2048 --device cpu"
+EVAL="--protocol tail --seqlen 2048 --nsamples 4 --device cpu"
+
+stage=${1:-all}
+if [[ $stage == all || $stage == evict ]]; then
+  $KVCAL eval ppl --method calibquant --set bits=1 --set tau1=100 --set tau2=100 $EVAL \
+    --json $OUT/ppl-tail-calibquant-1bit-tau100-100-block-evicted-4x2048.json
+fi
+for r in calibquant-1bit-c1 calibquant-1bit-vglobal calibquant-1bit-vtoken; do
+  if [[ $stage == all || $stage == $r ]]; then
+    $KVCAL calibrate $CAL --recipe ablations/$r --out $ART/$r.safetensors
+    $KVCAL inspect $ART/$r.safetensors > $ART/$r.inspect.txt
+    $KVCAL eval ppl --artifact $ART/$r.safetensors $EVAL --json $OUT/ppl-tail-$r-4x2048.json
+  fi
+done

@@ -366,7 +366,7 @@ def test_calibrate_then_eval_tail_on_smollm2(tmp_path, wikitext_dir, smollm2):
     cal = kvcal("calibrate", "--method", "calibquant", "--set", "tau_grid=0,3", "--model", "smollm2-135m",
                 "--data-dir", wikitext_dir, "--nsamples", 1, "--seqlen", 256, "--out", out)
     assert cal.returncode == 0, cal.stderr
-    shown = kvcal("inspect", out)
+    shown = kvcal("inspect", out, "--all")
     assert shown.returncode == 0 and "tau_search" in shown.stdout
     records = {}
     for name, args in (("cq", ("--artifact", out)), ("fp16", ("--method", "fp16"))):

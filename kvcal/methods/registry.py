@@ -14,15 +14,9 @@ def register(cls):
     return cls
 
 
-# methods of kvcal's plan that are not built yet: named as such, not treated as typos
-PLANNED = ("calibquant",)
-
-
 def method_class(name: str):
     _load_all()
     if name not in METHODS:
-        if name in PLANNED:
-            raise KvcalError(f"{name} is not implemented yet (available: {', '.join(sorted(METHODS))})")
         raise KvcalError(f"unknown method '{name}' (known: {', '.join(sorted(METHODS))})")
     return METHODS[name]
 

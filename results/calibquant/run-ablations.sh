@@ -4,8 +4,8 @@
 # perplexities, and a diagnostic run with tau fixed at (100, 100): slope 1, every block score lowered by 100, so the
 # block gets ~0 attention weight (the block evicted; not a paper setting).
 # Run from the repository root after run.sh: bash results/calibquant/run-ablations.sh
-# (26 Nov 2026: the evict and calibquant-1bit-c1 stages ran; vglobal was stopped after 29 minutes of its search on the
-# shared 2-core machine, and vtoken not started, for the deadline: run-extra.sh has a fixed-tau vtoken row instead)
+# (not all stages have records: the vglobal and vtoken searches were not run to the end; run-extra.sh has a
+# fixed-tau vtoken row instead)
 set -euo pipefail
 export KVCAL_DATA_DIR=${KVCAL_DATA_DIR:-../shared/data/wikitext2}
 KVCAL="python -m kvcal.cli"

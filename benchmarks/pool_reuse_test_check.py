@@ -1,5 +1,5 @@
 """Can `test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu` fail? `per-layer` gives every capture a
-stream of its own (as StepGraph did before stop 31: one stream per layer), `shared` runs the code as it is:
+stream of its own (as StepGraph once did: one stream per layer), `shared` runs the code as it is:
 
   python benchmarks/pool_reuse_test_check.py per-layer   # expected to fail
   python benchmarks/pool_reuse_test_check.py shared

@@ -287,7 +287,7 @@ def test_synthetic_fill_is_a_prefill_of_that_length(kvquant_artifact, name, conf
     with torch.inference_mode():
         out = forward_with_cache(tiny.model, torch.randint(0, 256, (3, 1)), synthetic).logits
     assert out.shape == (3, 1, 259) and torch.isfinite(out).all() and synthetic.get_seq_length() == 201
-    if name != "kvquant":  # KVQuant's key slots hold twice the nominal outlier rate (README: +4-8% at 8B shapes)
+    if name != "kvquant":  # KVQuant's key slots hold twice the nominal outlier rate (docs/runtime.md: +4-8% at 8B shapes)
         predicted = 3 * bits_per_element(method, tiny.dims, 201).bits_per_element * kv_elements(tiny.dims, 201) / 8
         assert synthetic.nbytes()[1] == pytest.approx(predicted, rel=0.1)
 
@@ -581,7 +581,7 @@ def test_step_graphs_equal_launched_steps_on_gpu(which, tmp_path):
 def test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu():
     """The step graphs of a cache's layers capture on one stream into one pool, so each layer's recording reuses the
     memory of the previous layer's temporaries: 4 layers leave the pool about as large as 1 layer does. With a
-    capture stream per layer (before stop 31) torch's allocator could not reuse a block across layers, and the pool
+    capture stream per layer (as StepGraph once did) torch's allocator could not reuse a block across layers, and the pool
     held every layer's temporaries (KVQuant: 32 x 200 MiB at 49 rows of 32K, Llama-3.1-8B shapes). H100, this test
     alone (`benchmarks/pool_reuse_test_check.py`): 2.1 MB for 1 and 4 layers; with a stream per layer 2.1 and 8.4 MB,
     and the test fails."""

@@ -20,12 +20,14 @@ from kvcal.models.attention import NEG, additive_mask, attention, mixed_attentio
 from kvcal.quant.rope import apply_rope
 
 
-def reconstruct(codec, inp: AttentionInputs, k_src: torch.Tensor, state: dict, span: tuple[int, int] | None = None):
-    """Reconstructed K (in the codec's key space) and V for every token compressed at some point of a
-    window of this length (or of the tokens [start, end) of `span`, compressed together). The others (sinks, the final
-    residual) are returned unchanged: no query in the window sees them compressed. Codecs of source "x" rebuild them
-    from the layer input.
+def reconstruct(codec, inp: AttentionInputs, k_fp: torch.Tensor, state: dict, span: tuple[int, int] | None = None):
+    """Reconstructed K (after RoPE, as attention sees it) and V for every token compressed at some point of a window
+    of this length (or of the tokens [start, end) of `span`, compressed together). The others (sinks, the final
+    residual) are returned unchanged: no query in the window sees them compressed. Keys are compressed in the codec's
+    key space (before RoPE for keys_pre_rope, then rotated); codecs of source "x" rebuild K and V from the layer
+    input.
     """
+    k_src = inp.k_pre if codec.keys_pre_rope else k_fp
     start, end = codec.policy.compressed_span(k_src.shape[2]) if span is None else span
     k_hat, v_hat = k_src.clone(), inp.v.clone()
     if end > start:
@@ -35,6 +37,8 @@ def reconstruct(codec, inp: AttentionInputs, k_src: torch.Tensor, state: dict, s
         else:
             k_hat[:, :, span], v_hat[:, :, span] = codec.reconstruct(inp.layer_idx, k_src[:, :, span],
                                                                      inp.v[:, :, span])
+    if codec.keys_pre_rope:
+        k_hat = apply_rope(k_hat, inp.cos, inp.sin)
     return k_hat, v_hat
 
 
@@ -55,10 +59,7 @@ class SimulatedAttention:
         if self.codec.bulk_only:
             raise KvcalError(self.codec.bulk_only)
         length = inp.k_pre.shape[2]
-        k_src = inp.k_pre if self.codec.keys_pre_rope else k_fp
-        k_hat, v_hat = reconstruct(self.codec, inp, k_src, self.state)
-        if self.codec.keys_pre_rope:
-            k_hat = apply_rope(k_hat, inp.cos, inp.sin)
+        k_hat, v_hat = reconstruct(self.codec, inp, k_fp, self.state)
         full_precision = self.codec.policy.full_precision_mask(length, self.prompt_len, q.device)
         if self.codec.remaps_scores:  # one softmax over [k_fp; k_hat], exactly one copy of each key allowed
             bias = additive_mask(inp.mask, q.shape[2], length, q.device)
@@ -115,10 +116,7 @@ class TailAttention:
         mask = inp.mask
         head_mask = None if mask is None else mask[..., :end, :end]
         head = attention(q[:, :, :end], k_fp[:, :, :end], inp.v[:, :, :end], head_mask, inp.scale)
-        k_src = inp.k_pre if self.codec.keys_pre_rope else k_fp
-        k_hat, v_hat = reconstruct(self.codec, inp, k_src, self.state, (start, end))
-        if self.codec.keys_pre_rope:
-            k_hat = apply_rope(k_hat, inp.cos, inp.sin)
+        k_hat, v_hat = reconstruct(self.codec, inp, k_fp, self.state, (start, end))
         k_mix, v_mix = k_fp.clone(), inp.v.clone()  # each key in one version for every tail query
         k_mix[:, :, start:end], v_mix[:, :, start:end] = k_hat[:, :, start:end], v_hat[:, :, start:end]
         q_tail = q[:, :, end:]

@@ -6,13 +6,7 @@
 # Run from the repository root after run.sh: bash results/calibquant/run-ablations.sh
 # (not all stages have records: the vglobal and vtoken searches were not run to the end; run-extra.sh has a
 # fixed-tau vtoken row instead)
-set -euo pipefail
-export KVCAL_DATA_DIR=${KVCAL_DATA_DIR:-../shared/data/wikitext2}
-KVCAL="python -m kvcal.cli"
-OUT=results/calibquant
-ART=artifacts/smollm2-135m
-CAL="--model smollm2-135m --nsamples 4 --seqlen 2048 --device cpu"
-EVAL="--protocol tail --seqlen 2048 --nsamples 4 --device cpu"
+source "$(dirname "$0")/env.sh"
 
 stage=${1:-all}
 if [[ $stage == all || $stage == evict ]]; then

@@ -3,11 +3,7 @@
 # groups of 32 tokens (KIVI-2's key granularity) with the authors' tau (0, 3) and without the remap, to separate the
 # range granularity from the remap in the comparison with KIVI-2; per-token V at 1 bit; the attention diagnostics.
 # Run from the repository root: bash results/calibquant/run-extra.sh
-set -euo pipefail
-export KVCAL_DATA_DIR=${KVCAL_DATA_DIR:-../shared/data/wikitext2}
-KVCAL="python -m kvcal.cli"
-OUT=results/calibquant
-EVAL="--protocol tail --seqlen 2048 --nsamples 4 --device cpu"
+source "$(dirname "$0")/env.sh"
 $KVCAL eval ppl --method calibquant --set bits=2 --set group_tokens=32 --set tau1=0 --set tau2=3 $EVAL \
   --json $OUT/ppl-tail-calibquant-2bit-g32-tau0-3-4x2048.json
 $KVCAL eval ppl --method calibquant --set bits=2 --set group_tokens=32 --set calibration=false $EVAL \

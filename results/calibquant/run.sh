@@ -3,13 +3,7 @@
 # random 2048-token windows of the WikiText-2 calibration split (seed 0), then perplexity under the tail protocol on
 # the first 4 test windows of 2048 (prefix 32, block 1536, tail 480: 479 scored targets per window).
 # Run from the repository root: bash results/calibquant/run.sh
-set -euo pipefail
-export KVCAL_DATA_DIR=${KVCAL_DATA_DIR:-../shared/data/wikitext2}
-KVCAL="python -m kvcal.cli"
-OUT=results/calibquant
-ART=artifacts/smollm2-135m
-CAL="--model smollm2-135m --nsamples 4 --seqlen 2048 --device cpu"
-EVAL="--protocol tail --seqlen 2048 --nsamples 4 --device cpu"
+source "$(dirname "$0")/env.sh"
 
 stage=${1:-all}
 if [[ $stage == all || $stage == calib ]]; then

@@ -72,8 +72,35 @@ def check_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int) -> Non
             raise ValueError(f"tensor '{name}' names a layer beyond the model's {num_layers}")
 
 
-def make_header(method, loaded, calibration: dict | None, bits, info: dict | None = None) -> dict:
-    """The header without its tensor hash, which `save_artifact` adds."""
+def software_versions() -> dict:
+    """Versions of what a result depends on through float rounding (recorded, never compared)."""
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def provenance(device, seconds: float | None = None) -> dict:
+    """Where an artifact was made and how long calibration took: may differ between two runs of the same calibration
+    (kvcal compare skips it). No timestamp: the same calibration on the same machine writes the same header."""
+    out = {"device": str(device), "software": software_versions()}
+    if seconds is not None:
+        out["seconds"] = round(seconds, 1)
+    return out
+
+
+def make_header(method, loaded, calibration: dict | None, bits, info: dict | None = None,
+                seconds: float | None = None) -> dict:
+    """The header without its tensor hash, which `save_artifact` adds. `tensor_kinds` says what each tensor is
+    (how kvcal compare compares it: kvcal/compare.py)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "method": method.name,
@@ -84,6 +111,8 @@ def make_header(method, loaded, calibration: dict | None, bits, info: dict | Non
         "bits_per_element": round(bits.bits_per_element, 6),
         "bits": bits.to_dict(),
         "info": info or {},
+        "tensor_kinds": dict(getattr(method, "tensor_kinds", {}) or {}),
+        "provenance": provenance(getattr(loaded, "device", "cpu"), seconds),
     }
 
 
@@ -214,42 +243,3 @@ def flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[name] = value
     return out
-
-
-@dataclass
-class Difference:
-    where: str  # "header" or a tensor name
-    what: str
-
-
-# Header fields that are expected to change between otherwise equal artifacts.
-IGNORED_IN_COMPARE = ("tensor_hash", "kvcal_version")
-
-
-def compare_artifacts(a: Artifact, b: Artifact, rtol: float = 0.0, atol: float = 0.0) -> list[Difference]:
-    diffs: list[Difference] = []
-    ha = {k: v for k, v in flatten(a.header).items() if k not in IGNORED_IN_COMPARE}
-    hb = {k: v for k, v in flatten(b.header).items() if k not in IGNORED_IN_COMPARE}
-    for key in sorted(set(ha) | set(hb)):
-        va, vb = ha.get(key, "<absent>"), hb.get(key, "<absent>")
-        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
-            if abs(va - vb) <= atol + rtol * abs(vb):
-                continue
-        elif va == vb:
-            continue
-        diffs.append(Difference("header", f"{key}: {_short(va)} != {_short(vb)}"))
-    for name in sorted(set(a.tensors) | set(b.tensors)):
-        ta, tb = a.tensors.get(name), b.tensors.get(name)
-        if ta is None or tb is None:
-            diffs.append(Difference(name, "only in " + ("B" if ta is None else "A")))
-        elif ta.shape != tb.shape or ta.dtype != tb.dtype:
-            diffs.append(Difference(name, f"{ta.dtype}{list(ta.shape)} != {tb.dtype}{list(tb.shape)}"))
-        elif ta.is_floating_point():
-            fa, fb = ta.double(), tb.double()
-            if not torch.allclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True):
-                diff = (fa - fb).abs()
-                diffs.append(Difference(name, f"max |A-B| = {diff.max().item():.3g} "
-                                              f"({(diff > atol + rtol * fb.abs()).sum().item()} of {ta.numel()} beyond tolerance)"))
-        elif not torch.equal(ta, tb):
-            diffs.append(Difference(name, f"{(ta != tb).sum().item()} of {ta.numel()} integer entries differ"))
-    return diffs

@@ -499,27 +499,53 @@ def inspect_command(path: Path = typer.Argument(..., help="Artifact file."),
 
 @app.command("compare")
 def compare_command(
-    a: Path = typer.Argument(..., help="First artifact."),
-    b: Path = typer.Argument(..., help="Second artifact."),
-    rtol: float = typer.Option(0.0, help="Relative tolerance for float tensors and numbers."),
-    atol: float = typer.Option(0.0, help="Absolute tolerance for float tensors and numbers."),
+    a: Path = typer.Argument(..., help="Artifact to check."),
+    b: Path = typer.Argument(..., help="Reference artifact (relative differences are taken against it)."),
+    rtol: float = typer.Option(0.0, help="Relative tolerance of every tensor kind not given by --tol."),
+    atol: float = typer.Option(0.0, help="Absolute tolerance of every tensor kind not given by --tol."),
+    tol: list[str] = typer.Option([], "--tol", help="Tolerance of one tensor kind: KIND=RTOL,ATOL (repeatable; kinds: "
+                                  "codebook, datatype, svd_left, svd_right, spectrum, range, index, weights, tensor, "
+                                  "diagnostic)."),
+    show_all: bool = typer.Option(False, "--all", help="Also list the diagnostics that differ (never a failure)."),
 ):
-    """Diff two artifacts; exit 1 if they differ beyond tolerance, 0 otherwise."""
-    from kvcal.artifact import compare_artifacts, load_artifact
+    """Diff two artifacts by what each tensor is; exit 1 if they differ beyond tolerance, 0 otherwise.
+
+    The summary line comes first. Codebooks are compared up to a permutation of their codewords, SVD factors up to
+    sign, datatypes as sorted sets (the kinds the header records); header fields must match exactly apart from
+    provenance (time, device, software versions)."""
+    from kvcal.artifact import load_artifact
+    from kvcal.compare import Tolerance, compare_artifacts, parse_tolerances
 
     for flag, value in (("--rtol", rtol), ("--atol", atol)):
         if not value >= 0 or not math.isfinite(value):  # nan fails both
             raise KvcalError(f"{flag} must be a finite number >= 0, got {value}")
-    diffs = compare_artifacts(load_artifact(a), load_artifact(b), rtol, atol)
-    if not diffs:
-        console.print(f"identical within rtol={rtol:g} atol={atol:g}")
-        raise typer.Exit(0)
-    table = Table("where", "difference")
-    for d in diffs:
-        table.add_row(d.where, d.what)
-    console.print(table)
-    console.print(f"{len(diffs)} difference(s) beyond rtol={rtol:g} atol={atol:g}")
-    raise typer.Exit(1)
+    tolerances = parse_tolerances(tol)
+    result = compare_artifacts(load_artifact(a), load_artifact(b), tolerances, Tolerance(rtol, atol))
+    console.print(result.summary(), highlight=False)
+    shown = result.differences if show_all else result.failures
+    if shown:
+        table = Table("where", "kind", "difference")
+        for d in shown:
+            table.add_row(d.where, d.kind + ("" if d.fails else " (not counted)"), d.what)
+        console.print(table)
+    raise typer.Exit(1 if result.failures else 0)
+
+
+@app.command("gate")
+def gate_command(
+    record: Path = typer.Argument(..., help="Eval record to check (kvcal eval ppl --json)."),
+    baseline: Path = typer.Option(..., "--baseline", help="Baseline eval record of the same model, data and protocol."),
+    max_increase: float = typer.Option(..., "--max-increase", help="Largest perplexity increase allowed, percent."),
+    max_bits_increase: float = typer.Option(0.0, "--max-bits-increase",
+                                            help="Largest growth of bits per element allowed."),
+):
+    """CI quality gate: exit 0 when the record's perplexity and bits per element are within the limits of the
+    baseline's, 1 when either regressed, 2 when the two records did not measure the same thing (one line each)."""
+    from kvcal.eval.gate import gate_files
+
+    verdict = gate_files(record, baseline, max_increase, max_bits_increase)
+    console.print(verdict.message, highlight=False, soft_wrap=True)
+    raise typer.Exit(verdict.code)
 
 
 def invoked_command() -> str:

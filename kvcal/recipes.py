@@ -5,7 +5,8 @@
     calibration: {dataset: wikitext2, nsamples: 16, seqlen: 2048, seed: 0}   # optional
 
 The recipe's file name (without .yaml) is its tag in default artifact names. `--recipe NAME` looks for
-NAME as a path, then for recipes/NAME.yaml in the current directory and in the kvcal checkout.
+NAME as a path, then for recipes/NAME.yaml in the current directory, then among the recipes that ship inside the
+package (kvcal/recipes: in a checkout, a link to the top-level recipes/ folder; in an installed kvcal, a copy).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Recipe:
 
 
 def recipe_dirs() -> list[Path]:
-    return [Path.cwd() / "recipes", Path(__file__).resolve().parent.parent / "recipes"]
+    return [Path.cwd() / "recipes", Path(__file__).parent / "recipes"]
 
 
 def find_recipe(name: str) -> Path:

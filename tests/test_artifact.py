@@ -11,11 +11,11 @@ from kvcal.artifact import (
     HEADER_KEY,
     Artifact,
     check_model,
-    compare_artifacts,
     load_artifact,
     make_header,
     save_artifact,
 )
+from kvcal.compare import Tolerance, compare_artifacts
 from kvcal.errors import KvcalError
 from kvcal.methods import build_method
 from kvcal.models import load_model
@@ -84,11 +84,12 @@ def test_model_mismatch_names_the_field(tmp_path, tiny):
 
 def test_compare(tmp_path, tiny):
     a = load_artifact(save_artifact(tmp_path / "a.safetensors", make(tiny)))
-    assert compare_artifacts(a, a) == []
+    assert compare_artifacts(a, a).differences == []
     b = load_artifact(save_artifact(tmp_path / "b.safetensors", make(tiny, {"layers.0.k.scale": torch.arange(4.0) + 1e-4})))
-    diffs = compare_artifacts(a, b)
-    assert [d.where for d in diffs] == ["layers.0.k.scale"]
-    assert compare_artifacts(a, b, atol=1e-3) == []
+    result = compare_artifacts(a, b)
+    assert [d.where for d in result.failures] == ["layers.0.k.scale"]
+    assert result.summary().startswith("differ: 1 of 1 tensors beyond tolerance, 0 header field(s)")
+    assert compare_artifacts(a, b, default=Tolerance(atol=1e-3)).differences == []
     c = load_artifact(save_artifact(tmp_path / "c.safetensors", make(tiny, bits=3)))
-    where = {d.what.split(":")[0] for d in compare_artifacts(a, c)}
+    where = {d.what.split(":")[0] for d in compare_artifacts(a, c).failures}
     assert {"config.bits", "bits_per_element"} <= where

@@ -144,6 +144,9 @@ class Method:
     # small settings for tiny test models (2 KV heads of 16 channels, a few calibration windows): the contract test
     # (tests/test_contract.py) runs every registered method with them
     test_config: ClassVar[dict] = {}
+    # what each learned tensor is (short name "k.theta" -> kind, kvcal/compare.py KINDS): written into the artifact's
+    # header, so `kvcal compare` compares codebooks up to permutation, SVD factors up to sign, datatypes as sets
+    tensor_kinds: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def config_keys(cls) -> list[str]:

@@ -270,6 +270,8 @@ class KVQuant(Method):
     runtime_fields = ("key_outlier_capacity", "exact_outliers")
     # the contract compares decoding with the simulation of what the cache stores (exact_outliers=false)
     test_config = {"bits": 3, "outliers": 0.05, "exact_outliers": False}
+    tensor_kinds = {f"{side}.{name}": "datatype" for side in "kv" for name in ("encode", "decode")} | {
+        "k.lo": "range", "k.hi": "range"}
 
     bits: int = 4
     outliers: float = 0.01  # fraction of each vector kept exact (half at each tail); 0 = dense only

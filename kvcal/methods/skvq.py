@@ -418,6 +418,8 @@ class SKVQ(Method):
     learns = True
     captures = ("k", "v", "q")  # pre-RoPE K and V (stats, search), pre-RoPE Q (clip search objective)
     test_config = {"k_bits": 2.0, "v_bits": 1.5, "group_size": 8, "window": 8, "sink": 2, "clip_queries": 16}
+    tensor_kinds = {f"{side}.{name}": kind for side in "kv" for name, kind in (
+        ("clip", "range"), ("clip_loss", "diagnostic"), ("group_offsets", "index"), ("perm", "index"))}
 
     k_bits: float = 2.0  # 1.5 (ternary), 2, 3, 4 or 8
     v_bits: float = 2.0

@@ -15,13 +15,14 @@ method, kvcal/methods/base.py `Method.tensor_kinds`). A kind says how two versio
 Tolerances are per kind (`--tol KIND=RTOL,ATOL`; `--rtol/--atol` for every kind not named). Header fields must
 match exactly (method, config, model identity, calibration data and settings, bits), except those that may differ
 between two runs of the same calibration: provenance (time, device, software versions), the content hash, kvcal's
-version and the tokenizer's class name.
+version, the tokenizer's class name, and the folder of a local calibration text whose content hash matches.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -214,6 +215,9 @@ def _header_differences(a: Artifact, b: Artifact, diagnostic: Tolerance) -> list
         va, vb = ha.get(key, "<absent>"), hb.get(key, "<absent>")
         if va == vb:
             continue
+        if key == "calibration.dataset" and ha.get("calibration.sha256") == hb.get("calibration.sha256") and \
+                Path(str(va)).name == Path(str(vb)).name:
+            continue  # the same local text file (its content hash) in another folder
         note = key.startswith(NOTE_ONLY)
         na, nb = _numbers(va), _numbers(vb)
         if note and na is not None and nb is not None and len(na) == len(nb):

@@ -98,6 +98,9 @@ def _wikitext2(split: str, data_dir: str | None) -> Text:
         )
     hub_split = "test" if split == "eval" else "train"
     _check_hub()
+    if importlib.util.find_spec("datasets") is None:
+        raise KvcalError("downloading wikitext2 needs the `datasets` package (pip install 'kvcal[hub]'), or pass "
+                         "--data-dir DIR holding wiki.test.raw, or set KVCAL_DATA_DIR")
     try:
         from datasets import load_dataset
 

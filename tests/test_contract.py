@@ -10,11 +10,13 @@ heads of 16 channels); its defaults are kept otherwise."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvcal.artifact import load_artifact
+from kvcal.compare import Tolerance, compare_artifacts
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import decoded_nll, simulated_nll
 from kvcal.methods.registry import all_methods, build_method, codec_for_artifact
@@ -118,3 +120,21 @@ def test_bad_input_is_one_line(name, artifacts):
     with pytest.raises(KvcalError, match="was calibrated for a model with") as err:
         codec_for_artifact(load_artifact(artifacts(name, "tiny-llama")), other, "a.safetensors")
     assert "\n" not in str(err.value)
+
+
+GOLDEN = Path(__file__).parent / "golden"
+# what two calibrations of the same artifact may differ by on two CPUs (float64 tiny models: BLAS kernels round
+# differently); diagnostics are listed, never a difference
+GOLDEN_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_calibration_reproduces_the_golden_artifact(name, artifacts):
+    """Each method's calibration on the tiny Llama (float64, fixed text and seed) against its committed golden artifact
+    (tests/golden), compared by tensor kind, as a user's CI compares theirs: a change that moves what a method learns
+    shows here. If the change is meant, regenerate: python tests/golden/regenerate.py"""
+    golden = GOLDEN / f"{name}-tiny-llama.safetensors"
+    assert golden.is_file(), f"no golden artifact for {name}: python tests/golden/regenerate.py {name}"
+    result = compare_artifacts(load_artifact(artifacts(name, "tiny-llama")), load_artifact(golden), {},
+                               GOLDEN_TOLERANCE)
+    assert not result.failures, result.summary() + "; " + "; ".join(f"{d.where}: {d.what}" for d in result.failures)

@@ -8,7 +8,7 @@ that runs out of memory and launches the step instead.)
 5. Empty the cache, cap torch's memory (`set_per_process_memory_fraction`) just above what it holds, then
    capture 64 MiB and allocate 64 MiB.
 
-    python benchmarks/capture_oom_probe.py | tee results/bench/capture-oom-probe-h100-s30.log
+    python benchmarks/capture_oom_probe.py | tee results/bench/capture-oom-probe-h100.log
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Every number is a held-out one recorded by `kvcal calibrate` in the artifact hea
   attention-output error after o_proj (held-out blocks) for both.
 
     python benchmarks/commvq_mse_table.py artifacts/commvq-1bit-smollm2.safetensors \
-        artifacts/commvq-2bit-smollm2.safetensors --json results/commvq/mse-smollm2.json
+        artifacts/commvq-2bit-smollm2.safetensors --json results/commvq/mse-commvq-1bit-smollm2.json
 """
 
 from __future__ import annotations

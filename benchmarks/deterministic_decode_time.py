@@ -2,7 +2,7 @@
 context, batch 8 and 1) with the value pass's float32 atomics (the default) and in torch's deterministic mode (int64
 fixed-point sums), each twice, alternating, with SDPA for scale.
 
-    python benchmarks/deterministic_decode_time.py results/bench/decode-kvquant-deterministic-h100-s28.json
+    python benchmarks/deterministic_decode_time.py results/bench/decode-kvquant-deterministic-h100.json
 """
 import json
 import sys

@@ -6,7 +6,7 @@ allocated bytes, and whether torch's capture_end raised.
   python benchmarks/largest_batch_oom_sites.py artifacts/random-llama-3.1-8b/kvquant-nuq4-1pct.safetensors \
       48,64,56,52,50,49,48
 
-`results/bench/largest-batch-oom-sites-h100-s31.log` came from a copy of this script that also had a switch (FIX)
+`results/bench/largest-batch-oom-sites-h100.log` came from a copy of this script that also had a switch (FIX)
 making two torch calls no-ops for a variant of StepGraph that was not kept; the log's "FIX False" line is that
 switch, which changed nothing here (capture_end never raised)."""
 import sys

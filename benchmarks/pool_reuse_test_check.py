@@ -4,7 +4,7 @@ stream of its own (as StepGraph once did: one stream per layer), `shared` runs t
   python benchmarks/pool_reuse_test_check.py per-layer   # expected to fail
   python benchmarks/pool_reuse_test_check.py shared
 
-(`results/bench/pool-reuse-test-check-h100-s31.log`)."""
+(`results/bench/pool-reuse-test-check-h100.log`)."""
 import sys
 
 import pytest

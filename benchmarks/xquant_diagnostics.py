@@ -2,7 +2,7 @@
 layer to the next against pre-RoPE K and V (Fig. 3), the range of X deltas against X, the channel-0 outlier of the
 latent X U_k against X U_v (App. B), and the data-free prediction of the Key outlier channel from the SVD (Table B.2).
 
-    python benchmarks/xquant_diagnostics.py --json results/xquant/diagnostics-smollm2-2x2048.json
+    python benchmarks/xquant_diagnostics.py --json results/xquant/diagnostics-smollm2-4x2048.json
 (KVCAL_DATA_DIR: the WikiText-2 folder; evaluation windows of the test split)
 """
 

@@ -269,14 +269,38 @@ def generate_command(
 
 @app.command("report")
 def report_command(
-    records: list[Path] = typer.Argument(..., help="JSON records written by `kvcal eval ppl --json/--json-dir`."),
+    records: list[Path] | None = typer.Argument(None, help="JSON records written by `kvcal eval ppl --json/--json-dir`."),
     commands: bool = typer.Option(False, help="Add the command that produced each number."),
+    docs: bool = typer.Option(False, "--docs", help="Regenerate the pages that the manifest lists (docs/results.md) "
+                              "from the records it names."),
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 when a committed page differs from what "
+                               "its records give (what CI runs)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write the Pareto chart of the manifest's `plot` points "
+                                     "(PNG; needs the [plot] extra: matplotlib)."),
+    manifest: Path = typer.Option(Path("results/tables.yaml"), help="The manifest; its paths are relative to the "
+                                  "folder above its own (the checkout)."),
 ):
-    """Print JSON result records as one markdown table (PPL relative to an fp16 record when present)."""
-    from kvcal.eval.report import markdown_table, read_record
+    """Print JSON result records as one markdown table (PPL relative to an fp16 record when present), or regenerate
+    docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml."""
+    from kvcal.eval.report import markdown_table, plot_pareto, read_record, write_docs
 
-    console.print(markdown_table([read_record(p) for p in records], commands), markup=False, highlight=False,
-                  soft_wrap=True)
+    if not (records or docs or check or plot):
+        raise KvcalError("give JSON records, --docs, --check or --plot")
+    if plot is not None:
+        check_writable(plot, folder=False, flag="--plot")
+        plot_pareto(manifest, plot)
+        console.print(f"wrote {plot}", highlight=False)
+    if docs or check:
+        differ = write_docs(manifest, check=check)
+        if check and differ:
+            make_console(stderr=True).print(f"{', '.join(differ)} differs from its records: run `kvcal report --docs`",
+                                            markup=False, highlight=False)
+            raise typer.Exit(1)
+        if not check:
+            console.print(f"rewrote {', '.join(differ)}" if differ else "docs up to date", highlight=False)
+    if records:
+        console.print(markdown_table([read_record(p) for p in records], commands), markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 @bench_app.command("generate")

@@ -1,7 +1,15 @@
 """`kvcal report`: each row is compared only with the fp16 record of the same model, dataset, protocol, seqlen and
-windows."""
+windows; docs/results.md is generated from the records that results/tables.yaml names."""
 
-from kvcal.eval.report import markdown_table
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcal.cli import app
+from kvcal.errors import KvcalError
+from kvcal.eval.report import load_manifest, markdown_table, pareto_points, render_docs, write_docs
 
 
 def record(method, ppl, nsamples, protocol="gptq", seqlen=2048, model="smollm2-135m"):
@@ -24,3 +32,86 @@ def test_rows_compare_with_the_matching_fp16_record_only():
     assert got["kivi-8"] == "+10.0%"  # 22 / 20
     rtn = [line for line in markdown_table(records).splitlines() if line.startswith("| rtn-16")]
     assert [line.split(" | ")[3] for line in rtn] == ["", ""]  # no fp16 of that protocol or seqlen: no comparison
+
+
+# docs/results.md from results/tables.yaml and the records it names
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_committed_results_page_is_what_the_records_give():
+    """Fails when docs/results.md differs from what `kvcal report --docs` generates from the committed records (a
+    table or a number edited by hand, or a record changed without regenerating)."""
+    assert write_docs(ROOT / "results/tables.yaml", check=True) == []
+
+
+def test_every_plot_point_matches_the_reference_protocol():
+    reference, points = pareto_points(load_manifest(ROOT / "results/tables.yaml"), ROOT)
+    assert reference["method"] == "fp16" and len(points) >= 20
+    assert {p["method"] for p in points} >= {"rtn", "KIVI", "KVQuant", "SKVQ", "XQuant", "CommVQ"}
+    kivi2 = next(p for p in points if p["label"] == "2-bit G32 R128")
+    assert kivi2["increase"] == pytest.approx(100 * (25.840126791821444 / 21.025955007013124 - 1))
+
+
+MANIFEST = """
+docs:
+- path: docs/page.md
+  blocks:
+  - text: "fp16 is {{results/fp16.json ppl .2f}}."
+  - table:
+      title: T
+      columns: [setting, PPL, vs fp16, bits/elem, us]
+      cells: [label, ppl, vs_ref, bits, us]
+      ref: results/fp16.json
+      rows:
+      - {rec: results/fp16.json, label: fp16, us: ""}
+      - {rec: results/q.json, label: q, cells: {us: {rec: results/bench.json, at: [rows, {method: q, batch: 8}, us],
+         fmt: "{v:.1f} ({r[speedup]:.2f}x)"}}}
+"""
+
+
+def tiny_checkout(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results/tables.yaml").write_text(MANIFEST)
+    (tmp_path / "results/fp16.json").write_text(json.dumps({"ppl": 20.0, "bits_per_element": 16.0}))
+    (tmp_path / "results/q.json").write_text(json.dumps({"ppl": 25.0, "bits_per_element": 2.5}))
+    (tmp_path / "results/bench.json").write_text(json.dumps({"rows": [
+        {"method": "q", "batch": 1, "us": 9.0, "speedup": 1.5}, {"method": "q", "batch": 8, "us": 40.25, "speedup": 3.0}]}))
+    return tmp_path / "results/tables.yaml"
+
+
+def test_page_from_a_manifest_and_check_fails_after_a_record_changes(tmp_path):
+    manifest = tiny_checkout(tmp_path)
+    assert write_docs(manifest) == ["docs/page.md"]
+    assert (tmp_path / "docs/page.md").read_text() == (
+        "fp16 is 20.00.\n\n## T\n\n| setting | PPL | vs fp16 | bits/elem | us |\n|---|---|---|---|---|\n"
+        "| fp16 | 20.000 | +0.0% | 16.00 |  |\n| q | 25.000 | +25.0% | 2.50 | 40.2 (3.00x) |\n")
+    runner = CliRunner()
+    assert runner.invoke(app, ["report", "--check", "--manifest", str(manifest)]).exit_code == 0
+    (tmp_path / "results/q.json").write_text(json.dumps({"ppl": 25.5, "bits_per_element": 2.5}))
+    result = runner.invoke(app, ["report", "--check", "--manifest", str(manifest)])
+    assert result.exit_code == 1 and "docs/page.md differs from its records" in result.output
+    assert "25.000" in (tmp_path / "docs/page.md").read_text()  # --check writes nothing
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.replace("batch: 8}", "batch: 2}"), "0 elements match"),
+    (lambda m: m.replace("results/q.json", "results/missing.json"), "record results/missing.json does not exist"),
+    (lambda m: m.replace("{{results/fp16.json ppl .2f}}", "{{results/fp16.json nll .2f}}"), "no 'nll'"),
+    (lambda m: m.replace("bits, us]", "bits, ns]"), "row has no 'ns'"),
+])
+def test_manifest_errors_are_one_line(tmp_path, edit, message):
+    manifest = tiny_checkout(tmp_path)
+    manifest.write_text(edit(MANIFEST))
+    with pytest.raises(KvcalError, match=message) as err:
+        render_docs(load_manifest(manifest), tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "pareto.png"
+    result = CliRunner().invoke(app, ["report", "--plot", str(out), "--manifest", str(ROOT / "results/tables.yaml")])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

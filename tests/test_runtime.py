@@ -619,7 +619,7 @@ def test_step_graph_recording_out_of_memory_launches_instead_on_gpu(monkeypatch)
     logits of launched steps, bit for bit) and records again once the key changes (a buffer growth). The failure
     is forced by a step that asks for more than the GPU has while it is being captured (a real capture, a real
     OutOfMemoryError from torch's allocator). Where it happens without forcing: torch cannot hand its cached
-    blocks back to the driver during a capture (`results/bench/capture-oom-probe-h100-s30.log`)."""
+    blocks back to the driver during a capture (`results/bench/capture-oom-probe-h100.log`)."""
     from kvcal.runtime.cache import PackedLayer
 
     loaded = _small_llama_cuda(torch.bfloat16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from kvcal.errors import KvcalError
@@ -67,3 +68,251 @@ def markdown_table(records: list[dict], commands: bool = False) -> str:
             row.append(f"`{r.get('command', '')}`")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/results.md from the committed records: results/tables.yaml lists the blocks of the page (prose, tables),
+# each table cell names the record (and the field inside it) its number comes from.
+
+MANIFEST = Path("results/tables.yaml")
+_PLACEHOLDER = re.compile(r"\{\{([^{}]+)\}\}")
+
+
+class _Records:
+    """JSON records read once each, by path relative to the repository root."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[str, object] = {}
+
+    def get(self, path: str):
+        if path not in self.cache:
+            file = self.root / path
+            if not file.is_file():
+                raise KvcalError(f"report: record {path} does not exist")
+            try:
+                self.cache[path] = json.loads(file.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise KvcalError(f"report: {path} is not JSON ({type(exc).__name__})") from None
+        return self.cache[path]
+
+
+def _select(obj, at, where: str):
+    """Walk `at` into a record: a string is a key, an int an index, a mapping picks the one list element whose fields
+    equal it."""
+    for step in at:
+        if isinstance(step, dict):
+            found = [x for x in obj if isinstance(x, dict) and all(x.get(k) == v for k, v in step.items())] \
+                if isinstance(obj, list) else []
+            if len(found) != 1:
+                raise KvcalError(f"report: {where}: {len(found)} elements match {step}, not 1")
+            obj = found[0]
+        elif isinstance(obj, dict) and isinstance(step, str) and step in obj:
+            obj = obj[step]
+        elif isinstance(obj, list) and isinstance(step, int) and -len(obj) <= step < len(obj):
+            obj = obj[step]
+        else:
+            raise KvcalError(f"report: {where}: no '{step}'")
+    return obj
+
+
+def _cell(spec, records: _Records, where: str) -> str:
+    """A table cell: literal text, or {rec, at, fmt[, ref, bold]}: `fmt` is formatted with v (the value at `at`),
+    r (the record at `rec`, or the element its `at` walked to before a last key) and rel (v / the value at ref - 1)."""
+    if not isinstance(spec, dict):
+        return "" if spec is None else str(spec)
+    record = records.get(spec["rec"])
+    where = f"{where} ({spec['rec']})"
+    at = list(spec.get("at", []))
+    value = _select(record, at, where)
+    fields = {"v": value, "r": record if not at else _select(record, at[:-1], where)}
+    if "ref" in spec:
+        ref = spec["ref"]
+        ref_value = _select(records.get(ref["rec"]) if "rec" in ref else record, ref.get("at", at), where)
+        fields["rel"] = value / ref_value - 1
+    try:
+        text = spec.get("fmt", "{v}").format(**fields)
+    except (KeyError, IndexError, ValueError, TypeError) as exc:
+        raise KvcalError(f"report: {where}: format {spec.get('fmt')!r}: {type(exc).__name__} {exc}") from None
+    return f"**{text}**" if spec.get("bold") else text
+
+
+# Cell kinds of a row that stands for one eval record (`rows: - {rec: ..., label: ...}`).
+_EVAL_CELLS = {
+    "ppl": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["ppl"], "fmt": row.get("ppl_fmt", "{v:.3f}")},
+    "bits": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["bits_per_element"], "fmt": "{v:.2f}"},
+    "command": lambda row: {"rec": row["rec"], "at": ["command"], "fmt": "`{v}`"},
+    "device": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["device"]},
+}
+
+
+def _row_cells(row: dict, kinds: list[str], table: dict, where: str) -> list:
+    cells = []
+    for kind in kinds:
+        if kind in row.get("cells", {}):
+            cell = row["cells"][kind]
+        elif kind == "vs_ref" and "ref" in table:
+            cell = {"rec": row["rec"], "at": row.get("at", []) + ["ppl"], "fmt": "{rel:+.1%}",
+                    "ref": {"rec": table["ref"], "at": ["ppl"]}}
+        elif kind in _EVAL_CELLS and "rec" in row:
+            cell = _EVAL_CELLS[kind](row)
+        elif kind in row:
+            cell = row[kind]
+        else:
+            raise KvcalError(f"report: {where}: row has no '{kind}'")
+        if isinstance(cell, dict) and kind in row.get("bold", []):
+            cell = {**cell, "bold": True}
+        cells.append(cell)
+    return cells
+
+
+def _table(table: dict, records: _Records, where: str) -> str:
+    header = table["columns"]
+    kinds = table.get("cells")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, row in enumerate(table["rows"]):
+        here = f"{where} row {i + 1}"
+        raw = row if isinstance(row, list) else _row_cells(row, kinds, table, here)
+        if len(raw) != len(header):
+            raise KvcalError(f"report: {here}: {len(raw)} cells for {len(header)} columns")
+        lines.append("| " + " | ".join(_cell(c, records, here) for c in raw) + " |")
+    return "\n".join(lines)
+
+
+def _text(text: str, records: _Records, where: str) -> str:
+    """Prose with {{PATH FIELD.FIELD FORMAT}} placeholders, each replaced by that field of that record."""
+
+    def one(match: re.Match) -> str:
+        parts = match.group(1).split()
+        if len(parts) not in (2, 3):
+            raise KvcalError(f"report: {where}: placeholder {{{{{match.group(1)}}}}} is not {{{{PATH FIELD [FORMAT]}}}}")
+        at = [int(s) if s.lstrip("-").isdigit() else s for s in parts[1].split(".")]
+        return _cell({"rec": parts[0], "at": at, "fmt": "{v:" + (parts[2] if len(parts) == 3 else "") + "}"},
+                     records, where)
+
+    return _PLACEHOLDER.sub(one, text.rstrip("\n"))
+
+
+def load_manifest(path: Path = MANIFEST) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise KvcalError(f"report: manifest {path} does not exist")
+    try:
+        manifest = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise KvcalError(f"report: {path} is not YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("docs"), list):
+        raise KvcalError(f"report: {path} has no 'docs' list")
+    return manifest
+
+
+def render_docs(manifest: dict, root: Path) -> dict[str, str]:
+    """Every page of the manifest: {output path: markdown}."""
+    records = _Records(Path(root))
+    pages = {}
+    for page in manifest["docs"]:
+        blocks = []
+        for i, block in enumerate(page["blocks"]):
+            where = f"{page['path']} block {i + 1}"
+            if "text" in block:
+                blocks.append(_text(block["text"], records, where))
+                continue
+            table = block["table"]
+            where = f"{page['path']} table '{table.get('title') or i + 1}'"
+            if table.get("title"):
+                blocks.append("#" * table.get("level", 2) + " " + table["title"])
+            if table.get("intro"):
+                blocks.append(_text(table["intro"], records, where))
+            blocks.append(_table(table, records, where))
+            if table.get("after"):
+                blocks.append(_text(table["after"], records, where))
+        pages[page["path"]] = "\n\n".join(blocks) + "\n"
+    return pages
+
+
+def write_docs(manifest_path: Path = MANIFEST, check: bool = False) -> list[str]:
+    """Write (or, with `check`, compare) every generated page; returns the pages that differed."""
+    manifest_path = Path(manifest_path)
+    root = manifest_path.resolve().parent.parent
+    differ = []
+    for out, text in render_docs(load_manifest(manifest_path), root).items():
+        target = root / out
+        old = target.read_text(encoding="utf-8") if target.is_file() else None
+        if old != text:
+            differ.append(out)
+            if not check:
+                target.write_text(text, encoding="utf-8")
+    return differ
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Pareto chart: the manifest's `plot` section lists its points (record, optional `at` into a record that holds
+# several, a label and the method, which picks the colour); `reference` is the fp16 record they are compared with.
+
+
+def pareto_points(manifest: dict, root: Path) -> tuple[dict, list[dict]]:
+    """(the fp16 reference record, [{label, method, bits, ppl, increase (%)}]) of the manifest's `plot` section."""
+    spec = manifest.get("plot")
+    if not isinstance(spec, dict) or not spec.get("points"):
+        raise KvcalError("report: the manifest has no 'plot' section with points")
+    records = _Records(Path(root))
+    reference = records.get(spec["reference"])
+    key = comparison_key(reference)
+    points = []
+    for i, point in enumerate(spec["points"]):
+        where = f"plot point {i + 1} ({point.get('label')})"
+        record = _select(records.get(point["rec"]), point.get("at", []), where)
+        if comparison_key(record)[:6] != key[:6] or record.get("nsamples") != reference.get("nsamples"):
+            raise KvcalError(f"report: {where}: {point['rec']} is not of the reference's model, dataset, protocol, "
+                             "seqlen and windows")
+        points.append({"label": point["label"], "method": point["method"], "bits": record["bits_per_element"],
+                       "ppl": record["ppl"], "increase": 100 * (record["ppl"] / reference["ppl"] - 1),
+                       "offset": tuple(point.get("offset", (5, 3)))})
+    return reference, points
+
+
+def plot_pareto(manifest_path: Path, out: Path) -> None:
+    """Perplexity increase over fp16 (symlog %) against bits per element, one colour per method, each point labelled
+    (`offset`: the label's offset in points, where labels would overlap), the Pareto front (fewest bits for the lowest increase) joined by a line."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvcalError("--plot needs matplotlib: pip install 'kvcal[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    manifest_path = Path(manifest_path)
+    manifest = load_manifest(manifest_path)
+    reference, points = pareto_points(manifest, manifest_path.resolve().parent.parent)
+    fig, ax = plt.subplots(figsize=(12, 7.5), dpi=110)
+    methods = list(dict.fromkeys(p["method"] for p in points))
+    colors = plt.get_cmap("tab10")
+    for i, method in enumerate(methods):
+        mine = [p for p in points if p["method"] == method]
+        ax.scatter([p["bits"] for p in mine], [p["increase"] for p in mine], s=36, color=colors(i), label=method,
+                   zorder=3)
+        for p in mine:
+            ax.annotate(p["label"], (p["bits"], p["increase"]), xytext=p["offset"], textcoords="offset points",
+                        fontsize=7.5, color=colors(i))
+    front, best = [], math.inf
+    for p in sorted(points, key=lambda p: (p["bits"], p["increase"])):
+        if p["increase"] < best:
+            front.append(p)
+            best = p["increase"]
+    ax.step([p["bits"] for p in front], [p["increase"] for p in front], where="post", color="0.6", lw=1, zorder=1,
+            label="Pareto front")
+    ax.axhline(0, color="black", lw=1.2, ls="--", zorder=2,
+               label=f"fp16 (PPL {reference['ppl']:.3f}, {reference['bits_per_element']:.0f} bits)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(-0.3, 2 * max(p["increase"] for p in points))
+    ax.set_xlim(0.5, max(p["bits"] for p in points) + 0.8)
+    ax.set_xlabel("bits per element (everything counted, 4096 tokens)")
+    ax.set_ylabel("perplexity increase over fp16 (%, log scale above 1%)")
+    ax.set_title(manifest["plot"].get("title", ""), fontsize=11)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    ax.legend(loc="upper right", fontsize=8.5)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

@@ -21,7 +21,7 @@ class GraphPool:
     their captures run on. torch's caching allocator reuses a freed block only for allocations on the stream that
     freed it, so with a capture stream per layer no layer's capture could reuse another's temporaries, and the pool
     held every layer's: 32 x 200 MiB for KVQuant's key-outlier scores at 49 rows of 32K on Llama-3.1-8B shapes, which
-    cut nuq4's largest batch from 54 to 48 (`results/bench/generate-max-batch-*-h100-s31{-stream-per-layer,}.json`)."""
+    cut nuq4's largest batch from 54 to 48 (`results/bench/generate-max-batch-*-h100{-stream-per-layer,}.json`)."""
 
     def __init__(self):
         self._handle = None
@@ -63,7 +63,7 @@ class StepGraph:
     graphs, and torch's cache is emptied. During a capture torch cannot hand its cached blocks back to the driver,
     and a graph's pool needs memory of its own, so a capture can fail where the launched step fits (on an H100
     whose memory sat in torch's cache, a 1 GiB capture ran out of memory where a launched 1 GiB allocation did not,
-    `results/bench/capture-oom-probe-h100-s30.log`)."""
+    `results/bench/capture-oom-probe-h100.log`)."""
 
     def __init__(self, shared: GraphPool):
         self.shared = shared

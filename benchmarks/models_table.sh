@@ -19,9 +19,10 @@ OUT=results/$NAME
 ART=artifacts/$NAME-${N}x${L}
 mkdir -p "$OUT"
 COMMON=(--model "$MODEL" --nsamples "$N" --seqlen "$L" --device "$DEVICE" --dtype "$DTYPE")
-CALIBRATED=(kvquant-nuq4-1pct skvq-k2v2-g32-w128 xquant-svd-2bit calibquant-2bit)
+CALIBRATED=(kvquant-nuq4-1pct skvq-k2v2-g32-w128 xquant-svd-2bit)
 [ "${COMMVQ:-0}" = 1 ] && CALIBRATED+=(commvq-2bit)
 
+# the gptq-protocol table first (one capture for every calibrated recipe), CalibQuant's tail-protocol rows last
 recipes=()
 for r in "${CALIBRATED[@]}"; do recipes+=(--recipe "$r"); done
 $KVCAL calibrate "${recipes[@]}" "${COMMON[@]}" --out-dir "$ART"
@@ -31,11 +32,11 @@ for r in kivi-2bit rtn-int4; do
   $KVCAL eval ppl --recipe "$r" "${COMMON[@]}" --json "$OUT/ppl-gptq-$r-$TAG.json"
 done
 for r in "${CALIBRATED[@]}"; do
-  [ "$r" = calibquant-2bit ] && continue
   $KVCAL eval ppl --artifact "$ART/$r.safetensors" "${COMMON[@]}" --json "$OUT/ppl-gptq-$r-$TAG.json"
 done
 # CalibQuant under the tail protocol (its paper's setting), with fp16 and KIVI-2 under the same protocol beside it
 $KVCAL eval ppl --method fp16 --protocol tail "${COMMON[@]}" --json "$OUT/ppl-tail-fp16-$TAG.json"
 $KVCAL eval ppl --recipe kivi-2bit --protocol tail "${COMMON[@]}" --json "$OUT/ppl-tail-kivi-2bit-$TAG.json"
+$KVCAL calibrate --recipe calibquant-2bit "${COMMON[@]}" --out-dir "$ART"
 $KVCAL eval ppl --artifact "$ART/calibquant-2bit.safetensors" --protocol tail "${COMMON[@]}" \
   --json "$OUT/ppl-tail-calibquant-2bit-$TAG.json"

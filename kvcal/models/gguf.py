@@ -275,12 +275,19 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
 
     Console(stderr=True).print(f"[dim]converting {label} to safetensors once (cached under {target})[/dim]")
     folder, name = str(gguf_path.parent), gguf_path.name
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' per-tensor bar (plain tqdm): kvcal said what it does above
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
         raise KvcalError(f"transformers could not convert {label} ({type(exc).__name__}: "
                          f"{first_line(str(exc), 160)})") from None
+    finally:
+        if quiet is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -151,6 +151,10 @@ def check_model_args(name: str, dtype: str, device: str) -> tuple[torch.dtype, s
     torch_dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     if name in ALIASES:
+        if ALIASES[name].kind == "gguf":  # the packages that ship the file, before the data is read
+            from kvcal.models.gguf import package_parts
+
+            package_parts(ALIASES[name])
         return torch_dtype, device
     path = Path(name)
     if path.is_file() and path.suffix.lower() == ".gguf":

@@ -255,9 +255,12 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
             check_gguf_servable(info, Path(label))
         _convert(gguf_path, staging / "model", label, target)
         (staging / "model" / SOURCE_FILE).write_text(json.dumps({"gguf_sha256": sha, "name": info.name}, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        (staging / "model").rename(target)
+        if (target / SOURCE_FILE).is_file():  # another process converted the same file meanwhile: keep its entry
+            pass
+        else:
+            if target.exists():  # a folder left without its marker (interrupted by hand): replaced
+                shutil.rmtree(target)
+            (staging / "model").rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     remember_sha256(parts, sha)

@@ -543,6 +543,8 @@ def cache_codecs() -> list[tuple[str, str, dict]]:
     cases = [(name, name, dict(cls.test_config)) for name, cls in sorted(all_methods().items()) if name != "fp16"]
     if "kvquant" in all_methods():
         cases.append(("kvquant_vhead", "kvquant", {**all_methods()["kvquant"].test_config, "value_scope": "head"}))
+    if "calibquant" in all_methods():  # the paper's regime: the prompt after 4 sinks compressed in bulk, tau (0, 3)
+        cases.append(("calibquant_bulk", "calibquant", {"bits": 1, "sink": 4, "tau1": 0.0, "tau2": 3.0}))
     return cases
 
 

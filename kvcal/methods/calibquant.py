@@ -358,8 +358,9 @@ class CalibQuant(Method):
     summary = "channel-wise K/V min/max over a block, 1-8 bits; calibrated logit remap"
     learns = True  # the tau grid search runs the model on calibration windows
     captures = ()  # it needs the windows only (CaptureStore.windows), no activations
-    # tiny models: 8-token groups after 2 sinks (the gptq protocol runs it), a 2x2 tau grid (4 forwards per window)
-    test_config = {"bits": 1, "group_tokens": 8, "sink": 2, "tau_grid": "0,3"}
+    # tiny models: 16-token groups after 2 sinks (the gptq protocol runs it; the decode kernel's tiles of >= 16 tokens
+    # lie inside one group), a 2x2 tau grid (4 forwards per window)
+    test_config = {"bits": 1, "group_tokens": 16, "sink": 2, "tau_grid": "0,3"}
 
     bits: int = 1  # 8, 4, 2, 1 [P]
     group_tokens: int = 0  # 0: one range over the whole compressed block [P] (tail protocol); G: groups of G tokens

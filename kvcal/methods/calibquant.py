@@ -245,7 +245,7 @@ class CalibQuantStorage(Storage):
                       slice(j, min(n, j + self.group) if self.group else n)) for j in spans]
             x = torch.cat([post_scaled_scores(qg, kc[:, t], ks, km, scale) for ks, km, _, _, t in stats], -1)
             if self.remaps:
-                tau1, tau2 = (t.to(q.device, compute).reshape(heads, group)[None, :, :, None] for t in self.taus)
+                tau1, tau2 = (t[:hq].to(q.device, compute).reshape(heads, group)[None, :, :, None] for t in self.taus)
                 scores, r, c = remap(x[None], torch.ones((), dtype=torch.bool, device=q.device), tau1, tau2)
                 x, rows, clamps = scores[0], rows + r, clamps + c
             s = x * LOG2E
@@ -520,6 +520,17 @@ class CalibQuant(Method):
             tensors[f"layers.{layer}.k.tau1"] = tau1.clone()
             tensors[f"layers.{layer}.k.tau2"] = tau2.clone()
         return tensors, info
+
+    def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
+        """The authors' tau (0, 3) [C] for every layer and query head (speed benchmarks at shapes no artifact exists
+        for: the kernels' work does not depend on tau)."""
+        if not self.searches():
+            return {}
+        tensors = {}
+        for layer in range(dims.num_layers):
+            tensors[f"layers.{layer}.k.tau1"] = torch.zeros(dims.num_heads)
+            tensors[f"layers.{layer}.k.tau2"] = torch.full((dims.num_heads,), 3.0)
+        return tensors
 
     # ---- memory ---------------------------------------------------------------------------------------------------
     def footprint(self, dims, tokens):

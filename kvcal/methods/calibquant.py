@@ -21,10 +21,11 @@ recommendation where both are silent (its §7 item N as "§7.N").
   shape allows a per-layer/head extension; the search fills one value).
 - Which tokens: the paper compresses the visual block of a prompt once after prefill and keeps the rest in full
   precision. kvcal's `tail` protocol is that regime (§7.7): with `group_tokens` 0 (the default, [P]: one group over
-  the whole block) the codec compresses whatever block it is given as one group and runs under the tail protocol
-  only (Codec.bulk_only). `group_tokens` G > 0 takes the ranges over aligned groups of G tokens after `sink`
-  full-precision tokens instead (a deviation that gives a token-by-token flush rule: the gptq protocol, the
-  dequantized reference cache, generation).
+  the whole block) the codec compresses whatever block it is given as one group; the simulation runs it under the
+  tail protocol only (Codec.bulk_only refuses the gptq one), and the cache runs the paper's regime
+  (FlushPolicy.bulk: the prompt after `sink` tokens compressed once, generated tokens kept in full precision; the
+  decode-mode tail protocol). `group_tokens` G > 0 takes the ranges over aligned groups of G tokens after `sink`
+  full-precision tokens instead (a deviation that gives a token-by-token flush rule: the gptq protocol).
 - Ablations (§8.2): `v_ranges` token (KIVI-style per-token V, min/max over the head's channels) or global (one range
   per head over the block), `calibration` false, `k_range_scale`/`v_range_scale` 1.0 (pure paper), a fixed tau.
 

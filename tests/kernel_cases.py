@@ -35,6 +35,12 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
 
     if method == "rtn":
         return RtnStorage(bits, group or d)
+    if method == "calibquant":  # one range group over the row (group None) or groups of `group` tokens; tau (0.5, 3)
+        from kvcal.methods.calibquant import CalibQuantStorage
+
+        c = (0.5, 0.3) if bits == 1 else (1.0, 1.0)
+        taus = None if skvq.get("remap") is False else (torch.full((64,), 0.5), torch.full((64,), 3.0))
+        return CalibQuantStorage(bits, group or 0, sink, *c, taus)
     if method == "skvq":
         return _skvq_storage(bits, hkv, d, sink, seed, device, **skvq)
     if method == "kivi":
@@ -230,9 +236,15 @@ ATTENTION_CASES = [
     ("skvq_k8v4_d128_bf16", "skvq", 8, torch.bfloat16, {"v_bits": 4.0, "groups": 9}, {}, {"d": 128}),
     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"sink": 2}, {}, {}),
     ("skvq_k2v1.5_fp64", "skvq", 2, torch.float64, {"v_bits": 1.5}, {}, {}),
+    # CalibQuant: post-scaled codes, the two-pass score remap (bulk: one range group per row; groups of 16 tokens)
+    ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
+    ("calibquant2_g16_fp16", "calibquant", 2, torch.float16, {"group": 16}, {}, {"lengths": [32, 0, 64]}),
+    ("calibquant4_noremap_fp16", "calibquant", 4, torch.float16, {"remap": False}, {}, {}),
+    ("calibquant8_d128_fp32", "calibquant", 8, torch.float32, {}, {}, {"d": 128}),
+    ("calibquant1_fp64", "calibquant", 1, torch.float64, {}, {}, {}),
 ]
 STORAGE_KEYS = ("group", "key_block", "kcap", "per_side", "value_per_head", "sink", "v_bits", "groups", "param_dtype",
-                "ternary_storage")
+                "ternary_storage", "remap")
 
 
 def run_attention_case(case, *, small=True, device="cpu"):
@@ -245,8 +257,8 @@ def run_attention_case(case, *, small=True, device="cpu"):
             kernel_kw.pop("block_t")  # a tile-kernel knob
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
-        if method == "kivi":  # whole key blocks
-            block = cache_kw.get("key_block", 32)
+        if method == "kivi" or (method == "calibquant" and cache_kw.get("group")):  # whole key blocks / groups
+            block = cache_kw.get("group", cache_kw.get("key_block", 32))
             lengths = [n // block * block for n in lengths]
     hq = step_kw.get("hq", 4 * hkv if small else 32)
     if small and "hq" in step_kw:
@@ -543,6 +555,8 @@ def cache_codecs() -> list[tuple[str, str, dict]]:
     cases = [(name, name, dict(cls.test_config)) for name, cls in sorted(all_methods().items()) if name != "fp16"]
     if "kvquant" in all_methods():
         cases.append(("kvquant_vhead", "kvquant", {**all_methods()["kvquant"].test_config, "value_scope": "head"}))
+    if "calibquant" in all_methods():  # the paper's regime: the prompt after 4 sinks compressed in bulk, tau (0, 3)
+        cases.append(("calibquant_bulk", "calibquant", {"bits": 1, "sink": 4, "tau1": 0.0, "tau2": 3.0}))
     return cases
 
 

@@ -287,7 +287,13 @@ GPU_CASES = [
      ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 5, "groups": 8}, {}, {}),
      ("skvq_k2v1.5_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5, "groups": 8}, {}, {}),
      ("skvq_k4v4_fp8_bf16", "skvq", 4, torch.bfloat16, {"v_bits": 4.0, "param_dtype": "fp8", "groups": 16}, {}, {}),
-     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {})]
+     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {}),
+     # CalibQuant: 1 bit, one range group per row (the paper's bulk regime) and groups of 128 tokens; 4 bits, no remap
+     ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
+     ("calibquant1_bulk_fp16", "calibquant", 1, torch.float16, {}, {}, {}),
+     ("calibquant2_g128_bf16", "calibquant", 2, torch.bfloat16, {"group": 128}, {}, {}),
+     ("calibquant4_noremap_bf16", "calibquant", 4, torch.bfloat16, {"remap": False}, {}, {}),
+     ("calibquant1_bulk_fp32", "calibquant", 1, torch.float32, {}, {}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

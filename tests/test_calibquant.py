@@ -342,7 +342,7 @@ def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
 def test_tail_protocol_cli_errors():
     from tests.test_cli import assert_one_line_error, kvcal
 
-    base = ("eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--seqlen", 64)
+    base = ("eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--seqlen", 64, "--data-dir", wikitext_dir)
     kivi = ("eval", "ppl", "--method", "kivi", "--set", "group_size=8", "--model", "tiny-llama", "--seqlen", 64)
     assert_one_line_error(kvcal(*kivi, "--protocol", "tail", "--mode", "decode"), "use --mode simulate")
     assert_one_line_error(kvcal(*base, "--prefix-len", 4), "apply to --protocol tail only")

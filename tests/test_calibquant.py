@@ -339,11 +339,12 @@ def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
                       prefix_len=2)
 
 
-def test_tail_protocol_cli_errors():
+def test_tail_protocol_cli_errors(wikitext_dir):
     from tests.test_cli import assert_one_line_error, kvcal
 
     base = ("eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--seqlen", 64, "--data-dir", wikitext_dir)
-    kivi = ("eval", "ppl", "--method", "kivi", "--set", "group_size=8", "--model", "tiny-llama", "--seqlen", 64)
+    kivi = ("eval", "ppl", "--method", "kivi", "--set", "group_size=8", "--model", "tiny-llama", "--seqlen", 64,
+            "--data-dir", wikitext_dir)
     assert_one_line_error(kvcal(*kivi, "--protocol", "tail", "--mode", "decode"), "use --mode simulate")
     assert_one_line_error(kvcal(*base, "--prefix-len", 4), "apply to --protocol tail only")
     assert_one_line_error(kvcal(*base, "--protocol", "tail", "--block-len", 70), "the tail protocol needs")

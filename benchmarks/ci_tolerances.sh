@@ -5,6 +5,6 @@ set -euo pipefail
 out="$1"; device="$2"
 mkdir -p "$out"
 for recipe in kvquant-nuq4-1pct skvq-k2v2-g32-w128 xquant-svd-2bit calibquant-1bit; do
-  kvcal calibrate --recipe "$recipe" --model smollm2-135m --dtype float32 --device "$device" --seed 0 \
+  ${KVCAL:-kvcal} calibrate --recipe "$recipe" --model smollm2-135m --dtype float32 --device "$device" --seed 0 \
     --nsamples 4 --seqlen 1024 --out "$out/$recipe.safetensors" 2>&1 | tail -1
 done

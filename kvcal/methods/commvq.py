@@ -534,22 +534,18 @@ class CommVQ(Method):
 
         train, train_w = prepare(pick)
         held, held_w = prepare(held_pick)
-        temperatures = self.stage_temperatures(dims)
-        thetas, stage_mse, steps, hard_steps, max_weight = [], [], [], [], []
-        for grp in range(self.num_groups(dims)):
-            theta, fits, mse = vq.fit_residual(
-                train[:, grp].contiguous(), train_w, held[:, grp].contiguous(), held_w, self.key_codes,
-                self.stages(dims), self.key_em_steps, temperatures,
-                lambda r, grp=grp: generator(self.seed, layer, grp, r), self.key_em_tol,
-                init_temperature=temperatures[0] / 1e-3, on_stage=advance)
-            thetas.append(theta)
-            stage_mse.append(mse)
-            steps.append([f.steps for f in fits])
-            hard_steps.append([f.hard_steps for f in fits])
-            max_weight.append([round(f.max_weight, 4) for f in fits])
+        # all groups of the layer in one batched EM (vq.fit_residual_groups): each group's own seed and stopping
+        theta, fits, stage_mse = vq.fit_residual_groups(
+            train.transpose(0, 1).contiguous(), train_w, held.transpose(0, 1).contiguous(), held_w, self.key_codes,
+            self.stages(dims), self.key_em_steps, self.stage_temperatures(dims),
+            lambda grp, r: generator(self.seed, layer, grp, r), self.key_em_tol,
+            init_temperature=self.stage_temperatures(dims)[0] / 1e-3, on_stage=advance)
+        steps = [[f.steps for f in group] for group in fits]
+        hard_steps = [[f.hard_steps for f in group] for group in fits]
+        max_weight = [[round(f.max_weight, 4) for f in group] for group in fits]
         groups = len(stage_mse)
         per_stage = [sum(m[r] for m in stage_mse) / groups for r in range(len(stage_mse[0]))]
-        return torch.stack(thetas), {
+        return theta, {
             "stage_mse_groups": stage_mse,
             "stage_mse": [round(m, 8) if math.isfinite(m) else None for m in per_stage],  # None: nothing held out
             "scalar_mse": round(key_scalar_mse(k[held_rows[: 32 * (held_rows.numel() // 32)]].to(device), self.bits,

@@ -41,6 +41,11 @@ GPU_BLOCK_ENTRIES = 1 << 27
 DISTANCE_CHUNK = CPU_BLOCK_ENTRIES // (64 * 64)  # points per chunk of one group at N = 64 on the CPU
 
 
+# an error within this relative margin of the best is a tie, not an improvement: at a hard k-means fixed point
+# the error repeats up to rounding, and rounding (batched or not, CPU or GPU) must not decide whether EM goes on
+TIE = 1e-9
+
+
 def block_entries(device) -> int:
     return GPU_BLOCK_ENTRIES if torch.device(device).type == "cuda" else CPU_BLOCK_ENTRIES
 
@@ -106,6 +111,12 @@ class StageTables:
         return cls(u, ju, theta.square().sum((-1, -2)), 2 * u @ ju.transpose(-1, -2))
 
 
+def _pq(points: torch.Tensor, t: StageTables):
+    """The [..., M, N] terms of squared_distances: (|r|^2 + P_a, Q_b)."""
+    p = (points.square().sum(-1)[..., None] + t.sq[..., None, :]) - 2 * (points @ t.u.transpose(-1, -2))
+    return p, t.sq[..., None, :] - 2 * (points @ t.ju.transpose(-1, -2))
+
+
 def squared_distances(points: torch.Tensor, point_sq: torch.Tensor, t: StageTables) -> torch.Tensor:
     """|r - c_ab|^2 [..., M, N, N] (a, b) of points [..., M, 2g] (|r|^2 = point_sq [..., M]), clamped at 0
     (rounding). |r|^2 joins the small [M, N] term, so the big block is written once and updated once."""
@@ -123,6 +134,11 @@ def nearest_codes_groups(points: torch.Tensor, theta: torch.Tensor, chunk: int |
     n = theta.shape[-3]
     flat = points.reshape(groups, m, -1)
     tables = StageTables.of(theta)
+    if use_kernel(points) and m:
+        from kvcal.quant.vq_kernels import e_step_blocks
+
+        best, index = e_step_blocks(*_pq(flat, tables), tables.cross, None)[:2]
+        return index // n, index % n, best
     step = chunk_points(chunk, groups, n * n, points.device)
     a, b, best = [], [], []
     for start in range(0, m, step):
@@ -188,6 +204,15 @@ def _accumulate_marginals(rhs, wa: torch.Tensor, wb: torch.Tensor, part: torch.T
     rhs[..., n:, :] += wat @ py - wbt @ px
 
 
+def use_kernel(points: torch.Tensor) -> bool:
+    """The fused Triton E-step (vq_kernels) on a GPU for float32; torch elsewhere (the CPU, float64 checks)."""
+    if not (points.is_cuda and points.dtype == torch.float32):
+        return False
+    from kvcal.quant import vq_kernels
+
+    return vq_kernels.triton is not None
+
+
 def _exp_(x: torch.Tensor) -> torch.Tensor:
     """exp in place of arguments <= 0. On the CPU the arguments are floored at -87 first: exp of the far
     centres (arguments down to -1e5 at the low temperatures) would be float32 denormals, which the CPU computes
@@ -216,6 +241,14 @@ def e_step_groups(points: torch.Tensor, weights: torch.Tensor, theta: torch.Tens
     tables = StageTables.of(theta)
     flat = points.reshape(groups, m, -1)
     weights = weights.to(device, dtype)
+    if use_kernel(points):
+        # the fused kernel (vq_kernels): no [G, M, N, N] block at all, only the [G, M, N] terms
+        from kvcal.quant.vq_kernels import e_step_blocks
+
+        best, _, wa, wb, inv_z, kernel_counts = e_step_blocks(*_pq(flat, tables), tables.cross, temperature)
+        _accumulate_marginals(rhs, wa, wb, points, n)
+        sse = (best * weights).sum(-1, dtype=torch.float64)
+        return EStats(kernel_counts, rhs, sse, inv_z.sum(-1) / max(1, m))
     step = chunk_points(chunk, groups, n * n, device)
     for start in range(0, m, step):
         part, part_flat = points[:, start : start + step], flat[:, start : start + step]
@@ -375,7 +408,7 @@ def fit_stage_groups(points: torch.Tensor, weights: torch.Tensor, n_codes: int, 
             history[j].append(sse[pos] / elements)
             if not hard[j]:
                 max_weight[j] = weights_max[pos]
-            if sse[pos] < best_sse[j]:
+            if sse[pos] < best_sse[j] * (1 - TIE):
                 best_sse[j] = sse[pos]
                 best_theta[j] = theta[j]
             elif hard[j]:
@@ -404,7 +437,7 @@ def fit_stage_groups(points: torch.Tensor, weights: torch.Tensor, n_codes: int, 
             for pos, j in enumerate(last):
                 e_steps[j] += 1
                 history[j].append(final[pos] / elements)
-                if final[pos] < best_sse[j]:
+                if final[pos] < best_sse[j] * (1 - TIE):
                     best_sse[j] = final[pos]
                     best_theta[j] = theta[j]
     return [StageFit(best_theta[j], e_steps[j], hard_steps[j], best_sse[j] / elements, max_weight[j], history[j])

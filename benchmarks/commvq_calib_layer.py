@@ -57,7 +57,10 @@ def main():
     train_rows, held_rows = rows_of(windows, held, False), rows_of(windows, held, True)
     inv_freq = 1.0 / rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     loaded = SimpleNamespace(dims=dims, adapter=SimpleNamespace(inv_freq=inv_freq))
-    module = SimpleNamespace(scaling=d**-0.5, o_proj=torch.nn.Linear(hq * d, hidden, bias=False))
+    o_proj = torch.nn.Linear(hq * d, hidden, bias=False)
+    with torch.no_grad():
+        o_proj.weight.copy_(torch.randn(hidden, hq * d, generator=gen) * (hq * d) ** -0.5)  # seeded: runs repeat
+    module = SimpleNamespace(scaling=d**-0.5, o_proj=o_proj)
 
     def sync():
         if device.type == "cuda":

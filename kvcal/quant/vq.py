@@ -23,7 +23,9 @@ two [M, 2g] x [2g, N] products and one broadcast sum per chunk of points.
 Every EM routine works on all groups of a layer at once ([G, ...] leading axis): one batched computation per
 step instead of a loop over groups, the groups' early stopping tracked per group, so each group's result is
 what fitting it alone gives (up to float rounding). Points are processed in chunks whose distance block
-[G, chunk, N, N] holds at most `block_entries(device)` floats; no host sync inside the chunk loops.
+[G, chunk, N, N] holds at most `block_entries(device)` floats; no host sync inside the chunk loops. On a GPU
+(float32) the E-step and the nearest-centre search are one Triton kernel instead (vq_kernels.py: the distance
+block is never stored); these torch functions are its reference.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ DISTANCE_CHUNK = CPU_BLOCK_ENTRIES // (64 * 64)  # points per chunk of one group
 
 # an error within this relative margin of the best is a tie, not an improvement: at a hard k-means fixed point
 # the error repeats up to rounding, and rounding (batched or not, CPU or GPU) must not decide whether EM goes on
-TIE = 1e-9
+TIE = 1e-12
 
 
 def block_entries(device) -> int:

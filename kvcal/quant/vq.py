@@ -136,7 +136,7 @@ def nearest_codes_groups(points: torch.Tensor, theta: torch.Tensor, chunk: int |
     n = theta.shape[-3]
     flat = points.reshape(groups, m, -1)
     tables = StageTables.of(theta)
-    if use_kernel(points) and m:
+    if use_kernel(points, n) and m:
         from kvcal.quant.vq_kernels import e_step_blocks
 
         best, index = e_step_blocks(*_pq(flat, tables), tables.cross, None)[:2]
@@ -206,9 +206,10 @@ def _accumulate_marginals(rhs, wa: torch.Tensor, wb: torch.Tensor, part: torch.T
     rhs[..., n:, :] += wat @ py - wbt @ px
 
 
-def use_kernel(points: torch.Tensor) -> bool:
-    """The fused Triton E-step (vq_kernels) on a GPU for float32; torch elsewhere (the CPU, float64 checks)."""
-    if not (points.is_cuda and points.dtype == torch.float32):
+def use_kernel(points: torch.Tensor, n_codes: int) -> bool:
+    """The fused Triton E-step (vq_kernels) on a GPU for float32 and N <= 128 (a program holds an N x N tile in
+    registers); torch elsewhere (the CPU, float64 checks, 129-256 codewords per pair)."""
+    if not (points.is_cuda and points.dtype == torch.float32 and n_codes <= 128):
         return False
     from kvcal.quant import vq_kernels
 
@@ -243,7 +244,7 @@ def e_step_groups(points: torch.Tensor, weights: torch.Tensor, theta: torch.Tens
     tables = StageTables.of(theta)
     flat = points.reshape(groups, m, -1)
     weights = weights.to(device, dtype)
-    if use_kernel(points):
+    if use_kernel(points, n):
         # the fused kernel (vq_kernels): no [G, M, N, N] block at all, only the [G, M, N] terms
         from kvcal.quant.vq_kernels import e_step_blocks
 

@@ -112,6 +112,7 @@ def e_step_blocks(p: torch.Tensor, q: torch.Tensor, cross: torch.Tensor, tempera
     scale = 0.0 if hard else LOG2E / temperature
     with launch_device(p):
         _e_step_kernel[(blocks, groups)](p_pad, q_pad, cross_pad, best, index, wa, wb, inv_z, partial, m, n, scale,
-                                         NP=np_, BLOCK_P=block_p, HARD=hard, num_warps=4)
+                                         NP=np_, BLOCK_P=block_p, HARD=hard,
+                                         num_warps=4 if np_ <= 64 else 8)
     counts = partial.sum(1)[:, :n, :n]
     return best[:, :m], index[:, :m].long(), wa[:, :m, :n], wb[:, :m, :n], inv_z[:, :m], counts

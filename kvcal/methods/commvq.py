@@ -54,7 +54,8 @@ CATEGORY_BITS = ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.0, 0.0))
 VALUE_PARAMS = ("codebook", "channel_scale", "ln_weight", "ln_bias", "fc1_weight", "fc1_bias", "fc2_weight",
                 "fc2_bias")
 HELD_OUT_VALUE_TOKENS = 32768  # tokens of the held-out windows used for value diagnostics (a cap)
-ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept per layer
+ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept per layer (CPU)
+ATTENTION_CACHE_BYTES_GPU = 8 << 30  # on a GPU: all blocks of 64 x 1024 tokens at Llama-3.1-8B shapes (~4 GB)
 
 
 def derived_seed(*parts) -> int:
@@ -534,22 +535,18 @@ class CommVQ(Method):
 
         train, train_w = prepare(pick)
         held, held_w = prepare(held_pick)
-        temperatures = self.stage_temperatures(dims)
-        thetas, stage_mse, steps, hard_steps, max_weight = [], [], [], [], []
-        for grp in range(self.num_groups(dims)):
-            theta, fits, mse = vq.fit_residual(
-                train[:, grp].contiguous(), train_w, held[:, grp].contiguous(), held_w, self.key_codes,
-                self.stages(dims), self.key_em_steps, temperatures,
-                lambda r, grp=grp: generator(self.seed, layer, grp, r), self.key_em_tol,
-                init_temperature=temperatures[0] / 1e-3, on_stage=advance)
-            thetas.append(theta)
-            stage_mse.append(mse)
-            steps.append([f.steps for f in fits])
-            hard_steps.append([f.hard_steps for f in fits])
-            max_weight.append([round(f.max_weight, 4) for f in fits])
+        # all groups of the layer in one batched EM (vq.fit_residual_groups): each group's own seed and stopping
+        theta, fits, stage_mse = vq.fit_residual_groups(
+            train.transpose(0, 1).contiguous(), train_w, held.transpose(0, 1).contiguous(), held_w, self.key_codes,
+            self.stages(dims), self.key_em_steps, self.stage_temperatures(dims),
+            lambda grp, r: generator(self.seed, layer, grp, r), self.key_em_tol,
+            init_temperature=self.stage_temperatures(dims)[0] / 1e-3, on_stage=advance)
+        steps = [[f.steps for f in group] for group in fits]
+        hard_steps = [[f.hard_steps for f in group] for group in fits]
+        max_weight = [[round(f.max_weight, 4) for f in group] for group in fits]
         groups = len(stage_mse)
         per_stage = [sum(m[r] for m in stage_mse) / groups for r in range(len(stage_mse[0]))]
-        return torch.stack(thetas), {
+        return theta, {
             "stage_mse_groups": stage_mse,
             "stage_mse": [round(m, 8) if math.isfinite(m) else None for m in per_stage],  # None: nothing held out
             "scalar_mse": round(key_scalar_mse(k[held_rows[: 32 * (held_rows.numel() // 32)]].to(device), self.bits,
@@ -733,18 +730,27 @@ def init_value_params(v: torch.Tensor, groups: int, hidden: int, gen: torch.Gene
 
 
 def gumbel_hard(logits: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
-    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient."""
-    u = torch.rand(logits.shape, generator=gen).to(logits.device).clamp_(1e-10, 1 - 1e-7)
+    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient. The noise is
+    drawn on the generator's device (a GPU generator on a GPU: no host-side draw and copy per step)."""
+    u = torch.rand(logits.shape, generator=gen, device=gen.device).to(logits.device).clamp_(1e-10, 1 - 1e-7)
     soft = torch.softmax((logits - torch.log(-torch.log(u))) / tau, dim=-1)
-    hard = F.one_hot(soft.argmax(-1), logits.shape[-1]).to(soft.dtype)
+    # one_hot(argmax) written as a scatter: F.one_hot validates its indices, a host sync on a GPU
+    hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0)
     return hard - soft.detach() + soft
+
+
+def training_bits(onehot: torch.Tensor) -> torch.Tensor:
+    """category_bits for training: bits (y0 + y2, y1 + y2) of the map 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00 [C], as
+    sums instead of a product with the map's table (no table copied to the device every step)."""
+    y = onehot.unbind(-1)
+    return torch.stack((y[0] + y[2], y[1] + y[2]), dim=-1).flatten(-2)
 
 
 def reconstruct_training(params, x: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
     """Training-time decode of value rows x [M, C] through straight-through Gumbel codes [C]."""
     unit, rho0 = normalize_values(x, params["channel_scale"])
     logits = value_logits(params, unit, params["codebook"].shape[0] // 2)
-    u = category_bits(gumbel_hard(logits, tau, gen)) @ params["codebook"]
+    u = training_bits(gumbel_hard(logits, tau, gen)) @ params["codebook"]
     return params["channel_scale"] * ((rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS))[:, None] * u
 
 
@@ -756,9 +762,13 @@ class AttentionOutputLoss:
     blocks keep the cost bounded on a CPU, digest §9). The difference of outputs is linear in v_hat - v:
     o_proj(P_block (v_hat - v)_block), bias cancelled."""
 
-    def __init__(self, data, windows, module, loaded, block: int, device, cache_bytes: int = ATTENTION_CACHE_BYTES):
+    def __init__(self, data, windows, module, loaded, block: int, device, cache_bytes: int | None = None):
         dims = loaded.dims
-        self.q, self.k = data["q"], data["k"]  # stay on the CPU; a block moves to the device when used
+        on_gpu = torch.device(device).type == "cuda"
+        # on a GPU the layer's queries and keys move once (in their captured dtype), not one block per step
+        self.q, self.k = (data["q"].to(device), data["k"].to(device)) if on_gpu else (data["q"], data["k"])
+        if cache_bytes is None:
+            cache_bytes = ATTENTION_CACHE_BYTES_GPU if on_gpu else ATTENTION_CACHE_BYTES
         self.dims, self.device = dims, device
         self.inv_freq = loaded.adapter.inv_freq.to(device)
         self.scale = float(module.scaling)
@@ -769,8 +779,12 @@ class AttentionOutputLoss:
         self.cache_budget, self.cached_bytes = cache_bytes, 0
 
     def rows(self, index: int) -> torch.Tensor:
+        return torch.arange(*self.span(index))
+
+    def span(self, index: int) -> tuple[int, int]:
+        """[first, end) rows of the block (consecutive)."""
         start, b0, b1 = self.blocks[index]
-        return torch.arange(start + b0, start + b1)
+        return start + b0, start + b1
 
     def probabilities(self, index: int) -> torch.Tensor:
         """Attention weights [Hkv, rep * L, L] of the block's queries over the block's keys (full softmax)."""
@@ -820,14 +834,22 @@ def learning_rate(method: CommVQ, step: int) -> float:
 def train_value_coder(params, v, train_rows, attention, method: CommVQ, gen, advance) -> float:
     """AdamW on the encoder and codebook of one layer [C]: lr 1e-3, weight decay 0.1 on weights and codebook
     (none on biases and LayerNorm, as the HF Trainer groups them), betas (0.9, 0.95), grad-norm clip 1.0.
-    Returns the mean training loss of the last tenth of the steps."""
+    Returns the mean training loss of the last tenth of the steps.
+
+    On a GPU: the Gumbel noise comes from a GPU generator seeded from `gen` (deterministic per seed; the batch
+    picks stay on `gen`), AdamW is the fused kernel, and nothing syncs the host inside the loop (the tail loss
+    is summed on the device). On the CPU everything draws from `gen`, as before."""
     trainable = [t for n, t in params.items() if n != "channel_scale"]
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
+    on_gpu = v.device.type == "cuda"
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": method.value_weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=method.value_lr,
-                                  betas=(0.9, 0.95), eps=1e-8)
-    tail, tail_start = [], method.value_steps - max(1, method.value_steps // 10)
+                                  betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}))
+    noise = gen
+    if on_gpu:
+        noise = torch.Generator(device=v.device).manual_seed(derived_seed(gen.initial_seed(), "gumbel"))
+    tail, tail_start = torch.zeros((), device=v.device), method.value_steps - max(1, method.value_steps // 10)
     per_step = max(1, method.value_batch_tokens // method.value_attn_tokens)
     with torch.enable_grad():
         for step in range(method.value_steps):
@@ -837,23 +859,23 @@ def train_value_coder(params, v, train_rows, attention, method: CommVQ, gen, adv
                 picks = torch.randint(len(attention.blocks), (per_step,), generator=gen).tolist()
                 loss = 0.0
                 for index in picks:
-                    rows = attention.rows(index).to(v.device)
-                    x = v[rows]
-                    v_hat = reconstruct_training(params, x, method.gumbel_tau, gen)
+                    lo, hi = attention.span(index)
+                    x = v[lo:hi]
+                    v_hat = reconstruct_training(params, x, method.gumbel_tau, noise)
                     with torch.no_grad():
                         probs = attention.probabilities(index)
                     loss = loss + (0.5 * F.mse_loss(v_hat, x) + attention.loss(probs, v_hat - x)) / len(picks)
             else:
                 pick = torch.randint(train_rows.numel(), (method.value_batch_tokens,), generator=gen)
                 x = v[train_rows[pick.to(train_rows.device)]]
-                loss = F.mse_loss(reconstruct_training(params, x, method.gumbel_tau, gen), x)
+                loss = F.mse_loss(reconstruct_training(params, x, method.gumbel_tau, noise), x)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             if step >= tail_start:
-                tail.append(float(loss.detach()))
+                tail += loss.detach()
             advance()
     for t in trainable:
         t.requires_grad_(False)
-    return sum(tail) / len(tail)
+    return float(tail) / (method.value_steps - tail_start)

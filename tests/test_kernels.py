@@ -287,7 +287,12 @@ GPU_CASES = [
      ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 5, "groups": 8}, {}, {}),
      ("skvq_k2v1.5_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5, "groups": 8}, {}, {}),
      ("skvq_k4v4_fp8_bf16", "skvq", 4, torch.bfloat16, {"v_bits": 4.0, "param_dtype": "fp8", "groups": 16}, {}, {}),
-     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {})]
+     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {}),
+     # CommVQ at the paper's Llama-3.1-8B settings: 64 codes, one group per KV head, 11 / 21 stages (1 / 2 bits)
+     ("commvq1_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {}, {}),
+     ("commvq2_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {}, {}),
+     ("commvq1_fp16", "commvq", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
+     ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -845,6 +845,28 @@ class CommVQ(Method):
         return {"attn_mse": round(sum(ours) / len(ours), 8), "attn_scalar_mse": round(sum(scalar) / len(scalar), 8)}
 
     # -- runtime ------------------------------------------------------------------------------------------
+    def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Random tensors of an artifact's shapes (speed and memory benchmarks: `kvcal bench decode --recipe
+        commvq-1bit`): codebooks N(0, 0.3) per coordinate, the encoder as torch initialises it, a positive channel
+        scale. One layer's tensors serve every layer (the same objects: a 2-bit encoder at Llama-3.1-8B shapes is 80 MB
+        a layer)."""
+        self.check_model(dims)
+        gen = generator(seed, "synthetic")
+        groups, stages, g = self.num_groups(dims), self.stages(dims), self.group_pairs(dims)
+        channels, n_e, hidden = dims.kv_channels, self.value_groups(dims), self.hidden(dims)
+
+        def uniform(shape, fan_in):
+            return (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+
+        layer = {"k.theta": torch.randn(groups, stages, self.key_codes, g, 2, generator=gen) * 0.3,
+                 "k.pair_channels": pair_channels(dims.num_kv_heads, dims.head_dim, g).to(torch.int32),
+                 "v.codebook": torch.randn(2 * n_e, channels, generator=gen),
+                 "v.channel_scale": torch.rand(channels, generator=gen) + 0.5,
+                 "v.ln_weight": torch.ones(channels), "v.ln_bias": torch.zeros(channels),
+                 "v.fc1_weight": uniform((hidden, channels), channels), "v.fc1_bias": uniform((hidden,), channels),
+                 "v.fc2_weight": uniform((4 * n_e, hidden), hidden), "v.fc2_bias": uniform((4 * n_e,), hidden)}
+        return {f"layers.{i}.{name}": t for i in range(dims.num_layers) for name, t in layer.items()}
+
     def build_codec(self, tensors, dims) -> Codec:
         self.check_model(dims)
         groups, stages, g = self.num_groups(dims), self.stages(dims), self.group_pairs(dims)

@@ -251,6 +251,7 @@ ATTENTION_CASES = [
     ("commvq2_bf16", "commvq", 2, torch.bfloat16, {}, {}, {}),
     ("commvq1_c12_g8_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
     ("commvq1_d128_bf16", "commvq", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
+    ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
     ("commvq2_fp32", "commvq", 2, torch.float32, {}, {}, {}),
     ("commvq1_g8_fp64", "commvq", 1, torch.float64, {"group_pairs": 8}, {}, {}),
 ]

@@ -283,10 +283,13 @@ def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.
 
 def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t: int | None = None,
                   num_splits: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None,
-                  code_chunk: int | None = None):
+                  code_chunk: int | None = None, fp16_codewords: bool = False):
     """Partials of q [B, Hq, D] (after RoPE) over CommVQ's packed tokens and the full-precision part `fp` (module
     docstring). Keyword-only tuning knobs: block_t (tokens per tile, >= 16), num_splits (default from
-    programs_per_sm x SMs), num_warps of the split kernel, code_chunk (codes per codebook program, >= 16)."""
+    programs_per_sm x SMs), num_warps of the split kernel (default: the mass accumulator [N_c, 16] and a tile's
+    unpacked bits at about 64 registers per thread each), code_chunk (codes per codebook program, >= 16),
+    fp16_codewords (fp16/bf16 queries: gather the codewords in fp16, half the bytes of the gathers that bound the
+    kernel (docs/commvq.md), at a rounding of each codeword to 2^-11 relative; off by default: not measured)."""
     from kvcal.runtime.decode import Partials
 
     batch, hq, d = q.shape
@@ -297,6 +300,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
         q = q.contiguous()
     tables = _workspace(storage, q.dtype, dev)
     theta_heads, values = tables["theta_heads"], tables["values"]
+    if fp16_codewords and q.dtype in (torch.float16, torch.bfloat16):
+        if "theta_heads_fp16" not in tables:
+            tables["theta_heads_fp16"] = theta_heads.half()
+        theta_heads = tables["theta_heads_fp16"]
     codebook, channel_scale = values["codebook"], values["channel_scale"]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc, kn, vc, vr = packed["k_codes"], packed["k_norm"], packed["v_codes"], packed["v_rho"]
@@ -320,7 +327,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     nchunks = ncb // ncc
     fp_count = K.fp_splits(fp)
     parts = Partials.empty(rows, nchunks + fp_count, group, d, q.dtype, dev)
-    warps = num_warps or (8 if ncb * gpv >= 32768 else 4)
+    warps = num_warps or max(4, min(16, ncb * gpv // 2048))
     qk_hi, qk_lo = K.qk_scale_parts(scale)
     opts = {"enable_fp_fusion": False} if q.dtype == torch.float64 else {}
     with launch_device(q):

@@ -25,10 +25,12 @@ Decode attention (`attend_triton`, reference CommVQStorage.attend_reference), tw
 3. the full-precision window: runtime/kernels.fp_partials_into into the last splits; runtime/kernels.merge_triton
    merges all (decode_attention calls it).
 
-Key encoding (`encode_keys_triton`, reference commvq.encode_keys): one program per (token, group) runs the greedy
-residual search over the stages with the fast distance decomposition of quant/vq.py
-(|r - c_ab|^2 = |r|^2 + P_a + Q_b + G_ab, the [N, N] cross term precomputed per stage), argmin over the N^2 centres,
-and subtracts the chosen centre.
+Key encoding (`encode_keys_triton`, reference commvq.encode_keys): one program per (block of 16 tokens, group) runs
+the greedy residual search over the stages with the fast distance decomposition of quant/vq.py
+(|r - c_ab|^2 = |r|^2 + P_a + Q_b + G_ab: two small dots per stage, the [N, N] cross term precomputed per stage),
+the argmin over the N^2 centres taken 16 values of a at a time (the first minimum, as torch's), and subtracts the
+chosen centre. A stage's tables (u, J u: 2 N 2g floats, 64 KB at N = 64 and g = 64 in fp32) are loaded once per
+block of tokens, not per token.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ PREC = {torch.float32: 32, torch.float64: 64}  # fp16 hi + lo value dots for fp1
 BLOCK_T = 32  # tokens per tile
 PROGRAMS_PER_SM = 4  # split programs per SM (each writes a mass partial of N_c x G floats)
 CODE_CHUNK = 32  # codes per program of the codebook kernel
+ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's tables are loaded once per block)
 
 
 if triton is not None:
@@ -190,39 +193,58 @@ if triton is not None:
         tl.store(pl_ptr + part * G + rg, tl.where(chunk == 0, l_tot, 0.0), mask=rg < G)
 
     @triton.jit
-    def _encode_keys_kernel(x_ptr, u_ptr, ju_ptr, sq_ptr, cross_ptr, codes_ptr, GROUPS, R: tl.constexpr,
-                            N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-        """Program (token m, group grp): x [M, G, W] (the unit key's pairs of the group, (x, y) interleaved, W = 2g),
-        per (group, stage): u, ju [N, W], sq [N], cross [N, N] -> codes [M, G, R, 2] (int32)."""
-        m = tl.program_id(0)
+    def _encode_keys_kernel(x_ptr, u_ptr, ju_ptr, sq_ptr, cross_ptr, codes_ptr, M, GROUPS, R: tl.constexpr,
+                            N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BM: tl.constexpr,
+                            AC: tl.constexpr, INTERP: tl.constexpr):
+        """Program (block of BM tokens, group grp): x [M, G, W] (the unit keys' pairs of the group, (x, y) interleaved,
+        W = 2g), per (group, stage) u, ju [N, W], sq [N], cross [N, N] -> codes [M, G, R, 2] (int32). A stage's tables
+        are loaded once for the block's tokens; the N^2 distances of a token are taken AC values of a at a time."""
+        pid = tl.program_id(0)
         grp = tl.program_id(1)
+        i = pid * BM + tl.arange(0, BM)
+        im = i < M
         w = tl.arange(0, WP)
-        a = tl.arange(0, NP)
-        res = tl.load(x_ptr + (m * GROUPS + grp) * W + w, mask=w < W, other=0.0)
-        okw = (a < N)[:, None] & (w < W)[None, :]
+        wm = w < W
+        b = tl.arange(0, NP)
+        ac = tl.arange(0, AC)
+        res = tl.load(x_ptr + (i[:, None] * GROUPS + grp) * W + w[None, :], mask=im[:, None] & wm[None, :], other=0.0)
+        flat_index = tl.arange(0, AC * NP)
         for r in range(R):
             st = grp * R + r
-            u = tl.load(u_ptr + (st * N + a[:, None]) * W + w[None, :], mask=okw, other=0.0)
-            ju = tl.load(ju_ptr + (st * N + a[:, None]) * W + w[None, :], mask=okw, other=0.0)
-            sq = tl.load(sq_ptr + st * N + a, mask=a < N, other=0.0)
-            # as vq.squared_distances: P_a = sq_a - 2 <r, u_a>, Q_b = sq_b - 2 <r, J u_b>, + G_ab + |r|^2
-            pa = sq + -2.0 * tl.sum(u * res[None, :], 1)
-            qb = sq + -2.0 * tl.sum(ju * res[None, :], 1)
-            cross = tl.load(cross_ptr + (st * N + a[:, None]) * N + a[None, :],
-                            mask=(a < N)[:, None] & (a < N)[None, :], other=0.0)
-            d2 = pa[:, None] + qb[None, :] + cross + tl.sum(res * res, 0)
-            d2 = tl.maximum(d2, 0.0)
-            d2 = tl.where((a < N)[:, None] & (a < N)[None, :], d2, float("inf"))
-            flat = tl.reshape(d2, (NP * NP,))
-            best = tl.min(flat, 0)
-            idx = tl.min(tl.where(flat == best, tl.arange(0, NP * NP), NP * NP), 0)  # the first minimum
-            ca = idx // NP
-            cbb = idx % NP
-            tl.store(codes_ptr + ((m * GROUPS + grp) * R + r) * 2, ca.to(tl.int32))
-            tl.store(codes_ptr + ((m * GROUPS + grp) * R + r) * 2 + 1, cbb.to(tl.int32))
+            ju = tl.load(ju_ptr + (st * N + b[:, None]) * W + w[None, :], mask=(b < N)[:, None] & wm[None, :],
+                         other=0.0)  # [NP, WP]
+            sq_b = tl.load(sq_ptr + st * N + b, mask=b < N, other=0.0)
+            # as vq.squared_distances: P_a = sq_a - 2 <r, u_a>, Q_b = sq_b - 2 <r, J u_b>, then + G_ab + |r|^2
+            qb = sq_b[None, :] + -2.0 * dot(res, tl.trans(ju), INTERP)  # [BM, NP]
+            rsq = tl.sum(res * res, 1)
+            best = tl.full((BM,), float("inf"), res.dtype)
+            best_a = tl.zeros((BM,), tl.int32)
+            best_b = tl.zeros((BM,), tl.int32)
+            for a0 in range(0, NP, AC):
+                a = a0 + ac
+                am = a < N
+                u = tl.load(u_ptr + (st * N + a[:, None]) * W + w[None, :], mask=am[:, None] & wm[None, :], other=0.0)
+                sq_a = tl.load(sq_ptr + st * N + a, mask=am, other=0.0)
+                pa = sq_a[None, :] + -2.0 * dot(res, tl.trans(u), INTERP)  # [BM, AC]
+                cross = tl.load(cross_ptr + (st * N + a[:, None]) * N + b[None, :],
+                                mask=am[:, None] & (b < N)[None, :], other=0.0)
+                d2 = pa[:, :, None] + qb[:, None, :]
+                d2 = d2 + cross[None, :, :]
+                d2 = tl.maximum(d2 + rsq[:, None, None], 0.0)
+                d2 = tl.where(am[None, :, None] & (b < N)[None, None, :], d2, float("inf"))
+                d2 = tl.reshape(d2, (BM, AC * NP))
+                low = tl.min(d2, 1)
+                first = tl.min(tl.where(d2 == low[:, None], flat_index[None, :], AC * NP), 1)  # first minimum
+                take = low < best  # strictly: an earlier a keeps a tie, as torch's first index of the minimum
+                best = tl.where(take, low, best)
+                best_a = tl.where(take, a0 + first // NP, best_a)
+                best_b = tl.where(take, first % NP, best_b)
+            out = codes_ptr + ((i * GROUPS + grp) * R + r) * 2
+            tl.store(out, best_a, mask=im)
+            tl.store(out + 1, best_b, mask=im)
             # residual -= w_a + J w_b (the centre of (a, b))
-            ua = tl.load(u_ptr + (st * N + ca) * W + w, mask=w < W, other=0.0)
-            jub = tl.load(ju_ptr + (st * N + cbb) * W + w, mask=w < W, other=0.0)
+            ua = tl.load(u_ptr + (st * N + best_a[:, None]) * W + w[None, :], mask=wm[None, :], other=0.0)
+            jub = tl.load(ju_ptr + (st * N + best_b[:, None]) * W + w[None, :], mask=wm[None, :], other=0.0)
             res = res - (ua + jub)
 
 
@@ -256,7 +278,7 @@ def _workspace(storage, dtype, device):
 
 
 def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.Tensor, index_bits: int, *,
-                       storage=None, num_warps: int = 4):
+                       storage=None, block_m: int = ENCODE_BLOCK_M, codes_chunk: int = 16, num_warps: int = 8):
     """commvq.encode_keys with the nearest-code search in Triton: rows [M, C] (pre-RoPE keys) -> (key words
     [M, WK] int32 as pack_stream packs them, kappa [M] fp16). The norms, unit pairs and the packing are torch ops."""
     from kvcal.methods.commvq import FP16_MAX, pack_stream
@@ -276,8 +298,11 @@ def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.
     codes = torch.empty(m, groups, stages, 2, dtype=torch.int32, device=x.device)
     if m:
         with launch_device(x):
-            _encode_keys_kernel[(m, groups)](pairs, kt["u"], kt["ju"], kt["sq"], kt["cross"], codes, groups, R=stages,
-                                             N=n, NP=pow2(n), W=2 * g, WP=pow2(2 * g), num_warps=num_warps)
+            _encode_keys_kernel[(triton.cdiv(m, block_m), groups)](
+                pairs, kt["u"], kt["ju"], kt["sq"], kt["cross"], codes, m, groups, R=stages, N=n, NP=max(pow2(n), 16),
+                W=2 * g, WP=max(pow2(2 * g), 16), BM=block_m, AC=min(codes_chunk, max(pow2(n), 16)),
+                INTERP=K.INTERPRET, num_warps=num_warps, **({"enable_fp_fusion": False} if x.dtype == torch.float64
+                                                            else {}))
     return pack_stream(codes.reshape(m, -1), index_bits), norms.clamp(max=FP16_MAX).half()
 
 

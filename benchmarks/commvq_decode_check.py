@@ -33,7 +33,7 @@ def check(recipe: str, dtype=torch.bfloat16) -> dict:
     from kvcal.methods.commvq import encode_keys, unpack_stream
     from kvcal.methods.commvq_kernels import encode_keys_triton
 
-    t = storage.tables(torch.float32)
+    t = storage.constants(torch.float32)
     keys = torch.randn(4096, 1024, device="cuda")
     codes_ref, norms_ref = encode_keys(keys, t["theta"], storage.channels)
     words, norms = encode_keys_triton(keys, t["theta"], storage.channels, storage.index_bits, storage=storage)
@@ -53,7 +53,7 @@ def reconstruct_then_sdpa(storage, packed, q: torch.Tensor):
     hkv, half, n = packed.heads, d // 2, int(packed.lengths.max())
     if storage.group_pairs != half:
         raise SystemExit("reconstruct_then_sdpa: one group per KV head only")
-    tables = storage.tables(torch.float32)
+    tables = storage.constants(torch.float32)
     th, values = tables["theta_heads"], tables["values"]  # [Hkv, R, N, P, 2]
     codes = unpack_stream(packed["k_codes"][:, :n], storage.index_bits, 2 * storage.groups * storage.stages)
     codes = codes.view(batch, n, hkv, storage.stages, 2)

@@ -340,6 +340,12 @@ def test_storage_bytes_at_llama_shapes_by_hand():
         storage = codec.storage(0)
         assert storage.bytes_per_token(8, 128) == per_token
         assert sum(method.footprint(LLAMA8B_DIMS, 100).values()) == 100 * 32 * per_token
+    from kvcal.runtime.bench import packed_bytes
+
+    # what the decode benchmark counts as read: the buffers plus the codewords [Hkv, R, N', P, 2] and the codebook
+    packed = _random_packed(storage, LLAMA8B_DIMS, [100], 0, torch.Generator().manual_seed(0))
+    constants = 4 * (8 * 21 * 64 * 64 * 2 + 2048 * 1024 + 1024)
+    assert packed_bytes(storage, packed) == 100 * per_token + 4 + constants
     assert build_method("commvq", {"quantize": "k"}).build_codec(
         method.synthetic_tensors(LLAMA8B_DIMS), LLAMA8B_DIMS).storage(0) is None  # ablations: reference cache only
 

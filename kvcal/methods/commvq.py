@@ -393,7 +393,7 @@ class CommVQStorage(Storage):
             self._by_dtype = {}
         return self
 
-    def tables(self, dtype) -> dict[str, torch.Tensor]:
+    def constants(self, dtype) -> dict[str, torch.Tensor]:
         """The constants in a compute dtype (float32, or float64 for float64 inputs), made once per dtype: theta and
         the value parameters (encoders, references), theta_heads [Hkv, R, N, P, 2] and the codebook (kernels)."""
         dtype = math_dtype(dtype)
@@ -408,6 +408,14 @@ class CommVQStorage(Storage):
             self._by_dtype[dtype] = {"theta": theta, "theta_heads": heads.contiguous(),
                                      "values": {n: t.to(dtype) for n, t in self.values.items()}}
         return self._by_dtype[dtype]
+
+    @property
+    def tables(self) -> dict[str, torch.Tensor]:
+        """What a decode step reads besides the cache (runtime.bench.packed_bytes counts it): the codewords per KV head
+        and the value codebook and scale, float32."""
+        t = self.constants(torch.float32)
+        return {"theta_heads": t["theta_heads"], "codebook": t["values"]["codebook"],
+                "channel_scale": t["values"]["channel_scale"]}
 
     def check(self, heads: int, dim: int) -> None:
         if heads != self.dims.num_kv_heads or dim != self.dims.head_dim:
@@ -426,7 +434,7 @@ class CommVQStorage(Storage):
     def _encode(self, keys, values):
         """keys (pre-RoPE) and values [M, H, D] -> (key words, kappa, value words, rho) of the M tokens."""
         m = keys.shape[0]
-        t = self.tables(keys.dtype)
+        t = self.constants(keys.dtype)
         codes, norms = encode_keys(keys.reshape(m, -1), t["theta"], self.channels)
         bits, rho = encode_values(values.reshape(m, -1), t["values"])
         return pack_stream(codes.reshape(m, -1), self.index_bits), norms, pack_stream(bits, 1), rho
@@ -448,7 +456,7 @@ class CommVQStorage(Storage):
         from kvcal.methods import commvq_kernels
 
         m = keys.shape[0]
-        t = self.tables(keys.dtype)
+        t = self.constants(keys.dtype)
         key_words, norms = commvq_kernels.encode_keys_triton(keys.reshape(m, -1), t["theta"], self.channels,
                                                              self.index_bits, storage=self)
         bits, rho = encode_values(values.reshape(m, -1), t["values"])
@@ -466,7 +474,7 @@ class CommVQStorage(Storage):
     def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
         dims = self.dims
         compute = math_dtype(dtype)
-        t = self.tables(compute)
+        t = self.constants(compute)
         codes, norms, bits, rho = self.codes_of(packed, row)
         k = decode_keys(codes, norms, t["theta"], self.channels, dims.kv_channels)
         v = decode_values(bits, rho, t["values"])
@@ -490,7 +498,7 @@ class CommVQStorage(Storage):
         parts.m.fill_(-math.inf)
         parts.l.zero_()
         parts.acc.zero_()
-        t = self.tables(compute)
+        t = self.constants(compute)
         for b in range(batch):
             n = int(packed.lengths[b])
             if n == 0:

@@ -261,7 +261,7 @@ def unsupported(q: torch.Tensor, packed, storage) -> str | None:
 def _workspace(storage, dtype, device):
     """The kernels' per-layer constants in the compute dtype: theta_heads [Hkv, R, N, P, 2] and the codebook, the
     channel scale, and the key encoder's stage tables (u, ju, sq, cross)."""
-    tables = storage.tables(dtype)
+    tables = storage.constants(dtype)
     if "kernel" not in tables:
         from kvcal.quant import vq
 

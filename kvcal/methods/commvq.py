@@ -387,7 +387,10 @@ class CommVQStorage(Storage):
 
     # ---- constants ------------------------------------------------------------------------------------------------
     def to(self, device) -> CommVQStorage:
-        if self.theta.device != torch.device(device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device: no move, no new constants
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.theta.device != device:
             self.theta, self.channels = self.theta.to(device), self.channels.to(device)
             self.values = {n: t.to(device) for n, t in self.values.items()}
             self._by_dtype = {}
@@ -450,7 +453,7 @@ class CommVQStorage(Storage):
 
     def write_triton(self, packed, keys, values, rows, slots):
         """Keys by the Triton nearest-code kernel (commvq_kernels.encode_keys_triton: the fast distance decomposition,
-        one program per token and group over its stages); values by the encoder MLP as torch GEMMs on the GPU (a
+        one program per block of 16 tokens and group over its stages); values by the encoder MLP as torch GEMMs on the GPU (a
         LayerNorm and two Linear layers of C x hidden weights per token: cuBLAS is the right tool for them), the
         argmax, the bits and rho as the reference computes them."""
         from kvcal.methods import commvq_kernels
@@ -536,8 +539,8 @@ class CommVQStorage(Storage):
 
     # ---- benchmarks -----------------------------------------------------------------------------------------------
     def fill_synthetic(self, packed, generator):
-        """Valid random indices (each key code below N', packed as write packs them), random value bits, norms and
-        ratios of a unit-ish key and value."""
+        """Valid random indices (each key code below N', packed as write packs them), random value bits, key norms of
+        8 to 16 (real keys over all KV heads are of that order) and norm ratios of 0.5 to 2."""
         batch, cap = packed["k_norm"].shape
         dev = packed["k_norm"].device
         count = 2 * self.groups * self.stages

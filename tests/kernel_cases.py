@@ -254,6 +254,10 @@ ATTENTION_CASES = [
     ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
     ("commvq2_fp32", "commvq", 2, torch.float32, {}, {}, {}),
     ("commvq1_g8_fp64", "commvq", 1, torch.float64, {"group_pairs": 8}, {}, {}),
+    # the paper's key path: a per-step table of q against the codebooks, gathered by the indices
+    ("commvq2_table_fp16", "commvq", 2, torch.float16, {}, {"key_path": "table"}, {}),
+    ("commvq1_c12_g8_table_fp64", "commvq", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {"key_path": "table"},
+     {}),
 ]
 STORAGE_KEYS = ("group", "key_block", "kcap", "per_side", "value_per_head", "sink", "v_bits", "groups", "param_dtype",
                 "ternary_storage", "stages", "codes", "group_pairs")

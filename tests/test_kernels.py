@@ -293,7 +293,8 @@ GPU_CASES = [
      ("commvq1_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {}, {}),
      ("commvq2_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {}, {}),
      ("commvq1_fp16", "commvq", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
-     ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {})]
+     ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {}),
+     ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

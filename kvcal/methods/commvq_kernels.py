@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcal.errors import KvcalError
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
 
@@ -79,6 +80,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPV: tl.constexpr, R: tl.constexpr,
         NCODE: tl.constexpr, IB: tl.constexpr, NPH: tl.constexpr, GPAIRS: tl.constexpr, WK: tl.constexpr,
         WV: tl.constexpr, WVP: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+        TABLE: tl.constexpr,
     ):
         ACC: tl.constexpr = m_ptr.dtype.element_ty
         if PREC == 64:
@@ -107,12 +109,16 @@ if triton is not None:
         th_head = th_ptr + h * (R * NCODE * P * 2)
         wv = tl.arange(0, WVP)
         sh32 = tl.arange(0, 32).to(tl.uint32)
+        tab_head = th_ptr + pid * (R * NCODE * P * GP * 2)  # TABLE: this row's table of q against the codebook
         for t0 in range(start, end, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             tm = t < end
             krow = kc_ptr + b * skb + t * skt  # [BLOCK_T] code rows
             kx = tl.zeros((BLOCK_T, P), ACC)
             ky = tl.zeros((BLOCK_T, P), ACC)
+            if TABLE:
+                big_a = tl.zeros((BLOCK_T, P, GP), ACC)
+                big_b = tl.zeros((BLOCK_T, P, GP), ACC)
             for r in range(R):
                 for e in tl.static_range(2):
                     bit = (((h * NPH + gi) * R + r) * 2 + e) * IB  # [NPH] stream bit of the group's code
@@ -124,23 +130,37 @@ if triton is not None:
                     hi = tl.where(sh[None, :] > 0, w1 << ((32 - sh) % 32)[None, :], 0)
                     code = (((w0 >> sh[None, :]) | hi) & MASK).to(tl.int32)  # [BLOCK_T, NPH]
                     code = tl.reshape(tl.broadcast_to(code[:, :, None], (BLOCK_T, NPH, GPAIRS)), (BLOCK_T, P))
-                    off = ((r * NCODE + code) * P + jj[None, :]) * 2  # codeword (x, y) of pair j
-                    pair = tl.load(th_head + off[:, :, None] + xy[None, None, :]).to(ACC)  # [BLOCK_T, P, 2]
-                    x, y = tl.split(pair)
-                    if e == 0:  # w_a: row 0 of C_a
-                        kx += x
-                        ky += y
-                    else:  # i w_b: row 1 of C_b, (-y, x)
-                        kx -= y
-                        ky += x
+                    if TABLE:  # the entries (d, c) of the group's query heads: [BLOCK_T, P, GP, 2]
+                        off = (((r * NCODE + code) * P + jj[None, :]) * GP)[:, :, None] + rk[None, None, :]
+                        dc = tl.load(tab_head + off[:, :, :, None] * 2 + xy[None, None, None, :])
+                        dd, cc = tl.split(dc)
+                        if e == 0:  # A += d[a], B += c[a]
+                            big_a += dd
+                            big_b += cc
+                        else:  # A += c[b], B -= d[b]
+                            big_a += cc
+                            big_b -= dd
+                    else:
+                        off = ((r * NCODE + code) * P + jj[None, :]) * 2  # codeword (x, y) of pair j
+                        pair = tl.load(th_head + off[:, :, None] + xy[None, None, :]).to(ACC)  # [BLOCK_T, P, 2]
+                        x, y = tl.split(pair)
+                        if e == 0:  # w_a: row 0 of C_a
+                            kx += x
+                            ky += y
+                        else:  # i w_b: row 1 of C_b, (-y, x)
+                            kx -= y
+                            ky += x
             # one rotation per token and pair (HF rotate_half: channel j pairs with j + P)
             pos = pos_offset + t
             c = tl.load(cos_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
             sn = tl.load(sin_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
-            k1 = kx * c - ky * sn
-            k2 = ky * c + kx * sn
             kappa = tl.load(kn_ptr + b * sknb + t, mask=tm, other=0.0).to(ACC)
-            s = tl.sum(k1[:, :, None] * q1[None, :, :], 1) + tl.sum(k2[:, :, None] * q2[None, :, :], 1)  # [BT, GP]
+            if TABLE:  # fused_key_scores: sum_p cos A_p + sin B_p
+                s = tl.sum(c[:, :, None] * big_a + sn[:, :, None] * big_b, 1)  # [BT, GP]
+            else:
+                k1 = kx * c - ky * sn
+                k2 = ky * c + kx * sn
+                s = tl.sum(k1[:, :, None] * q1[None, :, :], 1) + tl.sum(k2[:, :, None] * q2[None, :, :], 1)
             s = tl.where(tm[:, None], s * (kappa * qk_scale)[:, None], float("-inf"))
             p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
             # ---- values: probability mass per code bit (Eq. 22)
@@ -306,15 +326,34 @@ def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.
     return pack_stream(codes.reshape(m, -1), index_bits), norms.clamp(max=FP16_MAX).half()
 
 
+def query_tables(q: torch.Tensor, theta_heads: torch.Tensor, gp: int, dtype) -> torch.Tensor:
+    """The per-step table of Eq. 19 for key_path="table": q [B, Hq, D] (after RoPE) against theta_heads [Hkv, R, N, P,
+    2] -> [B, Hkv, R, N, P, GP, 2] entries (d, c) = (qx x + qy y, qy x - qx y) of each of the KV head's query heads
+    (padded to GP with zeros), as fused_key_scores builds them."""
+    batch, hq, d = q.shape
+    hkv, half = theta_heads.shape[0], d // 2
+    qg = q.to(dtype).view(batch, hkv, hq // hkv, d)
+    if gp > hq // hkv:
+        qg = torch.nn.functional.pad(qg, (0, 0, 0, gp - hq // hkv))
+    qx, qy = qg[..., :half], qg[..., half:]  # [B, Hkv, GP, P]
+    x, y = theta_heads[..., 0].to(dtype), theta_heads[..., 1].to(dtype)  # [Hkv, R, N, P]
+    table_d = torch.einsum("bhgp,hrnp->bhrnpg", qx, x) + torch.einsum("bhgp,hrnp->bhrnpg", qy, y)
+    table_c = torch.einsum("bhgp,hrnp->bhrnpg", qy, x) - torch.einsum("bhgp,hrnp->bhrnpg", qx, y)
+    return torch.stack((table_d, table_c), -1).contiguous()
+
+
 def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t: int | None = None,
                   num_splits: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None,
-                  code_chunk: int | None = None, fp16_codewords: bool = False):
+                  code_chunk: int | None = None, fp16_codewords: bool = False, key_path: str = "codewords"):
     """Partials of q [B, Hq, D] (after RoPE) over CommVQ's packed tokens and the full-precision part `fp` (module
     docstring). Keyword-only tuning knobs: block_t (tokens per tile, >= 16), num_splits (default from
     programs_per_sm x SMs), num_warps of the split kernel (default: the mass accumulator [N_c, 16] and a tile's
     unpacked bits at about 64 registers per thread each), code_chunk (codes per codebook program, >= 16),
     fp16_codewords (fp16/bf16 queries: gather the codewords in fp16, half the bytes of the gathers that bound the
-    kernel (docs/commvq.md), at a rounding of each codeword to 2^-11 relative; off by default: not measured)."""
+    kernel (docs/commvq.md), at a rounding of each codeword to 2^-11 relative; off by default: not measured),
+    key_path: "codewords" (gather the codewords, rotate their stage sum, dot with the group's queries) or "table" (the
+    paper's kernel and fused_key_scores: a table of q against the codebooks built per step in torch, [B, Hkv, R, N', P,
+    G, 2] entries (d, c), gathered by the indices, then cos A + sin B), for measuring one against the other."""
     from kvcal.runtime.decode import Partials
 
     batch, hq, d = q.shape
@@ -332,6 +371,11 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     codebook, channel_scale = values["codebook"], values["channel_scale"]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc, kn, vc, vr = packed["k_codes"], packed["k_norm"], packed["v_codes"], packed["v_rho"]
+    if key_path not in ("codewords", "table"):
+        raise KvcalError(f"commvq key_path must be codewords or table, got '{key_path}'")
+    gp = pow2(group)
+    if key_path == "table":
+        theta_heads = query_tables(q, tables["theta_heads"], gp, acc_dtype)
     bt = block_t or BLOCK_T
     tcap = kc.shape[1]
     if num_splits:
@@ -339,7 +383,6 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     else:
         target = (programs_per_sm or PROGRAMS_PER_SM) * K.sm_count(dev)
         nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
-    gp = pow2(group)
     gpv = max(gp, 16)
     nc = codebook.shape[0]
     wv = vc.shape[-1]
@@ -362,9 +405,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
             vc, vc.stride(0), vc.stride(1), vr, vr.stride(0),
             theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
             m_s, l_s, mass, hkv, qk_hi, qk_lo, nsplit,
-            D=d, G=group, GP=gp, GPV=gpv, R=theta_heads.shape[1], NCODE=theta_heads.shape[2],
+            D=d, G=group, GP=gp, GPV=gpv, R=storage.stages, NCODE=storage.codes,
             IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
-            WV=wv, WVP=pow2(wv), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16), num_warps=warps,
+            WV=wv, WVP=pow2(wv), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16),
+            TABLE=int(key_path == "table"), num_warps=warps,
             **opts,
         )
         _codebook_kernel[(rows, nchunks)](

@@ -45,6 +45,8 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
         return _skvq_storage(bits, hkv, d, sink, seed, device, **skvq)
     if method == "kivi":
         return KiviStorage(bits, key_block, 0)
+    if method == "commvq":
+        return _commvq_storage(bits, hkv, d, seed, **skvq)
     gen = torch.Generator(device=device).manual_seed(seed + 100)
     levels = 1 << bits
     enc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
@@ -72,6 +74,19 @@ def _skvq_storage(bits, hkv: int, d: int, sink: int, seed: int, device, v_bits: 
         alpha = 0.8 + 0.2 * torch.rand(groups, generator=gen)
         sides.append(ChannelQuantizer(layout, alpha, side_bits, param_dtype))
     return SKVQStorage(sides[0], sides[1], sink, 0, ternary_storage)
+
+
+def _commvq_storage(bits: int, hkv: int, d: int, seed: int, stages: int = 3, codes: int = 8, group_pairs: int = 0):
+    """A CommVQ storage with random codebooks (N(0, 0.3) per coordinate) and a random value encoder (torch's init):
+    `codes` codewords per pair and stage (not a power of two: index fields wider than the codes), `stages` stages,
+    groups of `group_pairs` pairs (0: one KV head). Keys before RoPE."""
+    from types import SimpleNamespace
+
+    from kvcal.methods.commvq import CommVQ
+
+    dims = SimpleNamespace(num_layers=1, num_heads=4 * hkv, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
+    method = CommVQ(bits=bits, key_codes=codes, key_stages=stages, key_group_pairs=group_pairs)
+    return method.build_codec(method.synthetic_tensors(dims, seed), dims).storage(0)
 
 
 def build_packed(storage, lengths, hkv: int, d: int, *, tcap: int | None = None, poison: bool = False,
@@ -242,9 +257,22 @@ ATTENTION_CASES = [
     ("calibquant4_noremap_fp16", "calibquant", 4, torch.float16, {"remap": False}, {}, {}),
     ("calibquant8_d128_fp32", "calibquant", 8, torch.float32, {}, {}, {"d": 128}),
     ("calibquant1_fp64", "calibquant", 1, torch.float64, {}, {}, {}),
+    # CommVQ: keys from code indices (codewords gathered per stage, one rotation per token), values by probability
+    # mass per code bit and one codebook product per chunk of codes; 8 codes of 3-bit fields, or 12 codes (4-bit
+    # fields), groups of 8 pairs (4 groups per KV head), one 32-word value row at d 128
+    ("commvq2_bf16", "commvq", 2, torch.bfloat16, {}, {}, {}),
+    ("commvq1_c12_g8_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
+    ("commvq1_d128_bf16", "commvq", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
+    ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
+    ("commvq2_fp32", "commvq", 2, torch.float32, {}, {}, {}),
+    ("commvq1_g8_fp64", "commvq", 1, torch.float64, {"group_pairs": 8}, {}, {}),
+    # the paper's key path: a per-step table of q against the codebooks, gathered by the indices
+    ("commvq2_table_fp16", "commvq", 2, torch.float16, {}, {"key_path": "table"}, {}),
+    ("commvq1_c12_g8_table_fp64", "commvq", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {"key_path": "table"},
+     {}),
 ]
 STORAGE_KEYS = ("group", "key_block", "kcap", "per_side", "value_per_head", "sink", "v_bits", "groups", "param_dtype",
-                "ternary_storage", "remap")
+                "ternary_storage", "remap", "stages", "codes", "group_pairs")
 
 
 def run_attention_case(case, *, small=True, device="cpu"):
@@ -410,6 +438,32 @@ def run_quantize_checks(device="cpu", n=8, h=3, d=64, seed=0) -> dict:
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
         res.update(_skvq_write_checks(x, gen, str(dtype)[6:]))
+    res.update(_commvq_write_checks(gen, device))
+    return res
+
+
+def _commvq_write_checks(gen, device, n: int = 9) -> dict:
+    """CommVQ's write_triton (the nearest-code key kernel, the value encoder's torch ops) against write_reference:
+    every buffer bit-exact, tokens scattered over rows and slots, for float32 and float64 keys (random keys: no
+    near-ties of distances), 3-bit index fields (8 codes) and 4-bit ones (12 codes, groups of 8 pairs)."""
+    from kvcal.runtime.storage import Packed
+
+    res = {}
+    for name, bits, kw in (("c8", 2, {}), ("c12_g8", 1, {"codes": 12, "group_pairs": 8, "stages": 2})):
+        storage = make_storage("commvq", bits, 2, 64, device=device, **kw).to(device)
+        for dtype in (torch.float32, torch.float64):
+            keys = _keys(gen, n, 2, 64, device).to(dtype)
+            values = torch.randn(n, 2, 64, generator=gen, device=device).to(dtype)
+            rows = torch.arange(n, device=device) % 3
+            slots = (torch.arange(n, device=device) * 5 + 1) % (n + 4)
+            made = []
+            for kernel in (False, True):
+                buffers = {k: torch.full(spec.shape, 7, dtype=spec.dtype, device=device)
+                           for k, spec in storage.buffers(3, n + 4, 2, 64).items()}
+                packed = Packed(buffers, torch.zeros(3, dtype=torch.int32, device=device), 2, 64, n + 4)
+                storage.write(packed, keys, values, rows, slots, kernel)
+                made.append(buffers)
+            res[f"commvq_write_{name}_{str(dtype)[6:]}"] = all(torch.equal(made[0][k], made[1][k]) for k in made[0])
     return res
 
 

@@ -409,6 +409,131 @@ def test_simulation_equals_token_by_token_decoding(tiny, window):
     assert abs(simulated - lossless) > 100 * 2e-6 * lossless  # teeth: the codec moves the NLL far beyond that
 
 
+# -- the packed storage ------------------------------------------------------------------------------------
+
+
+def test_code_streams_pack_at_their_real_width():
+    """pack_stream puts code k at stream bits [k b, k b + b) of little-endian int32 words (codes straddle words when b
+    does not divide 32): checked by hand for 6-bit codes, and round trips for 1 to 8 bits."""
+    from kvcal.methods.commvq import pack_stream, unpack_stream
+
+    codes = torch.tensor([[5, 63, 1, 0, 33, 7]])  # 36 bits: two words
+    words = pack_stream(codes, 6)
+    expected = 5 | 63 << 6 | 1 << 12 | 0 << 18 | 33 << 24 | (7 & 0b11) << 30  # the 6th code's low 2 bits
+    assert words.shape == (1, 2) and int(words[0, 0]) & 0xFFFFFFFF == expected and int(words[0, 1]) == 7 >> 2
+    gen = torch.Generator().manual_seed(0)
+    for bits in range(1, 9):
+        c = torch.randint(0, 1 << bits, (3, 4, 77), generator=gen)
+        w = pack_stream(c, bits)
+        assert w.shape == (3, 4, (77 * bits + 31) // 32) and torch.equal(unpack_stream(w, bits, 77), c)
+
+
+def test_storage_bytes_at_llama_shapes_by_hand():
+    """Llama-3.1-8B, 1 bit: keys 8 groups x 11 stages x 2 indices x 6 bits = 1056 bits = 33 words, kappa 2 bytes,
+    values 1024 bits = 32 words, rho 2 bytes: 264 bytes per token and layer (the digest's ideal packing); 2 bits: 21
+    stages, 2016 bits = 63 words, 2048 value bits = 64 words: 512 bytes. The footprint counts the same."""
+    one_layer = SimpleNamespace(**{**vars(LLAMA8B_DIMS), "num_layers": 1})  # the artifact checks: 1 layer's cost
+    for bits, per_token in ((1, 264), (2, 512)):
+        method = build_method("commvq", {"bits": bits})
+        codec = method.build_codec(method.synthetic_tensors(one_layer), one_layer)
+        storage = codec.storage(0)
+        assert storage.bytes_per_token(8, 128) == per_token
+        assert sum(method.footprint(LLAMA8B_DIMS, 100).values()) == 100 * 32 * per_token
+    from kvcal.runtime.bench import packed_bytes
+
+    # what the decode benchmark counts as read: the buffers plus the codewords [Hkv, R, N', P, 2] and the codebook
+    packed = _random_packed(storage, LLAMA8B_DIMS, [100], 0, torch.Generator().manual_seed(0))
+    constants = 4 * (8 * 21 * 64 * 64 * 2 + 2048 * 1024 + 1024)
+    assert packed_bytes(storage, packed) == 100 * per_token + 4 + constants
+    assert build_method("commvq", {"quantize": "k"}).build_codec(
+        method.synthetic_tensors(one_layer), one_layer).storage(0) is None  # ablations: reference cache only
+
+
+def _random_packed(storage, dims, lengths, pos_offset, gen, dtype=torch.float64):
+    """Random valid codes and norms in a storage's buffers, keys at positions pos_offset + slot."""
+    from kvcal.runtime.storage import Packed, SharedState
+
+    cap = max(lengths)
+    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in
+               storage.buffers(len(lengths), cap, dims.num_kv_heads, dims.head_dim).items()}
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dims.head_dim, 2, dtype=torch.float32) / dims.head_dim))
+    cos, sin = SharedState().rope_tables(inv_freq, pos_offset + cap)
+    packed = Packed(buffers, torch.tensor(lengths, dtype=torch.int32), dims.num_kv_heads, dims.head_dim, cap,
+                    pos_offset, cos, sin, inv_freq)
+    storage.fill_synthetic(packed, gen)
+    return packed
+
+
+def test_fused_attention_through_the_storage_equals_decode_rope_dot(tiny):
+    """The storage's attend (Eq. 19 scores from q against the codebooks, Eq. 22 values from the mass per code bit) on
+    random codes at positions near 10^5 equals: decode the keys by explicit loops, rotate them with the cache's RoPE
+    tables, dot with q, softmax, times the explicitly decoded values (float64; GQA 4 query heads over 2 KV heads;
+    groups of 4 pairs; 12 codes, not a power of two). The softmax's log-sum-exp checks the scores alone."""
+    from kvcal.methods.commvq import unpack_stream
+    from kvcal.runtime.decode import LOG2E, merge_reference
+
+    dims = tiny.dims
+    method = CommVQ(bits=1, key_codes=12, key_stages=3, key_group_pairs=4)
+    tensors = random_tensors(dims, method)
+    storage = method.build_codec(tensors, dims).storage(0)
+    gen = torch.Generator().manual_seed(7)
+    lengths, offset = [9, 0, 14], 100_000
+    packed = _random_packed(storage, dims, lengths, offset, gen)
+    q = torch.randn(3, 4, 16, generator=gen, dtype=torch.float64)
+    scale = 16**-0.5
+    parts = storage.attend_reference(q, packed, scale, None)
+    out = merge_reference(parts, 3, q.dtype)
+    theta = tensors["layers.0.k.theta"].double()
+    p = {n.removeprefix("layers.0.v."): t.double() for n, t in tensors.items() if n.startswith("layers.0.v.")}
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.all(parts.m[2 * b : 2 * b + 2] == -math.inf) and torch.all(out[b] == 0)
+            continue
+        codes = unpack_stream(packed["k_codes"][b, :n], 4, 2 * storage.groups * 3).view(n, storage.groups, 3, 2)
+        assert int(codes.max()) < 12
+        norms = packed["k_norm"][b, :n].double()
+        keys = reference_key_rows(theta, codes, norms, 2, 16).view(n, 2, 16).transpose(0, 1)  # [Hkv, T, D]
+        pos = slice(offset, offset + n)
+        k_rot = apply_rope(keys[None], packed.rope_cos[None, pos].double(), packed.rope_sin[None, pos].double())[0]
+        scores = torch.einsum("hd,htd->ht", q[b], k_rot.repeat_interleave(2, dim=0)) * scale  # [Hq, T]
+        bits = unpack_stream(packed["v_codes"][b, :n], 1, storage.num_value_bits).double()
+        rows = p["channel_scale"] * packed["v_rho"][b, :n].double()[:, None] * (bits @ p["codebook"])
+        values = rows.view(n, 2, 16).transpose(0, 1).repeat_interleave(2, dim=0)  # [Hq, T, D]
+        expected = torch.einsum("ht,htd->hd", torch.softmax(scores, -1), values)
+        assert (out[b] - expected).abs().max() <= 1e-9 * expected.abs().max()
+        lse = (parts.m[2 * b : 2 * b + 2, 0] + torch.log2(parts.l[2 * b : 2 * b + 2, 0])).flatten()
+        assert (lse - torch.logsumexp(scores, -1) * LOG2E).abs().max() <= 1e-6 * scores.abs().max() * LOG2E
+        assert scores.abs().max() > 1  # teeth: scores far from zero
+
+
+def test_storage_writes_what_the_codec_encodes(tiny):
+    """write_reference stores the codec's codes and norms (the simulation's numerics), read gives back its decode;
+    fill_synthetic draws only valid indices (12 codes in 4-bit fields)."""
+    from kvcal.methods.commvq import unpack_stream
+    from kvcal.runtime.storage import Packed
+
+    dims = tiny.dims
+    method = CommVQ(bits=2, key_codes=12, key_stages=2)
+    codec = method.build_codec(random_tensors(dims, method), dims)
+    storage = codec.storage(0)
+    assert codec.storage(0) is storage and storage.keys_pre_rope
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen)
+    buffers = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in storage.buffers(2, 8, 2, 16).items()}
+    packed = Packed(buffers, torch.tensor([0, 5], dtype=torch.int32), 2, 16, 8)
+    storage.write_reference(packed, k[0].transpose(0, 1), v[0].transpose(0, 1), torch.ones(5, dtype=torch.long),
+                            torch.arange(5))
+    codes, norms = codec.encode_keys(0, k)
+    assert torch.equal(unpack_stream(buffers["k_codes"][1, :5], 4, 8).view(5, 2, 2, 2), codes[0].long())
+    assert torch.equal(buffers["k_norm"][1, :5], norms[0]) and not buffers["k_codes"][0].any()
+    keys, values = storage.read(packed, 1, rotate=False)
+    assert torch.equal(keys, codec.decode_keys(0, codes, norms)[0])
+    assert torch.equal(values, codec.quantize_values(0, v)[0])
+    synthetic = _random_packed(storage, dims, [64, 64], 0, gen)
+    drawn = unpack_stream(synthetic["k_codes"], 4, 8)
+    assert int(drawn.max()) == 11 and int(drawn.min()) == 0
+
+
 # -- calibration on the tiny model -------------------------------------------------------------------------
 
 TINY_SETTINGS = {"key_codes": 8, "key_em_steps": 5, "key_train_vectors": 256, "value_steps": 12,
@@ -476,6 +601,14 @@ def test_calibrate_save_load_and_eval_through_the_cli(tmp_path, monkeypatch):
     windowed = json.loads((tmp_path / "w8.json").read_text())
     assert windowed["config"]["fp_window"] == 8 and windowed["ppl"] != result["ppl"]
     assert windowed["bits_per_element"] > result["bits_per_element"]  # 8 of the reference 4096 tokens in fp16
+    # decode mode: token by token through the packed storage (torch references on the CPU: the fused Eq. 19 / Eq. 22
+    # attention over the code buffers) scores the windows as the simulation does
+    decoded = kvcal("eval", "ppl", "--artifact", out, "--mode", "decode", "--dataset", __file__, "--seqlen", 64,
+                    "--nsamples", 2, "--json", tmp_path / "decode.json")
+    assert decoded.returncode == 0, decoded.stderr
+    by_decode = json.loads((tmp_path / "decode.json").read_text())
+    assert by_decode["mode"] == "decode" and by_decode["tokens"] == result["tokens"]
+    assert by_decode["ppl"] == pytest.approx(result["ppl"], rel=1e-4)
     with pytest.raises(KvcalError, match="--set bits cannot change a calibrated artifact"):
         runtime_overrides("commvq", ["bits=1"])
     shown = kvcal("inspect", out, "--all")

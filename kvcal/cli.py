@@ -151,8 +151,13 @@ def calibrate_command(
     def done(instance, target, artifact):
         learned = (f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB" if artifact.tensors else
                    "no learned tensors: the artifact records the config")
+        import torch
+
+        peak = ""
+        if loaded.device.type == "cuda":  # what calibration held on the GPU at most, the model included
+            peak = f", peak GPU memory {torch.cuda.max_memory_allocated(loaded.device) / (1 << 30):.1f} GiB"
         console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
-                      f"{learned}, {time.perf_counter() - started:.1f} s)")
+                      f"{learned}, {time.perf_counter() - started:.1f} s{peak})")
 
     artifacts = run_calibrations(loaded, targets, calib["dataset"], calib["nsamples"], calib["seqlen"], calib["seed"],
                                  data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache, done)

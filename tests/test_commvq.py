@@ -22,6 +22,7 @@ from kvcal.methods.commvq import (
     category_bits,
     fused_key_scores,
     fused_value_attention,
+    index_bits,
     init_value_params,
     pair_channels,
 )
@@ -317,6 +318,8 @@ def test_e_step_kernel_on_gpu_matches_cpu_reference():
 def test_category_bits_follow_the_official_map():
     onehot = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 3]), 4).float()
     assert category_bits(onehot).tolist() == [1, 0, 0, 1, 1, 1, 0, 0]  # 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00
+    # the encoder's graph-capturable form (no one-hot, no table) gives the same bits
+    assert index_bits(torch.tensor([0, 1, 2, 3]), torch.float32).tolist() == [1, 0, 0, 1, 1, 1, 0, 0]
 
 
 def random_tensors(dims, method: CommVQ, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -182,6 +182,15 @@ def category_bits(onehot: torch.Tensor) -> torch.Tensor:
     return (onehot @ table).flatten(-2)
 
 
+def index_bits(category: torch.Tensor, dtype) -> torch.Tensor:
+    """Categories [..., n_e] in 0..3 -> code bits [..., 2 n_e], CATEGORY_BITS without a one-hot or a table: elementwise
+    device ops only (a CUDA graph captures them: F.one_hot synchronises the host and a table built from a Python list
+    is a host-to-device copy)."""
+    bit0 = 1 - (category & 1)  # 0 -> 1, 1 -> 0, 2 -> 1, 3 -> 0
+    bit1 = ((category + 1) >> 1) & 1  # 0 -> 0, 1 -> 1, 2 -> 1, 3 -> 0
+    return torch.stack((bit0, bit1), dim=-1).flatten(-2).to(dtype)
+
+
 def normalize_values(rows: torch.Tensor, scale: torch.Tensor):
     """(unit x [..., C], rho0 [...]) with x = v / scale, rho0 = |x| [C]."""
     x = rows / scale
@@ -195,8 +204,7 @@ def encode_values(rows: torch.Tensor, params: dict[str, torch.Tensor]):
     x = rows.to(p["codebook"].dtype)
     unit, rho0 = normalize_values(x, p["channel_scale"])
     logits = value_logits(p, unit, p["codebook"].shape[0] // 2)
-    onehot = F.one_hot(logits.argmax(-1), 4).to(x.dtype)
-    bits = category_bits(onehot)
+    bits = index_bits(logits.argmax(-1), x.dtype)
     u = bits @ p["codebook"]
     # [C] "cache_postscale": the ratio that restores the token's norm, stored instead of rho0
     rho = (rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS)

@@ -29,6 +29,7 @@ entry of each column of U positive), R recomputed from the stored float32 U, the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,13 @@ from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
-from kvcal.quant.uniform import fake_quant_groups
+from kvcal.quant.uniform import (
+    dequantize_per_channel,
+    dequantize_per_token,
+    fake_quant_groups,
+    quantize_per_token_into,
+)
+from kvcal.runtime.storage import BufferSpec, Storage
 
 VARIANTS = ("kv", "x", "svd")
 BASE_REPRS = ("full_x", "latent")
@@ -72,6 +79,193 @@ def _quantize(t: torch.Tensor, bits: int, axis: int, group: int) -> torch.Tensor
     return fake_quant_groups(t, bits, axis, group).to(t.dtype)
 
 
+# ---- packed storage ------------------------------------------------------------------------------------------------
+
+RAW_DTYPE = torch.float16  # what bits=16 stores (fp16, as the simulation's _quantize; tests set float64: identity)
+STORAGE_BITS = (2, 3, 4, 8, 16)
+
+
+class XQuantStorage(Storage):
+    """One layer's cached X or latents of it, keys and values rematerialized at attention time (source "x").
+
+    - "svd": Z_k = X U_k in KIVI's per-channel key format (blocks of `group_tokens` tokens) and Z_v = X U_v in its
+      per-token value format (groups of `group_channels`), one "head" as wide as all KV heads (KiviStorage with
+      heads = 1, dim = d_kv); latent channel 0 of Z_k also in fp16 when `outlier` (App. B). K = Z_k R_k (+ b_k),
+      V = Z_v R_v (+ b_v).
+    - "x": X itself per token (KIVI's value format, width = hidden); K = X W_k^T (+ b_k), V = X W_v^T (+ b_v), the
+      weights taken from the layer at bind().
+    bits 16 keeps the latents in RAW_DTYPE. Keys are rebuilt before RoPE and rotated at their positions. Kernels:
+    kvcal/methods/xquant_kernels.py (scores with the keys rebuilt tile by tile; values summed in latent space, then
+    one product with R_v per query-head group)."""
+
+    keys_pre_rope = True
+    source = "x"
+
+    def __init__(self, variant: str, bits: int, group_tokens: int, group_channels: int, residual: int,
+                 factors: dict[str, torch.Tensor] | None = None, outlier: bool = False):
+        from kvcal.methods.kivi import KiviStorage
+
+        if variant not in ("svd", "x") or bits not in STORAGE_BITS:
+            raise KvcalError(f"xquant packed storage holds variants svd and x at {STORAGE_BITS} bits, got "
+                             f"{variant} at {bits}")
+        self.variant, self.bits, self.outlier = variant, bits, outlier
+        self.group_tokens, self.group_channels = group_tokens, group_channels
+        self.policy = FlushPolicy(residual=residual, block=group_tokens)
+        self.kivi = KiviStorage(bits, group_tokens, residual, group_channels) if bits != 16 else None
+        factors = factors or {}
+        # float32 factors: U [hidden, r] (svd), R_k / R_v [r, d_kv]; bias [d_kv] or None
+        self.u_k, self.u_v = factors.get("k.U"), factors.get("v.U")
+        self.r_k, self.r_v = factors.get("k.R"), factors.get("v.R")
+        self.b_k = self.b_v = None
+        self._cast: dict = {}
+
+    @property
+    def width(self) -> int:
+        """Channels of the cached latent (d_kv for svd, hidden for x)."""
+        if self.r_k is None:
+            raise KvcalError("xquant storage of variant x has no weights: the cache binds them at its first call")
+        return self.r_k.shape[0]
+
+    def bind(self, projection) -> None:
+        if projection.k_norm:
+            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
+                             "--backend dequantized or --mode simulate")
+        if self.variant == "x":  # K = X W_k^T: the latent is X, R its projection
+            self.r_k, self.r_v = projection.w_k.T.float().contiguous(), projection.w_v.T.float().contiguous()
+        self.b_k = None if projection.b_k is None else projection.b_k.float()
+        self.b_v = None if projection.b_v is None else projection.b_v.float()
+        self._cast.clear()
+
+    def to(self, device):
+        for name in ("u_k", "u_v", "r_k", "r_v", "b_k", "b_v"):
+            t = getattr(self, name)
+            if t is not None and t.device != torch.device(device):
+                setattr(self, name, t.to(device))
+        self._cast.clear()
+        return self
+
+    def factor(self, name: str, dtype) -> torch.Tensor | None:
+        """A factor (u_k, u_v, r_k, r_v, b_k, b_v) in `dtype`, converted once."""
+        t = getattr(self, name)
+        if t is None or t.dtype == dtype:
+            return t
+        key = (name, dtype, t.device)
+        if key not in self._cast:
+            self._cast[key] = t.to(dtype).contiguous()
+        return self._cast[key]
+
+    def check(self, heads: int, dim: int) -> None:
+        if self.bits != 16 and self.r_k is not None and self.width % self.group_channels:
+            raise KvcalError(f"xquant group_channels {self.group_channels} does not divide the cached width "
+                             f"{self.width}")
+
+    # ---- buffers ------------------------------------------------------------------------------------------------
+    def buffers(self, batch, capacity, heads, dim):
+        width = self.width
+        if self.bits == 16:
+            raw = BufferSpec((batch, 1, capacity, width), RAW_DTYPE, 2)
+            specs = {"v_raw": raw} if self.variant == "x" else {"k_raw": raw, "v_raw": raw}
+        else:
+            specs = self.kivi.buffers(batch, capacity, 1, width)
+            if self.variant == "x":  # one per-token tensor serves keys and values
+                specs = {name: spec for name, spec in specs.items() if name.startswith("v_")}
+        if self.outlier:
+            specs["k_outlier"] = BufferSpec((batch, 1, capacity), torch.float16, 2)
+        return specs
+
+    # ---- write --------------------------------------------------------------------------------------------------
+    def write(self, packed, x, rows, slots, kernel) -> None:
+        """x [M, 1, hidden], the layer's attention inputs, into slots[m] of rows[m]."""
+        if kernel:
+            self.write_triton(packed, x, rows.contiguous(), slots.contiguous())
+        else:
+            self.write_reference(packed, x, rows, slots)
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, 1, hidden] -> (Z_k, Z_v) [M, 1, width] in x's dtype promoted to float32 at least (for x: X twice)."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        x = x.to(compute)
+        if self.variant == "x":
+            return x, x
+        return x @ self.factor("u_k", compute), x @ self.factor("u_v", compute)
+
+    def _write(self, packed, x, rows, slots, quantize_into, kivi_write):
+        z_k, z_v = self.latents(x)
+        if self.bits == 16:
+            if self.variant == "svd":
+                packed["k_raw"][rows, :, slots] = z_k.to(RAW_DTYPE)
+            packed["v_raw"][rows, :, slots] = z_v.to(RAW_DTYPE)
+        elif self.variant == "x":
+            quantize_into(z_v, self.bits, self.group_channels, packed["v_codes"], packed["v_scale"],
+                          packed["v_zero"], rows, slots)
+        else:  # KIVI's format with one "head" as wide as the latent
+            kivi_write(dataclasses.replace(packed, heads=1, dim=self.width), z_k, z_v, rows, slots)
+        if self.outlier:
+            packed["k_outlier"][rows, :, slots] = z_k[:, :, 0].to(torch.float16)
+
+    def write_reference(self, packed, x, rows, slots):
+        self._write(packed, x, rows, slots, quantize_per_token_into,
+                    None if self.kivi is None else self.kivi.write_reference)
+
+    def write_triton(self, packed, x, rows, slots):
+        from kvcal.quant.uniform_kernels import quantize_per_token_into_triton
+
+        self._write(packed, x, rows, slots, quantize_per_token_into_triton,
+                    None if self.kivi is None else self.kivi.write_triton)
+
+    # ---- read ---------------------------------------------------------------------------------------------------
+    def latent_rows(self, packed, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized latents (Z_k, Z_v) [T, width] float32 of row `row` (the same tensor twice for x)."""
+        t, width = int(packed.lengths[row]), self.width
+        if self.bits == 16:
+            z_v = packed["v_raw"][row, 0, :t].float()
+            z_k = z_v if self.variant == "x" else packed["k_raw"][row, 0, :t].float()
+        else:
+            z_v = dequantize_per_token(packed["v_codes"][row, 0, :t], packed["v_scale"][row, 0, :t],
+                                       packed["v_zero"][row, 0, :t], self.bits, width)
+            if self.variant == "x":
+                z_k = z_v
+            else:
+                blocks = torch.arange(t, device=packed.lengths.device) // self.group_tokens
+                z_k = dequantize_per_channel(packed["k_codes"][row, 0, :t], packed["k_scale"][row, 0][blocks],
+                                             packed["k_zero"][row, 0][blocks], self.bits, width)
+        if self.outlier:
+            z_k = z_k.clone()
+            z_k[:, 0] = packed["k_outlier"][row, 0, :t].float()
+        return z_k, z_v
+
+    def read(self, packed, row: int, dtype=torch.float32, rotate: bool = True):
+        z_k, z_v = self.latent_rows(packed, row)
+        k = z_k.to(dtype) @ self.factor("r_k", dtype)
+        v = z_v.to(dtype) @ self.factor("r_v", dtype)
+        if self.b_k is not None:
+            k = k + self.factor("b_k", dtype)
+        if self.b_v is not None:
+            v = v + self.factor("b_v", dtype)
+        heads, dim = packed.heads, packed.dim
+        k = k.view(-1, heads, dim).transpose(0, 1)
+        v = v.view(-1, heads, dim).transpose(0, 1)
+        return (packed.rotate_keys(k, dtype) if rotate else k), v
+
+    # ---- attend -------------------------------------------------------------------------------------------------
+    def supports_triton(self, q, packed):
+        from kvcal.methods import xquant_kernels
+
+        return xquant_kernels.unsupported(self, q, packed)
+
+    def attend_triton(self, q, packed, scale, fp, **knobs):
+        from kvcal.methods import xquant_kernels
+
+        return xquant_kernels.attend_triton(self, q, packed, scale, fp, **knobs)
+
+    def fill_synthetic(self, packed, generator):
+        """Random codes, small positive scales and zeros, latents of about unit size (speed benchmarks)."""
+        super().fill_synthetic(packed, generator)
+        for name in ("k_raw", "v_raw", "k_outlier"):
+            if name in packed.buffers:
+                packed[name].normal_(generator=generator)
+
+
 class XQuantCodec(Codec):
     """Rebuilds each compressed span's keys and values from its layer inputs X (Codec.source "x")."""
 
@@ -83,6 +277,37 @@ class XQuantCodec(Codec):
         self.policy = FlushPolicy(residual=method.residual, block=method.group_tokens)
         self.plan = method.layer_plan(dims.num_layers)
         self.factors = {name: t.to(torch.float32) for name, t in tensors.items() if t.is_floating_point()}
+        self.family = dims.family
+        self._storages: dict[int, XQuantStorage] = {}
+
+    def storage_refusal(self) -> str:
+        m = self.method
+        if m.cross_layer:
+            return ("xquant cross-layer (cl) variants have no packed storage (their deltas need an accumulator "
+                    "rebuilt across layers at every step)")
+        if m.variant == "kv":
+            return "xquant variant kv (the KIVI* baseline) has no packed storage (kvcal's kivi method has one)"
+        if self.family == "qwen3":
+            return "xquant packed storage cannot rebuild keys through Qwen3's per-head k_norm"
+        return "xquant has no packed storage for this setting"
+
+    def storage(self, layer: int) -> XQuantStorage | None:
+        m = self.method
+        if m.cross_layer or m.variant == "kv" or self.family == "qwen3":
+            return None
+        if layer not in self._storages:
+            bits = self.plan[layer][1]
+            factors = {}
+            if m.variant == "svd":
+                for name in ("k.U", "k.R", "v.U", "v.R"):
+                    key = f"layers.{layer}.{name}"
+                    if key not in self.factors:
+                        raise KvcalError(f"xquant artifact has no tensor {key}: recalibrate (kvcal calibrate "
+                                         "--method xquant)")
+                    factors[name] = self.factors[key].float()
+            self._storages[layer] = XQuantStorage(m.variant, bits, m.group_tokens, m.group_channels, m.residual,
+                                                  factors, m.outlier_channel)
+        return self._storages[layer]
 
     def _factor(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
         key = f"layers.{layer}.{name}"
@@ -163,8 +388,10 @@ class XQuant(Method):
     summary = "cache X or its SVD latents, rematerialize K/V; cross-layer deltas"
     runtime_fields = ("bits", "hp_layers", "hp_bits", "outlier_channel", "group_tokens", "group_channels",
                       "delta_axis", "closed_loop", "residual")
-    # tiny models (hidden 64, 2 KV heads x 16, 2 layers): a 4-bit base at layer 0 and a 2-bit latent delta above it
-    test_config = {"variant": "svd", "cross_layer": True, "base_layer": 0, "bits": 2, "group_tokens": 8,
+    # tiny models (hidden 64, 2 KV heads x 16, 2 layers): the packed storage's svd latents, layer 0 at 4 bits and
+    # layer 1 at 2, latent channel 0 in fp16 (the cross-layer variants have no packed storage: tests/test_xquant.py
+    # runs them through the simulation and the dequantized cache)
+    test_config = {"variant": "svd", "bits": 2, "hp_layers": 1, "outlier_channel": True, "group_tokens": 8,
                    "group_channels": 16}
 
     variant: str = "svd"  # svd (GQA latents), x (cache X: the MHA recipe), kv (the paper's KIVI* baseline)

@@ -102,13 +102,13 @@ class XQuantStorage(Storage):
     source = "x"
 
     def __init__(self, variant: str, bits: int, group_tokens: int, group_channels: int, residual: int,
-                 factors: dict[str, torch.Tensor] | None = None, outlier: bool = False):
+                 factors: dict[str, torch.Tensor] | None = None, outlier: bool = False, hidden: int = 0):
         from kvcal.methods.kivi import KiviStorage
 
         if variant not in ("svd", "x") or bits not in STORAGE_BITS:
             raise KvcalError(f"xquant packed storage holds variants svd and x at {STORAGE_BITS} bits, got "
                              f"{variant} at {bits}")
-        self.variant, self.bits, self.outlier = variant, bits, outlier
+        self.variant, self.bits, self.outlier, self.hidden = variant, bits, outlier, hidden
         self.group_tokens, self.group_channels = group_tokens, group_channels
         self.policy = FlushPolicy(residual=residual, block=group_tokens)
         self.kivi = KiviStorage(bits, group_tokens, residual, group_channels) if bits != 16 else None
@@ -122,18 +122,16 @@ class XQuantStorage(Storage):
     @property
     def width(self) -> int:
         """Channels of the cached latent (d_kv for svd, hidden for x)."""
-        if self.r_k is None:
-            raise KvcalError("xquant storage of variant x has no weights: the cache binds them at its first call")
-        return self.r_k.shape[0]
+        return self.r_k.shape[0] if self.r_k is not None else self.hidden
 
     def bind(self, projection) -> None:
         if projection.k_norm:
             raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
                              "--backend dequantized or --mode simulate")
+        # kept in the model's dtype (float32 copies of float64 weights would move a float64 run by ~1e-9)
         if self.variant == "x":  # K = X W_k^T: the latent is X, R its projection
-            self.r_k, self.r_v = projection.w_k.T.float().contiguous(), projection.w_v.T.float().contiguous()
-        self.b_k = None if projection.b_k is None else projection.b_k.float()
-        self.b_v = None if projection.b_v is None else projection.b_v.float()
+            self.r_k, self.r_v = projection.w_k.T.contiguous(), projection.w_v.T.contiguous()
+        self.b_k, self.b_v = projection.b_k, projection.b_v
         self._cast.clear()
 
     def to(self, device):
@@ -147,7 +145,7 @@ class XQuantStorage(Storage):
     def factor(self, name: str, dtype) -> torch.Tensor | None:
         """A factor (u_k, u_v, r_k, r_v, b_k, b_v) in `dtype`, converted once."""
         t = getattr(self, name)
-        if t is None or t.dtype == dtype:
+        if t is None or (t.dtype == dtype and t.is_contiguous()):
             return t
         key = (name, dtype, t.device)
         if key not in self._cast:
@@ -155,11 +153,15 @@ class XQuantStorage(Storage):
         return self._cast[key]
 
     def check(self, heads: int, dim: int) -> None:
-        if self.bits != 16 and self.r_k is not None and self.width % self.group_channels:
+        if self.bits != 16 and self.width % self.group_channels:
             raise KvcalError(f"xquant group_channels {self.group_channels} does not divide the cached width "
                              f"{self.width}")
 
     # ---- buffers ------------------------------------------------------------------------------------------------
+    def bytes_per_token(self, heads: int, dim: int) -> float:
+        tokens = 8 * self.group_tokens  # whole key blocks (the base class's 64 slots may hold none)
+        return sum(spec.nbytes() for spec in self.buffers(1, tokens, heads, dim).values()) / tokens
+
     def buffers(self, batch, capacity, heads, dim):
         width = self.width
         if self.bits == 16:
@@ -277,7 +279,7 @@ class XQuantCodec(Codec):
         self.policy = FlushPolicy(residual=method.residual, block=method.group_tokens)
         self.plan = method.layer_plan(dims.num_layers)
         self.factors = {name: t.to(torch.float32) for name, t in tensors.items() if t.is_floating_point()}
-        self.family = dims.family
+        self.family, self.hidden = dims.family, dims.hidden_size
         self._storages: dict[int, XQuantStorage] = {}
 
     def storage_refusal(self) -> str:
@@ -306,7 +308,7 @@ class XQuantCodec(Codec):
                                          "--method xquant)")
                     factors[name] = self.factors[key].float()
             self._storages[layer] = XQuantStorage(m.variant, bits, m.group_tokens, m.group_channels, m.residual,
-                                                  factors, m.outlier_channel)
+                                                  factors, m.outlier_channel, self.hidden)
         return self._storages[layer]
 
     def _factor(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -522,6 +524,24 @@ class XQuant(Method):
             raise KvcalError("xquant variant svd needs the SVD factors of an artifact: run `kvcal calibrate --method "
                              "xquant` (seconds, no data) and pass it with --artifact")
         return XQuantCodec(self, tensors, dims)
+
+    def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Random factors of an artifact's shapes (speed benchmarks at shapes no artifact exists for): U [hidden,
+        d_kv] and R [d_kv, d_kv] per plain svd layer, U [hidden, width] per latent cross-layer layer."""
+        if self.variant != "svd":
+            return {}
+        gen = torch.Generator().manual_seed(seed)
+        hidden, d_kv = dims.hidden_size, dims.kv_channels
+        width = self._widths(dims)["latent"]
+        tensors = {}
+        for i, (role, _) in enumerate(self.layer_plan(dims.num_layers)):
+            if role == PLAIN:
+                for side in "kv":
+                    tensors[f"layers.{i}.{side}.U"] = torch.randn(hidden, d_kv, generator=gen) / hidden**0.5
+                    tensors[f"layers.{i}.{side}.R"] = torch.randn(d_kv, d_kv, generator=gen) / d_kv**0.5
+            elif role == DELTA or self.base_repr == "latent":
+                tensors[f"layers.{i}.x.U"] = torch.randn(hidden, width, generator=gen) / hidden**0.5
+        return tensors
 
     # ---- memory --------------------------------------------------------------------------------------------------
     def footprint(self, dims, tokens):

@@ -527,20 +527,23 @@ class XQuant(Method):
 
     def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
         """Random factors of an artifact's shapes (speed benchmarks at shapes no artifact exists for): U [hidden,
-        d_kv] and R [d_kv, d_kv] per plain svd layer, U [hidden, width] per latent cross-layer layer."""
+        d_kv] and R [d_kv, d_kv] per plain svd layer, U [hidden, width] per latent cross-layer layer; one draw of each
+        shared by every layer (speed does not depend on the values; 32 draws at 8B shapes would take 1.3 GB)."""
         if self.variant != "svd":
             return {}
         gen = torch.Generator().manual_seed(seed)
         hidden, d_kv = dims.hidden_size, dims.kv_channels
         width = self._widths(dims)["latent"]
+        u = {side: torch.randn(hidden, d_kv, generator=gen) / hidden**0.5 for side in "kv"}
+        r = {side: torch.randn(d_kv, d_kv, generator=gen) / d_kv**0.5 for side in "kv"}
+        u_x = torch.randn(hidden, width, generator=gen) / hidden**0.5
         tensors = {}
         for i, (role, _) in enumerate(self.layer_plan(dims.num_layers)):
             if role == PLAIN:
                 for side in "kv":
-                    tensors[f"layers.{i}.{side}.U"] = torch.randn(hidden, d_kv, generator=gen) / hidden**0.5
-                    tensors[f"layers.{i}.{side}.R"] = torch.randn(d_kv, d_kv, generator=gen) / d_kv**0.5
+                    tensors[f"layers.{i}.{side}.U"], tensors[f"layers.{i}.{side}.R"] = u[side], r[side]
             elif role == DELTA or self.base_repr == "latent":
-                tensors[f"layers.{i}.x.U"] = torch.randn(hidden, width, generator=gen) / hidden**0.5
+                tensors[f"layers.{i}.x.U"] = u_x
         return tensors
 
     # ---- memory --------------------------------------------------------------------------------------------------

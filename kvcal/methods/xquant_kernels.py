@@ -38,6 +38,8 @@ except ImportError:  # pragma: no cover
 PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 BITS = (2, 3, 4, 8, 16)
 DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4}
+# float64 dots are broadcast products ([M, K, N] in registers, runtime/kernels.dot): small blocks
+DEFAULTS_FP64 = {"block_t": 16, "chunk": 16, "value_chunk": 16, "num_warps": 4}
 
 if triton is not None:
     from kvcal.runtime.kernels import dot, operand, softmax_tile, split_bounds
@@ -196,9 +198,8 @@ def unsupported(storage, q: torch.Tensor, packed) -> str | None:
     if storage.bits not in BITS:
         return f"{storage.bits}-bit latents (the kernels read {', '.join(map(str, BITS))} bits)"
     width = storage.width
-    need = 32 if storage.bits == 3 else 16
-    if _chunk(width, DEFAULTS["chunk"]) < need:
-        return f"a latent width of {width} (a multiple of {need} is needed)"
+    if _chunk(width, 16) < 16 or (storage.bits == 3 and width % 32):
+        return f"a latent width of {width} (a multiple of {32 if storage.bits == 3 else 16} is needed)"
     if q.shape[1] % packed.heads:
         return f"{q.shape[1]} query heads over {packed.heads} KV heads"
     if storage.r_k.shape[1] != packed.heads * packed.dim:
@@ -229,9 +230,10 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     operand_dtype = {16: torch.float16, 32: torch.float32, 64: torch.float64}[prec]
     width, bits = storage.width, storage.bits
     x = storage.variant == "x"
-    bt = block_t or (16 if K.INTERPRET else DEFAULTS["block_t"])
-    c = _chunk(width, chunk or DEFAULTS["chunk"])
-    cv = _chunk(width, value_chunk or DEFAULTS["value_chunk"])
+    defaults = DEFAULTS_FP64 if q.dtype == torch.float64 else DEFAULTS
+    bt = block_t or (16 if K.INTERPRET else defaults["block_t"])
+    c = _chunk(width, chunk or defaults["chunk"])
+    cv = _chunk(width, value_chunk or defaults["value_chunk"])
     gp = max(pow2(group), 16)
     tcap = packed.capacity
     if num_splits:
@@ -264,7 +266,7 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     scores = torch.empty(batch * hkv, tcap, group, dtype=acc_dtype, device=dev)
     lat = torch.empty(batch * hkv, nsplit, group, width, dtype=acc_dtype, device=dev)
     qk_hi, qk_lo = K.qk_scale_parts(scale)
-    opts = {"num_warps": num_warps or DEFAULTS["num_warps"]}
+    opts = {"num_warps": num_warps or defaults["num_warps"]}
     if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
         opts["enable_fp_fusion"] = False
     with launch_device(q):

@@ -38,6 +38,7 @@ from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
+from kvcal.quant.packing import words_per_vector
 from kvcal.quant.uniform import (
     dequantize_per_channel,
     dequantize_per_token,
@@ -217,11 +218,14 @@ class XQuantStorage(Storage):
 
     # ---- read ---------------------------------------------------------------------------------------------------
     def latent_rows(self, packed, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dequantized latents (Z_k, Z_v) [T, width] float32 of row `row` (the same tensor twice for x)."""
+        """The dequantized latents (Z_k, Z_v) [T, width] float32 (float64 for float64 raw latents) of row `row` (the
+        same tensor twice for x)."""
         t, width = int(packed.lengths[row]), self.width
         if self.bits == 16:
-            z_v = packed["v_raw"][row, 0, :t].float()
-            z_k = z_v if self.variant == "x" else packed["k_raw"][row, 0, :t].float()
+            # in their own dtype, at least float32 (RAW_DTYPE float64: the identity)
+            z_v = packed["v_raw"][row, 0, :t]
+            z_v = z_v.to(torch.promote_types(z_v.dtype, torch.float32))
+            z_k = z_v if self.variant == "x" else packed["k_raw"][row, 0, :t].to(z_v.dtype)
         else:
             z_v = dequantize_per_token(packed["v_codes"][row, 0, :t], packed["v_scale"][row, 0, :t],
                                        packed["v_zero"][row, 0, :t], self.bits, width)
@@ -268,6 +272,143 @@ class XQuantStorage(Storage):
                 packed[name].normal_(generator=generator)
 
 
+CHAIN = "xquant_chain"  # SharedState.store key: {layer: (storage, packed)} of the cross-layer layers
+
+
+class XQuantChainStorage(Storage):
+    """One cross-layer (XQuant-CL) layer: the base layer's X (or its latent X U_kv) per token at hp bits, or a delta
+    layer's closed-loop delta Q((X_i - X^_{i-1}) U_kv) (svd) or Q(X_i - X^_{i-1}) (x) per token, in KIVI's per-token
+    format (bits 16: RAW_DTYPE). The reconstruction X^_i = X^_b + sum_j DQ(Z_j) U_j^T at given tokens walks the layers
+    from the base up through the cache's SharedState (each layer registers its packed buffers there when it writes or
+    reads); a delta is taken against the reconstruction of the previous layer at the same tokens, which that layer
+    wrote earlier in the same forward pass. K = X^_i W_k^T + b_k, V = X^_i W_v^T + b_v with the layer's own weights.
+
+    Torch references only (the reconstruction runs in torch, O(layers) per layer and step): on CUDA the packed
+    cache refuses it in one line and `backend="reference"` runs it on purpose."""
+
+    keys_pre_rope = True
+    source = "x"
+
+    def __init__(self, layer: int, base: int, bits: int, group_tokens: int, group_channels: int, residual: int,
+                 hidden: int, u: torch.Tensor | None = None):
+        if bits not in STORAGE_BITS:
+            raise KvcalError(f"xquant packed storage holds {STORAGE_BITS} bits, got {bits}")
+        self.layer, self.base, self.bits = layer, base, bits
+        self.group_tokens, self.group_channels, self.hidden = group_tokens, group_channels, hidden
+        self.policy = FlushPolicy(residual=residual, block=group_tokens)
+        self.u = u  # [hidden, width] float32 (None: X or its delta itself)
+        self.w_k = self.w_v = self.b_k = self.b_v = None
+        self._cast: dict = {}
+
+    @property
+    def width(self) -> int:
+        return self.hidden if self.u is None else self.u.shape[1]
+
+    def bind(self, projection) -> None:
+        if projection.k_norm:
+            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
+                             "--backend dequantized or --mode simulate")
+        self.w_k, self.w_v, self.b_k, self.b_v = projection.w_k, projection.w_v, projection.b_k, projection.b_v
+        self._cast.clear()
+
+    def to(self, device):
+        if self.u is not None and self.u.device != torch.device(device):
+            self.u = self.u.to(device)
+        self._cast.clear()
+        return self
+
+    def _u(self, dtype) -> torch.Tensor:
+        key = (dtype, self.u.device)
+        if key not in self._cast:
+            self._cast[key] = self.u.to(dtype)
+        return self._cast[key]
+
+    def check(self, heads: int, dim: int) -> None:
+        if self.bits != 16 and self.width % self.group_channels:
+            raise KvcalError(f"xquant group_channels {self.group_channels} does not divide the cached width "
+                             f"{self.width}")
+
+    def bytes_per_token(self, heads: int, dim: int) -> float:
+        return sum(spec.nbytes() for spec in self.buffers(1, self.group_tokens, heads, dim).values()) / self.group_tokens
+
+    def buffers(self, batch, capacity, heads, dim):
+        width = self.width
+        if self.bits == 16:
+            return {"v_raw": BufferSpec((batch, 1, capacity, width), RAW_DTYPE, 2)}
+        codes = BufferSpec((batch, 1, capacity, words_per_vector(width, self.bits)), torch.int32, 2)
+        params = BufferSpec((batch, 1, capacity, width // self.group_channels), torch.float16, 2)
+        return {"v_codes": codes, "v_scale": params, "v_zero": params}
+
+    # ---- the chain ------------------------------------------------------------------------------------------------
+    def _register(self, packed) -> dict:
+        if packed.shared is None:
+            raise KvcalError("xquant cross-layer storage needs the cache's shared state (a KvcalCache)")
+        chain = packed.shared.store.setdefault(CHAIN, {})
+        chain[self.layer] = (self, packed)
+        return chain
+
+    def _entries(self, packed, rows, slots, dtype) -> torch.Tensor:
+        """This layer's reconstructed term at the tokens (rows[m], slots[m]): DQ(Z) U^T, [M, hidden] in dtype."""
+        if self.bits == 16:
+            z = packed["v_raw"][rows, 0, slots]
+            z = z.to(torch.promote_types(z.dtype, torch.float32))
+        else:
+            z = dequantize_per_token(packed["v_codes"][rows, 0, slots], packed["v_scale"][rows, 0, slots],
+                                     packed["v_zero"][rows, 0, slots], self.bits, self.width)
+        z = z.to(dtype)
+        return z if self.u is None else z @ self._u(dtype).T
+
+    def reconstruct(self, chain: dict, upto: int, rows, slots, dtype) -> torch.Tensor:
+        """X^_upto at the tokens (rows[m], slots[m]): the base's term plus every delta up to layer `upto`, summed in
+        layer order (the simulation's order)."""
+        acc = None
+        for j in range(self.base, upto + 1):
+            if j not in chain:
+                raise RuntimeError(f"xquant layer {self.layer}: cross-layer layer {j} has not stored these tokens")
+            storage, packed = chain[j]
+            term = storage._entries(packed, rows, slots, dtype)
+            acc = term if acc is None else acc + term
+        return acc
+
+    # ---- write ------------------------------------------------------------------------------------------------------
+    def write(self, packed, x, rows, slots, kernel) -> None:
+        if kernel:
+            raise KvcalError("xquant cross-layer storage has no Triton kernels: run it with backend='reference'")
+        self.write_reference(packed, x, rows, slots)
+
+    def write_reference(self, packed, x, rows, slots):
+        chain = self._register(packed)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        x = x[:, 0].to(compute)
+        if self.layer > self.base:  # closed loop: against the previous layer's reconstruction of these tokens
+            x = x - self.reconstruct(chain, self.layer - 1, rows, slots, compute)
+        z = x if self.u is None else x @ self._u(compute)
+        if self.bits == 16:
+            packed["v_raw"][rows, :, slots] = z[:, None].to(RAW_DTYPE)
+        else:
+            quantize_per_token_into(z[:, None], self.bits, self.group_channels, packed["v_codes"],
+                                    packed["v_scale"], packed["v_zero"], rows, slots)
+
+    # ---- read -------------------------------------------------------------------------------------------------------
+    def read(self, packed, row: int, dtype=torch.float32, rotate: bool = True):
+        chain = self._register(packed)
+        t = int(packed.lengths[row])
+        device = packed.lengths.device
+        rows = torch.full((t,), row, dtype=torch.int64, device=device)
+        acc = self.reconstruct(chain, self.layer, rows, torch.arange(t, device=device), dtype)
+        k = acc @ self.w_k.to(dtype).T
+        v = acc @ self.w_v.to(dtype).T
+        if self.b_k is not None:
+            k, v = k + self.b_k.to(dtype), v + self.b_v.to(dtype)
+        heads, dim = packed.heads, packed.dim
+        k = k.view(-1, heads, dim).transpose(0, 1)
+        v = v.view(-1, heads, dim).transpose(0, 1)
+        return (packed.rotate_keys(k, dtype) if rotate else k), v
+
+    def fill_synthetic(self, packed, generator):
+        raise KvcalError("xquant cross-layer storage has no kernels to benchmark")
+
+
 class XQuantCodec(Codec):
     """Rebuilds each compressed span's keys and values from its layer inputs X (Codec.source "x")."""
 
@@ -282,23 +423,40 @@ class XQuantCodec(Codec):
         self.family, self.hidden = dims.family, dims.hidden_size
         self._storages: dict[int, XQuantStorage] = {}
 
+    def _refused(self) -> bool:
+        m = self.method
+        return (m.variant == "kv" or self.family == "qwen3"
+                or (m.cross_layer and (m.delta_axis != "token" or not m.closed_loop)))
+
     def storage_refusal(self) -> str:
         m = self.method
-        if m.cross_layer:
-            return ("xquant cross-layer (cl) variants have no packed storage (their deltas need an accumulator "
-                    "rebuilt across layers at every step)")
+        if m.cross_layer and m.delta_axis != "token":
+            return "xquant cross-layer deltas per channel (an ablation) have no packed storage"
+        if m.cross_layer and not m.closed_loop:
+            return "xquant open-loop cross-layer deltas (an ablation) have no packed storage"
         if m.variant == "kv":
             return "xquant variant kv (the KIVI* baseline) has no packed storage (kvcal's kivi method has one)"
         if self.family == "qwen3":
             return "xquant packed storage cannot rebuild keys through Qwen3's per-head k_norm"
         return "xquant has no packed storage for this setting"
 
-    def storage(self, layer: int) -> XQuantStorage | None:
+    def storage(self, layer: int) -> Storage | None:
         m = self.method
-        if m.cross_layer or m.variant == "kv" or self.family == "qwen3":
+        if self._refused():
             return None
+        role, bits = self.plan[layer]
+        if layer not in self._storages and role != PLAIN:
+            latent = m.variant == "svd" and (role == DELTA or m.base_repr == "latent")
+            u = None
+            if latent:
+                key = f"layers.{layer}.x.U"
+                if key not in self.factors:
+                    raise KvcalError(f"xquant artifact has no tensor {key}: recalibrate (kvcal calibrate --method "
+                                     "xquant)")
+                u = self.factors[key].float()
+            self._storages[layer] = XQuantChainStorage(layer, m.base_layer, bits, m.group_tokens, m.group_channels,
+                                                       m.residual, self.hidden, u)
         if layer not in self._storages:
-            bits = self.plan[layer][1]
             factors = {}
             if m.variant == "svd":
                 for name in ("k.U", "k.R", "v.U", "v.R"):

@@ -298,6 +298,14 @@ def test_packed_bytes_per_token_by_hand():
         assert storage.bytes_per_token(8, 128) == pytest.approx(expected)
         per_token = sum(method.footprint(LLAMA8B, 128 * 64).values()) / (128 * 64 * 2)
         assert storage.bytes_per_token(8, 128) == pytest.approx(per_token + footprint_gap)
+    # cross-layer svd, base at layer 0: X per token at 4 bits, 4096 x 4 / 8 + 64 x 4 = 2304 B; layer 1's latent delta
+    # (2048 wide) at 2 bits, 2048 x 2 / 8 + 32 x 4 = 640 B
+    method = build_method("xquant", {"variant": "svd", "cross_layer": True, "base_layer": 0, "bits": 2,
+                                     "group_channels": 64})
+    codec = method.build_codec(method.synthetic_tensors(LLAMA8B), LLAMA8B)
+    got = [codec.storage(i).bytes_per_token(8, 128) for i in range(2)]
+    assert got == [2304, 640]
+    assert sum(got) == pytest.approx(sum(method.footprint(LLAMA8B, 128 * 64).values()) / (128 * 64))
 
 
 def test_interpreted_kernels_match_the_reference():

@@ -352,6 +352,51 @@ def test_gpu_kernels_at_llama_shapes(case):
     assert err == err and err <= 2 * TOL[case[3]], f"{case[0]}: {err}"
 
 
+def _small_llama_cuda(dtype):
+    """Llama-3.1-8B's attention shapes per head (head_dim 128, GQA 4:1) in a random 2-layer model on CUDA (hidden 1024:
+    latents 256 wide)."""
+    from kvcal.models import LoadedModel
+    from kvcal.models.adapter import install_adapter
+    from kvcal.models.tiny import build_random_model, byte_tokenizer, llama31_8b_config
+
+    config = llama31_8b_config()
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 1024, 2048
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 8, 2, 512
+    loaded = LoadedModel("small-llama", build_random_model(config, dtype, "cuda"), byte_tokenizer(),
+                         ModelDims.from_config(config))
+    install_adapter(loaded)
+    return loaded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config", [dict(variant="svd", bits=2, outlier_channel=True), dict(variant="x", bits=4)],
+                         ids=["svd2-outlier", "x4"])
+def test_packed_cache_on_gpu_kernels_graphs_and_references(config):
+    """A bf16 model decoding through the packed cache on CUDA: its Triton writes and decode kernels, replayed from
+    each layer's step graph, give the logits of the same steps launched from Python bit for bit (a flush of a
+    128-token block among them), and the torch references' logits within bf16 rounding."""
+    loaded = _small_llama_cuda(torch.bfloat16)
+    method = build_method("xquant", {**config, "group_channels": 64})
+    codec = method.build_codec(method.calibrate(loaded, None)[0], loaded.dims)
+    prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    caches = [KvcalCache(codec, 2, step_graphs=True), KvcalCache(codec, 2, step_graphs=False),
+              KvcalCache(codec, 2, backend="reference")]
+    with torch.inference_mode():
+        for cache in caches:
+            forward_with_cache(loaded.model, prompt, cache)
+        ids, worst = prompt[:, -1:], 0.0
+        for _ in range(100):
+            graphed, launched, ref = (forward_with_cache(loaded.model, ids, c).logits.float() for c in caches)
+            assert torch.equal(graphed, launched)
+            worst = max(worst, float(((graphed - ref).norm(dim=-1) / ref.norm(dim=-1)).max()))
+            ids = ref[:, -1:].argmax(-1)
+    assert caches[0].layers[0].compressed == [384] * 3  # a block of 128 flushed during the steps
+    # the same on a 1-layer CPU model under the interpreter (head_dim 64, blocks of 16): 1.0e-2 (svd2), 1.3e-2 (x4),
+    # bf16 rounding of a random model's logits
+    assert worst < 5e-2
+
+
 # -- bits per element and errors ----------------------------------------------------------------------------
 
 

@@ -265,7 +265,13 @@ class XQuantStorage(Storage):
         return xquant_kernels.attend_triton(self, q, packed, scale, fp, **knobs)
 
     def fill_synthetic(self, packed, generator):
-        """Random codes, small positive scales and zeros, latents of about unit size (speed benchmarks)."""
+        """Random codes, small positive scales and zeros, latents of about unit size (speed benchmarks); variant x
+        unbound (no model: `kvcal bench decode`) gets random weights of the layer's shapes."""
+        if self.r_k is None:
+            shape = (self.hidden, packed.heads * packed.dim)
+            self.r_k, self.r_v = (torch.randn(shape, generator=generator, device=generator.device) / self.hidden**0.5
+                                  for _ in range(2))
+            self._cast.clear()
         super().fill_synthetic(packed, generator)
         for name in ("k_raw", "v_raw", "k_outlier"):
             if name in packed.buffers:

@@ -37,9 +37,13 @@ except ImportError:  # pragma: no cover
 
 PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 BITS = (2, 3, 4, 8, 16)
-DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4}
+# Not tuned on a GPU yet. 32-token tiles keep every dot's M at 32 (mma.sync: kivi_kernels' note on Triton 3.6's
+# wgmma with 64-token tiles); 4 programs per SM for the splits: each scores program is compute-heavy (a 32 x 64 x 64
+# dot pair per 64 latent channels and tile), and the value pass's latent partials, splits x G x d_kv floats per (row,
+# KV head), stay small (Llama-3.1-8B 32K x 1: 66 splits, 8.7 MB; 16 per SM would make them larger than the cache)
+DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4, "programs_per_sm": 4}
 # float64 dots are broadcast products ([M, K, N] in registers, runtime/kernels.dot): small blocks
-DEFAULTS_FP64 = {"block_t": 16, "chunk": 16, "value_chunk": 16, "num_warps": 4}
+DEFAULTS_FP64 = {**DEFAULTS, "block_t": 16, "chunk": 16, "value_chunk": 16}
 
 if triton is not None:
     from kvcal.runtime.kernels import dot, operand, softmax_tile, split_bounds
@@ -212,10 +216,10 @@ def unsupported(storage, q: torch.Tensor, packed) -> str | None:
 
 def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: int | None = None,
                   num_splits: int | None = None, num_warps: int | None = None, chunk: int | None = None,
-                  value_chunk: int | None = None):
+                  value_chunk: int | None = None, programs_per_sm: int | None = None):
     """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`.
-    Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default ~16 programs per SM over the (row, KV
-    head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
+    Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
+    (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
     program)."""
     from kvcal.runtime.decode import Partials
 
@@ -239,7 +243,7 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     if num_splits:
         nsplit = int(num_splits)
     else:
-        target = 16 * K.sm_count(dev)
+        target = (programs_per_sm or defaults["programs_per_sm"]) * K.sm_count(dev)
         nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
     nfp = K.fp_splits(fp)
     splits = nsplit + nfp

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Calibrate docs/ci.md's recipes on this machine, for the cross-machine tolerances.
 # Calibrate the same recipes on this machine (CPU or GPU): the artifacts that docs/ci.md's recommended tolerances
 # compare across machines. Usage: benchmarks/ci_tolerances.sh OUT_DIR DEVICE (cpu or cuda); KVCAL_DATA_DIR set.
 set -euo pipefail

@@ -1,4 +1,6 @@
-"""CommVQ's decode kernels on a GPU at Llama-3.1-8B shapes: the attention kernel against the storage's torch reference
+"""CommVQ's decode kernels on a GPU: correctness against the references and time per layer (docs/commvq.md).
+
+CommVQ's decode kernels on a GPU at Llama-3.1-8B shapes: the attention kernel against the storage's torch reference
 (rows of a few thousand tokens: the reference's gather is [Hq, P, R, T]), the key encoder's codes against the
 reference encoder's, and the time of one decode step per layer (the storage's kernels and the merge, a 128-token
 bf16 window) beside bf16 SDPA and, with --reconstruct, beside rebuilding every key and value in torch then SDPA, in

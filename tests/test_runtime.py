@@ -583,7 +583,7 @@ def test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu():
     memory of the previous layer's temporaries: 4 layers leave the pool about as large as 1 layer does. With a
     capture stream per layer (as StepGraph once did) torch's allocator could not reuse a block across layers, and the pool
     held every layer's temporaries (KVQuant: 32 x 200 MiB at 49 rows of 32K, Llama-3.1-8B shapes). H100, this test
-    alone (`benchmarks/pool_reuse_test_check.py`): 2.1 MB for 1 and 4 layers; with a stream per layer 2.1 and 8.4 MB,
+    alone (`results/bench/pool-reuse-test-check-h100.log`): 2.1 MB for 1 and 4 layers; with a stream per layer 2.1 and 8.4 MB,
     and the test fails."""
     import gc
 

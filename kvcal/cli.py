@@ -326,11 +326,23 @@ def report_command(
                                   "folder above its own (the checkout)."),
 ):
     """Print JSON result records as one markdown table (PPL relative to an fp16 record when present), or regenerate
-    docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml."""
-    from kvcal.eval.report import markdown_table, plot_pareto, read_record, write_docs
+    docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml; with `kvcal eval passkey` records, --plot draws their
+    length x depth grids."""
+    from kvcal.eval.report import (markdown_table, plot_passkey, plot_pareto, read_passkey_record, read_record,
+                                   write_docs)
 
     if not (records or docs or check or plot):
         raise KvcalError("give JSON records, --docs, --check or --plot")
+    passkeys = [read_passkey_record(p) for p in records or []]
+    if any(passkeys):
+        if not all(passkeys):
+            raise KvcalError("report: give passkey records (kvcal eval passkey) or ppl records, not both")
+        if plot is None or docs or check:
+            raise KvcalError("report: passkey records are drawn with --plot FILE.png (their grid)")
+        check_writable(plot, folder=False, flag="--plot")
+        plot_passkey(passkeys, plot)
+        console.print(f"wrote {plot}", highlight=False)
+        return
     if plot is not None:
         check_writable(plot, folder=False, flag="--plot")
         plot_pareto(manifest, plot)

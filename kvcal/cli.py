@@ -328,8 +328,14 @@ def report_command(
     """Print JSON result records as one markdown table (PPL relative to an fp16 record when present), or regenerate
     docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml; with `kvcal eval passkey` records, --plot draws their
     length x depth grids."""
-    from kvcal.eval.report import (markdown_table, plot_passkey, plot_pareto, read_passkey_record, read_record,
-                                   write_docs)
+    from kvcal.eval.report import (
+        markdown_table,
+        plot_pareto,
+        plot_passkey,
+        read_passkey_record,
+        read_record,
+        write_docs,
+    )
 
     if not (records or docs or check or plot):
         raise KvcalError("give JSON records, --docs, --check or --plot")

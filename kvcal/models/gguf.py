@@ -67,6 +67,10 @@ def converted_smollm2_dir() -> tuple[Path, dict]:
         import gguf  # noqa: F401
     except ImportError as exc:
         raise KvcalError("converting smollm2-135m needs the `gguf` package: pip install gguf") from exc
+    try:
+        import accelerate  # noqa: F401  (transformers reads a GGUF file only with accelerate installed)
+    except ImportError as exc:
+        raise KvcalError("converting smollm2-135m needs the `accelerate` package: pip install accelerate") from exc
     import torch
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -239,7 +239,9 @@ def test_interrupt_says_nothing_was_written(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvcal.cli", "calibrate", "--method", "kvquant", "--model",
                              "smollm2-135m", "--dataset", "shakespeare", "--nsamples", "64", "--seqlen", "512",
                              "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            # a test run started in the background of a shell inherits SIGINT ignored: restore it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(12)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)

@@ -43,9 +43,9 @@ STEP_FLOOR = 1e-6  # calibquant.STEP_FLOOR
 DEFAULT_BLOCK_T = 32  # tokens per tile (1 warp): a tile lies inside one range group
 
 if triton is not None:
-    from kvcal.quant.packing import pack_tile, unpack_tile
+    from kvcal.quant.packing import mma_channels, mma_code_scale, pack_tile, unpack_mma, unpack_tile
     from kvcal.quant.uniform_kernels import rint
-    from kvcal.runtime.kernels import dot, fp_segment, operand, softmax_tile, split_bounds
+    from kvcal.runtime.kernels import dot, fp_segment, mma_operand, operand, softmax_tile, split_bounds
 
     @triton.jit
     def _div(a, b, ACC: tl.constexpr):
@@ -109,33 +109,59 @@ if triton is not None:
     # ---- decode attention
 
     @triton.jit
-    def _query_terms(q_row, sqh, s_base, m_base, rk, G: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
-                     ACC: tl.constexpr):
-        """q * step [D, GP] as a dot operand and q . min [GP] of one range group (post-scaling, Eq. 6)."""
-        dd = tl.arange(0, D)
-        qf = tl.load(q_row + rk[None, :] * sqh + dd[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-        step = tl.load(s_base + dd).to(ACC)
-        minimum = tl.load(m_base + dd).to(ACC)
-        return operand(qf * step[:, None], PREC), tl.sum(qf * minimum[:, None], 0)
+    def _channels(D: tl.constexpr, BITS: tl.constexpr, MMA: tl.constexpr):
+        """The channel of each code column: unpack_mma's order (mma_channels) or the natural one."""
+        if MMA:
+            return mma_channels(0, D, BITS)
+        else:
+            return tl.arange(0, D)
 
     @triton.jit
-    def _tile_scores(kc_base, t, tm, skt, qs, qc, scale, D: tl.constexpr, BITS: tl.constexpr,
-                     BLOCK_T: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr, ACC: tl.constexpr):
-        """Scores x = ((q * step) . codes + q . min) * scale [BLOCK_T, GP] of a tile (natural log units)."""
-        codes = unpack_tile(kc_base + t * skt, tm, 0, D, D, BITS, BLOCK_T)
-        return (dot(operand(codes.to(ACC), PREC), qs, INTERP).to(ACC) + qc[None, :]) * scale
+    def _codes(rowptr, tm, D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
+               MMA: tl.constexpr, INTERP: tl.constexpr, ACC: tl.constexpr):
+        """A tile's codes [BLOCK_T, D] as a dot operand. MMA (fp16 operands): unpack_mma's in-register masking, column
+        c holds code * f_c * 2^-24 in the order of _channels (no integer shift, no conversion per code); else
+        unpack_tile's codes in channel order, converted."""
+        if MMA:
+            return mma_operand(unpack_mma(rowptr, tm, 0, D, D, BITS, BLOCK_T), PREC, INTERP)
+        else:
+            return operand(unpack_tile(rowptr, tm, 0, D, D, BITS, BLOCK_T).to(ACC), PREC)
+
+    @triton.jit
+    def _query_terms(q_row, sqh, s_base, m_base, rk, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                     PREC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr):
+        """q * step [D, GP] as a dot operand (rows in _channels order; MMA: divided by the code columns' f, exact: a
+        power of two) and q . min [GP] of one range group (post-scaling, Eq. 6)."""
+        ch = _channels(D, BITS, MMA)
+        qf = tl.load(q_row + rk[None, :] * sqh + ch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+        step = tl.load(s_base + ch).to(ACC)
+        minimum = tl.load(m_base + ch).to(ACC)
+        qs = qf * step[:, None]
+        if MMA:
+            qs = qs / mma_code_scale(D, BITS).to(ACC)[:, None]
+        return operand(qs, PREC), tl.sum(qf * minimum[:, None], 0)
+
+    @triton.jit
+    def _raw_scores(kc_base, t, tm, skt, qs, ALIGN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                    BLOCK_T: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr, INTERP: tl.constexpr,
+                    ACC: tl.constexpr):
+        """(q * step) . codes [BLOCK_T, GP] of a tile, times 2^-24 under MMA (callers fold CODE_UNIT)."""
+        codes = _codes(kc_base + tl.multiple_of(t * skt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
+        return dot(codes, qs, INTERP).to(ACC)
 
     @triton.jit
     def _range_kernel(q_ptr, sqb, sqh, len_ptr, kc_ptr, skb, skh, skt, ks_ptr, km_ptr, ssb, ssh, ssg,
                       mn_ptr, mx_ptr, HKV, scale_hi, scale_lo, NSPLIT,
                       D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_T: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+                      BLOCK_T: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr, ALIGN: tl.constexpr,
+                      INTERP: tl.constexpr):
         """Pass 1: min and max of the scores per query head over the tokens of split `split` of a (row, KV head)."""
         ACC: tl.constexpr = mn_ptr.dtype.element_ty
         if PREC == 64:
             scale = tl.cast(scale_hi, ACC) + tl.cast(scale_lo, ACC)
         else:
             scale = scale_hi
+        UNIT: tl.constexpr = 16777216.0 if MMA else 1.0  # unpack_mma's codes are code * f * 2^-24
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -143,22 +169,29 @@ if triton is not None:
         q_row = q_ptr + b * sqb + h * G * sqh
         rk = tl.arange(0, GP)
         start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-        kc_base = kc_ptr + b * skb + h * skh
+        kc_base = kc_ptr + tl.multiple_of(b * skb + h * skh, ALIGN)
         s_base = ks_ptr + b * ssb + h * ssh
         m_base = km_ptr + b * ssb + h * ssh
+        # the raw dots' min and max (a positive scale keeps the order): scaled once at the end, not per tile
         lo = tl.full((GP,), float("inf"), ACC)
         hi = tl.full((GP,), float("-inf"), ACC)
         if GROUP == 0:
-            qs, qc = _query_terms(q_row, sqh, s_base, m_base, rk, G, D, PREC, ACC)
+            qs, qc = _query_terms(q_row, sqh, s_base, m_base, rk, G, D, BITS, PREC, MMA, ACC)
         for t0 in range(start, end, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             tm = t < end
             if GROUP != 0:
                 g = t0 // GROUP
-                qs, qc = _query_terms(q_row, sqh, s_base + g * ssg, m_base + g * ssg, rk, G, D, PREC, ACC)
-            x = _tile_scores(kc_base, t, tm, skt, qs, qc, scale, D, BITS, BLOCK_T, PREC, INTERP, ACC)
+                qs, qc = _query_terms(q_row, sqh, s_base + g * ssg, m_base + g * ssg, rk, G, D, BITS, PREC, MMA, ACC)
+                x = (_raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC) * UNIT
+                     + qc[None, :]) * scale
+            else:
+                x = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
             lo = tl.minimum(lo, tl.min(tl.where(tm[:, None], x, float("inf")), 0))
             hi = tl.maximum(hi, tl.max(tl.where(tm[:, None], x, float("-inf")), 0))
+        if GROUP == 0:  # x = (raw * UNIT + q . min) * scale, increasing in raw; empty splits stay at +-inf
+            lo = (lo * UNIT + qc) * scale
+            hi = (hi * UNIT + qc) * scale
         part = pid * NSPLIT + split
         tl.store(mn_ptr + part * G + rk, lo, mask=rk < G)
         tl.store(mx_ptr + part * G + rk, hi, mask=rk < G)
@@ -172,13 +205,15 @@ if triton is not None:
                        m_ptr, l_ptr, acc_ptr, HKV, scale_hi, scale_lo, NSPLIT,
                        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPF: tl.constexpr, SP: tl.constexpr,
                        BITS: tl.constexpr, GROUP: tl.constexpr, REMAP: tl.constexpr, HAS_FP: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
+                       ALIGN: tl.constexpr, INTERP: tl.constexpr):
         """Pass 2: the remapped split-K softmax partials of the packed tokens, then the full-precision part."""
         ACC: tl.constexpr = m_ptr.dtype.element_ty
         if PREC == 64:
             scale = tl.cast(scale_hi, ACC) + tl.cast(scale_lo, ACC)
         else:
             scale = scale_hi
+        UNIT: tl.constexpr = 16777216.0 if MMA else 1.0  # unpack_mma's codes are code * f * 2^-24
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -187,15 +222,23 @@ if triton is not None:
         q_row = q_ptr + b * sqb + h * G * sqh
         part = pid * S + split
         rk = tl.arange(0, GP)
-        dd = tl.arange(0, D)
         if split < NSPLIT:
             start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-            kc_base = kc_ptr + b * skb + h * skh
-            vc_base = vc_ptr + b * svb + h * svh
+            kc_base = kc_ptr + tl.multiple_of(b * skb + h * skh, ALIGN)
+            vc_base = vc_ptr + tl.multiple_of(b * svb + h * svh, ALIGN)
             ks_base = ks_ptr + b * ssb + h * ssh
             km_base = km_ptr + b * ssb + h * ssh
             vs_base = vs_ptr + b * ssb + h * ssh
             vm_base = vm_ptr + b * ssb + h * ssh
+            vch = _channels(D, BITS, MMA)  # the channel of each value code column (and of acc's columns)
+            if MMA:
+                vunit = 16777216.0 / mma_code_scale(D, BITS).to(ACC)
+            else:
+                vunit = tl.full((D,), 1.0, ACC)
+            # s = x' log2(e) with x' the (remapped) score: an affine map of the raw dot, s = raw * sa + sb per head
+            sa = tl.full((GP,), scale * UNIT * 1.4426950408889634, ACC)
+            slope = tl.full((GP,), 1.0, ACC)
+            shift = tl.zeros((GP,), ACC)  # x' = slope x + shift
             if REMAP:
                 # gamma and delta of each query head over all of the row's compressed tokens (pass 1's splits)
                 sp = tl.arange(0, SP)
@@ -211,13 +254,17 @@ if triton is not None:
                 slope = (span + tau1 - tau2) / (span + 1e-8)  # SCORE_EPS
                 clamped = (slope < 0) & live
                 slope = tl.maximum(slope, 0.0)
+                # Eq. 7 with the slope clamp: g(x) = slope (x - gamma) + gamma - tau1
+                shift = gamma - slope * gamma - tau1
+                sa = sa * slope
                 if split == 0:
                     tl.atomic_add(count_ptr, tl.where(has, G, 0).to(tl.int64))
                     tl.atomic_add(count_ptr + 1, tl.sum(clamped.to(tl.int64), 0))
             if GROUP == 0:
-                qs, qc = _query_terms(q_row, sqh, ks_base, km_base, rk, G, D, PREC, ACC)
-                v_step = tl.load(vs_base + dd).to(ACC)
-                v_min = tl.load(vm_base + dd).to(ACC)
+                qs, qc = _query_terms(q_row, sqh, ks_base, km_base, rk, G, D, BITS, PREC, MMA, ACC)
+                sb = (slope * (qc * scale) + shift) * 1.4426950408889634
+                v_step = tl.load(vs_base + vch).to(ACC) * vunit
+                v_min = tl.load(vm_base + vch).to(ACC)
             m_i = tl.full((GP,), float("-inf"), ACC)
             l_i = tl.zeros((GP,), ACC)
             acc = tl.zeros((GP, D), ACC)
@@ -226,18 +273,24 @@ if triton is not None:
                 tm = t < end
                 if GROUP != 0:
                     g = t0 // GROUP
-                    qs, qc = _query_terms(q_row, sqh, ks_base + g * ssg, km_base + g * ssg, rk, G, D, PREC, ACC)
-                    v_step = tl.load(vs_base + g * ssg + dd).to(ACC)
-                    v_min = tl.load(vm_base + g * ssg + dd).to(ACC)
-                x = _tile_scores(kc_base, t, tm, skt, qs, qc, scale, D, BITS, BLOCK_T, PREC, INTERP, ACC)
-                if REMAP:  # Eq. 7 with the slope clamp: g(x) = slope (x - gamma) + gamma - tau1
-                    x = slope[None, :] * (x - gamma[None, :]) + gamma[None, :] - tau1[None, :]
-                s = tl.where(tm[:, None], x * 1.4426950408889634, float("-inf"))  # log2(e)
+                    qs, qc = _query_terms(q_row, sqh, ks_base + g * ssg, km_base + g * ssg, rk, G, D, BITS, PREC, MMA,
+                                          ACC)
+                    sb = (slope * (qc * scale) + shift) * 1.4426950408889634
+                    v_step = tl.load(vs_base + g * ssg + vch).to(ACC) * vunit
+                    v_min = tl.load(vm_base + g * ssg + vch).to(ACC)
+                raw = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
+                s = tl.where(tm[:, None], raw * sa[None, :] + sb[None, :], float("-inf"))
                 p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-                vcodes = unpack_tile(vc_base + t * svt, tm, 0, D, D, BITS, BLOCK_T)
-                pv = dot(operand(tl.trans(p), PREC), operand(vcodes.to(ACC), PREC), INTERP).to(ACC)  # [GP, D]
-                acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
-            tl.store(acc_ptr + (part * G + rk)[:, None] * D + dd[None, :], acc, mask=(rk < G)[:, None])
+                vcodes = _codes(vc_base + tl.multiple_of(t * svt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP,
+                                ACC)
+                pv = dot(operand(tl.trans(p), PREC), vcodes, INTERP).to(ACC)  # [GP, D], columns in vch order
+                if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l_i)
+                    acc = acc * alpha[:, None] + pv
+                else:
+                    acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
+            if GROUP == 0:
+                acc = acc * v_step[None, :] + l_i[:, None] * v_min[None, :]
+            tl.store(acc_ptr + (part * G + rk)[:, None] * D + vch[None, :], acc, mask=(rk < G)[:, None])
             tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
             tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
         if HAS_FP:
@@ -288,11 +341,13 @@ def unsupported(q: torch.Tensor, packed, bits: int, group: int) -> str | None:
 def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: int, remap: bool,
                   tau1: torch.Tensor | None, tau2: torch.Tensor | None, counts: torch.Tensor, *,
                   block_t: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, programs_per_sm: int | None = None, block_f: int | None = None):
+                  num_stages: int | None = None, programs_per_sm: int | None = None, block_f: int | None = None,
+                  mma: bool | None = None):
     """Partials of q [B, Hq, D] over CalibQuant's packed tokens (pass 1 and pass 2 of the module docstring) and the
     full-precision part `fp`. counts [2] int64 (device): rows remapped and rows whose slope was clamped, added to.
     Keyword-only tuning knobs: block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, num_stages,
-    block_f (full-precision tile)."""
+    block_f (full-precision tile), mma (fp16 / bf16 queries: codes unpacked by unpack_mma's in-register masking,
+    the default; False: unpack_tile's shifts and conversions)."""
     from kvcal.runtime.decode import Partials
 
     batch, hq, d = q.shape
@@ -322,8 +377,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     if num_stages is not None:
         opts["num_stages"] = num_stages
     prec = PREC.get(q.dtype, 16)
+    use_mma = prec == 16 and (mma is None or bool(mma))
     hi, lo = _scale_parts(scale)
     kc_s, vc_s, st_s = kc.stride()[:3], vc.stride()[:3], ks.stride()[:3]
+    align = _alignment(kc, vc)
     acc_dtype = parts.m.dtype
     if remap:
         mn = torch.empty(batch * hkv, nsplit, group_q, dtype=acc_dtype, device=dev)
@@ -335,7 +392,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
         if remap:
             _range_kernel[(batch * hkv, nsplit)](
                 q, q.stride(0), q.stride(1), packed.lengths, kc, *kc_s, ks, km, *st_s, mn, mx, hkv, hi, lo, nsplit,
-                D=d, G=group_q, GP=gp, BITS=bits, GROUP=group, BLOCK_T=bt, PREC=prec, INTERP=K.INTERPRET, **opts)
+                D=d, G=group_q, GP=gp, BITS=bits, GROUP=group, BLOCK_T=bt, PREC=prec, MMA=int(use_mma), ALIGN=align,
+                INTERP=K.INTERPRET, **opts)
         _attend_kernel[(batch * hkv, splits)](
             q, q.stride(0), q.stride(1), packed.lengths,
             kc, *kc_s, vc, *vc_s, ks, km, vs, vm, *st_s,
@@ -343,9 +401,21 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
             fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
             parts.m, parts.l, parts.acc, hkv, hi, lo, nsplit,
             D=d, G=group_q, GP=gp, GPF=max(pow2(group_q), 16), SP=pow2(nsplit), BITS=bits, GROUP=group,
-            REMAP=int(remap), HAS_FP=int(has_fp), BLOCK_T=bt, BLOCK_F=block_f or 16, PREC=prec,
-            INTERP=K.INTERPRET, **opts)
+            REMAP=int(remap), HAS_FP=int(has_fp), BLOCK_T=bt, BLOCK_F=block_f or 16, PREC=prec, MMA=int(use_mma),
+            ALIGN=align, INTERP=K.INTERPRET, **opts)
     return parts
+
+
+def _alignment(*codes: torch.Tensor) -> int:
+    """Words (1, 2 or 4) by which every code row of these buffers is aligned: row, head and token strides and the
+    storage offsets are multiples of it (the kernels' tl.multiple_of hints: 16-byte loads of a 1-bit row of 128
+    channels instead of four 4-byte ones)."""
+    align = 4
+    for t in codes:
+        for n in (*t.stride()[:3], t.storage_offset(), t.shape[-1]):
+            while n % align:
+                align //= 2
+    return align
 
 
 def _scale_parts(scale: float) -> tuple[float, float]:

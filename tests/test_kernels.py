@@ -293,7 +293,12 @@ GPU_CASES = [
      ("calibquant1_bulk_fp16", "calibquant", 1, torch.float16, {}, {}, {}),
      ("calibquant2_g128_bf16", "calibquant", 2, torch.bfloat16, {"group": 128}, {}, {}),
      ("calibquant4_noremap_bf16", "calibquant", 4, torch.bfloat16, {"remap": False}, {}, {}),
-     ("calibquant1_bulk_fp32", "calibquant", 1, torch.float32, {}, {}, {})]
+     ("calibquant1_bulk_fp32", "calibquant", 1, torch.float32, {}, {}, {}),
+     # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
+     ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
+     ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
+     ("calibquant2_g128_tiles64_fp16", "calibquant", 2, torch.float16, {"group": 128},
+      {"block_t": 64, "num_warps": 4}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

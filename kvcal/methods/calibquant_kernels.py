@@ -172,9 +172,10 @@ if triton is not None:
         kc_base = kc_ptr + tl.multiple_of(b * skb + h * skh, ALIGN)
         s_base = ks_ptr + b * ssb + h * ssh
         m_base = km_ptr + b * ssb + h * ssh
-        # the raw dots' min and max (a positive scale keeps the order): scaled once at the end, not per tile
-        lo = tl.full((GP,), float("inf"), ACC)
-        hi = tl.full((GP,), float("-inf"), ACC)
+        # the raw dots' min and max (a positive scale keeps the order), scaled once at the end; kept per (token slot,
+        # head) of the tile and reduced over the slots once after the loop, not per tile (no shuffles in the loop)
+        lo = tl.full((BLOCK_T, GP), float("inf"), ACC)
+        hi = tl.full((BLOCK_T, GP), float("-inf"), ACC)
         if GROUP == 0:
             qs, qc = _query_terms(q_row, sqh, s_base, m_base, rk, G, D, BITS, PREC, MMA, ACC)
         for t0 in range(start, end, BLOCK_T):
@@ -187,8 +188,10 @@ if triton is not None:
                      + qc[None, :]) * scale
             else:
                 x = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
-            lo = tl.minimum(lo, tl.min(tl.where(tm[:, None], x, float("inf")), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(tm[:, None], x, float("-inf")), 0))
+            lo = tl.minimum(lo, tl.where(tm[:, None], x, float("inf")))
+            hi = tl.maximum(hi, tl.where(tm[:, None], x, float("-inf")))
+        lo = tl.min(lo, 0)
+        hi = tl.max(hi, 0)
         if GROUP == 0:  # x = (raw * UNIT + q . min) * scale, increasing in raw; empty splits stay at +-inf
             lo = (lo * UNIT + qc) * scale
             hi = (hi * UNIT + qc) * scale
@@ -257,6 +260,10 @@ if triton is not None:
                 # Eq. 7 with the slope clamp: g(x) = slope (x - gamma) + gamma - tau1
                 shift = gamma - slope * gamma - tau1
                 sa = sa * slope
+                # g is nondecreasing, so g(delta) is each head's largest remapped score over the row's compressed
+                # tokens: a fixed softmax reference instead of a running max (no rescaling of acc per tile). The
+                # recomputed scores may exceed it by a rounding: clamped to it (exp2 <= 1, no overflow).
+                m_fix = (slope * delta + shift) * 1.4426950408889634
                 if split == 0:
                     tl.atomic_add(count_ptr, tl.where(has, G, 0).to(tl.int64))
                     tl.atomic_add(count_ptr + 1, tl.sum(clamped.to(tl.int64), 0))
@@ -267,6 +274,7 @@ if triton is not None:
                 v_min = tl.load(vm_base + vch).to(ACC)
             m_i = tl.full((GP,), float("-inf"), ACC)
             l_i = tl.zeros((GP,), ACC)
+            l_t = tl.zeros((BLOCK_T, GP), ACC)  # REMAP: sum P per (token slot, head), reduced after the loop
             acc = tl.zeros((GP, D), ACC)
             for t0 in range(start, end, BLOCK_T):
                 t = t0 + tl.arange(0, BLOCK_T)
@@ -280,14 +288,27 @@ if triton is not None:
                     v_min = tl.load(vm_base + g * ssg + vch).to(ACC)
                 raw = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
                 s = tl.where(tm[:, None], raw * sa[None, :] + sb[None, :], float("-inf"))
-                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
+                if REMAP:
+                    p = tl.where((rk < G)[None, :], tl.exp2(tl.minimum(s, m_fix[None, :]) - m_fix[None, :]), 0.0)
+                    l_t += p
+                else:
+                    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
                 vcodes = _codes(vc_base + tl.multiple_of(t * svt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP,
                                 ACC)
                 pv = dot(operand(tl.trans(p), PREC), vcodes, INTERP).to(ACC)  # [GP, D], columns in vch order
-                if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l_i)
-                    acc = acc * alpha[:, None] + pv
+                if REMAP:  # fixed reference: nothing to rescale
+                    if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l_i)
+                        acc = acc + pv
+                    else:
+                        acc = acc + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
                 else:
-                    acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
+                    if GROUP == 0:
+                        acc = acc * alpha[:, None] + pv
+                    else:
+                        acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
+            if REMAP:
+                l_i = tl.sum(l_t, 0)
+                m_i = tl.where(l_i > 0, m_fix, float("-inf"))  # a split without tokens: the empty partial
             if GROUP == 0:
                 acc = acc * v_step[None, :] + l_i[:, None] * v_min[None, :]
             tl.store(acc_ptr + (part * G + rk)[:, None] * D + vch[None, :], acc, mask=(rk < G)[:, None])

@@ -297,6 +297,8 @@ GPU_CASES = [
      # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
      ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
      ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
+     ("calibquant1_fp_kernel_2warps_fp16", "calibquant", 1, torch.float16, {}, {"fp_kernel": True, "num_warps": 2},
+      {}),
      ("calibquant2_g128_tiles64_fp16", "calibquant", 2, torch.float16, {"group": 128},
       {"block_t": 64, "num_warps": 4}, {})]
 

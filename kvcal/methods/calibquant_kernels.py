@@ -41,6 +41,7 @@ LOG2E = 1.4426950408889634
 SCORE_EPS = 1e-8  # [C] in the remap's denominator (calibquant.SCORE_EPS)
 STEP_FLOOR = 1e-6  # calibquant.STEP_FLOOR
 DEFAULT_BLOCK_T = 32  # tokens per tile (1 warp): a tile lies inside one range group
+FP_KERNEL_MIN_ROWS = 64  # (row, KV head) pairs from which the full-precision part is a launch of its own (fp_kernel)
 
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, pack_tile, unpack_mma, unpack_tile
@@ -205,7 +206,7 @@ if triton is not None:
                        ks_ptr, km_ptr, vs_ptr, vm_ptr, ssb, ssh, ssg,
                        mn_ptr, mx_ptr, tau1_ptr, tau2_ptr, count_ptr,
                        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-                       m_ptr, l_ptr, acc_ptr, HKV, scale_hi, scale_lo, NSPLIT,
+                       m_ptr, l_ptr, acc_ptr, HKV, scale_hi, scale_lo, NSPLIT, NPART,
                        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPF: tl.constexpr, SP: tl.constexpr,
                        BITS: tl.constexpr, GROUP: tl.constexpr, REMAP: tl.constexpr, HAS_FP: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
@@ -221,7 +222,7 @@ if triton is not None:
         split = tl.program_id(1)
         b = pid // HKV
         h = pid % HKV
-        S = NSPLIT + HAS_FP
+        S = NPART  # partials per (row, KV head): NSPLIT, the full-precision part's
         q_row = q_ptr + b * sqb + h * G * sqh
         part = pid * S + split
         rk = tl.arange(0, GP)
@@ -363,12 +364,16 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
                   tau1: torch.Tensor | None, tau2: torch.Tensor | None, counts: torch.Tensor, *,
                   block_t: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, programs_per_sm: int | None = None, block_f: int | None = None,
-                  mma: bool | None = None):
+                  mma: bool | None = None, fp_kernel: bool | None = None):
     """Partials of q [B, Hq, D] over CalibQuant's packed tokens (pass 1 and pass 2 of the module docstring) and the
     full-precision part `fp`. counts [2] int64 (device): rows remapped and rows whose slope was clamped, added to.
     Keyword-only tuning knobs: block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, num_stages,
     block_f (full-precision tile), mma (fp16 / bf16 queries: codes unpacked by unpack_mma's in-register masking,
-    the default; False: unpack_tile's shifts and conversions)."""
+    the default; False: unpack_tile's shifts and conversions), fp_kernel (fp16 / bf16 queries: the full-precision
+    part by the generic kernel (runtime.kernels.fp_partials_into, chunks of FP_CHUNK tokens) in a second launch
+    instead of pass 2's last split, whose fp_segment sets pass 2's register count (246 against 172 registers a
+    thread at one warp, sm_90 ptxas: 8 against 11 one-warp programs per SM); default from FP_KERNEL_MIN_ROWS (row,
+    KV head) pairs)."""
     from kvcal.runtime.decode import Partials
 
     batch, hq, d = q.shape
@@ -389,15 +394,17 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
         target = (programs_per_sm or 16) * K.sm_count(dev)
         nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
     gp = max(pow2(group_q), 16)
-    has_fp = fp is not None
-    splits = nsplit + int(has_fp)
+    prec = PREC.get(q.dtype, 16)
+    separate = fp is not None and prec == 16 and (
+        batch * hkv >= FP_KERNEL_MIN_ROWS if fp_kernel is None else bool(fp_kernel))
+    has_fp = fp is not None and not separate
+    splits = nsplit + int(has_fp) + (K.fp_splits(fp) if separate else 0)
     parts = Partials.empty(batch * hkv, splits, group_q, d, q.dtype, dev)
     fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
                                               fp.valid if has_fp else None, has_fp, dev)
     opts = {"num_warps": num_warps or (4 if q.dtype == torch.float64 else 1)}
     if num_stages is not None:
         opts["num_stages"] = num_stages
-    prec = PREC.get(q.dtype, 16)
     use_mma = prec == 16 and (mma is None or bool(mma))
     hi, lo = _scale_parts(scale)
     kc_s, vc_s, st_s = kc.stride()[:3], vc.stride()[:3], ks.stride()[:3]
@@ -415,15 +422,17 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
                 q, q.stride(0), q.stride(1), packed.lengths, kc, *kc_s, ks, km, *st_s, mn, mx, hkv, hi, lo, nsplit,
                 D=d, G=group_q, GP=gp, BITS=bits, GROUP=group, BLOCK_T=bt, PREC=prec, MMA=int(use_mma), ALIGN=align,
                 INTERP=K.INTERPRET, **opts)
-        _attend_kernel[(batch * hkv, splits)](
+        _attend_kernel[(batch * hkv, nsplit + int(has_fp))](
             q, q.stride(0), q.stride(1), packed.lengths,
             kc, *kc_s, vc, *vc_s, ks, km, vs, vm, *st_s,
             mn, mx, tau1 if remap else dummy, tau2 if remap else dummy, counts,
             fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
-            parts.m, parts.l, parts.acc, hkv, hi, lo, nsplit,
+            parts.m, parts.l, parts.acc, hkv, hi, lo, nsplit, splits,
             D=d, G=group_q, GP=gp, GPF=max(pow2(group_q), 16), SP=pow2(nsplit), BITS=bits, GROUP=group,
             REMAP=int(remap), HAS_FP=int(has_fp), BLOCK_T=bt, BLOCK_F=block_f or 16, PREC=prec, MMA=int(use_mma),
             ALIGN=align, INTERP=K.INTERPRET, **opts)
+    if separate:
+        K.fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16)
     return parts
 
 

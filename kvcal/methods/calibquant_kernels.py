@@ -151,6 +151,36 @@ if triton is not None:
         return dot(codes, qs, INTERP).to(ACC)
 
     @triton.jit
+    def _tile_mask(t0, end, BLOCK_T: tl.constexpr, MASKED: tl.constexpr):
+        """The tile's token slots and their mask (a constant true one for a whole tile: unmasked loads)."""
+        t = t0 + tl.arange(0, BLOCK_T)
+        if MASKED:
+            return t, t < end
+        else:
+            return t, tl.full((BLOCK_T,), 1, tl.int1)
+
+    @triton.jit
+    def _range_tile(kc_base, t0, end, skt, q_row, sqh, s_base, m_base, ssg, rk, qs, qc, lo, hi, scale,
+                    UNIT: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_T: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr, ALIGN: tl.constexpr,
+                    MASKED: tl.constexpr, INTERP: tl.constexpr, ACC: tl.constexpr):
+        """Pass 1 over one tile: the per-slot minima and maxima lo, hi [BLOCK_T, GP] updated (raw dots with one range
+        group, scores with groups of GROUP tokens)."""
+        t, tm = _tile_mask(t0, end, BLOCK_T, MASKED)
+        if GROUP != 0:
+            g = t0 // GROUP
+            qs, qc = _query_terms(q_row, sqh, s_base + g * ssg, m_base + g * ssg, rk, G, D, BITS, PREC, MMA, ACC)
+            x = (_raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC) * UNIT
+                 + qc[None, :]) * scale
+        else:
+            x = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
+        if MASKED:
+            return (tl.minimum(lo, tl.where(tm[:, None], x, float("inf"))),
+                    tl.maximum(hi, tl.where(tm[:, None], x, float("-inf"))))
+        else:
+            return tl.minimum(lo, x), tl.maximum(hi, x)
+
+    @triton.jit
     def _range_kernel(q_ptr, sqb, sqh, len_ptr, kc_ptr, skb, skh, skt, ks_ptr, km_ptr, ssb, ssh, ssg,
                       mn_ptr, mx_ptr, HKV, scale_hi, scale_lo, NSPLIT,
                       D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -179,18 +209,16 @@ if triton is not None:
         hi = tl.full((BLOCK_T, GP), float("-inf"), ACC)
         if GROUP == 0:
             qs, qc = _query_terms(q_row, sqh, s_base, m_base, rk, G, D, BITS, PREC, MMA, ACC)
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < end
-            if GROUP != 0:
-                g = t0 // GROUP
-                qs, qc = _query_terms(q_row, sqh, s_base + g * ssg, m_base + g * ssg, rk, G, D, BITS, PREC, MMA, ACC)
-                x = (_raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC) * UNIT
-                     + qc[None, :]) * scale
-            else:
-                x = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
-            lo = tl.minimum(lo, tl.where(tm[:, None], x, float("inf")))
-            hi = tl.maximum(hi, tl.where(tm[:, None], x, float("-inf")))
+        else:  # per tile (_range_tile)
+            qs, qc = _query_terms(q_row, sqh, s_base, m_base, rk, G, D, BITS, PREC, MMA, ACC)
+        # whole tiles without masks, then the split's last, partial tile (splits start on tile boundaries)
+        full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+        for t0 in range(start, full, BLOCK_T):
+            lo, hi = _range_tile(kc_base, t0, end, skt, q_row, sqh, s_base, m_base, ssg, rk, qs, qc, lo, hi, scale,
+                                 UNIT, G, D, BITS, GROUP, BLOCK_T, PREC, MMA, ALIGN, False, INTERP, ACC)
+        for t0 in range(full, end, BLOCK_T):
+            lo, hi = _range_tile(kc_base, t0, end, skt, q_row, sqh, s_base, m_base, ssg, rk, qs, qc, lo, hi, scale,
+                                 UNIT, G, D, BITS, GROUP, BLOCK_T, PREC, MMA, ALIGN, True, INTERP, ACC)
         lo = tl.min(lo, 0)
         hi = tl.max(hi, 0)
         if GROUP == 0:  # x = (raw * UNIT + q . min) * scale, increasing in raw; empty splits stay at +-inf
@@ -199,6 +227,47 @@ if triton is not None:
         part = pid * NSPLIT + split
         tl.store(mn_ptr + part * G + rk, lo, mask=rk < G)
         tl.store(mx_ptr + part * G + rk, hi, mask=rk < G)
+
+    @triton.jit
+    def _attend_tile(kc_base, vc_base, t0, end, skt, svt, q_row, sqh, ks_base, km_base, vs_base, vm_base, ssg, rk, vch,
+                     vunit, qs, qc, sa, sb, slope, shift, scale, m_fix, v_step, v_min, acc, l_t, m_i, l_i,
+                     G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, REMAP: tl.constexpr,
+                     BLOCK_T: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr, ALIGN: tl.constexpr,
+                     MASKED: tl.constexpr, INTERP: tl.constexpr, ACC: tl.constexpr):
+        """Pass 2 over one tile: scores (remapped), P, and the value codes' contribution to acc; the softmax state
+        (l_t under the remap, m_i and l_i without it) updated."""
+        t, tm = _tile_mask(t0, end, BLOCK_T, MASKED)
+        if GROUP != 0:
+            g = t0 // GROUP
+            qs, qc = _query_terms(q_row, sqh, ks_base + g * ssg, km_base + g * ssg, rk, G, D, BITS, PREC, MMA, ACC)
+            sb = (slope * (qc * scale) + shift) * 1.4426950408889634
+            v_step = tl.load(vs_base + g * ssg + vch).to(ACC) * vunit
+            v_min = tl.load(vm_base + g * ssg + vch).to(ACC)
+        raw = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
+        s = raw * sa[None, :] + sb[None, :]
+        if REMAP:
+            keep = (rk < G)[None, :]
+            if MASKED:
+                keep = keep & tm[:, None]
+            p = tl.where(keep, tl.exp2(tl.minimum(s, m_fix[None, :]) - m_fix[None, :]), 0.0)
+            l_t += p
+        else:
+            if MASKED:
+                s = tl.where(tm[:, None], s, float("-inf"))
+            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
+        vcodes = _codes(vc_base + tl.multiple_of(t * svt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
+        pv = dot(operand(tl.trans(p), PREC), vcodes, INTERP).to(ACC)  # [GP, D], columns in vch order
+        if REMAP:  # fixed reference: nothing to rescale
+            if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l_i)
+                acc = acc + pv
+            else:
+                acc = acc + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
+        else:
+            if GROUP == 0:
+                acc = acc * alpha[:, None] + pv
+            else:
+                acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
+        return acc, l_t, m_i, l_i
 
     @triton.jit
     def _attend_kernel(q_ptr, sqb, sqh, len_ptr,
@@ -271,46 +340,37 @@ if triton is not None:
             if GROUP == 0:
                 qs, qc = _query_terms(q_row, sqh, ks_base, km_base, rk, G, D, BITS, PREC, MMA, ACC)
                 sb = (slope * (qc * scale) + shift) * 1.4426950408889634
-                v_step = tl.load(vs_base + vch).to(ACC) * vunit
-                v_min = tl.load(vm_base + vch).to(ACC)
+                v_step = vunit  # not read in the loop: step and minimum are loaded after it (registers)
+                v_min = vunit
             m_i = tl.full((GP,), float("-inf"), ACC)
             l_i = tl.zeros((GP,), ACC)
             l_t = tl.zeros((BLOCK_T, GP), ACC)  # REMAP: sum P per (token slot, head), reduced after the loop
             acc = tl.zeros((GP, D), ACC)
-            for t0 in range(start, end, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                tm = t < end
-                if GROUP != 0:
-                    g = t0 // GROUP
-                    qs, qc = _query_terms(q_row, sqh, ks_base + g * ssg, km_base + g * ssg, rk, G, D, BITS, PREC, MMA,
-                                          ACC)
-                    sb = (slope * (qc * scale) + shift) * 1.4426950408889634
-                    v_step = tl.load(vs_base + g * ssg + vch).to(ACC) * vunit
-                    v_min = tl.load(vm_base + g * ssg + vch).to(ACC)
-                raw = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
-                s = tl.where(tm[:, None], raw * sa[None, :] + sb[None, :], float("-inf"))
-                if REMAP:
-                    p = tl.where((rk < G)[None, :], tl.exp2(tl.minimum(s, m_fix[None, :]) - m_fix[None, :]), 0.0)
-                    l_t += p
-                else:
-                    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-                vcodes = _codes(vc_base + tl.multiple_of(t * svt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP,
-                                ACC)
-                pv = dot(operand(tl.trans(p), PREC), vcodes, INTERP).to(ACC)  # [GP, D], columns in vch order
-                if REMAP:  # fixed reference: nothing to rescale
-                    if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l_i)
-                        acc = acc + pv
-                    else:
-                        acc = acc + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
-                else:
-                    if GROUP == 0:
-                        acc = acc * alpha[:, None] + pv
-                    else:
-                        acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
+            if GROUP != 0:  # per tile (_attend_tile)
+                sb = sa
+                v_step = vunit
+                v_min = vunit
+                qs, qc = _query_terms(q_row, sqh, ks_base, km_base, rk, G, D, BITS, PREC, MMA, ACC)
+            if REMAP == 0:
+                m_fix = sa  # not read
+            # whole tiles without masks, then the split's last, partial tile (splits start on tile boundaries)
+            full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+            for t0 in range(start, full, BLOCK_T):
+                acc, l_t, m_i, l_i = _attend_tile(
+                    kc_base, vc_base, t0, end, skt, svt, q_row, sqh, ks_base, km_base, vs_base, vm_base, ssg, rk, vch,
+                    vunit, qs, qc, sa, sb, slope, shift, scale, m_fix, v_step, v_min, acc, l_t, m_i, l_i,
+                    G, D, BITS, GROUP, REMAP, BLOCK_T, PREC, MMA, ALIGN, False, INTERP, ACC)
+            for t0 in range(full, end, BLOCK_T):
+                acc, l_t, m_i, l_i = _attend_tile(
+                    kc_base, vc_base, t0, end, skt, svt, q_row, sqh, ks_base, km_base, vs_base, vm_base, ssg, rk, vch,
+                    vunit, qs, qc, sa, sb, slope, shift, scale, m_fix, v_step, v_min, acc, l_t, m_i, l_i,
+                    G, D, BITS, GROUP, REMAP, BLOCK_T, PREC, MMA, ALIGN, True, INTERP, ACC)
             if REMAP:
                 l_i = tl.sum(l_t, 0)
                 m_i = tl.where(l_i > 0, m_fix, float("-inf"))  # a split without tokens: the empty partial
             if GROUP == 0:
+                v_step = tl.load(vs_base + vch).to(ACC) * vunit
+                v_min = tl.load(vm_base + vch).to(ACC)
                 acc = acc * v_step[None, :] + l_i[:, None] * v_min[None, :]
             tl.store(acc_ptr + (part * G + rk)[:, None] * D + vch[None, :], acc, mask=(rk < G)[:, None])
             tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)

@@ -8,6 +8,14 @@ A grid entry is a dict of the storage's attend_triton keyword arguments; the key
 module given by --before (an earlier version of the method's *_kernels.py, for before/after timings on one card).
 Times: CUDA-graph replays, median, L2 flushed (kvcal.runtime.bench.time_device); GB/s counts the bytes a step must
 read (packed buffers, the full-precision window, the query and output).
+
+Without a GPU, `--sass` compiles CalibQuant's two decode kernels for sm_90 (Triton's bundled ptxas and cuobjdump) at
+the benchmark's shapes (1-bit by default, --bits) and prints, per grid entry (block_t, num_warps, num_stages, fp_kernel
+-> HAS_FP 0), registers and spills a thread, shared memory, and the SASS instruction counts of each loop (the tile
+loops: whole tiles, then the partial one) with the main classes:
+
+    python benchmarks/sweep_decode.py --sass --grid '[{}, {"fp_kernel": false}]' \
+        --before <earlier calibquant_kernels.py> --json results/bench/calibquant-decode-sass-sm90.json
 """
 
 from __future__ import annotations
@@ -22,8 +30,7 @@ import torch
 
 from kvcal.runtime import kernels as K
 from kvcal.runtime.bench import packed_bytes, random_packed, storage_for, time_device, time_sdpa
-from kvcal.runtime.decode import merge_reference
-from kvcal.runtime.storage import FullPrecision
+from kvcal.runtime.decode import FullPrecision, merge_reference
 
 
 def rel_err(out, ref) -> float:
@@ -40,9 +47,87 @@ def load_before(path: str):
     return mod
 
 
+SASS_CLASSES = ("LOP3", "SHF", "SGXT", "I2F", "IMAD", "PRMT", "HMMA", "HGMMA", "STS", "LDS", "LDSM", "MUFU", "SHFL",
+                "FMNMX", "FSEL", "FMUL", "FFMA", "BAR")
+
+
+def _sass_loops(sass: str) -> list[dict]:
+    """Each backward branch's loop (over 60 instructions): its length and its counts of SASS_CLASSES."""
+    import collections
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at and i - at[int(m.group(1), 16)] > 60:
+            body = ins[at[int(m.group(1), 16)]:i + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+            loops.append({"instructions": len(body), **{k: ops[k] for k in SASS_CLASSES if ops[k]}})
+    return loops
+
+
+def sass_rows(grid, args) -> list[dict]:
+    """Compile the decode kernels of the current module (and --before's) for sm_90 per grid entry (see the module
+    docstring)."""
+    import os
+    import re
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcal.methods import calibquant_kernels as current
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(p for p in (os.path.join(tools, "ptxas-blackwell"), os.path.join(tools, "ptxas")) if os.path.exists(p))
+    pointer = {"q_ptr": "*bf16", "fk_ptr": "*bf16", "fv_ptr": "*bf16", "len_ptr": "*i32", "kc_ptr": "*i32",
+               "vc_ptr": "*i32", "count_ptr": "*i64", "fval_ptr": "*u8"}
+    modules = [("after", current)] + ([("before", load_before(args.before))] if args.before else [])
+    rows = []
+    for knobs in grid:
+        for which, mod in modules:
+            new = hasattr(mod, "_alignment")
+            bt, warps = knobs.get("block_t", 32), knobs.get("num_warps", 1)
+            const = dict(D=args.dim, G=args.hq // args.hkv, GP=max(16, args.hq // args.hkv), BITS=args.bits, GROUP=0,
+                         BLOCK_T=bt, PREC=16, INTERP=0)
+            if new:
+                const.update(MMA=int(knobs.get("mma", True)), ALIGN=4)
+            has_fp = int(not (new and knobs.get("fp_kernel", True)))
+            attend = dict(const, GPF=16, SP=64, REMAP=1, HAS_FP=has_fp, BLOCK_F=16)
+            opts = {"num_warps": warps, **({"num_stages": knobs["num_stages"]} if "num_stages" in knobs else {})}
+            for name, fn, c in (("pass 1", mod._range_kernel, const), ("pass 2", mod._attend_kernel, attend)):
+                sig = {a: "constexpr" if a in c else pointer.get(a, "*fp32") if a.endswith("_ptr")
+                       else "fp32" if a.startswith("scale") else "i32" for a in fn.arg_names}
+                k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options=opts)
+                path = f"/tmp/sweep_decode_{os.getpid()}"
+                with open(path + ".ptx", "w") as f:
+                    f.write(k.asm["ptx"])
+                with open(path + ".cubin", "wb") as f:
+                    f.write(k.asm["cubin"])
+                info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path + ".ptx", "-o", path + ".o"],
+                                      capture_output=True, text=True).stderr
+                sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path + ".cubin"],
+                                      capture_output=True, text=True).stdout
+                regs = re.search(r"Used (\d+) registers", info)
+                spill = re.search(r"(\d+) bytes spill stores", info)
+                row = {"kernel": which, "knobs": knobs, "pass": name, "bits": args.bits,
+                       "registers": int(regs.group(1)) if regs else None,
+                       "spill_bytes": int(spill.group(1)) if spill else None, "shared_bytes": k.metadata.shared,
+                       "loops": _sass_loops(sass)}
+                rows.append(row)
+                print(f"{which:>6} {json.dumps(knobs):<48} {name}: {row['registers']} registers, "
+                      f"{row['spill_bytes']} B spilled, {row['shared_bytes']} B shared; loops "
+                      + "; ".join(", ".join(f"{k} {v}" for k, v in lp.items()) for lp in row["loops"]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", action="append", required=True)
+    ap.add_argument("--recipe", action="append", default=[])
     ap.add_argument("--grid", default="[{}]", help="JSON list of knob dicts")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, action="append")
@@ -54,8 +139,16 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="path of an earlier *_kernels.py for grid entries 'kernel: before'")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sass", action="store_true", help="compile for sm_90 and count instructions (no GPU needed)")
+    ap.add_argument("--bits", type=int, default=1)
     args = ap.parse_args()
     grid = json.loads(args.grid)
+    if args.sass:
+        rows = sass_rows(grid, args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        return
     batches = args.batch or [8]
     dtype = torch.bfloat16
     rows = []

@@ -10,16 +10,27 @@ of the row's little-endian stream), per (row, head, range group, channel) float3
   contraction), stores them, then quantizes and packs the run's tokens into their (row, slot).
 - `attend_triton` (reference: CalibQuantStorage.attend_reference): post-scaling, the cache is never dequantized:
   scores x = ((q * step_k) . codes + q . min_k) / sqrt(d), one tensor-core dot per tile with q * step_k made once per
-  range group; values (P codes) * step_v + (sum P) min_v. The remap of the compressed block's scores (Eq. 7) needs
-  each query head's min and max score over all of the row's compressed tokens before its softmax, so:
-    pass 1 (`_range_kernel`, only with the remap on): grid (row and KV head, split): the scores of the split's tiles,
-      their min and max per query head -> [R, S, G] each (reads the key codes once);
-    pass 2 (`_attend_kernel`): grid (row and KV head, split + 1): every split program reduces pass 1's S minima and
+  range group; values (P codes) * step_v + (sum P) min_v. With fp16 / bf16 queries the codes are unpacked by
+  unpack_mma (kvcal/quant/packing.py): one mask per pair of codes leaves each code in place inside an fp16 half as an
+  exact subnormal code * f * 2^-24, so there is no shift and no int-to-float conversion per code; q * step_k is
+  divided by f (a power of two) and 2^24 folded into the scores' scale, and the value columns (in mma_channels order)
+  are scaled by step_v * 2^24 / f. float32 / float64 queries unpack with shifts (unpack_tile) and convert.
+  The remap of the compressed block's scores (Eq. 7) needs each query head's min and max score over all of the row's
+  compressed tokens before its softmax, so:
+    pass 1 (`_range_kernel`, only with the remap on): grid (row and KV head, split): the raw dots of the split's
+      tiles, their min and max kept per (token slot, head) and reduced once after the loop, then scaled to scores
+      (an increasing map) -> [R, S, G] each (reads the key codes once);
+    pass 2 (`_attend_kernel`): grid (row and KV head, split [+ 1]): every split program reduces pass 1's S minima and
       maxima of its (row, KV head) itself (2 S floats per head), computes the slope (clamped at 0; split 0 counts the
-      rows and the clamped rows into a device counter), recomputes its tiles' scores, remaps them, and writes its
-      online-softmax partial (m, l, acc) from the key and value codes; the last split takes the full-precision part
-      (runtime/kernels.fp_segment: sinks and generated tokens). runtime.decode's merge combines the partials.
-  With the remap off (b >= 4 by default) pass 1 does not run and pass 2 skips the remap.
+      rows and the clamped rows into a device counter), recomputes its tiles' scores as one affine map of the raw dot
+      (scale, remap and log2(e) folded per head), and writes its softmax partial (m, l, acc) from the key and value
+      codes. Under the remap the softmax reference is fixed: the remap is nondecreasing, so g(delta) is each head's
+      largest score, and P = exp2(min(s, m) - m) needs no running max and no rescaling of acc per tile. The full-
+      precision part (sinks and generated tokens) is the last split's fp_segment, or from FP_KERNEL_MIN_ROWS (row, KV
+      head) pairs the generic kernel's own launch (runtime.kernels.fp_partials_into: fp_segment's registers then do
+      not limit pass 2's occupancy). runtime.decode's merge combines the partials.
+  Both passes run a split's whole tiles without masks and its last, partial tile after them. With the remap off
+  (b >= 4 by default) pass 1 does not run and pass 2 keeps the online softmax.
 """
 
 from __future__ import annotations

@@ -99,7 +99,12 @@ def sass_rows(grid, args) -> list[dict]:
             has_fp = int(not (new and knobs.get("fp_kernel", True)))
             attend = dict(const, GPF=16, SP=64, REMAP=1, HAS_FP=has_fp, BLOCK_F=16)
             opts = {"num_warps": warps, **({"num_stages": knobs["num_stages"]} if "num_stages" in knobs else {})}
+            cap = knobs.get("range_registers", getattr(mod, "RANGE_REGISTERS", 0) if warps == 1 else 0)
             for name, fn, c in (("pass 1", mod._range_kernel, const), ("pass 2", mod._attend_kernel, attend)):
+                if name == "pass 1" and new and cap:
+                    opts = {**opts, "maxnreg": cap}
+                else:
+                    opts = {k: v for k, v in opts.items() if k != "maxnreg"}
                 sig = {a: "constexpr" if a in c else pointer.get(a, "*fp32") if a.endswith("_ptr")
                        else "fp32" if a.startswith("scale") else "i32" for a in fn.arg_names}
                 k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options=opts)

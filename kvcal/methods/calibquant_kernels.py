@@ -52,6 +52,9 @@ LOG2E = 1.4426950408889634
 SCORE_EPS = 1e-8  # [C] in the remap's denominator (calibquant.SCORE_EPS)
 STEP_FLOOR = 1e-6  # calibquant.STEP_FLOOR
 DEFAULT_BLOCK_T = 32  # tokens per tile (1 warp): a tile lies inside one range group
+# pass 1's register cap for one-warp programs on the unpack_mma path: 128 a thread lets 16 programs share an SM (the
+# default split count's 16 per SM in one wave); uncapped, sm_90 ptxas gives it 129 (15 per SM), capped no spills
+RANGE_REGISTERS = 128
 FP_KERNEL_MIN_ROWS = 64  # (row, KV head) pairs from which the full-precision part is a launch of its own (fp_kernel)
 
 if triton is not None:
@@ -435,7 +438,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
                   tau1: torch.Tensor | None, tau2: torch.Tensor | None, counts: torch.Tensor, *,
                   block_t: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, programs_per_sm: int | None = None, block_f: int | None = None,
-                  mma: bool | None = None, fp_kernel: bool | None = None):
+                  mma: bool | None = None, fp_kernel: bool | None = None, range_registers: int | None = None):
     """Partials of q [B, Hq, D] over CalibQuant's packed tokens (pass 1 and pass 2 of the module docstring) and the
     full-precision part `fp`. counts [2] int64 (device): rows remapped and rows whose slope was clamped, added to.
     Keyword-only tuning knobs: block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, num_stages,
@@ -444,7 +447,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     part by the generic kernel (runtime.kernels.fp_partials_into, chunks of FP_CHUNK tokens) in a second launch
     instead of pass 2's last split, whose fp_segment sets pass 2's register count (246 against 172 registers a
     thread at one warp, sm_90 ptxas: 8 against 11 one-warp programs per SM); default from FP_KERNEL_MIN_ROWS (row,
-    KV head) pairs)."""
+    KV head) pairs), range_registers (pass 1's register cap a thread, 0 none; default RANGE_REGISTERS for one-warp
+    programs on the unpack_mma path)."""
     from kvcal.runtime.decode import Partials
 
     batch, hq, d = q.shape
@@ -487,12 +491,17 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     else:
         mn = mx = parts.m  # not read
     dummy, _ = K.placeholders(dev)
+    range_opts = dict(opts)
+    cap = range_registers if range_registers is not None else (
+        RANGE_REGISTERS if use_mma and opts["num_warps"] == 1 and not K.INTERPRET else 0)
+    if cap:
+        range_opts["maxnreg"] = int(cap)
     with launch_device(q):
         if remap:
             _range_kernel[(batch * hkv, nsplit)](
                 q, q.stride(0), q.stride(1), packed.lengths, kc, *kc_s, ks, km, *st_s, mn, mx, hkv, hi, lo, nsplit,
                 D=d, G=group_q, GP=gp, BITS=bits, GROUP=group, BLOCK_T=bt, PREC=prec, MMA=int(use_mma), ALIGN=align,
-                INTERP=K.INTERPRET, **opts)
+                INTERP=K.INTERPRET, **range_opts)
         _attend_kernel[(batch * hkv, nsplit + int(has_fp))](
             q, q.stride(0), q.stride(1), packed.lengths,
             kc, *kc_s, vc, *vc_s, ks, km, vs, vm, *st_s,

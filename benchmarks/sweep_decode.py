@@ -15,7 +15,7 @@ the benchmark's shapes (1-bit by default, --bits) and prints, per grid entry (bl
 loops: whole tiles, then the partial one) with the main classes:
 
     python benchmarks/sweep_decode.py --sass --grid '[{}, {"fp_kernel": false}]' \
-        --before <earlier calibquant_kernels.py> --json results/bench/calibquant-decode-sass-sm90.json
+        --before <earlier calibquant_kernels.py> --json results/bench/calibquant-decode-sass-sm90-1bit.json
 """
 
 from __future__ import annotations

@@ -254,6 +254,8 @@ ATTENTION_CASES = [
     # CalibQuant: post-scaled codes, the two-pass score remap (bulk: one range group per row; groups of 16 tokens)
     ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
     ("calibquant2_g16_fp16", "calibquant", 2, torch.float16, {"group": 16}, {}, {"lengths": [32, 0, 64]}),
+    # the full-precision part by the generic kernel in a launch of its own (the default from 64 (row, KV head) pairs)
+    ("calibquant1_fp_kernel_bf16", "calibquant", 1, torch.bfloat16, {}, {"fp_kernel": True}, {}),
     ("calibquant4_noremap_fp16", "calibquant", 4, torch.float16, {"remap": False}, {}, {}),
     ("calibquant8_d128_fp32", "calibquant", 8, torch.float32, {}, {}, {"d": 128}),
     ("calibquant1_fp64", "calibquant", 1, torch.float64, {}, {}, {}),

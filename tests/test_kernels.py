@@ -300,7 +300,14 @@ GPU_CASES = [
      ("commvq2_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {}, {}),
      ("commvq1_fp16", "commvq", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
      ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {}),
-     ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {})]
+     ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {}),
+     # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
+     ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
+     ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
+     ("calibquant1_fp_kernel_2warps_fp16", "calibquant", 1, torch.float16, {}, {"fp_kernel": True, "num_warps": 2},
+      {}),
+     ("calibquant2_g128_tiles64_fp16", "calibquant", 2, torch.float16, {"group": 128},
+      {"block_t": 64, "num_warps": 4}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

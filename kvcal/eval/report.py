@@ -348,19 +348,29 @@ def plot_passkey(records: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(records), figsize=(1.2 + 3.6 * len(records), 3.6), dpi=110, squeeze=False)
-    for ax, record in zip(axes[0], records):
+    cols = min(4, len(records))  # rows of 4 panels
+    rows = -(-len(records) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.2 + 3.6 * cols, 0.4 + 3.4 * rows), dpi=110, squeeze=False,
+                             constrained_layout=True)
+    flat = axes.flatten().tolist()
+    for ax in flat[len(records):]:
+        ax.axis("off")
+    for k, (ax, record) in enumerate(zip(flat, records)):
         lengths, depths, grid = accuracy_grid(record)
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set_xticks(range(len(depths)), [f"{d:g}%" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
                 ax.text(j, i, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xlabel("needle depth")
-        ax.set_ylabel("context length (tokens)")
-        ax.set_title(f"{record['setting']} ({record['mode']})", fontsize=9)
-    fig.colorbar(image, ax=axes[0].tolist(), label="accuracy", shrink=0.8)
+        if k // cols == rows - 1 or k + cols >= len(records):
+            ax.set_xlabel("needle depth")
+        if k % cols == 0:
+            ax.set_ylabel("context length (tokens)")
+        bits = record.get("bits_per_element")
+        label = f"{record['setting']}" + (f", {bits:.2f} bits" if isinstance(bits, (int, float)) else "")
+        ax.set_title(f"{label} ({record['mode']})", fontsize=9)
+    fig.colorbar(image, ax=flat, label="accuracy", shrink=0.6)
     name = records[0]["model"].get("name", "")
     fig.suptitle(f"passkey retrieval, {name}", fontsize=10)
     fig.savefig(out, bbox_inches="tight")

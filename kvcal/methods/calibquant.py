@@ -362,6 +362,7 @@ class CalibQuant(Method):
     # tiny models: 16-token groups after 2 sinks (the gptq protocol runs it; the decode kernel's tiles of >= 16 tokens
     # lie inside one group), a 2x2 tau grid (4 forwards per window)
     test_config = {"bits": 1, "group_tokens": 16, "sink": 2, "tau_grid": "0,3"}
+    tensor_kinds = {"k.tau1": "range", "k.tau2": "range"}  # the searched remap per query head
 
     bits: int = 1  # 8, 4, 2, 1 [P]
     group_tokens: int = 0  # 0: one range over the whole compressed block [P] (tail protocol); G: groups of G tokens

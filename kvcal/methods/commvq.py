@@ -577,6 +577,11 @@ class CommVQ(Method):
     test_config = {"bits": 2, "key_codes": 8, "key_stages": 3, "key_em_steps": 3, "key_train_vectors": 256,
                    "value_steps": 8, "value_batch_tokens": 64, "value_attn_tokens": 32, "value_warmup": 2,
                    "fp_window": 4}
+    # kvcal compare: key codewords up to their order per (group, stage), the pair layout exactly, the value encoder
+    # and codebook as trained weights (the value codebook's rows are tied to code bits: no permutation)
+    tensor_kinds = {"k.theta": "codebook:2", "k.pair_channels": "index", "k.stage_mse": "diagnostic",
+                    "v.channel_scale": "range"} | {f"v.{name}": "weights" for name in (
+                        "codebook", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "ln_weight", "ln_bias")}
 
     bits: int = 2  # 1 or 2 (the paper's CommVQ-1 / CommVQ-2); also 3, 4
     # keys [P]: N' codewords per pair and stage, g pairs sharing one code (0: one KV head, D/2 pairs: the

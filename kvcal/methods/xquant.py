@@ -570,6 +570,10 @@ class XQuant(Method):
     # runs them through the simulation and the dequantized cache)
     test_config = {"variant": "svd", "bits": 2, "hp_layers": 1, "outlier_channel": True, "group_tokens": 8,
                    "group_channels": 16}
+    # kvcal compare: the SVD factors up to each singular vector's sign, the predicted outlier channels exactly
+    tensor_kinds = {f"{side}.{name}": kind for side in "kv" for name, kind in (
+        ("U", "svd_left"), ("R", "svd_right"), ("S", "spectrum"))} | {
+        "k.outlier_pred": "index", "x.U": "svd_left", "x.S": "spectrum"}  # x.*: the cross-layer variants' basis
 
     variant: str = "svd"  # svd (GQA latents), x (cache X: the MHA recipe), kv (the paper's KIVI* baseline)
     cross_layer: bool = False  # XQuant-CL: closed-loop deltas above base_layer (variants x and svd)

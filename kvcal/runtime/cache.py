@@ -727,7 +727,9 @@ class KvcalCache(Cache):
                                  "dequantized) or the simulation (--mode simulate)")
             kernels = False if backend == "reference" else kernels
             layers = [PackedLayer(codec, i, s, kernels, capacity_hint, self.shared) for i, s in enumerate(storages)]
-            pool = GraphPool() if step_graphs else None
+            # step graphs replay the Triton kernels only: the torch references synchronize with the host (lengths
+            # read per row), which a capture forbids
+            pool = GraphPool() if step_graphs and kernels is not False else None
             for layer in layers:
                 layer.graph_pool = pool
         super().__init__(layers=layers)
@@ -736,6 +738,13 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         return self.layers[inp.layer_idx].attend(inp)
+
+    def graph_refusal(self) -> str | None:
+        """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each
+        row's length on the host every step, which a capture forbids (they still run static steps eagerly)."""
+        if any(isinstance(layer, PackedLayer) and layer.kernels_asked is False for layer in self.layers):
+            return "the torch references (backend reference) synchronize with the host at every step"
+        return None
 
     def check_holds(self, tokens: int) -> None:
         """Raise one line unless every layer holds `tokens` tokens per row (padding included): a model call that

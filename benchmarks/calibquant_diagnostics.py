@@ -1,4 +1,6 @@
-"""The CalibQuant digest's §8.2 run 6 diagnostics (the paper's Fig. 2 analog): per layer, how far the tail queries'
+"""CalibQuant's attention-error diagnostics per layer (docs/calibquant.md).
+
+The CalibQuant digest's §8.2 run 6 diagnostics (the paper's Fig. 2 analog): per layer, how far the tail queries'
 attention probabilities move from the exact ones when the block's keys are CalibQuant-quantized, without the score
 remap ("Quant") and with it ("Quant-C", the artifact's tau). Every layer sees the exact model's inputs (the fp16
 forward), so each layer's error is its own, not accumulated from the layers below. Errors: the mean squared error of

@@ -1,4 +1,6 @@
-"""Decode-mode perplexity (token by token through the packed cache) against the gptq simulation, for
+"""Decode-mode perplexity against the simulation for every packed codec (docs/runtime.md, parity tables).
+
+Decode-mode perplexity (token by token through the packed cache) against the gptq simulation, for
 every method the packed runtime runs (issue 5): smollm2-135m, WikiText-2 test. One model load for all
 rows, one JSON out. On CPU the torch references run; on CUDA the Triton kernels.
 

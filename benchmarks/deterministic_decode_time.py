@@ -1,4 +1,6 @@
-"""GPU: decode time of KVQuant caches (random nuq4 / nuq2 with outliers, Llama-3.1-8B attention shapes, bf16, 32K
+"""KVQuant decode time with float32 atomics against deterministic mode (docs/runtime.md).
+
+GPU: decode time of KVQuant caches (random nuq4 / nuq2 with outliers, Llama-3.1-8B attention shapes, bf16, 32K
 context, batch 8 and 1) with the value pass's float32 atomics (the default) and in torch's deterministic mode (int64
 fixed-point sums), each twice, alternating, with SDPA for scale.
 

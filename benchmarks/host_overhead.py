@@ -1,4 +1,6 @@
-"""Where the host time of an eager decode step goes (GPU): cProfile over eager steps of `kvcal bench generate`'s
+"""Host time of an eager decode step and of each runtime launch (docs/runtime.md, generation).
+
+Where the host time of an eager decode step goes (GPU): cProfile over eager steps of `kvcal bench generate`'s
 model and cache, and the per-call host cost of each runtime launch alone (no synchronization between calls, so
 the timing is what the CPU spends issuing the call while the GPU keeps up).
 

@@ -1,4 +1,6 @@
-"""What the packed runtime's fixed key-outlier capacity costs KVQuant: perplexity of the simulation of
+"""KVQuant perplexity at several key-outlier capacities (docs/runtime.md, capacity table).
+
+What the packed runtime's fixed key-outlier capacity costs KVQuant: perplexity of the simulation of
 what the runtime stores (`exact_outliers=false`: fp16 residuals, at most `key_outlier_capacity` key
 outliers per token and KV head, the largest kept) at several capacities, against the paper's exact outliers, with
 the memory each capacity costs. Decode equals this simulation (float64 check in the README), so this

@@ -1,4 +1,6 @@
-"""Why KVQuant's keys lose to KIVI's on smollm2 (CPU, gptq simulation, keys or values only): the
+"""Why KVQuant's keys lose to KIVI's on smollm2: key-range variants (docs/results.md).
+
+Why KVQuant's keys lose to KIVI's on smollm2 (CPU, gptq simulation, keys or values only): the
 artifact's calibrated per-channel ranges vs each window's own percentiles (the paper's R9 oracle), a uniform
 table on the same ranges, the nuq table on per-64-token min/max ranges, KIVI G64
 values per token vs per head

@@ -1,4 +1,6 @@
-"""How many key outliers a token has under a KVQuant artifact's calibrated per-channel ranges, on
+"""Key outliers per token and KV head under a KVQuant artifact (docs/runtime.md).
+
+How many key outliers a token has under a KVQuant artifact's calibrated per-channel ranges, on
 evaluation windows (all layers), per token and per (token, KV head): what the packed runtime's fixed
 capacity (slots per token and KV head) must hold.
 

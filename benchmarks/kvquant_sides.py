@@ -1,4 +1,6 @@
-"""Which side costs KVQuant its perplexity on smollm2: the gptq simulation with only the keys or only the
+"""KVQuant and KIVI with only the keys or only the values compressed (docs/results.md).
+
+Which side costs KVQuant its perplexity on smollm2: the gptq simulation with only the keys or only the
 values compressed (the other side in full precision), for KVQuant-N-1% and KIVI-N at equal bits (G64 R0).
 
     python benchmarks/kvquant_sides.py --nsamples 4 --json results/kvquant/sides-4x2048.json

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# KVQuant on smollm2-135m: the headline table and ablations of docs/results.md.
 # KVQuant reproduction on smollm2-135m (issue 3): the headline table and the ablations R1, R3, R3b,
 # R4, R5, R7, R8 of ../shared/papers/kvquant.md section 9.2. Every row is one recipe; one model load and
 # one activation capture serve all of them (`--recipe` repeated), which computes exactly what one

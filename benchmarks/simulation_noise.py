@@ -1,4 +1,6 @@
-"""How much does the gptq simulation's perplexity move when the keys change by float rounding alone?
+"""The simulation's perplexity spread under 1e-7 key noise (docs/runtime.md, parity tables).
+
+How much does the gptq simulation's perplexity move when the keys change by float rounding alone?
 
 Quantization is discontinuous: a relative change of 1e-7 in one key (what a different GEMM shape or a
 token-by-token forward gives) flips a code now and then, and through 30 layers the flips compound.

@@ -1,4 +1,6 @@
-"""SKVQ's decode kernel at 32K x 8 (Llama-3.1-8B shapes, bf16, random layouts): tiles and warps per program, against
+"""SKVQ decode-kernel launch sweep at 32K x 8 (docs/runtime.md).
+
+SKVQ's decode kernel at 32K x 8 (Llama-3.1-8B shapes, bf16, random layouts): tiles and warps per program, against
 SDPA in the same process (chose skvq_kernels.DEFAULTS).
 
     python benchmarks/skvq_launch_sweep.py > results/bench/skvq-launch-sweep-h100.log

@@ -1,4 +1,6 @@
-"""The XQuant digest's §8.2 diagnostics on a real model (claims C2, C4, C5): how much post-norm X changes from one
+"""XQuant's diagnostics on a real model (docs/xquant.md).
+
+The XQuant digest's §8.2 diagnostics on a real model (claims C2, C4, C5): how much post-norm X changes from one
 layer to the next against pre-RoPE K and V (Fig. 3), the range of X deltas against X, the channel-0 outlier of the
 latent X U_k against X U_v (App. B), and the data-free prediction of the Key outlier channel from the SVD (Table B.2).
 

@@ -1,4 +1,6 @@
-"""The XQuant digest's §8.2 perplexity runs on smollm2-135m (WikiText-2 test, gptq protocol), with one model load:
+"""XQuant's perplexity runs on smollm2-135m (docs/xquant.md).
+
+The XQuant digest's §8.2 perplexity runs on smollm2-135m (WikiText-2 test, gptq protocol), with one model load:
 fp16; KIVI* at 4/3/2 bits with and without the first 3 layers at 4 bits; XQuant-X at 8/4/3/2 (and 3/2 with the
 first 3 layers at 4); XQuant-SVD at 4/3/2 and with the fp16 outlier channel at 3/2; XQuant-CL on X and on the SVD
 latents at 4/3/2 (base = layer 2, layers 0-2 at 4 bits); the 2-bit CL-SVD ablations (per-channel deltas, latent base,

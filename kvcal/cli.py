@@ -152,8 +152,13 @@ def calibrate_command(
     def done(instance, target, artifact):
         learned = (f"{len(artifact.tensors)} tensors, {artifact.nbytes() / 1024:.1f} KiB" if artifact.tensors else
                    "no learned tensors: the artifact records the config")
+        import torch
+
+        peak = ""
+        if loaded.device.type == "cuda":  # what calibration held on the GPU at most, the model included
+            peak = f", peak GPU memory {torch.cuda.max_memory_allocated(loaded.device) / (1 << 30):.1f} GiB"
         console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
-                      f"{learned}, {time.perf_counter() - started:.1f} s)")
+                      f"{learned}, {time.perf_counter() - started:.1f} s{peak})")
 
     artifacts = run_calibrations(loaded, targets, calib["dataset"], calib["nsamples"], calib["seqlen"], calib["seed"],
                                  data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache, done)
@@ -232,6 +237,51 @@ def eval_ppl_command(
             write_json_atomic(Path(json_dir) / f"{record['setting']}.json", record)
 
 
+@eval_app.command("passkey")
+def eval_passkey_command(
+    model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the artifact model, else smollm2-135m)."),
+    artifact: Path | None = typer.Option(None, help="Artifact from kvcal calibrate."),
+    method: str | None = typer.Option(None, help="Run a method that learns nothing (baselines) without a file "
+                                      "(default fp16)."),
+    recipe: str | None = typer.Option(None, help="Like --method, from a recipe."),
+    sets: list[str] | None = SetOpt,
+    lengths: list[int] | None = typer.Option(None, "--lengths", help="Prompt length in tokens (repeatable; default "
+                                             "1024 2048 4096 8192 where the model's max_position_embeddings "
+                                             "allows)."),
+    depths: list[float] | None = typer.Option(None, "--depths", help="Needle depth in % of the filler (repeatable; "
+                                              "default 0 25 50 75 100)."),
+    trials: int = typer.Option(5, help="Trials per length x depth cell (each its own seeded key)."),
+    seed: int = typer.Option(0, help="Seed of the keys."),
+    max_new_tokens: int = typer.Option(8, help="decode mode: greedy tokens generated after the question."),
+    mode: str = typer.Option("decode", help="decode (prefill, then greedy decoding through kvcal's cache) or "
+                             "simulate (the prefill-decode simulation; the answer teacher-forced, correct when "
+                             "greedy would emit it)."),
+    backend: str = typer.Option("packed", help="decode mode: packed, reference or dequantized (as eval ppl)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON."),
+):
+    """Passkey retrieval: accuracy per context length and needle depth (a table: rows lengths, columns depths)."""
+    from kvcal.eval.passkey import DEFAULT_DEPTHS, evaluate_passkey_command
+
+    if json_out is not None:
+        check_writable(json_out, False, flag="--json")
+    depths = [int(d) if float(d).is_integer() else d for d in (depths or DEFAULT_DEPTHS)]
+    record = evaluate_passkey_command(model, artifact, method, recipe, sets, list(lengths) if lengths else None,
+                                      depths, trials, seed, mode, max_new_tokens, backend, dtype, device)
+    record["command"] = invoked_command()
+    table = Table("length", *[f"{d}%" for d in record["depths"]], "all")
+    for n in record["lengths"]:
+        cells = [c for c in record["cells"] if c["length"] == n]
+        table.add_row(str(n), *[f"{c['correct']}/{c['trials']}" for c in cells],
+                      f"{sum(c['correct'] for c in cells) / sum(c['trials'] for c in cells):.2f}")
+    console.print(table)
+    console.print(f"passkey {record['setting']} ({record['mode']}) on {record['model']['name']} ({record['dtype']}, "
+                  f"{record['device']}): accuracy {record['accuracy']:.3f}", highlight=False)
+    if json_out:
+        write_json_atomic(json_out, record)
+
+
 @app.command("generate")
 def generate_command(
     prompt: str = typer.Option(..., help="Text to continue."),
@@ -282,11 +332,29 @@ def report_command(
                                   "folder above its own (the checkout)."),
 ):
     """Print JSON result records as one markdown table (PPL relative to an fp16 record when present), or regenerate
-    docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml."""
-    from kvcal.eval.report import markdown_table, plot_pareto, read_record, write_docs
+    docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml; with `kvcal eval passkey` records, --plot draws their
+    length x depth grids."""
+    from kvcal.eval.report import (
+        markdown_table,
+        plot_pareto,
+        plot_passkey,
+        read_passkey_record,
+        read_record,
+        write_docs,
+    )
 
     if not (records or docs or check or plot):
         raise KvcalError("give JSON records, --docs, --check or --plot")
+    passkeys = [read_passkey_record(p) for p in records or []]
+    if any(passkeys):
+        if not all(passkeys):
+            raise KvcalError("report: give passkey records (kvcal eval passkey) or ppl records, not both")
+        if plot is None or docs or check:
+            raise KvcalError("report: passkey records are drawn with --plot FILE.png (their grid)")
+        check_writable(plot, folder=False, flag="--plot")
+        plot_passkey(passkeys, plot)
+        console.print(f"wrote {plot}", highlight=False)
+        return
     if plot is not None:
         check_writable(plot, folder=False, flag="--plot")
         plot_pareto(manifest, plot)

@@ -35,10 +35,18 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
 
     if method == "rtn":
         return RtnStorage(bits, group or d)
+    if method == "calibquant":  # one range group over the row (group None) or groups of `group` tokens; tau (0.5, 3)
+        from kvcal.methods.calibquant import CalibQuantStorage
+
+        c = (0.5, 0.3) if bits == 1 else (1.0, 1.0)
+        taus = None if skvq.get("remap") is False else (torch.full((64,), 0.5), torch.full((64,), 3.0))
+        return CalibQuantStorage(bits, group or 0, sink, *c, taus)
     if method == "skvq":
         return _skvq_storage(bits, hkv, d, sink, seed, device, **skvq)
     if method == "kivi":
         return KiviStorage(bits, key_block, 0)
+    if method == "commvq":
+        return _commvq_storage(bits, hkv, d, seed, **skvq)
     gen = torch.Generator(device=device).manual_seed(seed + 100)
     levels = 1 << bits
     enc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
@@ -66,6 +74,19 @@ def _skvq_storage(bits, hkv: int, d: int, sink: int, seed: int, device, v_bits: 
         alpha = 0.8 + 0.2 * torch.rand(groups, generator=gen)
         sides.append(ChannelQuantizer(layout, alpha, side_bits, param_dtype))
     return SKVQStorage(sides[0], sides[1], sink, 0, ternary_storage)
+
+
+def _commvq_storage(bits: int, hkv: int, d: int, seed: int, stages: int = 3, codes: int = 8, group_pairs: int = 0):
+    """A CommVQ storage with random codebooks (N(0, 0.3) per coordinate) and a random value encoder (torch's init):
+    `codes` codewords per pair and stage (not a power of two: index fields wider than the codes), `stages` stages,
+    groups of `group_pairs` pairs (0: one KV head). Keys before RoPE."""
+    from types import SimpleNamespace
+
+    from kvcal.methods.commvq import CommVQ
+
+    dims = SimpleNamespace(num_layers=1, num_heads=4 * hkv, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
+    method = CommVQ(bits=bits, key_codes=codes, key_stages=stages, key_group_pairs=group_pairs)
+    return method.build_codec(method.synthetic_tensors(dims, seed), dims).storage(0)
 
 
 def build_packed(storage, lengths, hkv: int, d: int, *, tcap: int | None = None, poison: bool = False,
@@ -230,9 +251,30 @@ ATTENTION_CASES = [
     ("skvq_k8v4_d128_bf16", "skvq", 8, torch.bfloat16, {"v_bits": 4.0, "groups": 9}, {}, {"d": 128}),
     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"sink": 2}, {}, {}),
     ("skvq_k2v1.5_fp64", "skvq", 2, torch.float64, {"v_bits": 1.5}, {}, {}),
+    # CalibQuant: post-scaled codes, the two-pass score remap (bulk: one range group per row; groups of 16 tokens)
+    ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
+    ("calibquant2_g16_fp16", "calibquant", 2, torch.float16, {"group": 16}, {}, {"lengths": [32, 0, 64]}),
+    # the full-precision part by the generic kernel in a launch of its own (the default from 64 (row, KV head) pairs)
+    ("calibquant1_fp_kernel_bf16", "calibquant", 1, torch.bfloat16, {}, {"fp_kernel": True}, {}),
+    ("calibquant4_noremap_fp16", "calibquant", 4, torch.float16, {"remap": False}, {}, {}),
+    ("calibquant8_d128_fp32", "calibquant", 8, torch.float32, {}, {}, {"d": 128}),
+    ("calibquant1_fp64", "calibquant", 1, torch.float64, {}, {}, {}),
+    # CommVQ: keys from code indices (codewords gathered per stage, one rotation per token), values by probability
+    # mass per code bit and one codebook product per chunk of codes; 8 codes of 3-bit fields, or 12 codes (4-bit
+    # fields), groups of 8 pairs (4 groups per KV head), one 32-word value row at d 128
+    ("commvq2_bf16", "commvq", 2, torch.bfloat16, {}, {}, {}),
+    ("commvq1_c12_g8_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
+    ("commvq1_d128_bf16", "commvq", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
+    ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
+    ("commvq2_fp32", "commvq", 2, torch.float32, {}, {}, {}),
+    ("commvq1_g8_fp64", "commvq", 1, torch.float64, {"group_pairs": 8}, {}, {}),
+    # the paper's key path: a per-step table of q against the codebooks, gathered by the indices
+    ("commvq2_table_fp16", "commvq", 2, torch.float16, {}, {"key_path": "table"}, {}),
+    ("commvq1_c12_g8_table_fp64", "commvq", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {"key_path": "table"},
+     {}),
 ]
 STORAGE_KEYS = ("group", "key_block", "kcap", "per_side", "value_per_head", "sink", "v_bits", "groups", "param_dtype",
-                "ternary_storage")
+                "ternary_storage", "remap", "stages", "codes", "group_pairs")
 
 
 def run_attention_case(case, *, small=True, device="cpu"):
@@ -245,8 +287,8 @@ def run_attention_case(case, *, small=True, device="cpu"):
             kernel_kw.pop("block_t")  # a tile-kernel knob
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
-        if method == "kivi":  # whole key blocks
-            block = cache_kw.get("key_block", 32)
+        if method == "kivi" or (method == "calibquant" and cache_kw.get("group")):  # whole key blocks / groups
+            block = cache_kw.get("group", cache_kw.get("key_block", 32))
             lengths = [n // block * block for n in lengths]
     hq = step_kw.get("hq", 4 * hkv if small else 32)
     if small and "hq" in step_kw:
@@ -398,6 +440,32 @@ def run_quantize_checks(device="cpu", n=8, h=3, d=64, seed=0) -> dict:
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
         res.update(_skvq_write_checks(x, gen, str(dtype)[6:]))
+    res.update(_commvq_write_checks(gen, device))
+    return res
+
+
+def _commvq_write_checks(gen, device, n: int = 9) -> dict:
+    """CommVQ's write_triton (the nearest-code key kernel, the value encoder's torch ops) against write_reference:
+    every buffer bit-exact, tokens scattered over rows and slots, for float32 and float64 keys (random keys: no
+    near-ties of distances), 3-bit index fields (8 codes) and 4-bit ones (12 codes, groups of 8 pairs)."""
+    from kvcal.runtime.storage import Packed
+
+    res = {}
+    for name, bits, kw in (("c8", 2, {}), ("c12_g8", 1, {"codes": 12, "group_pairs": 8, "stages": 2})):
+        storage = make_storage("commvq", bits, 2, 64, device=device, **kw).to(device)
+        for dtype in (torch.float32, torch.float64):
+            keys = _keys(gen, n, 2, 64, device).to(dtype)
+            values = torch.randn(n, 2, 64, generator=gen, device=device).to(dtype)
+            rows = torch.arange(n, device=device) % 3
+            slots = (torch.arange(n, device=device) * 5 + 1) % (n + 4)
+            made = []
+            for kernel in (False, True):
+                buffers = {k: torch.full(spec.shape, 7, dtype=spec.dtype, device=device)
+                           for k, spec in storage.buffers(3, n + 4, 2, 64).items()}
+                packed = Packed(buffers, torch.zeros(3, dtype=torch.int32, device=device), 2, 64, n + 4)
+                storage.write(packed, keys, values, rows, slots, kernel)
+                made.append(buffers)
+            res[f"commvq_write_{name}_{str(dtype)[6:]}"] = all(torch.equal(made[0][k], made[1][k]) for k in made[0])
     return res
 
 
@@ -543,6 +611,8 @@ def cache_codecs() -> list[tuple[str, str, dict]]:
     cases = [(name, name, dict(cls.test_config)) for name, cls in sorted(all_methods().items()) if name != "fp16"]
     if "kvquant" in all_methods():
         cases.append(("kvquant_vhead", "kvquant", {**all_methods()["kvquant"].test_config, "value_scope": "head"}))
+    if "calibquant" in all_methods():  # the paper's regime: the prompt after 4 sinks compressed in bulk, tau (0, 3)
+        cases.append(("calibquant_bulk", "calibquant", {"bits": 1, "sink": 4, "tau1": 0.0, "tau2": 3.0}))
     return cases
 
 

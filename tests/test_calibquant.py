@@ -33,9 +33,11 @@ def test_quantizer_by_hand():
     dims = type("D", (), {"num_layers": 1, "num_heads": 1})
     # 2 bits, c = 1: channel 0 in [0, 3], step 1: exact. channel 1 in [-2, 5], step 7/3: (x + 2) / (7/3) =
     # 0, 3/7, 6/7, 3 -> codes 0, 0, 1, 3 -> -2, -2, -2 + 7/3, 5
+    # (the step is stored as float32, §7.14: 7/3 rounded to float32, s below)
     c2 = codec(dims, bits=2, calibration=False)
     k_hat, v_hat = c2.reconstruct(0, k, k)
-    expected = torch.tensor([[0.0, -2.0], [1.0, -2.0], [2.0, 1 / 3], [3.0, 5.0]], dtype=torch.float64)
+    s = float(torch.tensor(7 / 3, dtype=torch.float32))
+    expected = torch.tensor([[0.0, -2.0], [1.0, -2.0], [2.0, -2 + s], [3.0, -2 + 3 * s]], dtype=torch.float64)
     torch.testing.assert_close(k_hat[0, 0], expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(v_hat, k_hat, rtol=0, atol=0)  # v channel-wise too (c = 1 for both at 2 bits)
     # 1 bit with the code's shrink c_K = 0.5 [C]: channel 0 range [0, 1.5], step 1.5: x / 1.5 = 0, .67, 1.33, 2 ->
@@ -47,7 +49,7 @@ def test_quantizer_by_hand():
     torch.testing.assert_close(k_hat[0, 0], torch.tensor([[0.0, -1.0], [1.5, -1.0], [1.5, -1.0], [1.5, 2.5]],
                                                          dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(v_hat[0, 0], torch.tensor([[0.0, -0.6], [0.9, -0.6], [0.9, -0.6], [0.9, 1.5]],
-                                                         dtype=torch.float64), rtol=0, atol=1e-12)
+                                                         dtype=torch.float64), rtol=0, atol=2e-7)  # float32 ranges
     # ties round half to even [C] §7.12: channel [0, 1, 2] at 1 bit, c = 1: 1 / 2 = 0.5 -> code 0
     x = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)[None, None, :, None]
     rec, _ = codec(dims, bits=1, calibration=False, k_range_scale=1.0).reconstruct(0, x, x)
@@ -314,13 +316,21 @@ def test_bad_config_is_one_line(config, needle):
 
 
 def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
+    """group_tokens 0 has no token-by-token rule: the gptq simulation refuses it in one line; the cache takes it (the
+    bulk regime), and the decode-mode tail protocol refuses codecs without one, or with other sinks than the prefix."""
+    from kvcal.eval.ppl import decoded_nll
     from kvcal.runtime.cache import KvcalCache
 
     c = codec(tiny.dims, bits=1, calibration=False)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
-    for run in (lambda: simulated_nll(tiny, c, ids), lambda: KvcalCache(c, 2, "dequantized")):
-        with pytest.raises(KvcalError, match="evaluate it with --protocol tail") as err:
-            run()
+    with pytest.raises(KvcalError, match="evaluate it with --protocol tail") as err:
+        simulated_nll(tiny, c, ids)
+    assert "\n" not in str(err.value)
+    assert KvcalCache(c, 2, "dequantized").codec is c and KvcalCache(c, 2).codec is c
+    kivi = build_method("kivi", {"group_size": 8}).build_codec({}, tiny.dims)
+    for other, needle in ((kivi, "compress the prompt in bulk"), (c, "differs from the codec's 32")):
+        with pytest.raises(KvcalError, match=needle) as err:
+            decoded_nll(tiny, other, ids, "tail", 14, prefix_len=2)
         assert "\n" not in str(err.value)
     with pytest.raises(KvcalError, match="needs its calibrated tau"):
         codec(tiny.dims, bits=1)
@@ -329,11 +339,13 @@ def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
                       prefix_len=2)
 
 
-def test_tail_protocol_cli_errors():
+def test_tail_protocol_cli_errors(wikitext_dir):
     from tests.test_cli import assert_one_line_error, kvcal
 
-    base = ("eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--seqlen", 64)
-    assert_one_line_error(kvcal(*base, "--protocol", "tail", "--mode", "decode"), "--mode simulate only")
+    base = ("eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--seqlen", 64, "--data-dir", wikitext_dir)
+    kivi = ("eval", "ppl", "--method", "kivi", "--set", "group_size=8", "--model", "tiny-llama", "--seqlen", 64,
+            "--data-dir", wikitext_dir)
+    assert_one_line_error(kvcal(*kivi, "--protocol", "tail", "--mode", "decode"), "use --mode simulate")
     assert_one_line_error(kvcal(*base, "--prefix-len", 4), "apply to --protocol tail only")
     assert_one_line_error(kvcal(*base, "--protocol", "tail", "--block-len", 70), "the tail protocol needs")
 
@@ -381,3 +393,229 @@ def test_calibrate_then_eval_tail_on_smollm2(tmp_path, wikitext_dir, smollm2):
                                                                 "scored_targets_per_window": 59}
     assert cq_["tokens"] == fp["tokens"] == 59
     assert fp["ppl"] < cq_["ppl"] < 50 * fp["ppl"] and math.isfinite(cq_["ppl"])
+
+
+# -- the packed storage and the cache's bulk regime ---------------------------------------------------------------
+
+
+def _storage_with(bits, group, tokens, taus=None, dtype=torch.float64, lengths=None, heads=2, dim=64, seed=0):
+    """A CalibQuantStorage holding `tokens` random tokens per row (written by its torch reference)."""
+    from kvcal.runtime.storage import Packed
+
+    gen = torch.Generator().manual_seed(seed)
+    storage = cq.CalibQuantStorage(bits, group, 0, 0.5 if bits == 1 else 1.0, 0.3 if bits == 1 else 1.0, taus)
+    lengths = lengths or [tokens]
+    cap = max(lengths)
+    buffers = {k: torch.zeros(s.shape, dtype=s.dtype) for k, s in storage.buffers(len(lengths), cap, heads, dim).items()}
+    packed = Packed(buffers, torch.tensor(lengths, dtype=torch.int32), heads, dim, cap)
+    written = []
+    for b, n in enumerate(lengths):
+        k = (torch.randn(n, heads, dim, generator=gen) * 2).to(dtype)
+        v = torch.randn(n, heads, dim, generator=gen).to(dtype)
+        storage.write_reference(packed, k, v, torch.full((n,), b), torch.arange(n))
+        written.append((k, v))
+    return storage, packed, written
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_unpack_round_trip_at_each_width(bits):
+    """Codes packed at their width (32 / b per int32 word) come back unchanged, and the storage's buffers hold D b / 32
+    words per token and head."""
+    from kvcal.quant.packing import pack_codes, unpack_codes
+
+    codes = torch.randint(0, 2**bits, (5, 3, 64), generator=torch.Generator().manual_seed(bits))
+    words = pack_codes(codes, bits)
+    assert words.dtype == torch.int32 and words.shape[-1] == 64 * bits // 32
+    assert torch.equal(unpack_codes(words, bits, 64), codes)
+    storage, packed, _ = _storage_with(bits, 0, 7)
+    assert packed["k_codes"].shape == (1, 2, 7, 64 * bits // 32)
+    assert storage.bytes_per_token(2, 64) == 2 * 2 * 64 * bits / 8  # the bulk regime: ranges are per row, not token
+
+
+@pytest.mark.parametrize("group", [0, 16])
+def test_storage_reads_what_the_simulation_reconstructs(group):
+    """The packed codes and float32 ranges read back to exactly the simulation's reconstruction (one range group over
+    the row, or groups of 16 tokens)."""
+    storage, packed, written = _storage_with(1, group, 48)
+    k, v = storage.read(packed, 0, torch.float64)
+    n, grp = 48, group or 48
+    for got, x, axis_scale in ((k, written[0][0], 0.5), (v, written[0][1], 0.3)):
+        x = x.transpose(0, 1).reshape(2, n // grp, grp, 64)
+        torch.testing.assert_close(got, cq.fake_quantize(x, 1, "channel", axis_scale).reshape(2, n, 64), rtol=0,
+                                   atol=0)
+
+
+@pytest.mark.parametrize("bits,group", [(1, 0), (2, 16), (4, 0)])
+def test_post_scaled_attention_equals_explicit_dequantization(bits, group):
+    """The storage's attention (post-scaled: never dequantized, plus the remap) equals softmax over the explicitly
+    dequantized keys (read) with the simulation's remap, and the full-precision part in the same softmax."""
+    from kvcal.models.attention import remapped_attention
+    from kvcal.runtime.decode import FullPrecision, merge_reference
+
+    gen = torch.Generator().manual_seed(5)
+    taus = (torch.tensor([0.0, 1.0, 2.0, 3.0, 0.5, 0.0, 3.0, 1.5]), torch.tensor([3.0, 3.0, 0.0, 1.0, 2.0, 0.0, 3.0,
+                                                                                   0.5]))
+    storage, packed, _ = _storage_with(bits, group, 0, taus, lengths=[32, 48])
+    q = torch.randn(2, 8, 64, generator=gen, dtype=torch.float64)
+    fp = FullPrecision(torch.randn(2, 2, 5, 64, generator=gen, dtype=torch.float64),
+                       torch.randn(2, 2, 5, 64, generator=gen, dtype=torch.float64),
+                       torch.tensor([[True] * 5, [True, False, True, True, False]]))
+    out = merge_reference(storage.attend_reference(q, packed, 0.125, fp), 2, q.dtype)
+    for b in range(2):
+        k, v = storage.read(packed, b, torch.float64)
+        keys = torch.cat([k, fp.k[b][:, fp.valid[b]]], 1)[None]
+        values = torch.cat([v, fp.v[b][:, fp.valid[b]]], 1)[None]
+        compressed = torch.arange(keys.shape[2]) < k.shape[1]
+
+        def remap(scores, c):
+            return cq.remap(scores, c, taus[0][None, :, None, None].double(), taus[1][None, :, None, None].double())[0]
+
+        bias = torch.zeros(keys.shape[2], dtype=torch.float64)
+        expected = remapped_attention(q[b][None, :, None], keys, values, bias, compressed, 0.125, remap)[0, :, 0]
+        torch.testing.assert_close(out[b], expected, rtol=1e-10, atol=1e-12)
+    assert storage.counts.tolist()[0] == 16  # 2 rows x 8 query heads remapped
+
+
+def test_remap_by_hand_through_the_storage():
+    """One KV head, one query head, head_dim 2, 1 bit, codes set by hand: key codes (1, 0), (0, 1), (1, 1) with step
+    (2, 4) and minimum (-1, -1) are the keys (1, -1), (-1, 3), (1, 3); q = (1, 1), scale 1: scores 0, 2, 4. tau
+    (1, 3): gamma 0, delta 4, slope (4 + 1 - 3) / (4 + 1e-8) ~ 0.5, g = slope x - 1 ~ -1, 0, 1. Values: codes (0, 1), (1, 0),
+    (1, 1), step (2, 2), minimum (0, -1): v = (0, 1), (2, -1), (2, 1). Output = sum softmax(-1, 0, 1)_j v_j."""
+    from kvcal.runtime.decode import merge_reference
+    from kvcal.runtime.storage import Packed
+
+    storage = cq.CalibQuantStorage(1, 0, 0, 1.0, 1.0, (torch.tensor([1.0]), torch.tensor([3.0])))
+    buffers = {k: torch.zeros(s.shape, dtype=s.dtype) for k, s in storage.buffers(1, 3, 1, 2).items()}
+    buffers["k_codes"][0, 0, :, 0] = torch.tensor([0b01, 0b10, 0b11], dtype=torch.int32)  # code d at bit d
+    buffers["v_codes"][0, 0, :, 0] = torch.tensor([0b10, 0b01, 0b11], dtype=torch.int32)
+    buffers["k_step"][0, 0, 0] = torch.tensor([2.0, 4.0])
+    buffers["k_min"][0, 0, 0] = torch.tensor([-1.0, -1.0])
+    buffers["v_step"][0, 0, 0] = torch.tensor([2.0, 2.0])
+    buffers["v_min"][0, 0, 0] = torch.tensor([0.0, -1.0])
+    packed = Packed(buffers, torch.tensor([3], dtype=torch.int32), 1, 2, 3)
+    out = merge_reference(storage.attend_reference(torch.tensor([[[1.0, 1.0]]], dtype=torch.float64), packed, 1.0,
+                                                   None), 1, torch.float64)
+    slope = 2 / (4 + 1e-8)  # [C]'s epsilon in the denominator
+    e = [math.exp(-1), math.exp(2 * slope - 1), math.exp(4 * slope - 1)]
+    expected = [(e[1] * 2 + e[2] * 2) / sum(e), (e[0] - e[1] + e[2]) / sum(e)]
+    assert out[0, 0].tolist() == pytest.approx(expected, rel=1e-12)
+    assert storage.counts.tolist() == [1, 0]
+    # tau (0, 3): slope (4 - 3) / 4 > 0; tau (0, 5): slope (4 - 5) / 4 < 0 -> clamped: every score gamma - 0 = 0
+    storage = cq.CalibQuantStorage(1, 0, 0, 1.0, 1.0, (torch.tensor([0.0]), torch.tensor([5.0])))
+    out = merge_reference(storage.attend_reference(torch.tensor([[[1.0, 1.0]]], dtype=torch.float64), packed, 1.0,
+                                                   None), 1, torch.float64)
+    assert out[0, 0].tolist() == pytest.approx([4 / 3, 1 / 3], rel=1e-12)  # the plain mean of the three values
+    assert storage.counts.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("config", [{"bits": 1, "tau1": 0.5, "tau2": 2.0}, {"bits": 2, "calibration": False}])
+def test_decode_mode_tail_protocol_equals_the_simulation(config):
+    """The cache's bulk regime: prefill S + P tokens in full precision, [S, S + P) compressed once (the packed
+    storage's torch references and the dequantized cache), the tail decoded token by token: the same NLL as the tail
+    simulation (float64), padded batch rows included."""
+    from kvcal.eval.ppl import decoded_nll
+    from kvcal.models import load_model
+
+    tiny = load_model("tiny-llama", "float64")
+    c = build_method("calibquant", {**config, "sink": 3}).build_codec({}, tiny.dims)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(7))
+    simulated = simulated_nll(tiny, c, ids, "tail", 27, prefix_len=3)
+    exact = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids, "tail", 27, prefix_len=3)
+    assert abs(simulated.nll - exact.nll) > 1e-3  # the block was compressed
+    for backend in ("packed", "dequantized"):
+        decoded = decoded_nll(tiny, c, ids, "tail", 27, batch_size=2, backend=backend, prefix_len=3)
+        assert decoded.tokens == simulated.tokens == 2 * 12
+        assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
+    rows, _ = c.cache_counts()
+    assert rows == (2 * 4 * 12 * 2 if config.get("tau1") is not None else 0)  # layers x Hq x steps x rows
+
+
+def test_generated_tokens_stay_in_full_precision():
+    """generate() through the bulk cache: the left-padded prompt's tokens after each row's sinks are packed once; the
+    generated tokens join the full-precision part (which grows past its first allocation), the packed part never
+    changes, and the padded row gets what it gets alone."""
+    from kvcal.models import load_model
+    from kvcal.models.adapter import cache_kwargs
+    from kvcal.runtime.cache import KvcalCache
+
+    tiny = load_model("tiny-llama", "float64")
+    c = build_method("calibquant", {"bits": 1, "sink": 2, "tau1": 0.0, "tau2": 3.0}).build_codec({}, tiny.dims)
+    prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  pad_token_id=258)
+    cache = KvcalCache(c, tiny.dims.num_layers)
+    both = tiny.model.generate(prompt, attention_mask=mask, **cache_kwargs(tiny.model, cache), **kwargs)
+    layer = cache.layers[0]
+    assert layer.compressed == [13, 7] and layer.lengths.tolist() == [13, 7]  # prompt after 2 sinks, per row
+    generated = len(both.logits) - 1  # the last token is not fed back
+    assert layer.ring_count == [generated, generated] and layer.ring_capacity >= generated > 16
+    assert int(layer.fp_valid.sum()) == 2 * (2 + generated)
+    alone_cache = KvcalCache(c, tiny.dims.num_layers)
+    alone = tiny.model.generate(prompt[1:, 6:], **cache_kwargs(tiny.model, alone_cache), **kwargs)
+    assert torch.equal(both.sequences[1, 15:], alone.sequences[0, 9:])
+    for a, b in zip(both.logits, alone.logits):
+        torch.testing.assert_close(a[1], b[0], rtol=0, atol=1e-9)
+
+
+def test_kernels_match_the_references_under_the_interpreter():
+    """The write kernel leaves the buffers as the torch reference does, bit for bit (fp16, bf16, fp32 inputs; 1 to 8
+    bits; one range group over the run or groups of 16; a constant channel), and the decode kernels (pass 1 and 2)
+    give the reference's output and slope counts (ATTENTION_CASES' calibquant rows run in tests/test_kernels.py)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("KVCAL_DISABLE_TRITON", None)
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_calibquant import _interpreted_checks as c; "
+                           "print('CHECKS', c())"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("CHECKS ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    result = eval(line[0][len("CHECKS "):])  # noqa: S307 - our own repr of a dict of numbers
+    bad = {k: v for k, v in result.items() if v is not True}
+    assert len(result) == 3 * 4 * 2 + 3 and not bad, bad
+
+
+def _interpreted_checks() -> dict:
+    from kvcal.runtime import kernels as K
+    from kvcal.runtime.decode import merge_reference
+    from kvcal.runtime.storage import Packed
+    from tests.kernel_cases import build_step, rel_err
+
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for bits in (1, 2, 4, 8):
+            for group in (0, 16):
+                storage = cq.CalibQuantStorage(bits, group, 0, 0.5, 0.3, None)
+                n = 48 if group else 37
+                k = (torch.randn(n, 2, 64, generator=gen) * 2).to(dtype)
+                v = torch.randn(n, 2, 64, generator=gen).to(dtype)
+                k[:, 0, 3] = 1.5  # a constant channel: the step floor
+                rows, slots = torch.full((n,), 1), torch.arange(n) + (16 if group else 0)  # groups 1 to 3
+                made = []
+                for write in (storage.write_reference, storage.write_triton):
+                    buffers = {name: torch.full(s.shape, 7, dtype=s.dtype)
+                               for name, s in storage.buffers(2, 96, 2, 64).items()}
+                    write(Packed(buffers, torch.zeros(2, dtype=torch.int32), 2, 64, 96), k, v, rows, slots)
+                    made.append(buffers)
+                out[f"write_{str(dtype)[6:]}_{bits}_g{group}"] = all(torch.equal(made[0][x], made[1][x])
+                                                                    for x in made[0])
+    taus = (torch.tensor([0.0, 3.0, 1.0, 0.5, 2.0, 0.0, 3.0, 1.0]), torch.tensor([3.0, 0.0, 3.0, 2.5, 2.0, 0.0, 1.0,
+                                                                                   3.0]))
+    for name, bits, group, dtype, tol in (("b1_bulk_one_token_row_bf16", 1, 0, torch.bfloat16, 1e-2),
+                                          ("b2_g16_fp16", 2, 16, torch.float16, 2e-3),
+                                          ("b8_bulk_one_token_row_fp32", 8, 0, torch.float32, 1e-5)):
+        lengths = [32, 0, 64] if group else [37, 1, 70]
+        storage, packed, _ = _storage_with(bits, group, 0, taus, torch.float32, lengths, seed=3)
+        q, fp = build_step(3, 8, 2, 64, 19, dtype)
+        ref = merge_reference(storage.attend_reference(q, packed, 0.125, fp), 3, q.dtype)
+        counted = storage.counts.clone()
+        storage.counts.zero_()
+        got = K.merge_triton(storage.attend_triton(q, packed, 0.125, fp, num_splits=2, block_t=16), q)
+        out[name] = bool(rel_err(got, ref, per_head=True) <= tol and torch.equal(storage.counts, counted)
+                         and (counted[1] > 0) == (1 in lengths))  # a one-token row clamps where tau2 > tau1
+    return out

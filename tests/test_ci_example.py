@@ -50,7 +50,6 @@ def test_ci_example_passes_on_the_golden_artifact_and_fails_as_documented(tmp_pa
     assert lines(changed)[0].startswith("differ: ") and "config.bits: 2 != 3" in changed.stdout
 
     # (b) an artifact whose value and key datatypes were scaled: the perplexity regresses beyond 1%
-    import torch
 
     from kvcal.artifact import Artifact, load_artifact, save_artifact
 

@@ -228,17 +228,21 @@ def test_version_and_an_artifact_with_nothing_learned(tmp_path):
 
 
 def test_interrupt_says_nothing_was_written(tmp_path):
-    """SIGINT while the model loads: exit 130, one line, no artifact."""
+    """SIGINT while the model loads or calibration captures: exit 130, one line, no artifact. The signal comes after 12
+    s, when Python has long finished importing kvcal (a signal during the imports would be Python's, not kvcal's),
+    while smollm2-135m's 64 windows of Fisher capture still have far longer to run on any CPU."""
     import signal
     import time
 
     env = dict(os.environ, COLUMNS="200")
     out = tmp_path / "a.safetensors"
     proc = subprocess.Popen([sys.executable, "-m", "kvcal.cli", "calibrate", "--method", "kvquant", "--model",
-                             "tiny-llama", "--dataset", "shakespeare", "--nsamples", "64", "--seqlen", "512",
+                             "smollm2-135m", "--dataset", "shakespeare", "--nsamples", "64", "--seqlen", "512",
                              "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    time.sleep(4)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            # a test run started in the background of a shell inherits SIGINT ignored: restore it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(12)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr

@@ -22,6 +22,7 @@ from kvcal.methods.commvq import (
     category_bits,
     fused_key_scores,
     fused_value_attention,
+    index_bits,
     init_value_params,
     pair_channels,
 )
@@ -213,12 +214,112 @@ def test_em_lowers_held_out_mse_at_every_stage():
         assert fit.train_mse == pytest.approx(min(fit.history))
 
 
+def test_batched_em_fits_each_group_as_alone():
+    """fit_residual_groups runs the groups of a layer in one batched EM, each with its own generator, early stopping
+    and soft/hard phase: every group's codebooks, step counts and held-out errors equal fitting that group alone
+    (float64: batched and single products differ only by rounding, amplified to ~1e-8 through the solves). The groups differ in scale, so they stop at
+    different steps (the per-group bookkeeping is exercised)."""
+    gen = torch.Generator().manual_seed(4)
+    g, n, groups = 3, 5, 3
+    modes = torch.randn(10, groups, g, 2, generator=gen, dtype=torch.float64)
+    data = modes[torch.randint(0, 10, (300,), generator=gen)]
+    data = data + 0.2 * torch.randn(300, groups, g, 2, generator=gen, dtype=torch.float64)
+    data = data * torch.tensor([1.0, 0.3, 3.0], dtype=torch.float64)[None, :, None, None]
+    weights = torch.rand(300, generator=gen, dtype=torch.float64) + 0.5
+    train, held = data[:250].transpose(0, 1).contiguous(), data[250:].transpose(0, 1).contiguous()
+    temps = [0.05, 0.01, 0.01]
+
+    def gen_for(grp, r):
+        return torch.Generator().manual_seed(100 * grp + r)
+
+    theta, fits, mse = vq.fit_residual_groups(train, weights[:250], held, weights[250:], n, 3, 12, temps, gen_for,
+                                              tol=1e-2, init_temperature=0.5)
+    steps = set()
+    for grp in range(groups):
+        alone, alone_fits, alone_mse = vq.fit_residual(train[grp], weights[:250], held[grp], weights[250:], n, 3, 12,
+                                                       temps, lambda r, grp=grp: gen_for(grp, r), tol=1e-2,
+                                                       init_temperature=0.5)
+        torch.testing.assert_close(theta[grp], alone, rtol=1e-6, atol=1e-9)
+        assert [f.steps for f in fits[grp]] == [f.steps for f in alone_fits]
+        assert [f.hard_steps for f in fits[grp]] == [f.hard_steps for f in alone_fits]
+        assert mse[grp] == pytest.approx(alone_mse, rel=1e-7)
+        steps.add(tuple(f.steps for f in alone_fits))
+    assert len(steps) > 1  # the groups stopped at different steps
+
+
+E_STEP_KERNEL_CHECK = """
+import torch
+from kvcal.quant import vq
+from kvcal.quant.vq_kernels import e_step_blocks
+gen = torch.Generator().manual_seed(5)
+for groups, m, n, g, temperature in [(2, 70, 6, 3, 0.05), (3, 33, 16, 4, None), (2, 40, 16, 4, 0.002)]:
+    points = torch.randn(groups, m, g, 2, generator=gen) * 0.5
+    theta = torch.randn(groups, n, g, 2, generator=gen) * 0.3
+    weights = torch.rand(m, generator=gen) + 0.5
+    ref = vq.e_step_groups(points, weights, theta, temperature, chunk=16)  # the torch path on the CPU
+    tables = vq.StageTables.of(theta)
+    flat = points.reshape(groups, m, -1)
+    best, index, wa, wb, inv_z, counts = e_step_blocks(*vq._pq(flat, tables), tables.cross, temperature, block_p=16)
+    codes_a = torch.arange(n).repeat_interleave(n)[None].expand(groups, -1)  # centre a * n + b
+    codes_b = torch.arange(n).repeat(n)[None].expand(groups, -1)
+    centres = vq.group_centres(theta, codes_a, codes_b)  # [G, n * n, g, 2]
+    brute = ((points[:, :, None] - centres[:, None]) ** 2).sum((-1, -2))  # [G, m, n * n]
+    assert torch.equal(index, brute.argmin(-1)), "argmin"
+    torch.testing.assert_close(best, brute.amin(-1), rtol=1e-5, atol=1e-5)
+    rhs = torch.zeros_like(ref.rhs)
+    vq._accumulate_marginals(rhs, wa, wb, points, n)
+    torch.testing.assert_close(counts, ref.counts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rhs, ref.rhs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inv_z.sum(-1) / m, ref.max_weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((best * weights).sum(-1, dtype=torch.float64), ref.hard_sse, rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_e_step_kernel_matches_torch_reference():
+    """The fused Triton E-step (vq_kernels) against the torch E-step and a brute-force argmin over explicitly built
+    centres, soft and hard, N padded (6 -> 16) and not, rows not a multiple of the block: under TRITON_INTERPRET=1
+    in a subprocess (the interpreter must be set before triton loads)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", E_STEP_KERNEL_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=repo)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_e_step_kernel_on_gpu_matches_cpu_reference():
+    """On the GPU, e_step_groups takes the kernel: its statistics equal the CPU torch E-step's at Llama-like
+    sizes (N = 64, g = 64), soft at a low temperature and hard."""
+    gen = torch.Generator().manual_seed(6)
+    points = torch.randn(3, 3000, 64, 2, generator=gen)
+    points = points / points.flatten(2).norm(dim=-1)[..., None, None] * 0.35
+    theta = torch.randn(3, 64, 64, 2, generator=gen) * 0.01
+    weights = torch.rand(3000, generator=gen) + 0.5
+    for temperature in (1e-3, 1e-4, None):
+        ref = vq.e_step_groups(points, weights, theta, temperature)
+        got = vq.e_step_groups(points.cuda(), weights.cuda(), theta.cuda(), temperature)
+        torch.testing.assert_close(got.counts.cpu(), ref.counts, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got.rhs.cpu(), ref.rhs, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(got.hard_sse.cpu(), ref.hard_sse, rtol=1e-5, atol=0)
+        torch.testing.assert_close(got.max_weight.cpu(), ref.max_weight, rtol=1e-4, atol=1e-5)
+        a, b, _ = vq.nearest_codes_groups(points.cuda(), theta.cuda())
+        ra, rb, _ = vq.nearest_codes_groups(points, theta)
+        assert (a.cpu() == ra).float().mean() > 0.999 and (b.cpu() == rb).float().mean() > 0.999
+
+
 # -- values -----------------------------------------------------------------------------------------------
 
 
 def test_category_bits_follow_the_official_map():
     onehot = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 3]), 4).float()
     assert category_bits(onehot).tolist() == [1, 0, 0, 1, 1, 1, 0, 0]  # 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00
+    # the encoder's graph-capturable form (no one-hot, no table) gives the same bits
+    assert index_bits(torch.tensor([0, 1, 2, 3]), torch.float32).tolist() == [1, 0, 0, 1, 1, 1, 0, 0]
 
 
 def random_tensors(dims, method: CommVQ, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -311,6 +412,131 @@ def test_simulation_equals_token_by_token_decoding(tiny, window):
     assert abs(simulated - lossless) > 100 * 2e-6 * lossless  # teeth: the codec moves the NLL far beyond that
 
 
+# -- the packed storage ------------------------------------------------------------------------------------
+
+
+def test_code_streams_pack_at_their_real_width():
+    """pack_stream puts code k at stream bits [k b, k b + b) of little-endian int32 words (codes straddle words when b
+    does not divide 32): checked by hand for 6-bit codes, and round trips for 1 to 8 bits."""
+    from kvcal.methods.commvq import pack_stream, unpack_stream
+
+    codes = torch.tensor([[5, 63, 1, 0, 33, 7]])  # 36 bits: two words
+    words = pack_stream(codes, 6)
+    expected = 5 | 63 << 6 | 1 << 12 | 0 << 18 | 33 << 24 | (7 & 0b11) << 30  # the 6th code's low 2 bits
+    assert words.shape == (1, 2) and int(words[0, 0]) & 0xFFFFFFFF == expected and int(words[0, 1]) == 7 >> 2
+    gen = torch.Generator().manual_seed(0)
+    for bits in range(1, 9):
+        c = torch.randint(0, 1 << bits, (3, 4, 77), generator=gen)
+        w = pack_stream(c, bits)
+        assert w.shape == (3, 4, (77 * bits + 31) // 32) and torch.equal(unpack_stream(w, bits, 77), c)
+
+
+def test_storage_bytes_at_llama_shapes_by_hand():
+    """Llama-3.1-8B, 1 bit: keys 8 groups x 11 stages x 2 indices x 6 bits = 1056 bits = 33 words, kappa 2 bytes,
+    values 1024 bits = 32 words, rho 2 bytes: 264 bytes per token and layer (the digest's ideal packing); 2 bits: 21
+    stages, 2016 bits = 63 words, 2048 value bits = 64 words: 512 bytes. The footprint counts the same."""
+    one_layer = SimpleNamespace(**{**vars(LLAMA8B_DIMS), "num_layers": 1})  # the artifact checks: 1 layer's cost
+    for bits, per_token in ((1, 264), (2, 512)):
+        method = build_method("commvq", {"bits": bits})
+        codec = method.build_codec(method.synthetic_tensors(one_layer), one_layer)
+        storage = codec.storage(0)
+        assert storage.bytes_per_token(8, 128) == per_token
+        assert sum(method.footprint(LLAMA8B_DIMS, 100).values()) == 100 * 32 * per_token
+    from kvcal.runtime.bench import packed_bytes
+
+    # what the decode benchmark counts as read: the buffers plus the codewords [Hkv, R, N', P, 2] and the codebook
+    packed = _random_packed(storage, LLAMA8B_DIMS, [100], 0, torch.Generator().manual_seed(0))
+    constants = 4 * (8 * 21 * 64 * 64 * 2 + 2048 * 1024 + 1024)
+    assert packed_bytes(storage, packed) == 100 * per_token + 4 + constants
+    assert build_method("commvq", {"quantize": "k"}).build_codec(
+        method.synthetic_tensors(one_layer), one_layer).storage(0) is None  # ablations: reference cache only
+
+
+def _random_packed(storage, dims, lengths, pos_offset, gen, dtype=torch.float64):
+    """Random valid codes and norms in a storage's buffers, keys at positions pos_offset + slot."""
+    from kvcal.runtime.storage import Packed, SharedState
+
+    cap = max(lengths)
+    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in
+               storage.buffers(len(lengths), cap, dims.num_kv_heads, dims.head_dim).items()}
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dims.head_dim, 2, dtype=torch.float32) / dims.head_dim))
+    cos, sin = SharedState().rope_tables(inv_freq, pos_offset + cap)
+    packed = Packed(buffers, torch.tensor(lengths, dtype=torch.int32), dims.num_kv_heads, dims.head_dim, cap,
+                    pos_offset, cos, sin, inv_freq)
+    storage.fill_synthetic(packed, gen)
+    return packed
+
+
+def test_fused_attention_through_the_storage_equals_decode_rope_dot(tiny):
+    """The storage's attend (Eq. 19 scores from q against the codebooks, Eq. 22 values from the mass per code bit) on
+    random codes at positions near 10^5 equals: decode the keys by explicit loops, rotate them with the cache's RoPE
+    tables, dot with q, softmax, times the explicitly decoded values (float64; GQA 4 query heads over 2 KV heads;
+    groups of 4 pairs; 12 codes, not a power of two). The softmax's log-sum-exp checks the scores alone."""
+    from kvcal.methods.commvq import unpack_stream
+    from kvcal.runtime.decode import LOG2E, merge_reference
+
+    dims = tiny.dims
+    method = CommVQ(bits=1, key_codes=12, key_stages=3, key_group_pairs=4)
+    tensors = random_tensors(dims, method)
+    storage = method.build_codec(tensors, dims).storage(0)
+    gen = torch.Generator().manual_seed(7)
+    lengths, offset = [9, 0, 14], 100_000
+    packed = _random_packed(storage, dims, lengths, offset, gen)
+    q = torch.randn(3, 4, 16, generator=gen, dtype=torch.float64)
+    scale = 16**-0.5
+    parts = storage.attend_reference(q, packed, scale, None)
+    out = merge_reference(parts, 3, q.dtype)
+    theta = tensors["layers.0.k.theta"].double()
+    p = {n.removeprefix("layers.0.v."): t.double() for n, t in tensors.items() if n.startswith("layers.0.v.")}
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.all(parts.m[2 * b : 2 * b + 2] == -math.inf) and torch.all(out[b] == 0)
+            continue
+        codes = unpack_stream(packed["k_codes"][b, :n], 4, 2 * storage.groups * 3).view(n, storage.groups, 3, 2)
+        assert int(codes.max()) < 12
+        norms = packed["k_norm"][b, :n].double()
+        keys = reference_key_rows(theta, codes, norms, 2, 16).view(n, 2, 16).transpose(0, 1)  # [Hkv, T, D]
+        pos = slice(offset, offset + n)
+        k_rot = apply_rope(keys[None], packed.rope_cos[None, pos].double(), packed.rope_sin[None, pos].double())[0]
+        scores = torch.einsum("hd,htd->ht", q[b], k_rot.repeat_interleave(2, dim=0)) * scale  # [Hq, T]
+        bits = unpack_stream(packed["v_codes"][b, :n], 1, storage.num_value_bits).double()
+        rows = p["channel_scale"] * packed["v_rho"][b, :n].double()[:, None] * (bits @ p["codebook"])
+        values = rows.view(n, 2, 16).transpose(0, 1).repeat_interleave(2, dim=0)  # [Hq, T, D]
+        expected = torch.einsum("ht,htd->hd", torch.softmax(scores, -1), values)
+        assert (out[b] - expected).abs().max() <= 1e-9 * expected.abs().max()
+        lse = (parts.m[2 * b : 2 * b + 2, 0] + torch.log2(parts.l[2 * b : 2 * b + 2, 0])).flatten()
+        assert (lse - torch.logsumexp(scores, -1) * LOG2E).abs().max() <= 1e-6 * scores.abs().max() * LOG2E
+        assert scores.abs().max() > 1  # teeth: scores far from zero
+
+
+def test_storage_writes_what_the_codec_encodes(tiny):
+    """write_reference stores the codec's codes and norms (the simulation's numerics), read gives back its decode;
+    fill_synthetic draws only valid indices (12 codes in 4-bit fields)."""
+    from kvcal.methods.commvq import unpack_stream
+    from kvcal.runtime.storage import Packed
+
+    dims = tiny.dims
+    method = CommVQ(bits=2, key_codes=12, key_stages=2)
+    codec = method.build_codec(random_tensors(dims, method), dims)
+    storage = codec.storage(0)
+    assert codec.storage(0) is storage and storage.keys_pre_rope
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen)
+    buffers = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in storage.buffers(2, 8, 2, 16).items()}
+    packed = Packed(buffers, torch.tensor([0, 5], dtype=torch.int32), 2, 16, 8)
+    storage.write_reference(packed, k[0].transpose(0, 1), v[0].transpose(0, 1), torch.ones(5, dtype=torch.long),
+                            torch.arange(5))
+    codes, norms = codec.encode_keys(0, k)
+    assert torch.equal(unpack_stream(buffers["k_codes"][1, :5], 4, 8).view(5, 2, 2, 2), codes[0].long())
+    assert torch.equal(buffers["k_norm"][1, :5], norms[0]) and not buffers["k_codes"][0].any()
+    keys, values = storage.read(packed, 1, rotate=False)
+    assert torch.equal(keys, codec.decode_keys(0, codes, norms)[0])
+    assert torch.equal(values, codec.quantize_values(0, v)[0])
+    synthetic = _random_packed(storage, dims, [64, 64], 0, gen)
+    drawn = unpack_stream(synthetic["k_codes"], 4, 8)
+    assert int(drawn.max()) == 11 and int(drawn.min()) == 0
+
+
 # -- calibration on the tiny model -------------------------------------------------------------------------
 
 TINY_SETTINGS = {"key_codes": 8, "key_em_steps": 5, "key_train_vectors": 256, "value_steps": 12,
@@ -378,6 +604,14 @@ def test_calibrate_save_load_and_eval_through_the_cli(tmp_path, monkeypatch):
     windowed = json.loads((tmp_path / "w8.json").read_text())
     assert windowed["config"]["fp_window"] == 8 and windowed["ppl"] != result["ppl"]
     assert windowed["bits_per_element"] > result["bits_per_element"]  # 8 of the reference 4096 tokens in fp16
+    # decode mode: token by token through the packed storage (torch references on the CPU: the fused Eq. 19 / Eq. 22
+    # attention over the code buffers) scores the windows as the simulation does
+    decoded = kvcal("eval", "ppl", "--artifact", out, "--mode", "decode", "--dataset", __file__, "--seqlen", 64,
+                    "--nsamples", 2, "--json", tmp_path / "decode.json")
+    assert decoded.returncode == 0, decoded.stderr
+    by_decode = json.loads((tmp_path / "decode.json").read_text())
+    assert by_decode["mode"] == "decode" and by_decode["tokens"] == result["tokens"]
+    assert by_decode["ppl"] == pytest.approx(result["ppl"], rel=1e-4)
     with pytest.raises(KvcalError, match="--set bits cannot change a calibrated artifact"):
         runtime_overrides("commvq", ["bits=1"])
     shown = kvcal("inspect", out, "--all")

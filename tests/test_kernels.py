@@ -217,7 +217,8 @@ def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]
     assert not bad, f"differ from the reference: {bad}"
-    assert len(res) == 168  # every format x bits x dtype ran (a check that stopped running would lower the count)
+    # every format x bits x dtype ran, 4 of them CommVQ writes (a check that stopped running would lower the count)
+    assert len(res) == 172
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
@@ -287,7 +288,26 @@ GPU_CASES = [
      ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 5, "groups": 8}, {}, {}),
      ("skvq_k2v1.5_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5, "groups": 8}, {}, {}),
      ("skvq_k4v4_fp8_bf16", "skvq", 4, torch.bfloat16, {"v_bits": 4.0, "param_dtype": "fp8", "groups": 16}, {}, {}),
-     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {})]
+     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {}),
+     # CalibQuant: 1 bit, one range group per row (the paper's bulk regime) and groups of 128 tokens; 4 bits, no remap
+     ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
+     ("calibquant1_bulk_fp16", "calibquant", 1, torch.float16, {}, {}, {}),
+     ("calibquant2_g128_bf16", "calibquant", 2, torch.bfloat16, {"group": 128}, {}, {}),
+     ("calibquant4_noremap_bf16", "calibquant", 4, torch.bfloat16, {"remap": False}, {}, {}),
+     ("calibquant1_bulk_fp32", "calibquant", 1, torch.float32, {}, {}, {}),
+     # CommVQ at the paper's Llama-3.1-8B settings: 64 codes, one group per KV head, 11 / 21 stages (1 / 2 bits)
+     ("commvq1_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {}, {}),
+     ("commvq2_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {}, {}),
+     ("commvq1_fp16", "commvq", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
+     ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {}),
+     ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {}),
+     # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
+     ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
+     ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
+     ("calibquant1_fp_kernel_2warps_fp16", "calibquant", 1, torch.float16, {}, {"fp_kernel": True, "num_warps": 2},
+      {}),
+     ("calibquant2_g128_tiles64_fp16", "calibquant", 2, torch.float16, {"group": 128},
+      {"block_t": 64, "num_warps": 4}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

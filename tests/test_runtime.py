@@ -583,7 +583,7 @@ def test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu():
     memory of the previous layer's temporaries: 4 layers leave the pool about as large as 1 layer does. With a
     capture stream per layer (as StepGraph once did) torch's allocator could not reuse a block across layers, and the pool
     held every layer's temporaries (KVQuant: 32 x 200 MiB at 49 rows of 32K, Llama-3.1-8B shapes). H100, this test
-    alone (`benchmarks/pool_reuse_test_check.py`): 2.1 MB for 1 and 4 layers; with a stream per layer 2.1 and 8.4 MB,
+    alone (`results/bench/pool-reuse-test-check-h100.log`): 2.1 MB for 1 and 4 layers; with a stream per layer 2.1 and 8.4 MB,
     and the test fails."""
     import gc
 
@@ -872,3 +872,21 @@ def test_deterministic_algorithms_restores_torch_and_keeps_a_user_cublas_setting
             assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_reference_backend_is_never_captured_in_a_cuda_graph():
+    """The torch references read lengths on the host every step: a cache of the reference backend (or with the kernels
+    turned off) records no step graphs and refuses whole-step graphs in one line; the packed backend takes both."""
+    from kvcal.errors import KvcalError
+    from kvcal.runtime.graph import greedy_decode
+
+    tiny = load_model("tiny-llama", "float32")
+    codec = build_method("kivi", {"bits": 2, "group_size": 8, "residual": 8}).build_codec({}, tiny.dims)
+    packed, reference = KvcalCache(codec, tiny.dims.num_layers), KvcalCache(codec, tiny.dims.num_layers, "reference")
+    off = KvcalCache(codec, tiny.dims.num_layers, kernels=False)
+    assert packed.graph_refusal() is None and packed.layers[0].graph_pool is not None
+    for cache in (reference, off):
+        assert "synchronize with the host" in cache.graph_refusal() and cache.layers[0].graph_pool is None
+    prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KvcalError, match="CUDA-graph decoding"):
+        greedy_decode(tiny, reference, prompt, 4, None, "graph")

@@ -9,7 +9,8 @@ Protocols:
 - tail (CalibQuant's regime, any method): a full-precision prefix of S tokens, a block of P tokens compressed in
   bulk after the full-precision prefill of the S + P tokens, then a full-precision tail scored teacher-forced
   (kvcal.eval.simulate.TailAttention). `prompt_len` is S + P (the prefill) and `prefix_len` is S; only the tail's
-  predictions count (targets S+P+1 .. seqlen-1: target S+P is the exact prefill's prediction).
+  predictions count (targets S+P+1 .. seqlen-1: target S+P is the exact prefill's prediction). Decode mode runs it
+  through the cache for codecs whose policy compresses the prompt in bulk (FlushPolicy.bulk) with S sinks.
 """
 
 from __future__ import annotations
@@ -76,17 +77,25 @@ def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", 
 
 
 def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
-                batch_size: int = 1, backend: str = "packed", progress=None, step_graphs: bool = True) -> NllSum:
+                batch_size: int = 1, backend: str = "packed", progress=None, step_graphs: bool = True,
+                prefix_len: int = 0) -> NllSum:
     """NLL through the real cache, teacher-forced one token at a time (after a full-precision prefill
     of `prompt_len` tokens for prefill-decode). Counts the same targets as `simulated_nll`. `progress(n)` is
     called after every step with the tokens it scored (a batch's rows; scored_tokens(...) in all), since one batch
     of long windows can take minutes. `step_graphs=False` launches every packed layer's kernels from Python
-    instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits)."""
+    instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits). tail: the cache
+    prefills S + P tokens and compresses [S, S + P) in bulk (the codec's policy must be bulk with S = prefix_len
+    sinks), then decodes the tail."""
     from kvcal.runtime.cache import KvcalCache
 
-    if protocol == "tail":
-        raise KvcalError("the tail protocol runs in simulate mode only (--mode simulate): the cache has no "
-                         "compress-this-block-once rule yet")
+    if protocol == "tail" and not codec.lossless:
+        policy = codec.policy
+        if not policy.bulk:
+            raise KvcalError("the tail protocol runs in decode mode only for codecs that compress the prompt in bulk "
+                             "(calibquant with group_tokens=0); use --mode simulate")
+        if policy.sink != prefix_len:
+            raise KvcalError(f"the tail protocol's prefix of {prefix_len} tokens differs from the codec's {policy.sink} "
+                             f"full-precision sinks: pass --prefix-len {policy.sink} (or --set sink={prefix_len})")
     start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
     total = NllSum()
     with torch.inference_mode():

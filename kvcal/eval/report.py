@@ -316,3 +316,62 @@ def plot_pareto(manifest_path: Path, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The passkey grid: one heatmap per `kvcal eval passkey` record (rows: context length, columns: needle depth).
+
+
+def read_passkey_record(path) -> dict | None:
+    """The record at `path` when it is a `kvcal eval passkey` record, else None (a one-line error for unreadable
+    JSON or a passkey record without its grid)."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KvcalError(f"report: cannot read {path} ({type(exc).__name__})") from None
+    if not isinstance(record, dict) or record.get("kind") != "passkey":
+        return None
+    if not all(isinstance(record.get(k), list) for k in ("lengths", "depths", "cells")):
+        raise KvcalError(f"report: {path} is a passkey record without its lengths, depths and cells")
+    return record
+
+
+def plot_passkey(records: list[dict], out: Path) -> None:
+    """Passkey accuracy heatmaps, one panel per record (length x depth, each cell annotated)."""
+    from kvcal.eval.passkey import accuracy_grid
+
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvcalError("--plot needs matplotlib: pip install 'kvcal[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(records))  # rows of 4 panels
+    rows = -(-len(records) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.2 + 3.6 * cols, 0.4 + 3.4 * rows), dpi=110, squeeze=False,
+                             constrained_layout=True)
+    flat = axes.flatten().tolist()
+    for ax in flat[len(records):]:
+        ax.axis("off")
+    for k, (ax, record) in enumerate(zip(flat, records)):
+        lengths, depths, grid = accuracy_grid(record)
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d:g}%" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                ax.text(j, i, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=8)
+        if k // cols == rows - 1 or k + cols >= len(records):
+            ax.set_xlabel("needle depth")
+        if k % cols == 0:
+            ax.set_ylabel("context length (tokens)")
+        bits = record.get("bits_per_element")
+        label = f"{record['setting']}" + (f", {bits:.2f} bits" if isinstance(bits, (int, float)) else "")
+        ax.set_title(f"{label} ({record['mode']})", fontsize=9)
+    fig.colorbar(image, ax=flat, label="accuracy", shrink=0.6)
+    name = records[0]["model"].get("name", "")
+    fig.suptitle(f"passkey retrieval, {name}", fontsize=10)
+    fig.savefig(out, bbox_inches="tight")
+    plt.close(fig)

@@ -57,8 +57,6 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     if protocol == "tail":
         from kvcal.eval.simulate import tail_layout
 
-        if mode != "simulate":
-            raise KvcalError("--protocol tail runs in --mode simulate only")
         prefix_len, block_len = tail_layout(seqlen, prefix_len, block_len)
         prompt_len = prefix_len + block_len
     elif prefix_len is not None or block_len is not None:
@@ -107,7 +105,8 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
                    else (windows.shape[0], "windows"))
     with progress_bar(f"ppl {setting} ({protocol}, {mode}; {unit})", total) as advance:
         if mode == "decode":
-            result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance)
+            result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance,
+                                 prefix_len=prefix_len)
         else:
             result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance, prefix_len)
     bits = bits_per_element(method, loaded.dims)

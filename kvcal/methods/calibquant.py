@@ -21,19 +21,26 @@ recommendation where both are silent (its §7 item N as "§7.N").
   shape allows a per-layer/head extension; the search fills one value).
 - Which tokens: the paper compresses the visual block of a prompt once after prefill and keeps the rest in full
   precision. kvcal's `tail` protocol is that regime (§7.7): with `group_tokens` 0 (the default, [P]: one group over
-  the whole block) the codec compresses whatever block it is given as one group and runs under the tail protocol
-  only (Codec.bulk_only). `group_tokens` G > 0 takes the ranges over aligned groups of G tokens after `sink`
-  full-precision tokens instead (a deviation that gives a token-by-token flush rule: the gptq protocol, the
-  dequantized reference cache, generation).
+  the whole block) the codec compresses whatever block it is given as one group; the simulation runs it under the
+  tail protocol only (Codec.bulk_only refuses the gptq one), and the cache runs the paper's regime
+  (FlushPolicy.bulk: the prompt after `sink` tokens compressed once, generated tokens kept in full precision; the
+  decode-mode tail protocol). `group_tokens` G > 0 takes the ranges over aligned groups of G tokens after `sink`
+  full-precision tokens instead (a deviation that gives a token-by-token flush rule: the gptq protocol).
 - Ablations (§8.2): `v_ranges` token (KIVI-style per-token V, min/max over the head's channels) or global (one range
   per head over the block), `calibration` false, `k_range_scale`/`v_range_scale` 1.0 (pure paper), a fixed tau.
 
-No packed runtime yet (the Triton kernels of §5 are a later step): `storage()` is None; the simulation and the
-dequantized reference cache (`--backend dequantized`) run it.
+Packed runtime (§5; `CalibQuantStorage`, kernels in kvcal/methods/calibquant_kernels.py): codes packed at their width
+(int32 words of kvcal/quant/packing.py), float32 step and minimum per (row, KV head, range group, channel) for K and
+V; decode attention post-scaled and remapped in two passes (pass 1 the score min/max per query head, pass 2 the
+remapped split-K partials and the full-precision part). With group_tokens 0 the cache runs the paper's regime
+(FlushPolicy.bulk): prefill in full precision, the prompt's tokens after `sink` compressed once as one range group,
+every generated token kept in full precision. The v_ranges ablations have no packed storage (the simulation runs
+them).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +49,8 @@ from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
+from kvcal.quant.packing import pack_codes, unpack_codes, words_per_vector
+from kvcal.runtime.storage import BufferSpec, Storage
 
 SUPPORTED_BITS = (1, 2, 4, 8)  # [P]
 V_RANGES = ("channel", "token", "global")
@@ -71,14 +80,17 @@ def ranges(x: torch.Tensor, axis: str, scale: float) -> tuple[torch.Tensor, torc
 
 
 def quantize(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, bits: int):
-    """-> (codes (float, integers in [0, 2^b - 1]), step, alpha) of x in [alpha, beta] ([P] Eq. 3; degenerate ranges
-    get the step floor of §7.9)."""
+    """-> (codes (float, integers in [0, 2^b - 1]), step, minimum) of x in [alpha, beta] ([P] Eq. 3; degenerate ranges
+    get the step floor of §7.9). Step and minimum are rounded to float32, what the packed cache stores (§7.14), and
+    the codes come from the rounded values (in x's precision): for float32 and narrower inputs nothing changes, and a
+    float64 simulation reconstructs exactly what the packed cache holds."""
     levels = 2**bits - 1
     step = (beta - alpha) / levels
     floor = STEP_FLOOR * torch.maximum(torch.maximum(alpha.abs(), beta.abs()), torch.ones_like(alpha))
-    step = torch.maximum(step, floor)
-    codes = torch.round(torch.clamp((x - alpha) / step, 0, levels))  # torch.round: half to even [C] §7.12
-    return codes, step, alpha
+    step = torch.maximum(step, floor).to(torch.float32).to(x.dtype)
+    minimum = alpha.to(torch.float32).to(x.dtype)
+    codes = torch.round(torch.clamp((x - minimum) / step, 0, levels))  # torch.round: half to even [C] §7.12
+    return codes, step, minimum
 
 
 def fake_quantize(x: torch.Tensor, bits: int, axis: str, scale: float) -> torch.Tensor:
@@ -118,6 +130,160 @@ def remap(scores: torch.Tensor, compressed: torch.Tensor, tau1: torch.Tensor, ta
     return torch.where(compressed, g, scores), int(has.sum()), int(clamped.sum())
 
 
+# ---- packed storage ---------------------------------------------------------------------------------------------
+class CalibQuantStorage(Storage):
+    """Key and value codes packed at their width, [B, Hkv, T, W] int32 (kvcal/quant/packing.py), with a float32 step
+    and minimum per (row, KV head, range group, channel) for K and for V, [B, Hkv, NG, D]: one range group over a
+    row's whole compressed span in the bulk regime (group_tokens 0: the paper's; NG = 1), else groups of G tokens
+    (NG = T / G). Keys after RoPE. Decode attention is post-scaled (the codes are never dequantized) and remaps the
+    compressed tokens' scores per query head (tau of this layer) before the softmax they share with the
+    full-precision part; `counts` [2] (device, int64) adds up the query rows remapped and those whose slope was
+    clamped at 0 (§7.10). Kernels: kvcal/methods/calibquant_kernels.py."""
+
+    def __init__(self, bits: int, group: int, sink: int, k_scale: float, v_scale: float,
+                 taus: tuple[torch.Tensor, torch.Tensor] | None):
+        self.bits, self.group = bits, group
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.policy = FlushPolicy(sink=sink, block=group) if group else FlushPolicy(sink=sink, bulk=True)
+        self.taus = None if taus is None else tuple(t.to(torch.float32).contiguous() for t in taus)
+        self.counts = torch.zeros(2, dtype=torch.int64)
+
+    @property
+    def remaps(self) -> bool:
+        return self.taus is not None
+
+    def to(self, device):
+        if self.counts.device != torch.device(device):
+            self.counts = self.counts.to(device)
+            if self.taus is not None:
+                self.taus = tuple(t.to(device) for t in self.taus)
+        return self
+
+    def buffers(self, batch, capacity, heads, dim):
+        codes = BufferSpec((batch, heads, capacity, words_per_vector(dim, self.bits)), torch.int32, 2)
+        stats = BufferSpec((batch, heads, capacity // self.group if self.group else 1, dim), torch.float32, 2)
+        return {"k_codes": codes, "v_codes": codes, "k_step": stats, "k_min": stats, "v_step": stats,
+                "v_min": stats}
+
+    def bytes_per_token(self, heads: int, dim: int) -> float:
+        """Codes, plus the ranges shared by a group's tokens (none per token in the bulk regime: one range per
+        row's span)."""
+        codes = 2 * heads * words_per_vector(dim, self.bits) * 4
+        return codes + (4 * heads * dim * STAT_BYTES / self.group if self.group else 0.0)
+
+    def _run(self, rows: torch.Tensor) -> int:
+        """Tokens per run of one row's consecutive slots in a write: a group, or (bulk) a row's whole span."""
+        if self.group:
+            return self.group
+        count = rows.shape[0]
+        runs = int((rows[1:] != rows[:-1]).sum()) + 1 if count else 1
+        if count % runs:
+            raise KvcalError("calibquant bulk write: the rows' spans differ in length in one write")
+        return count // runs
+
+    def write_reference(self, packed, keys, values, rows, slots):
+        run = self._run(rows)
+        count, heads, dim = keys.shape
+        first = slice(None, None, run)
+        block_rows = rows[first]
+        groups = slots[first] // self.group if self.group else torch.zeros_like(slots[first])
+        for x, scale, name in ((keys, self.k_scale, "k"), (values, self.v_scale, "v")):
+            x32 = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(count // run, run, heads, dim)
+            alpha, beta = ranges(x32.transpose(1, 2), "channel", scale)  # [R, H, 1, D]
+            codes, step, minimum = quantize(x32.transpose(1, 2), alpha, beta, self.bits)
+            packed[f"{name}_step"][block_rows, :, groups] = step[:, :, 0].to(torch.float32)
+            packed[f"{name}_min"][block_rows, :, groups] = minimum[:, :, 0].to(torch.float32)
+            packed[f"{name}_codes"][rows, :, slots] = pack_codes(codes.transpose(1, 2).reshape(count, heads, dim),
+                                                                 self.bits)
+
+    def write_triton(self, packed, keys, values, rows, slots):
+        from kvcal.methods import calibquant_kernels
+
+        calibquant_kernels.write_triton(packed, keys, values, rows, slots, self.bits, self.group, self._run(rows),
+                                        self.k_scale, self.v_scale)
+
+    def _stats(self, packed, row: int, n: int, dtype):
+        groups = (torch.arange(n, device=packed.lengths.device) // self.group if self.group
+                  else torch.zeros(n, dtype=torch.int64, device=packed.lengths.device))
+        return [packed[name][row][:, groups].to(dtype) for name in ("k_step", "k_min", "v_step", "v_min")]
+
+    def _codes(self, packed, name: str, row: int, n: int, dtype):
+        return unpack_codes(packed[name][row, :, :n], self.bits, packed.dim).to(dtype)
+
+    def read(self, packed, row, dtype=torch.float32, rotate=True):
+        n = int(packed.lengths[row])
+        compute = torch.promote_types(dtype, torch.float32)
+        k_step, k_min, v_step, v_min = self._stats(packed, row, n, compute)
+        k = self._codes(packed, "k_codes", row, n, compute) * k_step + k_min
+        v = self._codes(packed, "v_codes", row, n, compute) * v_step + v_min
+        return k.to(dtype), v.to(dtype)
+
+    def attend_reference(self, q, packed, scale, fp):
+        """Post-scaled scores per range group ([P] Eq. 6), the remap over the row's compressed tokens (Eq. 7, the
+        simulation's `remap`), softmax partials with post-scaled values; then the full-precision part's."""
+        from kvcal.runtime.decode import LOG2E, Partials, with_fp_reference
+
+        batch, hq, dim = q.shape
+        heads = packed.heads
+        group = hq // heads
+        parts = Partials.empty(batch * heads, 1, group, dim, q.dtype, q.device)
+        compute = parts.m.dtype
+        parts.m.fill_(-math.inf)
+        parts.l.zero_()
+        parts.acc.zero_()
+        rows = clamps = 0
+        for b in range(batch):
+            n = int(packed.lengths[b])
+            if n == 0:
+                continue
+            qg = q[b].to(compute).reshape(heads, group, dim)
+            kc, vc = (self._codes(packed, name, b, n, compute) for name in ("k_codes", "v_codes"))
+            spans = range(0, n, self.group) if self.group else [0]
+            stats = [(packed["k_step"][b, :, j // self.group if self.group else 0, None].to(compute),
+                      packed["k_min"][b, :, j // self.group if self.group else 0, None].to(compute),
+                      packed["v_step"][b, :, j // self.group if self.group else 0, None].to(compute),
+                      packed["v_min"][b, :, j // self.group if self.group else 0, None].to(compute),
+                      slice(j, min(n, j + self.group) if self.group else n)) for j in spans]
+            x = torch.cat([post_scaled_scores(qg, kc[:, t], ks, km, scale) for ks, km, _, _, t in stats], -1)
+            if self.remaps:
+                tau1, tau2 = (t[:hq].to(q.device, compute).reshape(heads, group)[None, :, :, None] for t in self.taus)
+                scores, r, c = remap(x[None], torch.ones((), dtype=torch.bool, device=q.device), tau1, tau2)
+                x, rows, clamps = scores[0], rows + r, clamps + c
+            s = x * LOG2E
+            m = s.amax(-1)
+            p = torch.exp2(s - m[..., None])  # [H, G, n]
+            at = slice(b * heads, (b + 1) * heads)
+            parts.m[at, 0] = m
+            parts.l[at, 0] = p.sum(-1)
+            parts.acc[at, 0] = sum(post_scaled_output(p[:, :, t], vc[:, t], vs, vm) for _, _, vs, vm, t in stats)
+        if self.remaps:
+            self.counts += torch.tensor([rows, clamps], dtype=torch.int64, device=self.counts.device)
+        return with_fp_reference(parts, q, fp, scale)
+
+    def supports_triton(self, q, packed):
+        from kvcal.methods import calibquant_kernels
+
+        return calibquant_kernels.unsupported(q, packed, self.bits, self.group)
+
+    def attend_triton(self, q, packed, scale, fp, **knobs):
+        from kvcal.methods import calibquant_kernels
+
+        tau1, tau2 = self.taus if self.remaps else (None, None)
+        return calibquant_kernels.attend_triton(q, packed, scale, fp, self.bits, self.group, self.remaps, tau1, tau2,
+                                                self.counts, **knobs)
+
+    def fill_synthetic(self, packed, generator):
+        """Random codes, steps in [0.01, 0.05) and minima in [-0.05, -0.01) (a step times the largest code then spans
+        both signs, as real ranges do)."""
+        for name, t in packed.buffers.items():
+            if name.endswith("_codes"):
+                t.random_(generator=generator)
+            elif name.endswith("_step"):
+                t.uniform_(0.01, 0.05, generator=generator)
+            else:
+                t.uniform_(-0.05, -0.01, generator=generator)
+
+
 # ---- codec ------------------------------------------------------------------------------------------------------
 class CalibQuantCodec(Codec):
     """Reconstructs K (after RoPE) and V of each group of tokens; remaps the compressed keys' scores."""
@@ -127,21 +293,39 @@ class CalibQuantCodec(Codec):
         self.bits = method.bits
         self.group = method.group_tokens
         self.k_scale, self.v_scale = method.range_scales()
-        self.policy = FlushPolicy(sink=method.sink, residual=0, block=max(self.group, 1))
+        # group_tokens 0 (the paper's regime): the prompt's tokens after the sinks are compressed once, as one range
+        # group, after the prefill; later tokens stay full precision (FlushPolicy.bulk)
+        self.policy = (FlushPolicy(sink=method.sink, residual=0, block=self.group) if self.group
+                       else FlushPolicy(sink=method.sink, bulk=True))
         self.remaps_scores = method.remap_on()
         self.taus = taus  # per layer (tau1 [Hq], tau2 [Hq])
         if self.group == 0:
             self.bulk_only = ("calibquant group_tokens=0 takes its ranges over the whole compressed block (the paper): "
-                              "evaluate it with --protocol tail, or set group_tokens (e.g. --set group_tokens=128) "
-                              "for the gptq/prefill-decode protocols and the cache")
-        self.rows = 0  # query rows remapped
+                              "evaluate it with --protocol tail (simulate, or decode through the cache), or set "
+                              "group_tokens (e.g. --set group_tokens=128) for the gptq/prefill-decode simulations")
+        self.rows = 0  # query rows remapped (the simulation; the packed cache counts in its storages)
         self.slope_clamps = 0  # of them, rows whose slope was clamped at 0 (§7.10)
+        self._storages: dict[int, CalibQuantStorage] = {}
 
     def storage(self, layer: int):
-        return None
+        if self.method.v_ranges != "channel":
+            return None
+        if layer not in self._storages:
+            taus = self.taus[layer] if self.remaps_scores else None
+            self._storages[layer] = CalibQuantStorage(self.bits, self.group, self.method.sink, self.k_scale,
+                                                      self.v_scale, taus)
+        return self._storages[layer]
 
     def storage_refusal(self) -> str:
-        return "calibquant has no packed runtime yet"
+        return (f"calibquant v_ranges={self.method.v_ranges} (an ablation) has no packed storage: the packed cache "
+                "keeps channel-wise V ranges only (use --mode simulate)")
+
+    def cache_counts(self) -> tuple[int, int]:
+        """(query rows remapped, rows whose slope was clamped at 0) by the packed storages' attention."""
+        totals = [0, 0]
+        for storage in self._storages.values():
+            totals = [a + int(b) for a, b in zip(totals, storage.counts.tolist())]
+        return totals[0], totals[1]
 
     def reconstruct(self, layer, k, v):
         b, h, t, d = k.shape
@@ -175,8 +359,10 @@ class CalibQuant(Method):
     summary = "channel-wise K/V min/max over a block, 1-8 bits; calibrated logit remap"
     learns = True  # the tau grid search runs the model on calibration windows
     captures = ()  # it needs the windows only (CaptureStore.windows), no activations
-    # tiny models: 8-token groups after 2 sinks (the gptq protocol runs it), a 2x2 tau grid (4 forwards per window)
-    test_config = {"bits": 1, "group_tokens": 8, "sink": 2, "tau_grid": "0,3"}
+    # tiny models: 16-token groups after 2 sinks (the gptq protocol runs it; the decode kernel's tiles of >= 16 tokens
+    # lie inside one group), a 2x2 tau grid (4 forwards per window)
+    test_config = {"bits": 1, "group_tokens": 16, "sink": 2, "tau_grid": "0,3"}
+    tensor_kinds = {"k.tau1": "range", "k.tau2": "range"}  # the searched remap per query head
 
     bits: int = 1  # 8, 4, 2, 1 [P]
     group_tokens: int = 0  # 0: one range over the whole compressed block [P] (tail protocol); G: groups of G tokens
@@ -336,6 +522,17 @@ class CalibQuant(Method):
             tensors[f"layers.{layer}.k.tau1"] = tau1.clone()
             tensors[f"layers.{layer}.k.tau2"] = tau2.clone()
         return tensors, info
+
+    def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
+        """The authors' tau (0, 3) [C] for every layer and query head (speed benchmarks at shapes no artifact exists
+        for: the kernels' work does not depend on tau)."""
+        if not self.searches():
+            return {}
+        tensors = {}
+        for layer in range(dims.num_layers):
+            tensors[f"layers.{layer}.k.tau1"] = torch.zeros(dims.num_heads)
+            tensors[f"layers.{layer}.k.tau2"] = torch.full((dims.num_heads,), 3.0)
+        return tensors
 
     # ---- memory ---------------------------------------------------------------------------------------------------
     def footprint(self, dims, tokens):

@@ -39,6 +39,7 @@ from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.quant import vq
 from kvcal.quant.rope import apply_rope, rope_cos_sin
+from kvcal.runtime.storage import BufferSpec, Packed, Storage
 
 QUANTIZE = ("kv", "k", "v")
 VALUE_LOSSES = ("attention", "mse")
@@ -54,7 +55,8 @@ CATEGORY_BITS = ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.0, 0.0))
 VALUE_PARAMS = ("codebook", "channel_scale", "ln_weight", "ln_bias", "fc1_weight", "fc1_bias", "fc2_weight",
                 "fc2_bias")
 HELD_OUT_VALUE_TOKENS = 32768  # tokens of the held-out windows used for value diagnostics (a cap)
-ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept per layer
+ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept per layer (CPU)
+ATTENTION_CACHE_BYTES_GPU = 8 << 30  # on a GPU: all blocks of 64 x 1024 tokens at Llama-3.1-8B shapes (~4 GB)
 
 
 def derived_seed(*parts) -> int:
@@ -121,14 +123,17 @@ def decode_keys(codes: torch.Tensor, norms: torch.Tensor, theta: torch.Tensor, c
 
 
 def fused_key_scores(q_rot: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, positions: torch.Tensor,
-                     theta: torch.Tensor, inv_freq: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
+                     theta: torch.Tensor, inv_freq: torch.Tensor, num_kv_heads: int, scale: float,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 19, the commutative key score, in the HF rotate_half convention (digest §3.4), keys never rebuilt.
 
     q_rot [B, Hq, Tq, D] post-RoPE queries; codes [B, T, G, R, 2] and kappa [B, T] of the cached keys at
     integer `positions` [T] (or [B, T]); theta [G, R, N, g, 2] with the standard layout (`pair_channels`).
     Per query head, pair p and codeword l: d = qx x_l + qy y_l and c = qy x_l - qx y_l (one table per query);
     per token A_p = sum_r d[a_r] + c[b_r], B_p = sum_r c[a_r] - d[b_r]; the score is
-    kappa * scale * sum_p (cos(i theta_p) A_p + sin(i theta_p) B_p). Returns [B, Hq, Tq, T]."""
+    kappa * scale * sum_p (cos(i theta_p) A_p + sin(i theta_p) B_p). Returns [B, Hq, Tq, T]. cos, sin [T, P] (or
+    [B, T, P]): the tables of those angles where the caller has them (the model's own float32 RoPE tables: a packed
+    cache must rotate exactly as the model does); otherwise computed from positions and inv_freq."""
     dtype = math_dtype(q_rot.dtype)
     b, hq, tq, d = q_rot.shape
     half, rep = d // 2, hq // num_kv_heads
@@ -152,10 +157,11 @@ def fused_key_scores(q_rot: torch.Tensor, codes: torch.Tensor, norms: torch.Tens
 
     big_a = (gather(table_d, 0) + gather(table_c, 1)).sum(4)  # [B, Hq, Tq, P, T]
     big_b = (gather(table_c, 0) - gather(table_d, 1)).sum(4)
-    angles = positions.to(dtype)[..., None] * inv_freq.to(q.device, dtype)  # [T, P] or [B, T, P]
-    if angles.dim() == 2:
-        angles = angles.expand(b, t, half)
-    cos, sin = angles.cos().transpose(1, 2)[:, None, None], angles.sin().transpose(1, 2)[:, None, None]
+    if cos is None:
+        angles = positions.to(dtype)[..., None] * inv_freq.to(q.device, dtype)  # [T, P] or [B, T, P]
+        cos, sin = angles.cos(), angles.sin()
+    cos, sin = cos.to(dtype).expand(b, t, half), sin.to(dtype).expand(b, t, half)
+    cos, sin = cos.transpose(1, 2)[:, None, None], sin.transpose(1, 2)[:, None, None]
     scores = (cos * big_a + sin * big_b).sum(3)  # [B, Hq, Tq, T]
     return scores * norms.to(dtype)[:, None, None, :] * scale
 
@@ -176,6 +182,15 @@ def category_bits(onehot: torch.Tensor) -> torch.Tensor:
     return (onehot @ table).flatten(-2)
 
 
+def index_bits(category: torch.Tensor, dtype) -> torch.Tensor:
+    """Categories [..., n_e] in 0..3 -> code bits [..., 2 n_e], CATEGORY_BITS without a one-hot or a table: elementwise
+    device ops only (a CUDA graph captures them: F.one_hot synchronises the host and a table built from a Python list
+    is a host-to-device copy)."""
+    bit0 = 1 - (category & 1)  # 0 -> 1, 1 -> 0, 2 -> 1, 3 -> 0
+    bit1 = ((category + 1) >> 1) & 1  # 0 -> 0, 1 -> 1, 2 -> 1, 3 -> 0
+    return torch.stack((bit0, bit1), dim=-1).flatten(-2).to(dtype)
+
+
 def normalize_values(rows: torch.Tensor, scale: torch.Tensor):
     """(unit x [..., C], rho0 [...]) with x = v / scale, rho0 = |x| [C]."""
     x = rows / scale
@@ -189,8 +204,7 @@ def encode_values(rows: torch.Tensor, params: dict[str, torch.Tensor]):
     x = rows.to(p["codebook"].dtype)
     unit, rho0 = normalize_values(x, p["channel_scale"])
     logits = value_logits(p, unit, p["codebook"].shape[0] // 2)
-    onehot = F.one_hot(logits.argmax(-1), 4).to(x.dtype)
-    bits = category_bits(onehot)
+    bits = index_bits(logits.argmax(-1), x.dtype)
     u = bits @ p["codebook"]
     # [C] "cache_postscale": the ratio that restores the token's norm, stored instead of rho0
     rho = (rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS)
@@ -236,6 +250,7 @@ class CommVQCodec(Codec):
         self.quantize_k = method.keys_quantized
         self.quantize_v = method.values_quantized
         self._device = None
+        self._storages: dict[int, CommVQStorage] = {}
 
     def _on(self, device):
         if self._device != device:
@@ -273,8 +288,18 @@ class CommVQCodec(Codec):
         rows = decode_values(bits, rho, self._value_params(layer, bits.device, math_dtype(dtype)))
         return from_rows(rows, self.dims.num_kv_heads)
 
+    def storage(self, layer: int):
+        """The packed storage of a layer (codes and norms), for the strict setting and windows; the K-only and V-only
+        ablations keep the other side in full precision, which only the simulation and the reference cache hold."""
+        if not (self.quantize_k and self.quantize_v):
+            return None
+        if layer not in self._storages:
+            self._storages[layer] = CommVQStorage(self, layer)
+        return self._storages[layer]
+
     def storage_refusal(self) -> str:
-        return "commvq has no packed runtime yet: use --backend dequantized (the reference cache) or the simulation"
+        return (f"commvq quantize={self.method.quantize} (an ablation) has no packed storage: use --backend dequantized "
+                "(the reference cache) or the simulation")
 
     def reconstruct(self, layer, k, v):
         """The simulation's view (and the dequantized reference cache's): encode, then decode, the same functions a
@@ -303,6 +328,239 @@ class CommVQCodec(Codec):
         return fused_value_attention(probs, bits, rho, p["codebook"], p["channel_scale"], self.dims.num_kv_heads)
 
 
+# -- packed storage --------------------------------------------------------------------------------------
+
+
+def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., K] in [0, 2^bits) -> int32 words [..., ceil(K bits / 32)]: one little-endian bit stream, code k at
+    stream bits [k bits, k bits + bits) (a code may straddle two words). The plain stream of quant/packing.py for
+    every width (no 3-bit plane order: the key codes of a token are gathered one field at a time, never as a run)."""
+    k = codes.shape[-1]
+    nwords = (k * bits + 31) // 32
+    start = torch.arange(k, device=codes.device) * bits
+    word, shift = start // 32, start % 32
+    c = codes.to(torch.int64)
+    out = torch.zeros(*codes.shape[:-1], nwords + 1, dtype=torch.int64, device=codes.device)
+    out.scatter_add_(-1, word.expand_as(c), (c << shift) & 0xFFFFFFFF)  # disjoint bits: add == or
+    out.scatter_add_(-1, (word + 1).expand_as(c), torch.where(shift + bits > 32, c >> (32 - shift), 0))
+    out = out[..., :nwords]
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def unpack_stream(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of pack_stream: int32 words [..., W] -> codes [..., count] as int64."""
+    start = torch.arange(count, device=words.device) * bits
+    word, shift = start // 32, start % 32
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = torch.cat([w, torch.zeros_like(w[..., :1])], dim=-1)
+    lo = w.index_select(-1, word) >> shift
+    hi = w.index_select(-1, word + 1) << (32 - shift)
+    return (lo | hi) & ((1 << bits) - 1)
+
+
+REFERENCE_TOKEN_CHUNK = 2048  # tokens per block of the torch reference's key scores (its gather is [Hq, P, R, T])
+
+
+class CommVQStorage(Storage):
+    """One layer's CommVQ tokens, keys before RoPE (the commutative codebooks need them; slot i of a row sits at
+    position pos_offset + i). Buffers, token axis 1:
+
+    - k_codes [B, T, WK] int32: the G x R x 2 key code indices (group, stage, a/b in that order) of a token, each at
+      its real width ceil(log2 N') bits, as one bit stream (`pack_stream`; WK = ceil(2 G R log2 N' / 32): 33 words
+      at 1 bit on Llama-3.1-8B, 63 at 2 bits);
+    - k_norm [B, T] fp16: kappa, the key's L2 norm over all KV heads;
+    - v_codes [B, T, WV] int32: the N_c value code bits (bit n of the token at bit n % 32 of word n // 32: the 1-bit
+      layout of quant/packing.py), WV = ceil(N_c / 32);
+    - v_rho [B, T] fp16: the value's norm ratio rho.
+
+    Per-layer constants (on the storage): theta and the pair channels (reference encoders), the value encoder and
+    codebook, and for the kernels theta re-laid out per KV head [Hkv, R, N, P, 2] (the codeword of pair p of head h
+    whatever group holds it) and the codebook [N_c, C]. write_* encode with the codec's functions; attend_reference
+    is the fused references (Eq. 19 scores from a table of q against the codebooks, Eq. 22 values by probability mass
+    per code), never a rebuilt key or value."""
+
+    keys_pre_rope = True
+
+    def __init__(self, codec: CommVQCodec, layer: int):
+        self.codec, self.layer, self.dims = codec, layer, codec.dims
+        self.policy = codec.policy
+        method = codec.method
+        self.index_bits = method.index_bits
+        self.codes = method.key_codes
+        keys = codec.keys[layer]
+        self.theta, self.channels = keys["theta"], keys["pair_channels"].long()
+        self.groups, self.stages, _, self.group_pairs = self.theta.shape[:4]
+        self.values = codec.values[layer]
+        self.num_value_bits = self.values["codebook"].shape[0]
+        self._by_dtype: dict = {}
+
+    # ---- constants ------------------------------------------------------------------------------------------------
+    def to(self, device) -> CommVQStorage:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device: no move, no new constants
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.theta.device != device:
+            self.theta, self.channels = self.theta.to(device), self.channels.to(device)
+            self.values = {n: t.to(device) for n, t in self.values.items()}
+            self._by_dtype = {}
+        return self
+
+    def constants(self, dtype) -> dict[str, torch.Tensor]:
+        """The constants in a compute dtype (float32, or float64 for float64 inputs), made once per dtype: theta and
+        the value parameters (encoders, references), theta_heads [Hkv, R, N, P, 2] and the codebook (kernels)."""
+        dtype = math_dtype(dtype)
+        if dtype not in self._by_dtype:
+            dims = self.dims
+            half = dims.head_dim // 2
+            theta = self.theta.to(dtype)
+            # pair p of KV head h is flattened pair h P + p: group (h P + p) // g, place (h P + p) % g
+            flat = torch.arange(dims.num_kv_heads * half, device=theta.device)
+            per_pair = theta[flat // self.group_pairs, :, :, flat % self.group_pairs]  # [Hkv P, R, N, 2]
+            heads = per_pair.view(dims.num_kv_heads, half, self.stages, self.codes, 2).permute(0, 2, 3, 1, 4)
+            self._by_dtype[dtype] = {"theta": theta, "theta_heads": heads.contiguous(),
+                                     "values": {n: t.to(dtype) for n, t in self.values.items()}}
+        return self._by_dtype[dtype]
+
+    @property
+    def tables(self) -> dict[str, torch.Tensor]:
+        """What a decode step reads besides the cache (runtime.bench.packed_bytes counts it): the codewords per KV head
+        and the value codebook and scale, float32."""
+        t = self.constants(torch.float32)
+        return {"theta_heads": t["theta_heads"], "codebook": t["values"]["codebook"],
+                "channel_scale": t["values"]["channel_scale"]}
+
+    def check(self, heads: int, dim: int) -> None:
+        if heads != self.dims.num_kv_heads or dim != self.dims.head_dim:
+            raise KvcalError(f"commvq storage of {self.dims.num_kv_heads} KV heads of {self.dims.head_dim} channels "
+                             f"cannot hold {heads} x {dim}")
+
+    def buffers(self, batch, capacity, heads, dim):
+        key_words = (2 * self.groups * self.stages * self.index_bits + 31) // 32
+        value_words = (self.num_value_bits + 31) // 32
+        return {"k_codes": BufferSpec((batch, capacity, key_words), torch.int32, 1),
+                "k_norm": BufferSpec((batch, capacity), torch.float16, 1),
+                "v_codes": BufferSpec((batch, capacity, value_words), torch.int32, 1),
+                "v_rho": BufferSpec((batch, capacity), torch.float16, 1)}
+
+    # ---- write ----------------------------------------------------------------------------------------------------
+    def _encode(self, keys, values):
+        """keys (pre-RoPE) and values [M, H, D] -> (key words, kappa, value words, rho) of the M tokens."""
+        m = keys.shape[0]
+        t = self.constants(keys.dtype)
+        codes, norms = encode_keys(keys.reshape(m, -1), t["theta"], self.channels)
+        bits, rho = encode_values(values.reshape(m, -1), t["values"])
+        return pack_stream(codes.reshape(m, -1), self.index_bits), norms, pack_stream(bits, 1), rho
+
+    def _store(self, packed, rows, slots, key_words, norms, value_words, rho):
+        packed["k_codes"][rows, slots] = key_words
+        packed["k_norm"][rows, slots] = norms
+        packed["v_codes"][rows, slots] = value_words
+        packed["v_rho"][rows, slots] = rho
+
+    def write_reference(self, packed, keys, values, rows, slots):
+        self._store(packed, rows, slots, *self._encode(keys, values))
+
+    def write_triton(self, packed, keys, values, rows, slots):
+        """Keys by the Triton nearest-code kernel (commvq_kernels.encode_keys_triton: the fast distance decomposition,
+        one program per block of 16 tokens and group over its stages); values by the encoder MLP as torch GEMMs on the GPU (a
+        LayerNorm and two Linear layers of C x hidden weights per token: cuBLAS is the right tool for them), the
+        argmax, the bits and rho as the reference computes them."""
+        from kvcal.methods import commvq_kernels
+
+        m = keys.shape[0]
+        t = self.constants(keys.dtype)
+        key_words, norms = commvq_kernels.encode_keys_triton(keys.reshape(m, -1), t["theta"], self.channels,
+                                                             self.index_bits, storage=self)
+        bits, rho = encode_values(values.reshape(m, -1), t["values"])
+        self._store(packed, rows, slots, key_words, norms, pack_stream(bits, 1), rho)
+
+    # ---- read -----------------------------------------------------------------------------------------------------
+    def codes_of(self, packed: Packed, row: int, start: int = 0, end: int | None = None):
+        """(key codes [T, G, R, 2], kappa [T], value bits [T, N_c], rho [T]) of slots [start, end) of row `row`."""
+        end = int(packed.lengths[row]) if end is None else end
+        codes = unpack_stream(packed["k_codes"][row, start:end], self.index_bits, 2 * self.groups * self.stages)
+        bits = unpack_stream(packed["v_codes"][row, start:end], 1, self.num_value_bits)
+        return (codes.view(-1, self.groups, self.stages, 2), packed["k_norm"][row, start:end], bits,
+                packed["v_rho"][row, start:end])
+
+    def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
+        dims = self.dims
+        compute = math_dtype(dtype)
+        t = self.constants(compute)
+        codes, norms, bits, rho = self.codes_of(packed, row)
+        k = decode_keys(codes, norms, t["theta"], self.channels, dims.kv_channels)
+        v = decode_values(bits, rho, t["values"])
+        n = codes.shape[0]
+        k = k.view(n, dims.num_kv_heads, dims.head_dim).transpose(0, 1)
+        v = v.view(n, dims.num_kv_heads, dims.head_dim).transpose(0, 1).to(dtype)
+        return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v
+
+    # ---- attend ---------------------------------------------------------------------------------------------------
+    def attend_reference(self, q, packed, scale, fp):
+        """The fused references on the codes: Eq. 19 scores (fused_key_scores, with the model's RoPE tables), softmax
+        partials in the log2 domain, Eq. 22 values (fused_value_attention with the unnormalized probabilities)."""
+        from kvcal.runtime.decode import LOG2E, Partials, with_fp_reference
+
+        dims = self.dims
+        batch, hq, d = q.shape
+        hkv, half = dims.num_kv_heads, d // 2
+        group = hq // hkv
+        parts = Partials.empty(batch * hkv, 1, group, d, q.dtype, q.device)
+        compute = parts.m.dtype
+        parts.m.fill_(-math.inf)
+        parts.l.zero_()
+        parts.acc.zero_()
+        t = self.constants(compute)
+        for b in range(batch):
+            n = int(packed.lengths[b])
+            if n == 0:
+                continue
+            qb = q[b].to(compute)[None, :, None, :]  # [1, Hq, 1, D]
+            scores = []
+            for s0 in range(0, n, REFERENCE_TOKEN_CHUNK):
+                s1 = min(n, s0 + REFERENCE_TOKEN_CHUNK)
+                codes, norms, _, _ = self.codes_of(packed, b, s0, s1)
+                pos = torch.arange(packed.pos_offset + s0, packed.pos_offset + s1, device=q.device)
+                cos, sin = packed.rope_cos[pos, :half], packed.rope_sin[pos, :half]
+                scores.append(fused_key_scores(qb, codes[None], norms[None], pos, t["theta"], packed.inv_freq, hkv,
+                                               scale, cos=cos, sin=sin))
+            s = torch.cat(scores, -1) * LOG2E  # [1, Hq, 1, T]
+            m = s.amax(-1, keepdim=True)
+            p = torch.exp2(s - m)
+            _, _, bits, rho = self.codes_of(packed, b)
+            acc = fused_value_attention(p, bits[None], rho[None], t["values"]["codebook"],
+                                        t["values"]["channel_scale"], hkv)  # [1, Hq, 1, D]
+            at = slice(b * hkv, (b + 1) * hkv)
+            parts.m[at, 0] = m.view(hkv, group)
+            parts.l[at, 0] = p.sum(-1).view(hkv, group)
+            parts.acc[at, 0] = acc.view(hkv, group, d)
+        return with_fp_reference(parts, q, fp, scale)
+
+    def supports_triton(self, q, packed):
+        from kvcal.methods import commvq_kernels
+
+        return commvq_kernels.unsupported(q, packed, self)
+
+    def attend_triton(self, q, packed, scale, fp, **knobs):
+        from kvcal.methods import commvq_kernels
+
+        return commvq_kernels.attend_triton(q, packed, scale, fp, self, **knobs)
+
+    # ---- benchmarks -----------------------------------------------------------------------------------------------
+    def fill_synthetic(self, packed, generator):
+        """Valid random indices (each key code below N', packed as write packs them), random value bits, key norms of
+        8 to 16 (real keys over all KV heads are of that order) and norm ratios of 0.5 to 2."""
+        batch, cap = packed["k_norm"].shape
+        dev = packed["k_norm"].device
+        count = 2 * self.groups * self.stages
+        for b in range(batch):  # one row at a time: the int64 codes of a 32K x 336 row are 90 MB
+            codes = torch.randint(0, self.codes, (cap, count), generator=generator, device=dev)
+            packed["k_codes"][b] = pack_stream(codes, self.index_bits)
+        packed["v_codes"].random_(generator=generator)
+        packed["k_norm"].uniform_(8.0, 16.0, generator=generator)
+        packed["v_rho"].uniform_(0.5, 2.0, generator=generator)
+
+
 # -- the method -----------------------------------------------------------------------------------------
 
 
@@ -319,6 +577,11 @@ class CommVQ(Method):
     test_config = {"bits": 2, "key_codes": 8, "key_stages": 3, "key_em_steps": 3, "key_train_vectors": 256,
                    "value_steps": 8, "value_batch_tokens": 64, "value_attn_tokens": 32, "value_warmup": 2,
                    "fp_window": 4}
+    # kvcal compare: key codewords up to their order per (group, stage), the pair layout exactly, the value encoder
+    # and codebook as trained weights (the value codebook's rows are tied to code bits: no permutation)
+    tensor_kinds = {"k.theta": "codebook:2", "k.pair_channels": "index", "k.stage_mse": "diagnostic",
+                    "v.channel_scale": "range"} | {f"v.{name}": "weights" for name in (
+                        "codebook", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "ln_weight", "ln_bias")}
 
     bits: int = 2  # 1 or 2 (the paper's CommVQ-1 / CommVQ-2); also 3, 4
     # keys [P]: N' codewords per pair and stage, g pairs sharing one code (0: one KV head, D/2 pairs: the
@@ -534,22 +797,18 @@ class CommVQ(Method):
 
         train, train_w = prepare(pick)
         held, held_w = prepare(held_pick)
-        temperatures = self.stage_temperatures(dims)
-        thetas, stage_mse, steps, hard_steps, max_weight = [], [], [], [], []
-        for grp in range(self.num_groups(dims)):
-            theta, fits, mse = vq.fit_residual(
-                train[:, grp].contiguous(), train_w, held[:, grp].contiguous(), held_w, self.key_codes,
-                self.stages(dims), self.key_em_steps, temperatures,
-                lambda r, grp=grp: generator(self.seed, layer, grp, r), self.key_em_tol,
-                init_temperature=temperatures[0] / 1e-3, on_stage=advance)
-            thetas.append(theta)
-            stage_mse.append(mse)
-            steps.append([f.steps for f in fits])
-            hard_steps.append([f.hard_steps for f in fits])
-            max_weight.append([round(f.max_weight, 4) for f in fits])
+        # all groups of the layer in one batched EM (vq.fit_residual_groups): each group's own seed and stopping
+        theta, fits, stage_mse = vq.fit_residual_groups(
+            train.transpose(0, 1).contiguous(), train_w, held.transpose(0, 1).contiguous(), held_w, self.key_codes,
+            self.stages(dims), self.key_em_steps, self.stage_temperatures(dims),
+            lambda grp, r: generator(self.seed, layer, grp, r), self.key_em_tol,
+            init_temperature=self.stage_temperatures(dims)[0] / 1e-3, on_stage=advance)
+        steps = [[f.steps for f in group] for group in fits]
+        hard_steps = [[f.hard_steps for f in group] for group in fits]
+        max_weight = [[round(f.max_weight, 4) for f in group] for group in fits]
         groups = len(stage_mse)
         per_stage = [sum(m[r] for m in stage_mse) / groups for r in range(len(stage_mse[0]))]
-        return torch.stack(thetas), {
+        return theta, {
             "stage_mse_groups": stage_mse,
             "stage_mse": [round(m, 8) if math.isfinite(m) else None for m in per_stage],  # None: nothing held out
             "scalar_mse": round(key_scalar_mse(k[held_rows[: 32 * (held_rows.numel() // 32)]].to(device), self.bits,
@@ -607,6 +866,28 @@ class CommVQ(Method):
         return {"attn_mse": round(sum(ours) / len(ours), 8), "attn_scalar_mse": round(sum(scalar) / len(scalar), 8)}
 
     # -- runtime ------------------------------------------------------------------------------------------
+    def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Random tensors of an artifact's shapes (speed and memory benchmarks: `kvcal bench decode --recipe
+        commvq-1bit`): codebooks N(0, 0.3) per coordinate, the encoder as torch initialises it, a positive channel
+        scale. One layer's tensors serve every layer (the same objects: a 2-bit encoder at Llama-3.1-8B shapes is 80 MB
+        a layer)."""
+        self.check_model(dims)
+        gen = generator(seed, "synthetic")
+        groups, stages, g = self.num_groups(dims), self.stages(dims), self.group_pairs(dims)
+        channels, n_e, hidden = dims.kv_channels, self.value_groups(dims), self.hidden(dims)
+
+        def uniform(shape, fan_in):
+            return (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+
+        layer = {"k.theta": torch.randn(groups, stages, self.key_codes, g, 2, generator=gen) * 0.3,
+                 "k.pair_channels": pair_channels(dims.num_kv_heads, dims.head_dim, g).to(torch.int32),
+                 "v.codebook": torch.randn(2 * n_e, channels, generator=gen),
+                 "v.channel_scale": torch.rand(channels, generator=gen) + 0.5,
+                 "v.ln_weight": torch.ones(channels), "v.ln_bias": torch.zeros(channels),
+                 "v.fc1_weight": uniform((hidden, channels), channels), "v.fc1_bias": uniform((hidden,), channels),
+                 "v.fc2_weight": uniform((4 * n_e, hidden), hidden), "v.fc2_bias": uniform((4 * n_e,), hidden)}
+        return {f"layers.{i}.{name}": t for i in range(dims.num_layers) for name, t in layer.items()}
+
     def build_codec(self, tensors, dims) -> Codec:
         self.check_model(dims)
         groups, stages, g = self.num_groups(dims), self.stages(dims), self.group_pairs(dims)
@@ -733,18 +1014,27 @@ def init_value_params(v: torch.Tensor, groups: int, hidden: int, gen: torch.Gene
 
 
 def gumbel_hard(logits: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
-    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient."""
-    u = torch.rand(logits.shape, generator=gen).to(logits.device).clamp_(1e-10, 1 - 1e-7)
+    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient. The noise is
+    drawn on the generator's device (a GPU generator on a GPU: no host-side draw and copy per step)."""
+    u = torch.rand(logits.shape, generator=gen, device=gen.device).to(logits.device).clamp_(1e-10, 1 - 1e-7)
     soft = torch.softmax((logits - torch.log(-torch.log(u))) / tau, dim=-1)
-    hard = F.one_hot(soft.argmax(-1), logits.shape[-1]).to(soft.dtype)
+    # one_hot(argmax) written as a scatter: F.one_hot validates its indices, a host sync on a GPU
+    hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0)
     return hard - soft.detach() + soft
+
+
+def training_bits(onehot: torch.Tensor) -> torch.Tensor:
+    """category_bits for training: bits (y0 + y2, y1 + y2) of the map 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00 [C], as
+    sums instead of a product with the map's table (no table copied to the device every step)."""
+    y = onehot.unbind(-1)
+    return torch.stack((y[0] + y[2], y[1] + y[2]), dim=-1).flatten(-2)
 
 
 def reconstruct_training(params, x: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
     """Training-time decode of value rows x [M, C] through straight-through Gumbel codes [C]."""
     unit, rho0 = normalize_values(x, params["channel_scale"])
     logits = value_logits(params, unit, params["codebook"].shape[0] // 2)
-    u = category_bits(gumbel_hard(logits, tau, gen)) @ params["codebook"]
+    u = training_bits(gumbel_hard(logits, tau, gen)) @ params["codebook"]
     return params["channel_scale"] * ((rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS))[:, None] * u
 
 
@@ -756,9 +1046,13 @@ class AttentionOutputLoss:
     blocks keep the cost bounded on a CPU, digest §9). The difference of outputs is linear in v_hat - v:
     o_proj(P_block (v_hat - v)_block), bias cancelled."""
 
-    def __init__(self, data, windows, module, loaded, block: int, device, cache_bytes: int = ATTENTION_CACHE_BYTES):
+    def __init__(self, data, windows, module, loaded, block: int, device, cache_bytes: int | None = None):
         dims = loaded.dims
-        self.q, self.k = data["q"], data["k"]  # stay on the CPU; a block moves to the device when used
+        on_gpu = torch.device(device).type == "cuda"
+        # on a GPU the layer's queries and keys move once (in their captured dtype), not one block per step
+        self.q, self.k = (data["q"].to(device), data["k"].to(device)) if on_gpu else (data["q"], data["k"])
+        if cache_bytes is None:
+            cache_bytes = ATTENTION_CACHE_BYTES_GPU if on_gpu else ATTENTION_CACHE_BYTES
         self.dims, self.device = dims, device
         self.inv_freq = loaded.adapter.inv_freq.to(device)
         self.scale = float(module.scaling)
@@ -769,8 +1063,12 @@ class AttentionOutputLoss:
         self.cache_budget, self.cached_bytes = cache_bytes, 0
 
     def rows(self, index: int) -> torch.Tensor:
+        return torch.arange(*self.span(index))
+
+    def span(self, index: int) -> tuple[int, int]:
+        """[first, end) rows of the block (consecutive)."""
         start, b0, b1 = self.blocks[index]
-        return torch.arange(start + b0, start + b1)
+        return start + b0, start + b1
 
     def probabilities(self, index: int) -> torch.Tensor:
         """Attention weights [Hkv, rep * L, L] of the block's queries over the block's keys (full softmax)."""
@@ -820,14 +1118,22 @@ def learning_rate(method: CommVQ, step: int) -> float:
 def train_value_coder(params, v, train_rows, attention, method: CommVQ, gen, advance) -> float:
     """AdamW on the encoder and codebook of one layer [C]: lr 1e-3, weight decay 0.1 on weights and codebook
     (none on biases and LayerNorm, as the HF Trainer groups them), betas (0.9, 0.95), grad-norm clip 1.0.
-    Returns the mean training loss of the last tenth of the steps."""
+    Returns the mean training loss of the last tenth of the steps.
+
+    On a GPU: the Gumbel noise comes from a GPU generator seeded from `gen` (deterministic per seed; the batch
+    picks stay on `gen`), AdamW is the fused kernel, and nothing syncs the host inside the loop (the tail loss
+    is summed on the device). On the CPU everything draws from `gen`, as before."""
     trainable = [t for n, t in params.items() if n != "channel_scale"]
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
+    on_gpu = v.device.type == "cuda"
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": method.value_weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=method.value_lr,
-                                  betas=(0.9, 0.95), eps=1e-8)
-    tail, tail_start = [], method.value_steps - max(1, method.value_steps // 10)
+                                  betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}))
+    noise = gen
+    if on_gpu:
+        noise = torch.Generator(device=v.device).manual_seed(derived_seed(gen.initial_seed(), "gumbel"))
+    tail, tail_start = torch.zeros((), device=v.device), method.value_steps - max(1, method.value_steps // 10)
     per_step = max(1, method.value_batch_tokens // method.value_attn_tokens)
     with torch.enable_grad():
         for step in range(method.value_steps):
@@ -837,23 +1143,23 @@ def train_value_coder(params, v, train_rows, attention, method: CommVQ, gen, adv
                 picks = torch.randint(len(attention.blocks), (per_step,), generator=gen).tolist()
                 loss = 0.0
                 for index in picks:
-                    rows = attention.rows(index).to(v.device)
-                    x = v[rows]
-                    v_hat = reconstruct_training(params, x, method.gumbel_tau, gen)
+                    lo, hi = attention.span(index)
+                    x = v[lo:hi]
+                    v_hat = reconstruct_training(params, x, method.gumbel_tau, noise)
                     with torch.no_grad():
                         probs = attention.probabilities(index)
                     loss = loss + (0.5 * F.mse_loss(v_hat, x) + attention.loss(probs, v_hat - x)) / len(picks)
             else:
                 pick = torch.randint(train_rows.numel(), (method.value_batch_tokens,), generator=gen)
                 x = v[train_rows[pick.to(train_rows.device)]]
-                loss = F.mse_loss(reconstruct_training(params, x, method.gumbel_tau, gen), x)
+                loss = F.mse_loss(reconstruct_training(params, x, method.gumbel_tau, noise), x)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             if step >= tail_start:
-                tail.append(float(loss.detach()))
+                tail += loss.detach()
             advance()
     for t in trainable:
         t.requires_grad_(False)
-    return sum(tail) / len(tail)
+    return float(tail) / (method.value_steps - tail_start)

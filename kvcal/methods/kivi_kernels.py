@@ -206,7 +206,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
         # a tile lies inside one key block (q is scaled once per tile) and holds at most 32 tokens: with 64 tokens on
         # 4+ warps Triton 3.6 lowers the key dot (its B operand, q x the block's scales, is made every tile) to wgmma,
         # and that gives wrong sums or an illegal address on the H100; the same kernel with DISABLE_MMA_V3=1
-        # (mma.sync) is right (benchmarks/NOTES-kernels.md). 32-token tiles never take wgmma and are the fastest.
+        # (mma.sync) is right (docs/runtime.md). 32-token tiles never take wgmma and are the fastest.
         bt = min(bt, 32)
         while block % bt:
             bt //= 2

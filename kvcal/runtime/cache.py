@@ -15,7 +15,9 @@ kvcal.models.adapter.cache_kwargs); the attention adapter routes every layer's a
 All follow the same protocol. Prefill (the first call, several tokens): attention over the full-precision prompt,
 then the prompt is compressed in bulk as far as the storage's FlushPolicy allows. Decode (one token per call): the
 token is appended, the oldest tokens are flushed one block at a time while the policy allows, then attention runs.
-Sinks and the recent residual stay in full precision, here, in the generic part of the cache.
+Sinks and the recent residual stay in full precision, here, in the generic part of the cache. A `bulk` policy
+(FlushPolicy.bulk) compresses each row's prompt tokens after its sinks once, in one write, after the prefill, and
+keeps every later token in full precision (the full-precision part then grows as decoding proceeds).
 """
 
 from __future__ import annotations
@@ -106,9 +108,12 @@ class DequantizedLayer(_LayerBase):
         self.length += inp.k_pre.shape[2]
         self.is_initialized = True
 
-    def flush(self, inp) -> None:
-        """Compress, row by row, every block the policy lets go (all pending blocks of a row in one call)."""
+    def flush(self, inp, prefill: bool = False) -> None:
+        """Compress, row by row, every block the policy lets go (all pending blocks of a row in one call; a bulk
+        policy: the prompt's span after the sinks, at the prefill only)."""
         policy = self.codec.policy
+        if policy.bulk and not prefill:
+            return
         for b, pad in enumerate(self.pads):
             done, target = self.compressed[b], policy.compressed_count(self.length - pad)
             if target == done:
@@ -133,7 +138,7 @@ class DequantizedLayer(_LayerBase):
         self.append(inp)
         if prefill:  # full-precision prompt attention, then bulk compression
             out = attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
-            self.flush(inp)
+            self.flush(inp, prefill=True)
             return out
         self.flush(inp)
         if self.codec.remaps_scores:
@@ -206,7 +211,8 @@ class PackedLayer(_LayerBase):
             raise KvcalError(f"{refusal}: run its torch reference on purpose with backend='reference' (--backend "
                              "reference)")
         self.storage.to(device)
-        self.ring_capacity = self.policy.residual + self.policy.block
+        # a bulk policy's full-precision part grows (_grow_fp): its "ring" never wraps (ring_start stays 0)
+        self.ring_capacity = 16 if self.policy.bulk else self.policy.residual + self.policy.block
         fp_slots = self.policy.sink + self.ring_capacity
         z = dict(device=self.device)
         self.fp_k = torch.zeros(batch, heads, fp_slots, dim, dtype=self.dtype, **z)  # post-RoPE
@@ -254,6 +260,30 @@ class PackedLayer(_LayerBase):
             self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self.policy.sink + cap)
         self._packed = Packed(self.buffers, self.lengths, self.heads, self.dim, self.capacity, self.policy.sink,
                               self.rope_cos, self.rope_sin, self.inv_freq, self.shared)
+
+    def _grow_fp(self, ring_needed: int) -> None:
+        """Bulk policies: room for `ring_needed` full-precision tokens after the sinks (the ring never wraps there, so
+        growing it keeps every slot in place)."""
+        if ring_needed <= self.ring_capacity:
+            return
+        cap = max(ring_needed, int(self.ring_capacity * self.GROWTH) + 1)
+        slots = self.policy.sink + cap
+
+        moved = {}
+        for t in [self.fp_k, self.fp_v, *self.fp_sources]:
+            if id(t) not in moved:
+                new = t.new_zeros(*t.shape[:2], slots, *t.shape[3:])
+                new[:, :, : t.shape[2]] = t
+                moved[id(t)] = new
+        self.fp_k, self.fp_v = moved[id(self.fp_k)], moved[id(self.fp_v)]
+        self.fp_sources = [moved[id(t)] for t in self.fp_sources]
+        if self.fp_src is not None:
+            self.fp_src = moved[id(self.fp_src)]
+        valid = self.fp_valid.new_zeros(self.fp_valid.shape[0], slots)
+        valid[:, : self.fp_valid.shape[1]] = self.fp_valid
+        self.fp_valid = valid
+        self.ring_capacity = cap
+        self.generation += 1  # new tensors: a recorded step graph records again
 
     def packed(self) -> Packed:
         return self._packed
@@ -316,7 +346,9 @@ class PackedLayer(_LayerBase):
                 slots.append(self.count[b])
             else:
                 if self.ring_count[b] == self.ring_capacity:
-                    raise RuntimeError("residual ring overflow: flush was not called")
+                    if not self.policy.bulk:
+                        raise RuntimeError("residual ring overflow: flush was not called")
+                    self._grow_fp(self.ring_capacity + 1)
                 slots.append(sink + (self.ring_start[b] + self.ring_count[b]) % self.ring_capacity)
                 self.ring_count[b] += 1
             self.count[b] += 1
@@ -337,6 +369,8 @@ class PackedLayer(_LayerBase):
     def _flush_rows(self) -> None:
         """Pack the oldest residual block of every row that the policy allows to (at most one per step)."""
         block, sink = self.policy.block, self.policy.sink
+        if self.policy.bulk:  # compressed at the prefill only
+            return
         rows = [b for b in range(self.batch) if self.compressed[b] < self.policy.compressed_count(self.count[b])]
         if not rows:
             return
@@ -465,15 +499,22 @@ class PackedLayer(_LayerBase):
         (_ring_step_static), where lengths[b] <= max(0, n - 1 - sink - residual) for a row holding n tokens after the
         step (a direct step writes one slot: block 1, residual 0)."""
         p = self.policy
+        if p.bulk:  # decode steps never pack
+            return max(self.compressed, default=0)
         return max(self.count) + steps + p.block - 1 - p.sink - p.residual
 
     def static_room(self) -> int:
-        """Static steps left before the packed buffers are full (they cannot grow inside a graph)."""
+        """Static steps left before the packed buffers (a bulk policy: the full-precision part) are full (they cannot
+        grow inside a graph)."""
+        if self.policy.bulk:
+            return self.ring_capacity - max(self.ring_count)
         return self.capacity - self._capacity_for(0)
 
     def reserve_static(self, steps: int) -> None:
         """Grow the buffers now (outside any graph) so that `steps` static steps fit."""
-        if self.buffers and self._capacity_for(steps) > self.capacity:
+        if self.buffers and self.policy.bulk:
+            self._grow_fp(max(self.ring_count) + steps)
+        elif self.buffers and self._capacity_for(steps) > self.capacity:
             self._grow(self._capacity_for(steps))
 
     def _attend_static(self, q, src, k_rot, v, scale) -> torch.Tensor:
@@ -486,6 +527,12 @@ class PackedLayer(_LayerBase):
         if self.policy.direct:
             self._store([s[:, :, 0] for s in src], self._index(range(self.batch)), self.lengths.long())
             self.lengths += 1
+        elif self.policy.bulk:  # the token joins the full-precision part (never wraps: ring_start is 0)
+            rows = self._index(range(self.batch))
+            slot = self.policy.sink + self.ring_count_dev
+            self._keep_step(rows, slot, [s[:, :, 0] for s in src], k_rot[:, :, 0], v[:, :, 0])
+            self.fp_valid[rows, slot] = self._true
+            self.ring_count_dev += 1
         else:
             self._ring_step_static([s[:, :, 0] for s in src], k_rot[:, :, 0], v[:, :, 0])
         return self._decode(q[:, :, 0], scale)[:, :, None]
@@ -520,7 +567,7 @@ class PackedLayer(_LayerBase):
             self.count[b] += 1
             if not direct:
                 self.ring_count[b] += 1
-                if self.compressed[b] < self.policy.compressed_count(self.count[b]):
+                if not self.policy.bulk and self.compressed[b] < self.policy.compressed_count(self.count[b]):
                     self.ring_start[b] = (self.ring_start[b] + block) % self.ring_capacity
                     self.ring_count[b] -= block
                     self.compressed[b] += block
@@ -538,6 +585,8 @@ class PackedLayer(_LayerBase):
         self._grow(max(packed, self._capacity_for(headroom)))  # room for `headroom` steps, static ones included
         self.storage.fill_synthetic(self.packed(), generator)
         fp_tokens = tokens - packed
+        if self.policy.bulk:  # the full-precision part takes the decoded tokens
+            self._grow_fp(fp_tokens - min(self.policy.sink, tokens) + headroom)
         self.fp_k[:, :, :fp_tokens].normal_(generator=generator)
         self.fp_v[:, :, :fp_tokens].normal_(generator=generator)
         self.fp_valid[:, :fp_tokens] = True
@@ -665,7 +714,7 @@ class KvcalCache(Cache):
         if backend not in BACKENDS:
             raise KvcalError(f"unknown cache backend '{backend}' ({', '.join(BACKENDS)})")
         self.shared = SharedState()
-        if codec.bulk_only and not codec.lossless:
+        if codec.bulk_only and not codec.lossless and not codec.policy.bulk:
             raise KvcalError(codec.bulk_only)
         if codec.lossless:
             layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
@@ -678,7 +727,9 @@ class KvcalCache(Cache):
                                  "dequantized) or the simulation (--mode simulate)")
             kernels = False if backend == "reference" else kernels
             layers = [PackedLayer(codec, i, s, kernels, capacity_hint, self.shared) for i, s in enumerate(storages)]
-            pool = GraphPool() if step_graphs else None
+            # step graphs replay the Triton kernels only: the torch references synchronize with the host (lengths
+            # read per row), which a capture forbids
+            pool = GraphPool() if step_graphs and kernels is not False else None
             for layer in layers:
                 layer.graph_pool = pool
         super().__init__(layers=layers)
@@ -687,6 +738,13 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         return self.layers[inp.layer_idx].attend(inp)
+
+    def graph_refusal(self) -> str | None:
+        """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each
+        row's length on the host every step, which a capture forbids (they still run static steps eagerly)."""
+        if any(isinstance(layer, PackedLayer) and layer.kernels_asked is False for layer in self.layers):
+            return "the torch references (backend reference) synchronize with the host at every step"
+        return None
 
     def check_holds(self, tokens: int) -> None:
         """Raise one line unless every layer holds `tokens` tokens per row (padding included): a model call that

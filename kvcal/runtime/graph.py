@@ -241,8 +241,11 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
             warmed = (time.perf_counter(), len(tokens) - 1)
 
     decoder = None
+    refusal = cache.graph_refusal() if hasattr(cache, "graph_refusal") else None
+    if mode == "graph" and refusal:
+        raise KvcalError(f"CUDA-graph decoding: {refusal}; pass --no-graph")
     if steps and (mode in ("graph", "static") or (mode == "auto" and cuda)):
-        capture = mode != "static" and steps > warm
+        capture = mode != "static" and steps > warm and refusal is None  # auto: the same static steps, eagerly
         try:
             cache.reserve_static(steps)
             decoder = GraphDecoder(loaded, cache, tokens[0], capture=capture, warmup=warm, record=True)

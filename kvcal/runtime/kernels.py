@@ -34,7 +34,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # quarter of that at 1 warp). At batch 1 a tile kernel leaves ~265 partials per head and the merge has only B x Hq =
 # 32 (row, head) pairs: one program per pair over all 128 channels took 9 steps of 32 partials in a row (32K x 1, int4
 # 40.3 us); 32 channels per program and 256 partials per step: int4 32.5 us, int2 28.2, kivi4 41.2, nuq4 87.5 (was
-# 108.2); batch 8 within 1% (H100, benchmarks/NOTES-kernels.md). sm_90 SASS at 265 partials: 96 registers, 166 with
+# 108.2); batch 8 within 1% (H100, results/bench/reduce-channels-h100.json). sm_90 SASS at 265 partials: 96 registers, 166 with
 # extra sums, no stack.
 REDUCE_CHANNELS = 32
 REDUCE_CHUNK = 256

@@ -36,13 +36,22 @@ class FlushPolicy:
     of `block` tokens, but only once at least `residual` newer tokens exist. So with n tokens cached,
     `compressed_count(n)` tokens after the sinks are compressed and the rest are full precision.
     RTN: (0, 0, 1). KIVI: (0, R, G). SKVQ: (S, W, 1). KVQuant: (n_sink, 0, 1).
+
+    `bulk` (CalibQuant's regime): a prompt's tokens after the sinks are compressed once, in one write of the whole
+    span (one block of its own length, per row), right after the full-precision prefill; every later token stays
+    full precision, so that part grows without bound. `compressed_count(n)` is then what a prefill of n tokens
+    compresses (n - sink), and nothing is ever flushed token by token (so `full_precision_mask`, the token-by-token
+    rule, does not describe it: the gptq simulation refuses such codecs).
     """
 
     sink: int = 0
     residual: int = 0
     block: int = 1
+    bulk: bool = False
 
     def compressed_count(self, n: int) -> int:
+        if self.bulk:
+            return max(0, n - self.sink)
         return self.block * (max(0, n - self.sink - self.residual) // self.block)
 
     def compressed_span(self, n: int) -> tuple[int, int]:
@@ -69,7 +78,7 @@ class FlushPolicy:
     def direct(self) -> bool:
         """Every token is compressed as it arrives (no residual, blocks of one): a decode step packs its token
         straight into the next slot instead of passing through the full-precision ring."""
-        return self.residual == 0 and self.block == 1
+        return self.residual == 0 and self.block == 1 and not self.bulk
 
 
 @dataclass(frozen=True)
@@ -183,7 +192,8 @@ class Storage:
     def write(self, packed: Packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
               slots: torch.Tensor, kernel: bool) -> None:
         """Compress tokens keys/values [M, H, D] into slot slots[m] of row rows[m] (int64 device tensors [M]). The M
-        tokens are runs of `policy.block` consecutive slots of one row each. `kernel`: the Triton kernel (CUDA)
+        tokens are runs of `policy.block` consecutive slots of one row each (a `bulk` policy: one run, a row's whole
+        prompt span after its sinks, from slot 0). `kernel`: the Triton kernel (CUDA)
         rather than the torch reference; kernels read rows and slots as plain int64 arrays, so they are made
         contiguous here: an expanded index of stride 0 would be read past its one element)."""
         if kernel:

@@ -1,0 +1,301 @@
+"""XQuant's decode kernels: attention of one query per row over cached latents (X U_k and X U_v, or X itself),
+keys and values rematerialized inside the kernels. The torch reference is XQuantStorage.attend_reference (the
+storage's `read`: dequantize, multiply by the factors, add the bias, RoPE at the original positions; kvcal/methods/
+xquant.py), with the same signature as `attend_triton` below.
+
+Two launches and one product, the split-K partials of runtime/decode.py:
+
+- `_scores_kernel`, grid (B * Hkv, NSPLIT): program (row, KV head, split) walks its share of the row's tokens in
+  tiles of BLOCK_T; per tile it dequantizes the key latent chunk by chunk (C latent channels at a time: per-channel
+  parameters for the svd variant, per-token groups for x; latent channel 0 from its fp16 copy with the outlier
+  channel), multiplies each chunk by the head's columns of R_k (two tl.dot, one per RoPE half), adds b_k, rotates
+  the tile at its positions (pos_offset + slot) and scores it against the G query heads of the group (log2 domain).
+  It writes the scores [R, T, G] and the split's running max m and sum l.
+- `_values_kernel`, grid (B * Hkv, NSPLIT, width / CV): P = exp2(s - m) of the split times the dequantized value
+  latent, accumulated in latent space: acc_lat [R, NSPLIT, G, width]. No value is rematerialized per token.
+- one product per (row, KV head): acc = acc_lat R_v[:, head] + l b_v (exact by linearity: sum_t p_t (z_t R_v + b_v)
+  = (sum_t p_t z_t) R_v + l b_v), a batched matmul (torch) into the partials' acc; the full-precision part (the
+  residual window) goes into the last splits through runtime.kernels.fp_partials_into.
+
+Latent tiles are dequantized in float32 (as the reference) and rounded to the dot's operand type (fp16 for fp16 and
+bf16 queries, float32 / float64 otherwise); codes are unpacked by a gather over their words (any 2/3/4/8-bit width
+that is a multiple of 32 for 3 bits, 16 for the others), bits 16 reads the raw latents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.quant.packing import launch_device, pow2
+from kvcal.runtime import kernels as K
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
+BITS = (2, 3, 4, 8, 16)
+# Not tuned on a GPU yet. 32-token tiles keep every dot's M at 32 (mma.sync: kivi_kernels' note on Triton 3.6's
+# wgmma with 64-token tiles); 4 programs per SM for the splits: each scores program is compute-heavy (a 32 x 64 x 64
+# dot pair per 64 latent channels and tile), and the value pass's latent partials, splits x G x d_kv floats per (row,
+# KV head), stay small (Llama-3.1-8B 32K x 1: 66 splits, 8.7 MB; 16 per SM would make them larger than the cache)
+DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4, "programs_per_sm": 4}
+# float64 dots are broadcast products ([M, K, N] in registers, runtime/kernels.dot): small blocks
+DEFAULTS_FP64 = {**DEFAULTS, "block_t": 16, "chunk": 16, "value_chunk": 16}
+
+if triton is not None:
+    from kvcal.runtime.kernels import dot, operand, softmax_tile, split_bounds
+
+    @triton.jit
+    def _dequant(codes_base, s_base, z_base, t, tm, ch, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,
+                 TDIV: tl.constexpr, CDIV: tl.constexpr):
+        """Latent entries [BLOCK_T, C] float32 of tokens t (valid where tm) and channels ch (runtime offsets) of one
+        row: codes_base points at its first code word (raw values for 16 bits), s_base / z_base at its parameters,
+        indexed [t // TDIV, ch // CDIV] (per-channel blocks: TDIV = block, CDIV = 1; per-token groups: 1, group)."""
+        m2 = tm[:, None]
+        row = codes_base + t[:, None] * sct
+        if BITS == 16:
+            return tl.load(row + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        else:
+            if BITS == 3:  # kvcal/quant/packing.py: groups of 32 codes in three word planes (stream order if 1 group)
+                NG: tl.constexpr = RW // 32
+                g = ch // 32
+                p = (ch % 32) * 3
+                k = p // 32
+                sh = (p % 32).to(tl.uint32)
+                if NG >= 2:
+                    wlo = k * NG + g
+                    whi = (k + 1) * NG + g
+                else:
+                    wlo = g * 3 + k
+                    whi = wlo + 1
+                straddle = (p % 32) > 29
+                lo = tl.load(row + wlo[None, :], mask=m2, other=0).to(tl.uint32, bitcast=True)
+                hi = tl.load(row + whi[None, :], mask=m2 & straddle[None, :], other=0).to(tl.uint32, bitcast=True)
+                up = tl.where(straddle, 32 - sh, 0).to(tl.uint32)
+                code = ((lo >> sh[None, :]) | (hi << up[None, :])) & 7
+            else:
+                PER: tl.constexpr = 32 // BITS
+                w = tl.load(row + (ch // PER)[None, :], mask=m2, other=0).to(tl.uint32, bitcast=True)
+                sh = ((ch % PER) * BITS).to(tl.uint32)
+                code = (w >> sh[None, :]) & ((1 << BITS) - 1)
+            poff = (t // TDIV)[:, None] * sst + (ch // CDIV)[None, :]
+            s = tl.load(s_base + poff, mask=m2, other=0.0).to(tl.float32)
+            z = tl.load(z_base + poff, mask=m2, other=0.0).to(tl.float32)
+            return code.to(tl.float32) * s + z
+
+    @triton.jit
+    def _scores_kernel(
+        q_ptr, sqb, sqh, len_ptr,
+        kc_ptr, skcb, skct, ks_ptr, kz_ptr, sksb, skst, ko_ptr, skob,
+        rk_ptr, bk_ptr, cos_ptr, sin_ptr, POS0,
+        s_ptr, ssr, sst, m_ptr, l_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT, S_TOTAL,
+        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, C: tl.constexpr,
+        BITS: tl.constexpr, TDIV: tl.constexpr, CDIV: tl.constexpr, OUTLIER: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    ):
+        ACC: tl.constexpr = m_ptr.dtype.element_ty
+        if PREC == 64:
+            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
+        else:
+            qk_scale = qk_scale_hi
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        HD: tl.constexpr = D // 2
+        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+        rg = tl.arange(0, GP)
+        hh = tl.arange(0, HD)
+        q_row = q_ptr + b * sqb + h * G * sqh
+        qm = (rg < G)[None, :]
+        q1 = operand(tl.load(q_row + rg[None, :] * sqh + hh[:, None], mask=qm, other=0.0), PREC)  # [HD, GP]
+        q2 = operand(tl.load(q_row + rg[None, :] * sqh + HD + hh[:, None], mask=qm, other=0.0), PREC)
+        m_i = tl.full((GP,), float("-inf"), ACC)
+        l_i = tl.zeros((GP,), ACC)
+        kc_base = kc_ptr + b * skcb
+        ks_base = ks_ptr + b * sksb
+        kz_base = kz_ptr + b * sksb
+        col = h * D + hh  # this head's columns of R_k (row stride HKV * D)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < end
+            k1 = tl.zeros((BLOCK_T, HD), ACC)
+            k2 = tl.zeros((BLOCK_T, HD), ACC)
+            for c0 in range(0, RW, C):
+                ch = c0 + tl.arange(0, C)
+                z = _dequant(kc_base, ks_base, kz_base, t, tm, ch, skct, skst, BITS, RW, TDIV, CDIV)
+                if OUTLIER:  # latent channel 0 from its fp16 copy
+                    o = tl.load(ko_ptr + b * skob + t, mask=tm, other=0.0).to(tl.float32)
+                    z = tl.where((ch == 0)[None, :], o[:, None], z)
+                za = operand(z, PREC)
+                roff = ch[:, None] * (HKV * D) + col[None, :]
+                k1 += dot(za, operand(tl.load(rk_ptr + roff), PREC), INTERP).to(ACC)
+                k2 += dot(za, operand(tl.load(rk_ptr + roff + HD), PREC), INTERP).to(ACC)
+            if HAS_BIAS:
+                k1 += tl.load(bk_ptr + col).to(ACC)[None, :]
+                k2 += tl.load(bk_ptr + col + HD).to(ACC)[None, :]
+            # RoPE at the tokens' positions: (k1 c1 - k2 s1, k2 c2 + k1 s2)
+            pos = POS0 + t
+            toff = pos[:, None] * D + hh[None, :]
+            c1 = tl.load(cos_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
+            s1 = tl.load(sin_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
+            c2 = tl.load(cos_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
+            s2 = tl.load(sin_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
+            r1 = k1 * c1 - k2 * s1
+            r2 = k2 * c2 + k1 * s2
+            s = (dot(operand(r1, PREC), q1, INTERP).to(ACC) + dot(operand(r2, PREC), q2, INTERP).to(ACC)) * qk_scale
+            s = tl.where(tm[:, None], s, float("-inf"))
+            tl.store(s_ptr + pid * ssr + t[:, None] * sst + rg[None, :], s, mask=tm[:, None] & qm)
+            _, _, m_i, l_i = softmax_tile(s, m_i, l_i, rg < G)
+        part = pid * S_TOTAL + split
+        tl.store(m_ptr + part * G + rg, m_i, mask=rg < G)
+        tl.store(l_ptr + part * G + rg, l_i, mask=rg < G)
+
+    @triton.jit
+    def _values_kernel(
+        len_ptr, vc_ptr, svcb, svct, vs_ptr, vz_ptr, svsb, svst,
+        s_ptr, ssr, sst, m_ptr, out_ptr, HKV, NSPLIT, S_TOTAL,
+        G: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, CV: tl.constexpr, BITS: tl.constexpr,
+        CDIV: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    ):
+        ACC: tl.constexpr = m_ptr.dtype.element_ty
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        chunk = tl.program_id(2)
+        b = pid // HKV
+        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+        rg = tl.arange(0, GP)
+        m = tl.load(m_ptr + (pid * S_TOTAL + split) * G + rg, mask=rg < G, other=0.0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        ch = chunk * CV + tl.arange(0, CV)
+        acc = tl.zeros((GP, CV), ACC)
+        vc_base = vc_ptr + b * svcb
+        vs_base = vs_ptr + b * svsb
+        vz_base = vz_ptr + b * svsb
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < end
+            s = tl.load(s_ptr + pid * ssr + t[:, None] * sst + rg[None, :], mask=tm[:, None] & (rg < G)[None, :],
+                        other=float("-inf"))
+            p = tl.exp2(s - m_use[None, :])  # [BLOCK_T, GP], 0 where masked
+            z = _dequant(vc_base, vs_base, vz_base, t, tm, ch, svct, svst, BITS, RW, 1, CDIV)
+            acc += dot(tl.trans(operand(p, PREC)), operand(z, PREC), INTERP).to(ACC)
+        off = ((pid * NSPLIT + split) * G + rg)[:, None] * RW + ch[None, :]
+        tl.store(out_ptr + off, acc, mask=(rg < G)[:, None])
+
+
+def _chunk(width: int, want: int) -> int:
+    """The largest power of two <= want dividing width."""
+    c = want
+    while c > 1 and width % c:
+        c //= 2
+    return c
+
+
+def unsupported(storage, q: torch.Tensor, packed) -> str | None:
+    """Why attend_triton cannot take this call (None: it can)."""
+    if storage.r_k is None:
+        return "variant x without the layer's weights (bind them first)"
+    if storage.bits not in BITS:
+        return f"{storage.bits}-bit latents (the kernels read {', '.join(map(str, BITS))} bits)"
+    width = storage.width
+    if _chunk(width, 16) < 16 or (storage.bits == 3 and width % 32):
+        return f"a latent width of {width} (a multiple of {32 if storage.bits == 3 else 16} is needed)"
+    if q.shape[1] % packed.heads:
+        return f"{q.shape[1]} query heads over {packed.heads} KV heads"
+    if storage.r_k.shape[1] != packed.heads * packed.dim:
+        return f"R_k with {storage.r_k.shape[1]} columns for {packed.heads} x {packed.dim} key channels"
+    for name, t in packed.buffers.items():
+        if t.stride(-1) != 1:
+            return f"buffer {name} not contiguous in its last axis"
+    return None
+
+
+def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: int | None = None,
+                  num_splits: int | None = None, num_warps: int | None = None, chunk: int | None = None,
+                  value_chunk: int | None = None, programs_per_sm: int | None = None):
+    """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`.
+    Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
+    (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
+    program)."""
+    from kvcal.runtime.decode import Partials
+
+    batch, hq, d = q.shape
+    hkv = packed.heads
+    group = hq // hkv
+    dev = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    prec = PREC.get(q.dtype, 16)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    operand_dtype = {16: torch.float16, 32: torch.float32, 64: torch.float64}[prec]
+    width, bits = storage.width, storage.bits
+    x = storage.variant == "x"
+    defaults = DEFAULTS_FP64 if q.dtype == torch.float64 else DEFAULTS
+    bt = block_t or (16 if K.INTERPRET else defaults["block_t"])
+    c = _chunk(width, chunk or defaults["chunk"])
+    cv = _chunk(width, value_chunk or defaults["value_chunk"])
+    gp = max(pow2(group), 16)
+    tcap = packed.capacity
+    if num_splits:
+        nsplit = int(num_splits)
+    else:
+        target = (programs_per_sm or defaults["programs_per_sm"]) * K.sm_count(dev)
+        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    nfp = K.fp_splits(fp)
+    splits = nsplit + nfp
+    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
+    dummy, _ = K.placeholders(dev)
+    # key latent: per-channel blocks (svd) or per-token groups (x; the same buffers as the values)
+    if bits == 16:
+        kc = packed["v_raw"] if x else packed["k_raw"]
+        ks = kz = vs = vz = dummy
+        ks_strides = vs_strides = (0, 0)
+        tdiv, cdiv_k, cdiv_v = 1, 1, 1
+    else:
+        kc = packed["v_codes"] if x else packed["k_codes"]
+        ks, kz = (packed["v_scale"], packed["v_zero"]) if x else (packed["k_scale"], packed["k_zero"])
+        vs, vz = packed["v_scale"], packed["v_zero"]
+        ks_strides, vs_strides = (ks.stride(0), ks.stride(2)), (vs.stride(0), vs.stride(2))
+        tdiv = 1 if x else storage.group_tokens
+        cdiv_k = storage.group_channels if x else 1
+        cdiv_v = storage.group_channels
+    vc = packed["v_raw"] if bits == 16 else packed["v_codes"]
+    ko = packed["k_outlier"] if storage.outlier else dummy
+    r_k = storage.factor("r_k", operand_dtype)
+    b_k = storage.factor("b_k", acc_dtype)
+    scores = torch.empty(batch * hkv, tcap, group, dtype=acc_dtype, device=dev)
+    lat = torch.empty(batch * hkv, nsplit, group, width, dtype=acc_dtype, device=dev)
+    qk_hi, qk_lo = K.qk_scale_parts(scale)
+    opts = {"num_warps": num_warps or defaults["num_warps"]}
+    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
+        opts["enable_fp_fusion"] = False
+    with launch_device(q):
+        _scores_kernel[(batch * hkv, nsplit)](
+            q, q.stride(0), q.stride(1), packed.lengths,
+            kc, kc.stride(0), kc.stride(2), ks, kz, *ks_strides, ko, ko.stride(0) if storage.outlier else 0,
+            r_k, b_k if b_k is not None else dummy, packed.rope_cos, packed.rope_sin, packed.pos_offset,
+            scores, scores.stride(0), scores.stride(1), parts.m, parts.l, hkv, qk_hi, qk_lo, nsplit, splits,
+            D=d, G=group, GP=gp, RW=width, C=c, BITS=bits, TDIV=tdiv, CDIV=cdiv_k, OUTLIER=int(storage.outlier),
+            HAS_BIAS=int(b_k is not None), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec, **opts,
+        )
+        _values_kernel[(batch * hkv, nsplit, width // cv)](
+            packed.lengths, vc, vc.stride(0), vc.stride(2), vs, vz, *vs_strides,
+            scores, scores.stride(0), scores.stride(1), parts.m, lat, hkv, nsplit, splits,
+            G=group, GP=gp, RW=width, CV=cv, BITS=bits, CDIV=cdiv_v, BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec,
+            **opts,
+        )
+    # one product with R_v per (row, KV head): [B, Hkv, S G, width] x [Hkv, width, D], plus l b_v
+    r_v = storage.factor("r_v", acc_dtype).view(width, hkv, d).transpose(0, 1)
+    out = torch.matmul(lat.view(batch, hkv, nsplit * group, width), r_v).view(batch * hkv, nsplit, group, d)
+    b_v = storage.factor("b_v", acc_dtype)
+    if b_v is not None:
+        out = out + parts.l[:, :nsplit, :, None] * b_v.view(1, hkv, 1, 1, d).expand(
+            batch, hkv, 1, 1, d).reshape(batch * hkv, 1, 1, d)
+    parts.acc[:, :nsplit] = out
+    if nfp:
+        K.fp_partials_into(q, fp, scale, parts, nsplit)
+    return parts

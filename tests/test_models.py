@@ -154,6 +154,21 @@ def test_gguf_alias_source_keeps_the_smollm2_fields(monkeypatch, tmp_path):
                       "gguf_sha256": hashlib.sha256(b"GGUF" + b"x" * 10 + b"y" * 7).hexdigest()}
 
 
+def test_a_package_alias_whose_gguf_changed_is_refused(monkeypatch, tmp_path):
+    """An alias with a pinned sha256 refuses a GGUF of another hash in one line, before any conversion."""
+    from kvcal.models import gguf as gguf_module
+    from kvcal.models.registry import ModelSpec
+
+    part = tmp_path / "a.bin"
+    part.write_bytes(b"GGUF" + b"z" * 10)
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_module, "package_parts", lambda spec: ([part], ["p-1==1.0"]))
+    monkeypatch.setattr(gguf_module, "converted_gguf_dir", lambda *a: pytest.fail("converted a refused file"))
+    monkeypatch.setitem(gguf_module.PINNED_SHA256, "pinned-alias", "0" * 64)
+    with pytest.raises(KvcalError, match=r"^pinned-alias: the installed packages \(p-1==1.0\) hold a GGUF of sha256 "):
+        gguf_module.package_gguf_source(ModelSpec("pinned-alias", "gguf", "p_1:a.bin", "test"))
+
+
 def test_missing_package_is_one_line():
     from kvcal.models.gguf import package_parts
     from kvcal.models.registry import ModelSpec

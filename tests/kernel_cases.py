@@ -266,6 +266,10 @@ ATTENTION_CASES = [
     ("commvq1_c12_g8_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
     ("commvq1_d128_bf16", "commvq", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
     ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
+    # the one-kernel walk (keys and value mass per (row, KV head, split))
+    ("commvq2_fused_bf16", "commvq", 2, torch.bfloat16, {}, {"key_path": "fused"}, {}),
+    ("commvq1_c12_g8_fused_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2},
+     {"key_path": "fused"}, {}),
     ("commvq2_fp32", "commvq", 2, torch.float32, {}, {}, {}),
     ("commvq1_g8_fp64", "commvq", 1, torch.float64, {"group_pairs": 8}, {}, {}),
     # the paper's key path: a per-step table of q against the codebooks, gathered by the indices

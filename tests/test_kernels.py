@@ -301,6 +301,8 @@ GPU_CASES = [
      ("commvq1_fp16", "commvq", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
      ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {}),
      ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {}),
+     # the one-kernel walk (the two passes are the default)
+     ("commvq2_fused_fp16", "commvq", 2, torch.float16, {"codes": 64, "stages": 21}, {"key_path": "fused"}, {}),
      # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
      ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
      ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),

@@ -1,29 +1,38 @@
 """CommVQ's Triton kernels, beside their torch references in kvcal/methods/commvq.py (CommVQStorage).
 
-Decode attention (`attend_triton`, reference CommVQStorage.attend_reference), two launches and the generic ones:
+Decode attention (`attend_triton`, reference CommVQStorage.attend_reference). The default (key_path "codewords") is
+two passes over the tokens, then the codebook product and the generic merge:
 
-1. `_scores_mass_kernel`, grid (B * Hkv, NSPLIT): program (row b, KV head h, split s) walks an equal BLOCK_T-aligned
-   share of row b's tokens (runtime/kernels.split_bounds: no host sync). Per tile of BLOCK_T tokens:
-   - keys: for every stage r and code e in (a, b) the token's index is cut from its bit stream, and the codeword
-     row theta_heads[h, r, index] (P pairs (x, y), contiguous) is gathered; the stages are summed before the single
-     rotation (A = sum_r w_a + i w_b per pair, the commutation of digest §3.4: one rotation per token and pair
-     whatever R is), the sum is rotated by the token's position (the model's float32 RoPE tables), and dotted with
-     the GQA group's queries: score = kappa * scale * q~ . R_i k_hat. The same sum as fused_key_scores' (Eq. 19),
-     grouped per codeword instead of per table entry: the table of q against the codebook (d, c per query head)
-     holds rep = Hq / Hkv times more values than the codebook itself, so the kernel gathers the codebook and
-     multiplies by q after the rotation (docs/commvq.md counts both).
-   - online softmax in the log2 domain (runtime/kernels.softmax_tile);
-   - values, Eq. 22: the probability mass per code bit, mass[n, head] += sum_t bit[t, n] rho_t p[t, head], one
-     tensor-core dot of the tile's unpacked bits [N_c, BLOCK_T] (0/1, exact in fp16) with rho * p [BLOCK_T, heads]
-     (fp16 hi + lo parts for fp16/bf16 queries: ~fp32 precision; float32 / float64 dots otherwise).
-   It writes (m, l) and the unnormalized mass [N_c] per query head of its split to a scratch buffer.
-2. `_codebook_kernel`, grid (B * Hkv, N_c / NCC): combines the splits' mass in code chunks of NCC (each split
+1. `_key_scores_kernel`, grid (token tiles, B, Hkv), the KV head slowest (the programs resident together gather from
+   one KV head's codebook): per tile of BLOCK_T tokens, for every stage r and code e in (a, b) the token's index is
+   cut from its bit stream (`_key_code`) and the codeword row theta_heads[h, r, index] (the group's pairs (x, y),
+   contiguous: one vector gather per token, group and stage) is gathered; the stages are summed before the single
+   rotation (A = sum_r w_a + i w_b per pair, the commutation of digest §3.4: one rotation per token and pair whatever
+   R is), the sum is rotated by the token's position (the model's float32 RoPE tables) and dotted with the GQA group's
+   queries: score = kappa * scale * log2(e) * q~ . R_i k_hat, written to a float32 buffer [B, Hq, T] (4 MB per row at
+   32K). The same sum as fused_key_scores' (Eq. 19), grouped per codeword instead of per table entry: the table of q
+   against the codebook (d, c per query head) holds rep = Hq / Hkv times more values than the codebook itself, so
+   the kernel gathers the codebook and multiplies by q after the rotation (docs/commvq.md counts both).
+2. `_value_mass_kernel`, grid (code chunks, splits, B), the chunk fastest (the chunks of a split read its scores
+   together, from the L2): program (chunk c, split s, row b) runs the online softmax of all Hq query heads over its
+   split (log2 domain, runtime/kernels.softmax_tile) and accumulates the probability mass of its NCC value-code bits,
+   Eq. 22: mass[n, head] += sum_t bit[t, n] rho_t p[t, head], one tensor-core dot of the tile's unpacked bits
+   [NCC, BLOCK_T] (0/1, exact in fp16) with rho * p [BLOCK_T, Hq] (fp16 hi + lo parts for fp16/bf16 queries: ~fp32
+   precision; float32 / float64 dots otherwise), so each bit is unpacked once for all 32 heads (and the dot has 32
+   useful columns). It writes (m, l) and the unnormalized mass [N_c] per query head of its split.
+3. `_codebook_kernel`, grid (B * Hkv, N_c / NCC): combines the splits' mass in code chunks of NCC (each split
    rescaled by exp2(m_s - max)), multiplies the chunk by the KV head's slice of the value codebook C_V [NCC, D] and
    the per-channel scale (applied after C_V, digest §8 item 14), and writes it as one softmax partial of the
    runtime's format: every chunk carries m = the row's max, chunk 0 the row's sum l and the others l = 0, so the
    generic merge adds the chunks' products (sum_c w acc_c / sum w l).
-3. the full-precision window: runtime/kernels.fp_partials_into into the last splits; runtime/kernels.merge_triton
+4. the full-precision window: runtime/kernels.fp_partials_into into the last splits; runtime/kernels.merge_triton
    merges all (decode_attention calls it).
+
+key_path "fused" (and "table", the paper's key path) runs passes 1 and 2 as one kernel instead,
+`_scores_mass_kernel`, grid (B * Hkv, NSPLIT): program (row b, KV head h, split s) walks its share of row b's tokens
+(runtime/kernels.split_bounds: no host sync), the keys as above, then the value mass of its 4 query heads (the tile's
+bits unpacked per KV head, the dot padded to 16 columns); kept to measure the two against each other
+(docs/commvq.md: the two passes are 4.7x (batch 1) to 8x faster).
 
 Key encoding (`encode_keys_triton`, reference commvq.encode_keys): one program per (block of 16 tokens, group) runs
 the greedy residual search over the stages with the fast distance decomposition of quant/vq.py
@@ -59,6 +68,14 @@ BLOCK_T = 32  # tokens per tile
 BLOCK_T_FP32 = 16
 PROGRAMS_PER_SM = 4  # split programs per SM (each writes a mass partial of N_c x G floats)
 CODE_CHUNK = 32  # codes per program of the codebook kernel
+# the two-pass path (key_path "codewords")
+KEY_BLOCK_T = 32  # tokens per tile of the key-score pass
+KEY_TILES = 1  # tiles per key-score program
+KEY_WARPS = 4
+VALUE_BLOCK_T = 64  # tokens per tile of the value-mass pass
+VALUE_BLOCK_T_FP32 = 32  # float32 queries (float32 dot operands: 64 tokens spill at 2 bits in an sm_90 compile)
+VALUE_CHUNK = 256  # value-code bits per value-mass program
+FP16_CODEWORDS = False  # fp16 codewords: faster, but over the bf16 test tolerance at 32K (docs/commvq.md)
 ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's tables are loaded once per block)
 
 
@@ -79,6 +96,22 @@ if triton is not None:
             return dot(b16, hi, INTERP) + dot(b16, lo, INTERP)
 
     @triton.jit
+    def _key_code(krow, tm, h, r, e, R: tl.constexpr, NPH: tl.constexpr, IB: tl.constexpr, WK: tl.constexpr):
+        """The index of code e (a: 0, b: 1) of stage r of the KV head h's NPH groups, for the tile's tokens (code rows
+        krow [BLOCK_T], valid tm): [BLOCK_T, NPH] int32, cut from the row's bit stream (an index may straddle two
+        words)."""
+        MASK: tl.constexpr = (1 << IB) - 1
+        gi = tl.arange(0, NPH)
+        bit = (((h * NPH + gi) * R + r) * 2 + e) * IB  # [NPH] stream bit of the group's code
+        wi = bit // 32
+        sh = (bit % 32).to(tl.uint32)
+        w0 = tl.load(krow[:, None] + wi[None, :], mask=tm[:, None], other=0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(krow[:, None] + wi[None, :] + 1, mask=tm[:, None] & (wi + 1 < WK)[None, :],
+                     other=0).to(tl.uint32, bitcast=True)
+        hi = tl.where(sh[None, :] > 0, w1 << ((32 - sh) % 32)[None, :], 0)
+        return (((w0 >> sh[None, :]) | hi) & MASK).to(tl.int32)
+
+    @triton.jit
     def _scores_mass_kernel(
         q_ptr, sqb, sqh, len_ptr,
         kc_ptr, skb, skt, kn_ptr, sknb,
@@ -88,7 +121,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPV: tl.constexpr, R: tl.constexpr,
         NCODE: tl.constexpr, IB: tl.constexpr, NPH: tl.constexpr, GPAIRS: tl.constexpr, WK: tl.constexpr,
         WV: tl.constexpr, WVP: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-        TABLE: tl.constexpr,
+        TABLE: tl.constexpr, PROBE: tl.constexpr,
     ):
         ACC: tl.constexpr = m_ptr.dtype.element_ty
         if PREC == 64:
@@ -97,7 +130,6 @@ if triton is not None:
             qk_scale = qk_scale_hi
         P: tl.constexpr = D // 2
         NCB: tl.constexpr = WVP * 32
-        MASK: tl.constexpr = (1 << IB) - 1
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -112,7 +144,6 @@ if triton is not None:
         m_i = tl.full((GP,), float("-inf"), ACC)
         l_i = tl.zeros((GP,), ACC)
         mass = tl.zeros((NCB, GPV), ACC)
-        gi = tl.arange(0, NPH)  # the KV head's groups
         xy = tl.arange(0, 2)
         th_head = th_ptr + h * (R * NCODE * P * 2)
         wv = tl.arange(0, WVP)
@@ -127,16 +158,12 @@ if triton is not None:
             if TABLE:
                 big_a = tl.zeros((BLOCK_T, P, GP), ACC)
                 big_b = tl.zeros((BLOCK_T, P, GP), ACC)
-            for r in range(R):
+            for r in range(R * (PROBE != 2)):  # PROBE 2 (timing only): no key codes and no gathers
                 for e in tl.static_range(2):
-                    bit = (((h * NPH + gi) * R + r) * 2 + e) * IB  # [NPH] stream bit of the group's code
-                    wi = bit // 32
-                    sh = (bit % 32).to(tl.uint32)
-                    w0 = tl.load(krow[:, None] + wi[None, :], mask=tm[:, None], other=0).to(tl.uint32, bitcast=True)
-                    w1 = tl.load(krow[:, None] + wi[None, :] + 1, mask=tm[:, None] & (wi + 1 < WK)[None, :],
-                                 other=0).to(tl.uint32, bitcast=True)
-                    hi = tl.where(sh[None, :] > 0, w1 << ((32 - sh) % 32)[None, :], 0)
-                    code = (((w0 >> sh[None, :]) | hi) & MASK).to(tl.int32)  # [BLOCK_T, NPH]
+                    if PROBE == 1:  # timing only: constant codes (every gather reads the stage's row 0)
+                        code = tl.zeros((BLOCK_T, NPH), tl.int32)
+                    else:
+                        code = _key_code(krow, tm, h, r, e, R, NPH, IB, WK)  # [BLOCK_T, NPH]
                     code = tl.reshape(tl.broadcast_to(code[:, :, None], (BLOCK_T, NPH, GPAIRS)), (BLOCK_T, P))
                     if TABLE:  # the entries (d, c) of the group's query heads: [BLOCK_T, P, GP, 2]
                         off = (((r * NCODE + code) * P + jj[None, :]) * GP)[:, :, None] + rk[None, None, :]
@@ -178,7 +205,10 @@ if triton is not None:
             words = tl.load(vc_ptr + b * svb + t[None, :] * svt + wv[:, None],
                             mask=tm[None, :] & (wv < WV)[:, None], other=0).to(tl.uint32, bitcast=True)  # [WVP, BT]
             bits = tl.reshape((words[:, None, :] >> sh32[None, :, None]) & 1, (NCB, BLOCK_T))
-            mass = mass * av[None, :] + _value_dot(bits, pv, PREC, INTERP)
+            if PROBE == 3:  # timing only: no value mass
+                mass = mass * av[None, :]
+            else:
+                mass = mass * av[None, :] + _value_dot(bits, pv, PREC, INTERP)
         rv = tl.arange(0, GPV)
         nn = tl.arange(0, NCB)
         tl.store(mass_ptr + (part * G + rv[None, :]) * NCB + nn[:, None], mass, mask=(rv < G)[None, :])
@@ -219,6 +249,121 @@ if triton is not None:
         tl.store(pacc_ptr + (part * G + rg[:, None]) * D + dd[None, :], out, mask=(rg < G)[:, None])
         tl.store(pm_ptr + part * G + rg, top, mask=rg < G)
         tl.store(pl_ptr + part * G + rg, tl.where(chunk == 0, l_tot, 0.0), mask=rg < G)
+
+    @triton.jit
+    def _key_scores_kernel(
+        q_ptr, sqb, sqh, len_ptr, kc_ptr, skb, skt, kn_ptr, sknb, th_ptr, cos_ptr, sin_ptr, pos_offset,
+        s_ptr, ssb, ssh, qk_scale_hi, qk_scale_lo,
+        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, NCODE: tl.constexpr, IB: tl.constexpr,
+        NPH: tl.constexpr, GPAIRS: tl.constexpr, WK: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
+        PROBE: tl.constexpr,
+    ):
+        """Pass 1 of the two-pass decode: program (tile group c, row b, KV head h) writes the log2-domain scores
+        kappa * scale * log2(e) * q~ . R_t k_hat of the GQA group's queries for TILES tiles of BLOCK_T tokens into
+        s [B, Hq, T] (float32; float64 for float64 queries). The KV head is the slowest grid axis, so the programs
+        resident together gather from one KV head's codebook (L1 reuse). Per token and stage, a code's codeword
+        row (the group's GPAIRS pairs, contiguous) is one vector gather."""
+        ACC: tl.constexpr = s_ptr.dtype.element_ty
+        if ACC == tl.float64:
+            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
+        else:
+            qk_scale = qk_scale_hi
+        P: tl.constexpr = D // 2
+        W2: tl.constexpr = 2 * GPAIRS
+        c = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        length = tl.load(len_ptr + b)
+        rk = tl.arange(0, GP)
+        jj = tl.arange(0, P)
+        q_row = q_ptr + b * sqb + h * G * sqh
+        q1 = tl.load(q_row + rk[None, :] * sqh + jj[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)  # [P, GP]
+        q2 = tl.load(q_row + rk[None, :] * sqh + P + jj[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+        gi = tl.arange(0, NPH)
+        w2 = tl.arange(0, W2)
+        th_head = th_ptr + h * (R * NCODE * P * 2)
+        # the group's GPAIRS (x, y) pairs of a codeword row: [NPH, 2 GPAIRS], contiguous along the last axis
+        grp = (gi * W2)[:, None] + w2[None, :]
+        t_first = c * (TILES * BLOCK_T)
+        for t0 in range(t_first, tl.minimum(t_first + TILES * BLOCK_T, length), BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < length
+            krow = kc_ptr + b * skb + t * skt
+            kx = tl.zeros((BLOCK_T, P), ACC)
+            ky = tl.zeros((BLOCK_T, P), ACC)
+            for r in range(R * (PROBE != 2)):  # PROBE 2 (timing only): no codes, no gathers
+                for e in tl.static_range(2):
+                    if PROBE == 1:  # timing only: constant codes (every gather reads the stage's row 0)
+                        code = tl.zeros((BLOCK_T, NPH), tl.int32)
+                    else:
+                        code = _key_code(krow, tm, h, r, e, R, NPH, IB, WK)  # [BLOCK_T, NPH]
+                    off = ((r * NCODE + code) * (2 * P))[:, :, None] + grp[None, :, :]  # [BLOCK_T, NPH, W2]
+                    rows = tl.load(th_head + off).to(ACC)
+                    x, y = tl.split(tl.reshape(rows, (BLOCK_T, P, 2)))
+                    if e == 0:  # w_a: row 0 of C_a
+                        kx += x
+                        ky += y
+                    else:  # i w_b: row 1 of C_b, (-y, x)
+                        kx -= y
+                        ky += x
+            pos = pos_offset + t
+            cs = tl.load(cos_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
+            sn = tl.load(sin_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
+            kappa = tl.load(kn_ptr + b * sknb + t, mask=tm, other=0.0).to(ACC)
+            k1 = kx * cs - ky * sn
+            k2 = ky * cs + kx * sn
+            s = tl.sum(k1[:, :, None] * q1[None, :, :], 1) + tl.sum(k2[:, :, None] * q2[None, :, :], 1)
+            s = s * (kappa * qk_scale)[:, None]  # [BLOCK_T, GP]
+            tl.store(s_ptr + b * ssb + (h * G + rk)[None, :] * ssh + t[:, None], s,
+                     mask=tm[:, None] & (rk < G)[None, :])
+
+    @triton.jit
+    def _value_mass_kernel(
+        s_ptr, ssb, ssh, len_ptr, vc_ptr, svb, svt, vr_ptr, svrb, m_ptr, l_ptr, mass_ptr, NSPLIT,
+        HQ: tl.constexpr, HQP: tl.constexpr, G: tl.constexpr, WV: tl.constexpr, NCB: tl.constexpr,
+        NCC: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, PROBE: tl.constexpr,
+    ):
+        """Pass 2: program (code chunk c, split s, row b) takes the scores of all Hq query heads over its split's
+        tokens (online softmax per head) and accumulates the probability mass of its NCC value-code bits,
+        mass[n, head] = sum_t bit[t, n] rho_t p[t, head]: one tensor-core dot per tile of the chunk's unpacked bits
+        [NCC, BLOCK_T] with rho p [BLOCK_T, Hq] (fp16 hi + lo parts for fp16/bf16 queries), so each bit is unpacked
+        once for all heads. The chunk is the fastest grid axis: the chunks of a split read its scores together (L2).
+        Writes the mass [B Hkv, NSPLIT, G, NCB] and (chunk 0) m, l [B Hkv, NSPLIT, G] of _codebook_kernel."""
+        ACC: tl.constexpr = m_ptr.dtype.element_ty
+        WC: tl.constexpr = NCC // 32
+        chunk = tl.program_id(0)
+        split = tl.program_id(1)
+        b = tl.program_id(2)
+        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+        hq = tl.arange(0, HQP)
+        hok = hq < HQ
+        wv = chunk * WC + tl.arange(0, WC)
+        sh32 = tl.arange(0, 32).to(tl.uint32)
+        m_i = tl.full((HQP,), float("-inf"), ACC)
+        l_i = tl.zeros((HQP,), ACC)
+        mass = tl.zeros((NCC, HQP), ACC)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < end
+            s = tl.load(s_ptr + b * ssb + hq[None, :] * ssh + t[:, None], mask=tm[:, None] & hok[None, :],
+                        other=float("-inf"))
+            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, hok)
+            rho = tl.load(vr_ptr + b * svrb + t, mask=tm, other=0.0).to(ACC)
+            pv = p * rho[:, None]
+            if PROBE == 3:  # timing only: no value mass
+                mass = mass * alpha[None, :]
+            else:
+                words = tl.load(vc_ptr + b * svb + t[None, :] * svt + wv[:, None],
+                                mask=tm[None, :] & (wv < WV)[:, None], other=0).to(tl.uint32, bitcast=True)
+                bits = tl.reshape((words[:, None, :] >> sh32[None, :, None]) & 1, (NCC, BLOCK_T))
+                mass = mass * alpha[None, :] + _value_dot(bits, pv, PREC, INTERP)
+        hkv = hq // G
+        part = ((b * (HQ // G) + hkv) * NSPLIT + split) * G + hq % G  # [HQP]
+        nn = chunk * NCC + tl.arange(0, NCC)
+        tl.store(mass_ptr + part[None, :] * NCB + nn[:, None], mass, mask=hok[None, :])
+        if chunk == 0:
+            tl.store(m_ptr + part, m_i, mask=hok)
+            tl.store(l_ptr + part, l_i, mask=hok)
 
     @triton.jit
     def _encode_keys_kernel(x_ptr, u_ptr, ju_ptr, sq_ptr, cross_ptr, codes_ptr, M, GROUPS, R: tl.constexpr,
@@ -355,19 +500,26 @@ def query_tables(q: torch.Tensor, theta_heads: torch.Tensor, gp: int, dtype) -> 
     return torch.stack((table_d, table_c), -1).contiguous()
 
 
-def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t: int | None = None,
-                  num_splits: int | None = None, programs_per_sm: int | None = None, num_warps: int | None = None,
-                  code_chunk: int | None = None, fp16_codewords: bool = False, key_path: str = "codewords"):
+PROBES = {None: 0, "const_codes": 1, "no_gathers": 2, "no_value_mass": 3, "no_key_pass": 4}
+
+
+def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_path: str = "codewords",
+                  block_t: int | None = None, num_warps: int | None = None, tiles: int | None = None,
+                  value_block_t: int | None = None, value_chunk: int | None = None, value_warps: int | None = None,
+                  num_splits: int | None = None, programs_per_sm: int | None = None, code_chunk: int | None = None,
+                  fp16_codewords: bool | None = None, probe: str | None = None):
     """Partials of q [B, Hq, D] (after RoPE) over CommVQ's packed tokens and the full-precision part `fp` (module
-    docstring). Keyword-only tuning knobs: block_t (tokens per tile, >= 16; default BLOCK_T, BLOCK_T_FP32 for float32
-    queries), num_splits (default from programs_per_sm x SMs), num_warps of the split kernel (default: the
-    mass accumulator [N_c, 16] and a tile's unpacked bits at about 64 registers per thread each), code_chunk (codes
-    per codebook program, >= 16),
-    fp16_codewords (fp16/bf16 queries: gather the codewords in fp16, half the bytes of the gathers that bound the
-    kernel (docs/commvq.md), at a rounding of each codeword to 2^-11 relative; off by default: not measured),
-    key_path: "codewords" (gather the codewords, rotate their stage sum, dot with the group's queries) or "table" (the
-    paper's kernel and fused_key_scores: a table of q against the codebooks built per step in torch, [B, Hkv, R, N', P,
-    G, 2] entries (d, c), gathered by the indices, then cos A + sin B), for measuring one against the other."""
+    docstring). key_path: "codewords" (the default: two passes, _key_scores_kernel writes the scores, then
+    _value_mass_kernel), "fused" (one kernel, _scores_mass_kernel, walks the keys and the value mass per (row, KV
+    head, split)) or "table" (the fused kernel on the paper's key path: a table of q against the codebooks built per
+    step in torch, [B, Hkv, R, N', P, G, 2] entries (d, c), gathered by the indices, then cos A + sin B), for
+    measuring one against the other. Keyword-only tuning knobs: block_t (tokens per key tile, >= 16; in the fused
+    kernel its one tile: BLOCK_T, BLOCK_T_FP32 for float32 queries), num_warps (key pass / fused kernel), tiles (key
+    tiles per program), value_block_t, value_chunk (value-code bits per program, a power of two >= 32), value_warps,
+    num_splits (default from programs_per_sm x SMs), code_chunk (codes per codebook program, >= 16), fp16_codewords
+    (fp16/bf16 queries: gather the codewords in fp16, half the bytes; off by default: 27 to 34% faster on the H100,
+    but a codeword rounded to 2^-11 relative moves the output by 4e-3 to 6e-3 at Llama shapes, docs/commvq.md),
+    probe (timing only, wrong results: "const_codes", "no_gathers", "no_value_mass", "no_key_pass")."""
     from kvcal.runtime.decode import Partials
 
     batch, hq, d = q.shape
@@ -376,8 +528,14 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     dev = q.device
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if key_path not in ("codewords", "fused", "table"):
+        raise KvcalError(f"commvq key_path must be codewords, fused or table, got '{key_path}'")
+    if probe not in PROBES:
+        raise KvcalError(f"commvq probe must be one of {sorted(p for p in PROBES if p)}, got '{probe}'")
     tables = _workspace(storage, q.dtype, dev)
     theta_heads, values = tables["theta_heads"], tables["values"]
+    if fp16_codewords is None:
+        fp16_codewords = key_path == "codewords" and FP16_CODEWORDS
     if fp16_codewords and q.dtype in (torch.float16, torch.bfloat16):
         if "theta_heads_fp16" not in tables:
             tables["theta_heads_fp16"] = theta_heads.half()
@@ -385,46 +543,77 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     codebook, channel_scale = values["codebook"], values["channel_scale"]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc, kn, vc, vr = packed["k_codes"], packed["k_norm"], packed["v_codes"], packed["v_rho"]
-    if key_path not in ("codewords", "table"):
-        raise KvcalError(f"commvq key_path must be codewords or table, got '{key_path}'")
     gp = pow2(group)
-    if key_path == "table":
-        theta_heads = query_tables(q, tables["theta_heads"], gp, acc_dtype)
-    bt = block_t or (BLOCK_T_FP32 if q.dtype == torch.float32 else BLOCK_T)
     tcap = kc.shape[1]
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or PROGRAMS_PER_SM) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
-    gpv = max(gp, 16)
     nc = codebook.shape[0]
     wv = vc.shape[-1]
     ncb = pow2(wv) * 32
     ncc = min(code_chunk or CODE_CHUNK, ncb)
-    rows = batch * hkv
-    m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
-    l_s = torch.empty_like(m_s)
-    mass = torch.empty(rows, nsplit, group, ncb, dtype=acc_dtype, device=dev)
     nchunks = ncb // ncc
-    fp_count = K.fp_splits(fp)
-    parts = Partials.empty(rows, nchunks + fp_count, group, d, q.dtype, dev)
-    warps = num_warps or max(4, min(16, ncb * gpv // 2048))
+    rows = batch * hkv
+    target = (programs_per_sm or PROGRAMS_PER_SM) * K.sm_count(dev)
     qk_hi, qk_lo = K.qk_scale_parts(scale)
     opts = {"enable_fp_fusion": False} if q.dtype == torch.float64 else {}
+    fp_count = K.fp_splits(fp)
+    parts = Partials.empty(rows, nchunks + fp_count, group, d, q.dtype, dev)
+    prec = PREC.get(q.dtype, 16)
+    if key_path == "codewords":
+        kbt = block_t or KEY_BLOCK_T
+        ntile = (tiles or KEY_TILES)
+        vbt = value_block_t or (VALUE_BLOCK_T_FP32 if q.dtype == torch.float32 else VALUE_BLOCK_T)
+        vcc = min(value_chunk or VALUE_CHUNK, ncb)
+        vchunks = ncb // vcc
+        if num_splits:
+            nsplit = int(num_splits)
+        else:
+            nsplit = max(1, min(triton.cdiv(target, batch * vchunks), triton.cdiv(tcap, 4 * vbt)))
+        hqp = max(pow2(hq), 16)
+        scores = (torch.zeros if probe == "no_key_pass" else torch.empty)(batch, hq, tcap, dtype=acc_dtype, device=dev)
+        m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
+        l_s = torch.empty_like(m_s)
+        mass = torch.empty(rows, nsplit, group, ncb, dtype=acc_dtype, device=dev)
+        with launch_device(q):
+            if probe != "no_key_pass":
+                _key_scores_kernel[(triton.cdiv(tcap, kbt * ntile), batch, hkv)](
+                    q, q.stride(0), q.stride(1), packed.lengths, kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
+                    theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
+                    scores, scores.stride(0), scores.stride(1), qk_hi, qk_lo,
+                    D=d, G=group, GP=gp, R=storage.stages, NCODE=storage.codes, IB=storage.index_bits,
+                    NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1], BLOCK_T=kbt, TILES=ntile,
+                    PROBE=PROBES[probe] % 3, num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
+                )
+            _value_mass_kernel[(vchunks, nsplit, batch)](
+                scores, scores.stride(0), scores.stride(1), packed.lengths, vc, vc.stride(0), vc.stride(1),
+                vr, vr.stride(0), m_s, l_s, mass, nsplit,
+                HQ=hq, HQP=hqp, G=group, WV=wv, NCB=ncb, NCC=vcc, BLOCK_T=vbt, INTERP=K.INTERPRET, PREC=prec,
+                PROBE=PROBES[probe], num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
+            )
+    else:
+        if key_path == "table":
+            theta_heads = query_tables(q, tables["theta_heads"], gp, acc_dtype)
+        bt = block_t or (BLOCK_T_FP32 if q.dtype == torch.float32 else BLOCK_T)
+        if num_splits:
+            nsplit = int(num_splits)
+        else:
+            nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+        gpv = max(gp, 16)
+        m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
+        l_s = torch.empty_like(m_s)
+        mass = torch.empty(rows, nsplit, group, ncb, dtype=acc_dtype, device=dev)
+        warps = num_warps or max(4, min(16, ncb * gpv // 2048))
+        with launch_device(q):
+            _scores_mass_kernel[(rows, nsplit)](
+                q, q.stride(0), q.stride(1), packed.lengths,
+                kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
+                vc, vc.stride(0), vc.stride(1), vr, vr.stride(0),
+                theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
+                m_s, l_s, mass, hkv, qk_hi, qk_lo, nsplit,
+                D=d, G=group, GP=gp, GPV=gpv, R=storage.stages, NCODE=storage.codes,
+                IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
+                WV=wv, WVP=pow2(wv), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec,
+                TABLE=int(key_path == "table"), PROBE=min(PROBES[probe], 3), num_warps=warps, **opts,
+            )
     with launch_device(q):
-        _scores_mass_kernel[(rows, nsplit)](
-            q, q.stride(0), q.stride(1), packed.lengths,
-            kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
-            vc, vc.stride(0), vc.stride(1), vr, vr.stride(0),
-            theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
-            m_s, l_s, mass, hkv, qk_hi, qk_lo, nsplit,
-            D=d, G=group, GP=gp, GPV=gpv, R=storage.stages, NCODE=storage.codes,
-            IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
-            WV=wv, WVP=pow2(wv), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16),
-            TABLE=int(key_path == "table"), num_warps=warps,
-            **opts,
-        )
         _codebook_kernel[(rows, nchunks)](
             m_s, l_s, mass, codebook, channel_scale, parts.m, parts.l, parts.acc, hkv, nsplit, nchunks + fp_count,
             nc, C=codebook.shape[1], D=d, G=group, GP=gp, NCB=ncb, NCC=ncc, SP=pow2(nsplit), num_warps=4,

@@ -126,12 +126,6 @@ class LoadedModel:
         """Where the model takes its input ids (its embeddings; the only device of a model on one device)."""
         return self.model.get_input_embeddings().weight.device
 
-    @property
-    def output_device(self) -> torch.device:
-        """Where the logits come out (the LM head's device: the last one of a model split over several)."""
-        head = self.model.get_output_embeddings()
-        return self.device if head is None else head.weight.device
-
     def layer_device(self, i: int) -> torch.device:
         """The device of decoder layer i: where its attention weights are (its captures, codec tensors, cache storage
         and step graphs live there)."""
@@ -253,6 +247,11 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bo
         loaded = _load_hub(spec, torch_dtype, place)
     if adapt:
         install_adapter(loaded)
+    if device_map is not None:  # where each layer went: the one thing a user cannot see otherwise
+        from kvcal.models.devmap import placement_summary
+        from kvcal.progress import stderr_console
+
+        stderr_console.print(f"{loaded.name}: {placement_summary(loaded)}", markup=False, highlight=False)
     return loaded
 
 

@@ -148,7 +148,9 @@ def dispatch(model, device_map: dict):
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        dispatch_model(model, device_map=device_map, skip_keys=skip, force_hooks=True)
+        # the input's device: the first block's (the embeddings), not whichever device a set yields first
+        first = next(iter(device_map.values()))
+        dispatch_model(model, device_map=device_map, main_device=first, skip_keys=skip, force_hooks=True)
     finally:
         quiet.setLevel(level)
     model.hf_device_map = dict(device_map)
@@ -185,3 +187,19 @@ def build_split(config, dtype: torch.dtype, device_map, max_memory, seed: int = 
             with torch.no_grad():
                 model._init_weights(module)
     return dispatch(model.eval(), placement)
+
+
+def placement_summary(loaded) -> str:
+    """One line: which layers sit on which device, e.g. 'layers 0-13 on cuda:0, 14-31 on cuda:1 (embeddings cuda:0,
+    LM head cuda:1)'."""
+    runs: list[list] = []  # [device, first, last]
+    for i in range(loaded.dims.num_layers):
+        device = str(loaded.layer_device(i))
+        if runs and runs[-1][0] == device:
+            runs[-1][2] = i
+        else:
+            runs.append([device, i, i])
+    parts = [f"{first}-{last} on {device}" if first != last else f"{first} on {device}" for device, first, last in runs]
+    head = loaded.model.get_output_embeddings()
+    where = f"embeddings {loaded.device}" + ("" if head is None else f", LM head {head.weight.device}")
+    return f"layers {', '.join(parts)} ({where})"

@@ -15,11 +15,11 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0):
     return _load_cache(artifact, model, backend, capacity)
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    """See kvcal.models.load_model."""
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", device_map=None, max_memory=None):
+    """See kvcal.models.load_model (device_map: 'auto' or an explicit map spreads the layers over several GPUs)."""
     from kvcal.models import load_model as _load_model
 
-    return _load_model(name, dtype, device)
+    return _load_model(name, dtype, device, device_map=device_map, max_memory=max_memory)
 
 
 def software_versions() -> dict:

@@ -42,6 +42,11 @@ ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
                         help="Model alias (see `kvcal models`), local .gguf file or local HF directory.")
 DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (exactness checks).")
 DeviceOpt = typer.Option("auto", help="cpu, cuda or auto.")
+DeviceMapOpt = typer.Option(None, "--device-map", help="auto (or balanced, sequential): spread the model's layers "
+                            "over the CUDA GPUs (accelerate); each layer's capture, codec, cache and step graphs on "
+                            "its GPU. Not with --device.")
+MaxMemoryOpt = typer.Option(None, "--max-memory", help="--device-map: memory per GPU for the weights, e.g. "
+                            "0=20GiB,1=20GiB (forces a model that fits one GPU across several).")
 DataDirOpt = typer.Option(None, "--data-dir", help="Folder with wiki.test.raw etc. (default: $KVCAL_DATA_DIR, else the Hub).")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set bits=2 (repeatable).")
 
@@ -87,6 +92,8 @@ def calibrate_command(
     out_dir: Path | None = typer.Option(None, help="Folder for artifacts (default: artifacts/MODEL)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    device_map: str | None = DeviceMapOpt,
+    max_memory: str | None = MaxMemoryOpt,
     capture_budget_gb: float = typer.Option(4.0, help="RAM for captured activations before spilling to disk."),
     batch_size: int = typer.Option(1, help="Calibration windows per forward/backward pass."),
     capture_cache: Path | None = typer.Option(
@@ -103,8 +110,10 @@ def calibrate_command(
 
     from kvcal.calib.run import run_calibrations
     from kvcal.models import load_model
+    from kvcal.models.devmap import check_device_map
     from kvcal.recipes import resolve
 
+    device_map, caps = check_device_map(device_map, max_memory, device)
     recipes = recipe or []
     if len(recipes) > 1 and (method or sets or out):
         raise KvcalError("with several --recipe, --method, --set and --out are not allowed (use --out-dir)")
@@ -144,7 +153,7 @@ def calibrate_command(
             check_text(calib["dataset"], "calib", data_dir)
         if evaluate:
             check_text(calib["dataset"], "eval", data_dir)
-    loaded = load_model(model, dtype, device)
+    loaded = load_model(model, dtype, device, device_map=device_map, max_memory=caps)
     folder = out_dir or Path("artifacts") / loaded.name
     targets = [(instance, out or folder / f"{instance.name}-{tag}.safetensors") for instance, tag, _ in jobs]
     started = time.perf_counter()
@@ -155,8 +164,11 @@ def calibrate_command(
         import torch
 
         peak = ""
-        if loaded.device.type == "cuda":  # what calibration held on the GPU at most, the model included
-            peak = f", peak GPU memory {torch.cuda.max_memory_allocated(loaded.device) / (1 << 30):.1f} GiB"
+        gpus = [d for d in loaded.devices if d.type == "cuda"]
+        if gpus:  # what calibration held on each GPU at most, the model included
+            peaks = [f"{torch.cuda.max_memory_allocated(d) / (1 << 30):.1f}" for d in gpus]
+            peak = (f", peak GPU memory {peaks[0]} GiB" if len(gpus) == 1 else
+                    f", peak GPU memory {' + '.join(peaks)} GiB ({', '.join(str(d) for d in gpus)})")
         console.print(f"wrote {target}  ({instance.name}, {artifact.header['bits_per_element']:.3f} bits/element, "
                       f"{learned}, {time.perf_counter() - started:.1f} s{peak})")
 
@@ -203,6 +215,8 @@ def eval_ppl_command(
                                 "device) or dequantized (reconstructed values in plain tensors)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    device_map: str | None = DeviceMapOpt,
+    max_memory: str | None = MaxMemoryOpt,
     deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic", help="torch's deterministic "
                                        "mode: the same PPL every run (GPU decode of KVQuant in fp16/bf16 sums its "
                                        "value outliers in fixed point, slower)."),
@@ -211,7 +225,9 @@ def eval_ppl_command(
 ):
     """Perplexity of a compressed model (protocols: the README's Conventions)."""
     from kvcal.eval.run import evaluate_ppl_command
+    from kvcal.models.devmap import check_device_map
 
+    device_map, caps = check_device_map(device_map, max_memory, device)
     if json_out and artifact and len(artifact) > 1:
         raise KvcalError("--json takes one artifact; use --json-dir with several")
     _positive("--batch-size", batch_size)
@@ -220,7 +236,7 @@ def eval_ppl_command(
             check_writable(path, folder, flag=flag)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                    protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic,
-                                   prefix_len, block_len)
+                                   prefix_len, block_len, device_map, caps)
     table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
     for record in records:
         record["command"] = invoked_command()
@@ -259,16 +275,21 @@ def eval_passkey_command(
     backend: str = typer.Option("packed", help="decode mode: packed, reference or dequantized (as eval ppl)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    device_map: str | None = DeviceMapOpt,
+    max_memory: str | None = MaxMemoryOpt,
     json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON."),
 ):
     """Passkey retrieval: accuracy per context length and needle depth (a table: rows lengths, columns depths)."""
     from kvcal.eval.passkey import DEFAULT_DEPTHS, evaluate_passkey_command
+    from kvcal.models.devmap import check_device_map
 
+    device_map, caps = check_device_map(device_map, max_memory, device)
     if json_out is not None:
         check_writable(json_out, False, flag="--json")
     depths = [int(d) if float(d).is_integer() else d for d in (depths or DEFAULT_DEPTHS)]
     record = evaluate_passkey_command(model, artifact, method, recipe, sets, list(lengths) if lengths else None,
-                                      depths, trials, seed, mode, max_new_tokens, backend, dtype, device)
+                                      depths, trials, seed, mode, max_new_tokens, backend, dtype, device,
+                                      device_map, caps)
     record["command"] = invoked_command()
     table = Table("length", *[f"{d}%" for d in record["depths"]], "all")
     for n in record["lengths"]:
@@ -292,6 +313,8 @@ def generate_command(
     max_new_tokens: int = typer.Option(64, help="Tokens to generate (greedy)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    device_map: str | None = DeviceMapOpt,
+    max_memory: str | None = MaxMemoryOpt,
     backend: str = typer.Option("packed", help="packed (each method's storage: Triton kernels on CUDA, torch references "
                                 "elsewhere), reference (the storages' torch references) or dequantized (reconstructed "
                                 "values in plain tensors; methods without a storage)."),
@@ -305,15 +328,18 @@ def generate_command(
 ):
     """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
     from kvcal.determinism import deterministic_algorithms
+    from kvcal.models.devmap import check_device_map
     from kvcal.runtime.generate import generate_text
 
+    device_map, caps = check_device_map(device_map, max_memory, device)
     if not prompt:
         raise KvcalError("--prompt is empty")
     if artifact is not None and method is not None:
         raise KvcalError("give either --artifact or --method, not both")
     mode = "auto" if graph is None else ("graph" if graph else "eager")
     with deterministic_algorithms(deterministic):
-        result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend, mode)
+        result = generate_text(prompt, model, artifact, method, sets, max_new_tokens, dtype, device, backend, mode,
+                               device_map, caps)
     console.print(result["text"], highlight=False, markup=False)
     console.print(f"\n[dim]{result['summary']}[/dim]", highlight=False)
 

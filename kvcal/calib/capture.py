@@ -169,7 +169,8 @@ def window_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     pred = logits[:, :-1]
     if pred.dtype in (torch.float16, torch.bfloat16):
         pred = pred.float()
-    per_token = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    targets = ids[:, 1:].to(logits.device)  # a split model's logits may come out on another device
+    per_token = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="none")
     return per_token.view(ids.shape[0], -1).mean(dim=1).sum()
 
 

@@ -184,7 +184,7 @@ def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: 
 
 
 def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, lengths, depths, trials, seed, mode,
-                             max_new_tokens, backend, dtype, device) -> dict:
+                             max_new_tokens, backend, dtype, device, device_map=None, max_memory=None) -> dict:
     from pathlib import Path
 
     from kvcal.artifact import load_artifact
@@ -208,7 +208,7 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
             raise KvcalError(f"method {method.name} ({tag}) needs an artifact: run `kvcal calibrate --method "
                              f"{method.name}` and pass it with --artifact")
     check_model_args(model or "smollm2-135m", dtype, device)
-    loaded = load_model(model or "smollm2-135m", dtype, device)
+    loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     if art is not None:
         method, codec = codec_for_artifact(art, loaded, artifact_path, sets)
         setting = Path(artifact_path).stem

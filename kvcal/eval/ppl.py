@@ -52,7 +52,8 @@ def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.T
     """Summed NLL of targets ids[:, start:] under logits[:, start-1:-1], computed in float32 (float64
     for float64 logits)."""
     pred = logits[:, start - 1 : -1].to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, start:].reshape(-1), reduction="sum")
+    targets = ids[:, start:].to(logits.device)  # a split model's logits may come out on another device
+    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
 def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
@@ -110,7 +111,8 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
             for t in range(start, batch.shape[1] - 1):
                 logits = forward_with_cache(loaded.model, batch[:, t : t + 1], cache).logits[:, -1]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-                nll += F.cross_entropy(logits, batch[:, t + 1], reduction="sum")
+                # a split model's logits may come out on another device than its input's
+                nll += F.cross_entropy(logits, batch[:, t + 1].to(logits.device), reduction="sum").to(nll.device)
                 total.tokens += batch.shape[0]
                 if progress is not None:
                     progress(batch.shape[0])

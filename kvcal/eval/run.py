@@ -20,12 +20,13 @@ MODES = ("simulate", "decode")
 def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                          protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed",
                          deterministic: bool = False, prefix_len: int | None = None,
-                         block_len: int | None = None) -> list[dict]:
+                         block_len: int | None = None, device_map=None, max_memory=None) -> list[dict]:
     """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once.
     deterministic: the whole evaluation, model load included, in torch's deterministic mode (kvcal.determinism)."""
     with deterministic_algorithms(deterministic):
         records = _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
-                                protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len, block_len)
+                                protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len, block_len,
+                                device_map, max_memory)
     for record in records:
         record["deterministic"] = deterministic
     return records
@@ -33,7 +34,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
 
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                   protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
-                  block_len=None) -> list[dict]:
+                  block_len=None, device_map=None, max_memory=None) -> list[dict]:
     from kvcal.methods.registry import codec_for_artifact
     from kvcal.models import check_model_args, load_model
     from kvcal.recipes import resolve
@@ -81,7 +82,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
             )
     check_model_args(model or "smollm2-135m", dtype, device)
     check_text(dataset, "eval", data_dir)  # a missing dataset fails here, before the model loads
-    loaded = load_model(model or "smollm2-135m", dtype, device)
+    loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     targets = []  # (method, codec, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
         m, codec = codec_for_artifact(art, loaded, path, sets)
@@ -98,7 +99,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
 def record_head(method, setting: str, artifact_record: dict | None, loaded, dtype: str) -> dict:
     """The fields every eval record starts with: what ran, on which model, in which dtype, where."""
     return {"method": method.name, "setting": setting, "config": method.config(), "artifact": artifact_record,
-            "model": loaded.identity, "dtype": dtype, "device": str(loaded.device)}
+            "model": loaded.identity, "dtype": dtype, "device": loaded.device_label}
 
 
 def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None, text, windows, dtype: str,

@@ -37,6 +37,7 @@ from kvcal.accounting import FP16_BYTES, fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
+from kvcal.models.devmap import device_scope
 from kvcal.quant import vq
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.runtime.storage import BufferSpec, Packed, Storage
@@ -712,7 +713,6 @@ class CommVQ(Method):
 
         dims = loaded.dims
         self.check_model(dims)
-        device = loaded.device
         positions = store.token_positions
         windows = window_bounds(positions)
         held = held_out_windows(len(windows), self.holdout, self.seed)
@@ -726,7 +726,9 @@ class CommVQ(Method):
                           dims.num_layers * groups * stages) as advance:
             for i in range(dims.num_layers):
                 k = store.layer(i)["k"]
-                theta, info = self._fit_keys(k, train_rows, held_rows, i, dims, device, advance)
+                device = loaded.layer_device(i)  # each layer's fit runs where that layer is
+                with device_scope(device):
+                    theta, info = self._fit_keys(k, train_rows, held_rows, i, dims, device, advance)
                 tensors[f"layers.{i}.k.theta"] = theta.cpu()
                 tensors[f"layers.{i}.k.pair_channels"] = pair_channels(
                     dims.num_kv_heads, dims.head_dim, self.group_pairs(dims)).to(torch.int32)
@@ -737,7 +739,10 @@ class CommVQ(Method):
             for i in range(dims.num_layers):
                 data = store.layer(i)
                 module = modules[i] if modules is not None else None
-                params, info = self._fit_values(data, positions, windows, held, module, loaded, i, device, advance)
+                device = loaded.layer_device(i)
+                with device_scope(device):
+                    params, info = self._fit_values(data, positions, windows, held, module, loaded, i, device,
+                                                    advance)
                 for name, t in params.items():
                     tensors[f"layers.{i}.v.{name}"] = t.detach().cpu()
                 values_info.append(info)
@@ -1054,7 +1059,7 @@ class AttentionOutputLoss:
         if cache_bytes is None:
             cache_bytes = ATTENTION_CACHE_BYTES_GPU if on_gpu else ATTENTION_CACHE_BYTES
         self.dims, self.device = dims, device
-        self.inv_freq = loaded.adapter.inv_freq.to(device)
+        self.inv_freq = loaded.adapter.inv_freq_on(torch.device(device))
         self.scale = float(module.scaling)
         self.weight = module.o_proj.weight.detach().to(device, torch.float32)
         self.blocks = [(s, b, min(b + block, e - s)) for s, e in windows for b in range(0, e - s, block)]

@@ -32,6 +32,7 @@ from kvcal.accounting import FP16_BYTES, fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
+from kvcal.models.devmap import device_scope
 from kvcal.quant.kmeans import weighted_kmeans
 from kvcal.quant.nonuniform import (
     dequantize_lut_dynamic,
@@ -359,28 +360,34 @@ class KVQuant(Method):
         if int(keep_rows.sum()) < 2:
             raise KvcalError(f"kvquant sink={self.sink} leaves {int(keep_rows.sum())} calibration tokens in total: use a "
                              "longer --seqlen")
-        device = loaded.device
         tensors, info = {}, {"key_outlier_rate": [], "fisher_err_k": [], "fisher_err_v": []}
         with progress_bar("kvquant: fitting datatypes", dims.num_layers) as advance:
             for i in range(dims.num_layers):
-                data = {name: t.to(device) for name, t in store.layer(i).items()}
-                k = data["k"]
-                if not self.pre_rope:
-                    k = rotate_rows(k, positions.to(device), loaded.adapter.inv_freq, dims)
-                k, v = k[keep_rows], data["v"][keep_rows]
-                fk = data["fisher_k"][keep_rows] if "fisher_k" in data else None
-                fv = data["fisher_v"][keep_rows] if "fisher_v" in data else None
-                key_tables, k_rate, k_err = self._fit_keys(k, fk, per_side)
-                if self.value_scope == "head":  # each (token, head) is a vector of its own
-                    v, fv = (None if x is None else x.reshape(-1, dims.head_dim) for x in (v, fv))
-                value_tables, _, v_err = self._fit_dynamic(v, fv, self.value_per_side(dims))
-                for name, t in {**key_tables, **{f"v.{n}": t for n, t in value_tables.items()}}.items():
-                    tensors[f"layers.{i}.{name}"] = t.cpu()
-                info["key_outlier_rate"].append(round(k_rate, 5))
-                info["fisher_err_k"].append(k_err)
-                info["fisher_err_v"].append(v_err)
+                device = loaded.layer_device(i)  # each layer's fit runs where that layer is
+                with device_scope(device):
+                    self._fit_layer(i, store, device, keep_rows, positions, loaded, per_side, tensors, info)
                 advance()
         return tensors, info
+
+    def _fit_layer(self, i, store, device, keep_rows, positions, loaded, per_side, tensors, info) -> None:
+        """Layer i's tables (on `device`) into `tensors` (on the CPU) and its numbers into `info`."""
+        dims = loaded.dims
+        data = {name: t.to(device) for name, t in store.layer(i).items()}
+        k = data["k"]
+        if not self.pre_rope:
+            k = rotate_rows(k, positions.to(device), loaded.adapter.inv_freq_on(device), dims)
+        k, v = k[keep_rows], data["v"][keep_rows]
+        fk = data["fisher_k"][keep_rows] if "fisher_k" in data else None
+        fv = data["fisher_v"][keep_rows] if "fisher_v" in data else None
+        key_tables, k_rate, k_err = self._fit_keys(k, fk, per_side)
+        if self.value_scope == "head":  # each (token, head) is a vector of its own
+            v, fv = (None if x is None else x.reshape(-1, dims.head_dim) for x in (v, fv))
+        value_tables, _, v_err = self._fit_dynamic(v, fv, self.value_per_side(dims))
+        for name, t in {**key_tables, **{f"v.{n}": t for n, t in value_tables.items()}}.items():
+            tensors[f"layers.{i}.{name}"] = t.cpu()
+        info["key_outlier_rate"].append(round(k_rate, 5))
+        info["fisher_err_k"].append(k_err)
+        info["fisher_err_v"].append(v_err)
 
     def _fit_keys(self, k, fisher, per_side):
         if self.key_granularity == "per_token":

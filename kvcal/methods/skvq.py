@@ -28,6 +28,7 @@ from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
+from kvcal.models.devmap import device_scope
 from kvcal.quant.kmeans import weighted_kmeans
 from kvcal.quant.packing import (
     TRITS_PER_BYTE,
@@ -514,10 +515,11 @@ class SKVQ(Method):
                 layout = self._layout(rows[kind][stats_rows], dims)
                 quantizers[kind] = ChannelQuantizer(layout, torch.ones(layout.num_groups), bits, self.param_dtype)
             curves = {}
-            if self.clip in ("layer", "group"):
-                objective = AttentionOutputError(rows, positions, modules[i], dims, loaded.adapter.inv_freq,
-                                                 self.sink, self.clip_windows, self.clip_queries)
-                curves = self._search_clips(objective, quantizers["k"], quantizers["v"])
+            if self.clip in ("layer", "group"):  # on the layer's device (where its o_proj is)
+                with device_scope(loaded.layer_device(i)):
+                    objective = AttentionOutputError(rows, positions, modules[i], dims, loaded.adapter.inv_freq,
+                                                     self.sink, self.clip_windows, self.clip_queries)
+                    curves = self._search_clips(objective, quantizers["k"], quantizers["v"])
                 search = objective.tokens
             elif self.clip == "global":
                 for q in quantizers.values():

@@ -373,7 +373,8 @@ class XQuantChainStorage(Storage):
             if j not in chain:
                 raise RuntimeError(f"xquant layer {self.layer}: cross-layer layer {j} has not stored these tokens")
             storage, packed = chain[j]
-            term = storage._entries(packed, rows, slots, dtype)
+            at = packed.lengths.device  # layer j's device (a split model's layers differ), then this one's
+            term = storage._entries(packed, rows.to(at), slots.to(at), dtype).to(rows.device)
             acc = term if acc is None else acc + term
         return acc
 
@@ -408,7 +409,7 @@ class XQuantChainStorage(Storage):
         found = last.get(row)
         if self.layer > self.base and found is not None and found[:3] == (self.layer - 1, t, dtype):
             rows = torch.full((t,), row, dtype=torch.int64, device=device)
-            acc = found[3] + self._entries(packed, rows, torch.arange(t, device=device), dtype)
+            acc = found[3].to(device) + self._entries(packed, rows, torch.arange(t, device=device), dtype)
         else:
             rows = torch.full((t,), row, dtype=torch.int64, device=device)
             acc = self.reconstruct(chain, self.layer, rows, torch.arange(t, device=device), dtype)
@@ -549,8 +550,9 @@ class XQuantCodec(Codec):
             if state.get("layer") != layer - 1 or state["acc"].shape != x.shape:
                 raise RuntimeError(f"xquant layer {layer}: the cross-layer state does not come from layer {layer - 1} "
                                    "of the same tokens (layers must see every span in order)")
-            reference = state["acc"] if self.method.closed_loop else state["exact"]
-            acc = state["acc"] + self._delta(layer, x - reference, bits)
+            # the previous layer may sit on another device (a split model): its state comes to this one's
+            reference = (state["acc"] if self.method.closed_loop else state["exact"]).to(x.device)
+            acc = state["acc"].to(x.device) + self._delta(layer, x - reference, bits)
         state.update(layer=layer, acc=acc, exact=x)
         return proj.project(acc)
 

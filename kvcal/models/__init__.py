@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 
 from kvcal.errors import KvcalError, first_line
+from kvcal.models.devmap import check_device_map
 from kvcal.models.registry import ALIASES, ModelSpec
 from kvcal.quant.rope import RopeSpec
 
@@ -122,7 +123,28 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the model takes its input ids (its embeddings; the only device of a model on one device)."""
+        return self.model.get_input_embeddings().weight.device
+
+    def layer_device(self, i: int) -> torch.device:
+        """The device of decoder layer i: where its attention weights are (its captures, codec tensors, cache storage
+        and step graphs live there)."""
+        from kvcal.models.adapter import attention_modules
+
+        return attention_modules(self.model)[i].q_proj.weight.device
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device the model's parameters are on, in order of first use."""
+        seen = {}
+        for p in self.model.parameters():
+            seen.setdefault(str(p.device), p.device)
+        return list(seen.values())
+
+    @property
+    def device_label(self) -> str:
+        """What records state as the device: 'cuda:0', or 'cuda:0+cuda:1' for a model split over two."""
+        return "+".join(str(d) for d in self.devices)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -192,34 +214,54 @@ def _check_local_config(folder: Path):
     return config
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bool = True) -> LoadedModel:
-    """Load a model by alias or local directory and install kvcal's attention adapter on it."""
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bool = True, device_map=None,
+               max_memory: dict | None = None) -> LoadedModel:
+    """Load a model by alias or local directory and install kvcal's attention adapter on it. device_map: None (all on
+    `device`), 'auto' / 'balanced' / 'sequential' (accelerate spreads the layers over the GPUs, each capped by
+    max_memory {gpu index: size}) or an explicit {block name: device} map (kvcal.models.devmap)."""
     from kvcal.models.adapter import install_adapter
 
     torch_dtype, device = check_model_args(name, dtype, device)
+    if isinstance(device_map, str):
+        check_device_map(device_map)
+    place = Placement(device, device_map, max_memory)
     spec = ALIASES.get(name)
     _quiet_transformers()
     if spec is None and Path(name).is_file():
         from kvcal.models.gguf import local_gguf_source
 
         folder, source = local_gguf_source(Path(name))
-        loaded = _load_converted(Path(name).stem, folder, torch_dtype, device, source)
+        loaded = _load_converted(Path(name).stem, folder, torch_dtype, place, source)
     elif spec is None:
-        loaded = _load_local(name, torch_dtype, device)
+        loaded = _load_local(name, torch_dtype, place)
     elif spec.kind == "tiny":
-        loaded = _load_tiny(spec, torch_dtype, device)
+        loaded = _load_tiny(spec, torch_dtype, place)
     elif spec.kind == "random":
-        loaded = _load_random(spec, torch_dtype, device)
+        loaded = _load_random(spec, torch_dtype, place)
     elif spec.kind == "gguf":
         from kvcal.models.gguf import package_gguf_source
 
         folder, source = package_gguf_source(spec)
-        loaded = _load_converted(spec.alias, folder, torch_dtype, device, source)
+        loaded = _load_converted(spec.alias, folder, torch_dtype, place, source)
     else:
-        loaded = _load_hub(spec, torch_dtype, device)
+        loaded = _load_hub(spec, torch_dtype, place)
     if adapt:
         install_adapter(loaded)
+    if device_map is not None:  # where each layer went: the one thing a user cannot see otherwise
+        from kvcal.models.devmap import placement_summary
+        from kvcal.progress import stderr_console
+
+        stderr_console.print(f"{loaded.name}: {placement_summary(loaded)}", markup=False, highlight=False)
     return loaded
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model goes: one device, or a device map (with per-GPU caps)."""
+
+    device: str
+    device_map: object = None  # None, 'auto' / 'balanced' / 'sequential', or {block name: device}
+    max_memory: dict | None = None
 
 
 def _quiet_transformers() -> None:
@@ -231,46 +273,67 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def _load_tiny(spec: ModelSpec, dtype, device) -> LoadedModel:
+def _load_tiny(spec: ModelSpec, dtype, place: Placement) -> LoadedModel:
+    from kvcal.models.devmap import dispatch, infer_map, normalize
     from kvcal.models.tiny import build_random_model, byte_tokenizer, tiny_config
 
     config = tiny_config(spec.source)
     dims = ModelDims.from_config(config)
-    model = build_random_model(config, dtype, device, seed=0)
+    if place.device_map is None:
+        model = build_random_model(config, dtype, place.device, seed=0)
+    else:  # the same weights as on the map's first device alone, then moved block by block
+        skeleton = build_random_model(config, dtype, "meta", seed=0)
+        placement = infer_map(skeleton, place.device_map, place.max_memory, dtype)
+        first = normalize(next(iter(placement.values())))
+        model = dispatch(build_random_model(config, dtype, str(first), seed=0), placement)
     return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0})
 
 
-def _load_random(spec: ModelSpec, dtype, device) -> LoadedModel:
+def _load_random(spec: ModelSpec, dtype, place: Placement) -> LoadedModel:
+    from kvcal.models.devmap import build_split
     from kvcal.models.tiny import build_random_model, byte_tokenizer, llama31_8b_config
 
     config = llama31_8b_config()
     dims = ModelDims.from_config(config)
-    model = build_random_model(config, dtype, device, seed=0)
-    return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0, "shapes": spec.source})
+    source = {"random_seed": 0, "shapes": spec.source}
+    if place.device_map is None:
+        model = build_random_model(config, dtype, place.device, seed=0)
+    else:  # never whole on one device: each module drawn on its own, seeded by its name (other weights)
+        model = build_split(config, dtype, place.device_map, place.max_memory, seed=0)
+        source["init"] = "per-module"
+    return LoadedModel(spec.alias, model, byte_tokenizer(), dims, source)
 
 
-def _load_converted(name: str, folder: Path, dtype, device, source: dict) -> LoadedModel:
+def _load_converted(name: str, folder: Path, dtype, place: Placement, source: dict) -> LoadedModel:
     try:
-        return _load_pretrained(name, str(folder), dtype, device, source)
+        return _load_pretrained(name, str(folder), dtype, place, source)
     except (OSError, ValueError, SafetensorError) as exc:  # a cache folder left broken (by hand, a full disk)
         raise KvcalError(f"the converted {name} in {folder} does not load ({type(exc).__name__}): delete that "
                          "folder and kvcal converts the GGUF again") from exc
 
 
-def _load_pretrained(name: str, path: str, dtype, device, source: dict, local_only: bool = False) -> LoadedModel:
+def _load_pretrained(name: str, path: str, dtype, place: Placement, source: dict,
+                     local_only: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvcal.models.devmap import check_placement, loading_kwargs
 
     config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     dims = ModelDims.from_config(config)  # fail fast, before loading weights, on unsupported families
     check_servable(dims)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                 local_files_only=local_only)
-    model = model.to(device).eval()
+                                                 local_files_only=local_only,
+                                                 **loading_kwargs(place.device_map, place.max_memory))
+    if place.device_map is None:
+        model = model.to(place.device)
+    else:
+        check_placement(getattr(model, "hf_device_map", None) or {"": place.device})
+    model = model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     return LoadedModel(name, model, tokenizer, dims, source)
 
 
-def _load_local(path: str, dtype, device) -> LoadedModel:
+def _load_local(path: str, dtype, place: Placement) -> LoadedModel:
     folder = Path(path)
     _check_local_config(folder)
     # Identity of a local directory: its config plus the names and sizes of its weight files (cheap,
@@ -280,7 +343,7 @@ def _load_local(path: str, dtype, device) -> LoadedModel:
         digest.update(f"{weight.name}:{weight.stat().st_size}".encode())
     source = {"path": str(folder.resolve()), "files_sha256": digest.hexdigest()[:16]}
     try:
-        return _load_pretrained(folder.name, str(folder), dtype, device, source)
+        return _load_pretrained(folder.name, str(folder), dtype, place, source)
     except (OSError, ValueError, SafetensorError) as exc:  # bad config.json, no weights, no tokenizer, truncated
         # files: transformers' own words, first line
         raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first_line(str(exc), 200)})") \
@@ -310,7 +373,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:
+def _load_hub(spec: ModelSpec, dtype, place: Placement) -> LoadedModel:
     from transformers import AutoConfig
 
     # offline (HF_HUB_OFFLINE set, or no connection): the local Hugging Face cache only, at once
@@ -330,7 +393,7 @@ def _load_hub(spec: ModelSpec, dtype, device) -> LoadedModel:
     source = {"hub_id": spec.source, "revision": getattr(config, "_commit_hash", None) or "unknown"}
     if local_only and source["revision"] == "unknown":
         source["revision"] = "offline-cache"
-    return _load_pretrained(spec.alias, spec.source, dtype, device, source, local_only)
+    return _load_pretrained(spec.alias, spec.source, dtype, place, source, local_only)
 
 
 def describe_models() -> list[dict]:

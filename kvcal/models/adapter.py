@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention
+from kvcal.models.devmap import device_scope
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 
 
@@ -110,8 +111,16 @@ class Adapter:
     def __init__(self, dims, device):
         self.dims = dims
         self.inv_freq = dims.rope.inv_freq(device)
+        self._inv_freqs = {self.inv_freq.device: self.inv_freq}
         self.qk_norm = dims.family == "qwen3"
         self.handler = StandardAttention()
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The RoPE frequencies on `device` (a layer's device; one copy per device of a split model)."""
+        found = self._inv_freqs.get(device)
+        if found is None:
+            found = self._inv_freqs[device] = self.inv_freq.to(device)
+        return found
 
     @contextmanager
     def use(self, handler):
@@ -241,7 +250,7 @@ def kvcal_attention_forward(
     k, v = project_kv(self, adapter, hidden_states, hidden_states)
     cache = _received_cache(kwargs)
     positions = _positions(position_ids, cache_position, batch, length, hidden_states.device)
-    cos, sin = rope_cos_sin(adapter.inv_freq, positions, q.dtype)
+    cos, sin = rope_cos_sin(adapter.inv_freq_on(hidden_states.device), positions, q.dtype)
     inputs = AttentionInputs(
         layer_idx=layer_idx,
         module=self,
@@ -258,6 +267,7 @@ def kvcal_attention_forward(
     )
     # A kvcal runtime cache owns its layer's storage and attention, whatever handler is active.
     handler = cache if hasattr(cache, "kvcal_attend") else adapter.handler
-    out = handler.kvcal_attend(inputs) if handler is cache else handler.attend(inputs)
+    with device_scope(hidden_states.device):  # a layer of a split model: its kernels launch on its own GPU
+        out = handler.kvcal_attend(inputs) if handler is cache else handler.attend(inputs)
     out = out.transpose(1, 2).reshape(batch, length, -1)
     return self.o_proj(out), None

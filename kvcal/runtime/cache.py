@@ -411,7 +411,8 @@ class PackedLayer(_LayerBase):
         batch, _, length, _ = inp.q.shape
         if self.length == 0:
             adapter = inp.module._kvcal_binding[0]
-            self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device, adapter.inv_freq,
+            self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device,
+                       adapter.inv_freq_on(inp.v.device),
                        inp.x.shape[-1])
             self.storage.bind(inp.kv_projection())
         if length == 1 and not self.static and self.static_refusal() is None:  # fewer kernels than the host ring

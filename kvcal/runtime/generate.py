@@ -46,7 +46,7 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, step
 
 
 def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device,
-                  backend: str = "packed", mode: str = "auto") -> dict:
+                  backend: str = "packed", mode: str = "auto", device_map=None, max_memory=None) -> dict:
     """Greedy continuation of `prompt` with the compressed cache (mode: see runtime.graph.greedy_decode; 'auto'
     replays decode steps from a CUDA graph on CUDA where the codec's steps are static, else runs them eagerly)."""
     from kvcal.artifact import load_artifact
@@ -63,7 +63,7 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     if artifact_path is not None:
         art = load_artifact(artifact_path)
         model_name = model_name or art.header["model"]["name"]
-    loaded = load_model(model_name or "smollm2-135m", dtype, device)
+    loaded = load_model(model_name or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     if art is not None:
         method, codec = codec_for_artifact(art, loaded, artifact_path, sets)
     else:
@@ -88,6 +88,13 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
             what = {"cuda-graph": ", with kernel compilation and graph capture"}.get(
                 result["mode"], ", with kernel compilation" if ids.is_cuda else "")
             speed += f"; not counted: the first {result['warmup_steps']} steps ({result['warmup_seconds']:.2f} s{what})"
+    gpus = [d for d in loaded.devices if d.type == "cuda"]
+    if gpus:  # what the model, the cache and decoding held at most on each GPU
+        import torch
+
+        peaks = [torch.cuda.max_memory_allocated(d) / (1 << 30) for d in gpus]
+        speed += (f"; peak GPU memory {peaks[0]:.2f} GiB" if len(gpus) == 1 else
+                  f"; peak GPU memory {' + '.join(f'{p:.2f}' for p in peaks)} GiB ({', '.join(map(str, gpus))})")
     tokens = int(cache.get_seq_length())
     allocated, used = cache.nbytes()
     fp16 = 2 * kv_elements(loaded.dims, tokens)

@@ -24,20 +24,26 @@ class GraphPool:
     cut nuq4's largest batch from 54 to 48 (`results/bench/generate-max-batch-*-h100{-stream-per-layer,}.json`)."""
 
     def __init__(self):
-        self._handle = None
+        self._handles: dict[int, object] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
 
-    def handle(self):
-        if self._handle is None:
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
+    def handle(self, device: torch.device):
+        """The memory pool of the graphs on `device` (one per device: the layers of a split model replay on theirs)."""
+        index = _index(device)
+        if index not in self._handles:
+            self._handles[index] = torch.cuda.graph_pool_handle()
+        return self._handles[index]
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The capture stream on `device` (made on first use; on a full GPU making it can run out of memory)."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _index(device)
         if index not in self._streams:
             self._streams[index] = torch.cuda.Stream(device=index)
         return self._streams[index]
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class StepGraph:
@@ -110,7 +116,7 @@ class StepGraph:
             with torch.cuda.stream(side):
                 # capture_begin/end rather than torch.cuda.graph: that also synchronizes the device, collects
                 # garbage and empties torch's cache at every capture, which would cost more than the steps saved
-                graph.capture_begin(pool=self.shared.handle())
+                graph.capture_begin(pool=self.shared.handle(inputs[0].device))
                 try:
                     out = fn(*static)
                 except BaseException:
@@ -242,9 +248,15 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
 
     decoder = None
     refusal = cache.graph_refusal() if hasattr(cache, "graph_refusal") else None
+    split = len(loaded.devices) > 1
+    if mode == "graph" and split:
+        raise KvcalError(f"CUDA-graph decoding captures the whole step on one GPU and the model spans "
+                         f"{loaded.device_label}; pass --no-graph (each layer still replays its own step from a CUDA "
+                         "graph on its GPU)")
     if mode == "graph" and refusal:
         raise KvcalError(f"CUDA-graph decoding: {refusal}; pass --no-graph")
-    if steps and (mode in ("graph", "static") or (mode == "auto" and cuda)):
+    # a split model decodes eagerly: its layers' own step graphs, each on its GPU
+    if steps and (mode in ("graph", "static") or (mode == "auto" and cuda and not split)):
         capture = mode != "static" and steps > warm and refusal is None  # auto: the same static steps, eagerly
         try:
             cache.reserve_static(steps)
@@ -279,8 +291,10 @@ def greedy_decode(loaded, cache, prompt_ids: torch.Tensor, max_new_tokens: int, 
 
 
 def _sync(cuda: bool) -> None:
+    """Wait for every GPU (a split model's layers run on several)."""
     if cuda:
-        torch.cuda.synchronize()
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
 
 
 def _all_ended(tokens: list[torch.Tensor], eos: int | None) -> bool:

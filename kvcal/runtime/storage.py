@@ -104,19 +104,19 @@ class SharedState:
     that a method may use across layers (XQuant's cross-layer deltas)."""
 
     store: dict = field(default_factory=dict)
-    _cos: torch.Tensor | None = None
-    _sin: torch.Tensor | None = None
+    _tables: dict = field(default_factory=dict)  # device -> (cos, sin): one table per device of a split model
 
     def rope_tables(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [positions >= length, D] in float32 (rope_cos_sin's: cos/sin(position * inv_freq), the two
-        halves duplicated)."""
+        halves duplicated), on inv_freq's device."""
         from kvcal.quant.rope import rope_cos_sin
 
-        if self._cos is None or self._cos.shape[0] < length or self._cos.device != inv_freq.device:
+        found = self._tables.get(inv_freq.device)
+        if found is None or found[0].shape[0] < length:
             positions = torch.arange(length, device=inv_freq.device)[None]
             cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos, self._sin
+            found = self._tables[inv_freq.device] = (cos[0], sin[0])
+        return found
 
 
 @dataclass

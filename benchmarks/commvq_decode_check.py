@@ -8,6 +8,8 @@ one run.
 
     PYTHONPATH=. python benchmarks/commvq_decode_check.py [--contexts 32768] [--batches 1 8] [--reconstruct]
         [--knobs '{"num_splits": 64}']
+
+--knobs go to attend_triton in the correctness check too (but "probe", which is timing only).
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from kvcal.runtime.decode import merge_reference
 from tests.kernel_cases import build_step, rel_err
 
 
-def check(recipe: str, dtype=torch.bfloat16) -> dict:
+def check(recipe: str, dtype=torch.bfloat16, knobs: dict | None = None) -> dict:
     storage, inv_freq = bench.storage_for(recipe)
     lengths = [3001, 1, 2048]
     packed = bench.random_packed(storage, len(lengths), 8, 128, max(lengths), inv_freq=inv_freq)
     packed.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
     q, fp = build_step(len(lengths), 32, 8, 128, 128, dtype, device="cuda")
     ref = merge_reference(storage.attend_reference(q, packed, 128**-0.5, fp), len(lengths), q.dtype)
-    out = K.merge_triton(storage.attend_triton(q, packed, 128**-0.5, fp), q)
+    knobs = {k: v for k, v in (knobs or {}).items() if k != "probe"}  # the knob settings timed below
+    out = K.merge_triton(storage.attend_triton(q, packed, 128**-0.5, fp, **knobs), q)
     # the key encoder: codes of random keys against the reference encoder's (float32: near-ties may differ)
     from kvcal.methods.commvq import encode_keys, unpack_stream
     from kvcal.methods.commvq_kernels import encode_keys_triton
@@ -96,7 +99,7 @@ def main():
     out = {"device": torch.cuda.get_device_name()}
     for recipe in args.recipes:
         if not args.no_check:
-            out[f"check {recipe}"] = check(recipe)
+            out[f"check {recipe}"] = check(recipe, knobs=knobs)
             print(recipe, out[f"check {recipe}"], flush=True)
     for tokens in args.contexts:
         for batch in args.batches:

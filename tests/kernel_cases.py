@@ -266,6 +266,13 @@ ATTENTION_CASES = [
     ("commvq1_c12_g8_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
     ("commvq1_d128_bf16", "commvq", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
     ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
+    # the key pass's epilogue as tl.dot (score_dot: "mma" tf32x3 on the tensor cores, "fma" Triton's FMA dot; the
+    # group padded to 16 query heads, or to score_dot_n; exact float32 dots under the interpreter)
+    ("commvq2_score_mma_bf16", "commvq", 2, torch.bfloat16, {}, {"score_dot": "mma"}, {}),
+    ("commvq1_c12_g8_score_fma_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2},
+     {"score_dot": "fma"}, {}),
+    ("commvq2_score_mma_fp32", "commvq", 2, torch.float32, {}, {"score_dot": "mma"}, {}),
+    ("commvq2_score_fma_n4_bf16", "commvq", 2, torch.bfloat16, {}, {"score_dot": "fma", "score_dot_n": 4}, {}),
     # the one-kernel walk (keys and value mass per (row, KV head, split))
     ("commvq2_fused_bf16", "commvq", 2, torch.bfloat16, {}, {"key_path": "fused"}, {}),
     ("commvq1_c12_g8_fused_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2},

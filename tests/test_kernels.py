@@ -213,6 +213,23 @@ def test_frag_dispatch_rules(monkeypatch):
     assert name == "frag" and kwargs["VEC"] == 0
 
 
+def test_commvq_score_dot_knob_is_checked():
+    """attend_triton refuses an unknown score_dot, score_dot on the one-kernel paths (a knob of the key pass) and a
+    dot width that is not a power of two, before launching anything."""
+    from kvcal.errors import KvcalError
+    from kvcal.methods.commvq_kernels import attend_triton
+
+    storage = make_storage("commvq", 1, 2, 64)
+    packed = build_packed(storage, [5], 2, 64)
+    q = build_step(1, 8, 2, 64, 0, torch.float32)[0]
+    with pytest.raises(KvcalError, match="score_dot must be one of"):
+        attend_triton(q, packed, 0.125, None, storage, score_dot="wgmma")
+    with pytest.raises(KvcalError, match="score_dot 'mma' is a knob of key_path 'codewords', not 'fused'"):
+        attend_triton(q, packed, 0.125, None, storage, key_path="fused", score_dot="mma")
+    with pytest.raises(KvcalError, match="score_dot_n must be a power of two, got 12"):
+        attend_triton(q, packed, 0.125, None, storage, score_dot="fma", score_dot_n=12)
+
+
 def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]
@@ -303,6 +320,11 @@ GPU_CASES = [
      ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {}),
      # the one-kernel walk (the two passes are the default)
      ("commvq2_fused_fp16", "commvq", 2, torch.float16, {"codes": 64, "stages": 21}, {"key_path": "fused"}, {}),
+     # the key pass's epilogue as a tensor-core dot (tf32x3) and as Triton's FMA dot
+     ("commvq1_score_mma_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"score_dot": "mma"}, {}),
+     ("commvq2_score_fma_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {"score_dot": "fma"}, {}),
+     ("commvq1_score_mma_n4_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11},
+      {"score_dot": "mma", "score_dot_n": 4}, {}),
      # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
      ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
      ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),

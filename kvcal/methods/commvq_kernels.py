@@ -75,6 +75,15 @@ KEY_WARPS = 4
 VALUE_BLOCK_T = 64  # tokens per tile of the value-mass pass
 VALUE_BLOCK_T_FP32 = 32  # float32 queries (float32 dot operands: 64 tokens spill at 2 bits in an sm_90 compile)
 VALUE_CHUNK = 256  # value-code bits per value-mass program
+# the key pass's epilogue, the dot of the rotated key halves [BLOCK_T, P] with the group's queries [P, GP]:
+# "sum" (broadcast product, tl.sum over the pairs: the reduction spread across lanes), "mma" (tl.dot on the tensor
+# cores, float32 operands as tf32x3: ~float32 precision), "fma" (tl.dot with ieee float32 operands: Triton's FMA dot,
+# each thread sums a token's pairs for its own outputs, the operands staged through shared memory). Not timed yet.
+# The dots' N: the group's query heads padded to SCORE_DOT_N (16; Triton 3.9 compiles N = 4, a quarter of the
+# products, for sm_90 too: min_dot_size bounds only K for float32 operands).
+SCORE_DOT = "sum"
+SCORE_DOT_N = 16
+SCORE_DOTS = {"sum": 0, "mma": 1, "fma": 2}
 FP16_CODEWORDS = False  # fp16 codewords: faster, but over the bf16 test tolerance at 32K (docs/commvq.md)
 ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's tables are loaded once per block)
 
@@ -110,6 +119,20 @@ if triton is not None:
                      other=0).to(tl.uint32, bitcast=True)
         hi = tl.where(sh[None, :] > 0, w1 << ((32 - sh) % 32)[None, :], 0)
         return (((w0 >> sh[None, :]) | hi) & MASK).to(tl.int32)
+
+    @triton.jit
+    def _pair_dot(k, q, SCORE_DOT: tl.constexpr, INTERP: tl.constexpr):
+        """k [BLOCK_T, P] (float32 or float64) . q [P, GP] over the pairs -> [BLOCK_T, GP]: SCORE_DOT 0 a broadcast
+        product and tl.sum, 1 tl.dot as tf32x3 (tensor cores), 2 tl.dot in ieee float32 (Triton's FMA dot); the dots
+        need GP >= 16 (the host pads) and are exact float32 products under the interpreter."""
+        if SCORE_DOT == 0:
+            return tl.sum(k[:, :, None] * q[None, :, :], 1)
+        elif INTERP:
+            return tl.dot(k, q, input_precision="ieee")
+        elif SCORE_DOT == 1:
+            return tl.dot(k, q, input_precision="tf32x3")
+        else:
+            return tl.dot(k, q, input_precision="ieee")
 
     @triton.jit
     def _scores_mass_kernel(
@@ -256,13 +279,14 @@ if triton is not None:
         s_ptr, ssb, ssh, qk_scale_hi, qk_scale_lo,
         D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, NCODE: tl.constexpr, IB: tl.constexpr,
         NPH: tl.constexpr, GPAIRS: tl.constexpr, WK: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
-        PROBE: tl.constexpr,
+        PROBE: tl.constexpr, SCORE_DOT: tl.constexpr, INTERP: tl.constexpr,
     ):
         """Pass 1 of the two-pass decode: program (tile group c, row b, KV head h) writes the log2-domain scores
         kappa * scale * log2(e) * q~ . R_t k_hat of the GQA group's queries for TILES tiles of BLOCK_T tokens into
         s [B, Hq, T] (float32; float64 for float64 queries). The KV head is the slowest grid axis, so the programs
         resident together gather from one KV head's codebook (L1 reuse). Per token and stage, a code's codeword
-        row (the group's GPAIRS pairs, contiguous) is one vector gather."""
+        row (the group's GPAIRS pairs, contiguous) is one vector gather. SCORE_DOT: the epilogue's dot over the pairs
+        (_pair_dot; 1 and 2 take GP >= 16, the padding heads' queries 0 and their scores not stored)."""
         ACC: tl.constexpr = s_ptr.dtype.element_ty
         if ACC == tl.float64:
             qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
@@ -312,7 +336,7 @@ if triton is not None:
             kappa = tl.load(kn_ptr + b * sknb + t, mask=tm, other=0.0).to(ACC)
             k1 = kx * cs - ky * sn
             k2 = ky * cs + kx * sn
-            s = tl.sum(k1[:, :, None] * q1[None, :, :], 1) + tl.sum(k2[:, :, None] * q2[None, :, :], 1)
+            s = _pair_dot(k1, q1, SCORE_DOT, INTERP) + _pair_dot(k2, q2, SCORE_DOT, INTERP)
             s = s * (kappa * qk_scale)[:, None]  # [BLOCK_T, GP]
             tl.store(s_ptr + b * ssb + (h * G + rk)[None, :] * ssh + t[:, None], s,
                      mask=tm[:, None] & (rk < G)[None, :])
@@ -507,7 +531,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
                   block_t: int | None = None, num_warps: int | None = None, tiles: int | None = None,
                   value_block_t: int | None = None, value_chunk: int | None = None, value_warps: int | None = None,
                   num_splits: int | None = None, programs_per_sm: int | None = None, code_chunk: int | None = None,
-                  fp16_codewords: bool | None = None, probe: str | None = None):
+                  fp16_codewords: bool | None = None, score_dot: str | None = None, score_dot_n: int | None = None,
+                  probe: str | None = None):
     """Partials of q [B, Hq, D] (after RoPE) over CommVQ's packed tokens and the full-precision part `fp` (module
     docstring). key_path: "codewords" (the default: two passes, _key_scores_kernel writes the scores, then
     _value_mass_kernel), "fused" (one kernel, _scores_mass_kernel, walks the keys and the value mass per (row, KV
@@ -519,6 +544,9 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
     num_splits (default from programs_per_sm x SMs), code_chunk (codes per codebook program, >= 16), fp16_codewords
     (fp16/bf16 queries: gather the codewords in fp16, half the bytes; off by default: 27 to 34% faster on the H100,
     but a codeword rounded to 2^-11 relative moves the output by 4e-3 to 6e-3 at Llama shapes, docs/commvq.md),
+    score_dot (key_path "codewords": the key pass's dot of the rotated keys with the group's queries, "sum" (the
+    default), "mma" (tf32x3 tensor cores) or "fma" (Triton's FMA dot: a token's pairs summed in one thread); the
+    dots pad the group's query heads to score_dot_n (default 16, a power of two); float64 queries always sum),
     probe (timing only, wrong results: "const_codes", "no_gathers", "no_value_mass", "no_key_pass")."""
     from kvcal.runtime.decode import Partials
 
@@ -530,6 +558,14 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
         q = q.contiguous()
     if key_path not in ("codewords", "fused", "table"):
         raise KvcalError(f"commvq key_path must be codewords, fused or table, got '{key_path}'")
+    score_dot = score_dot or SCORE_DOT
+    if score_dot not in SCORE_DOTS:
+        raise KvcalError(f"commvq score_dot must be one of {sorted(SCORE_DOTS)}, got '{score_dot}'")
+    if score_dot != "sum" and key_path != "codewords":
+        raise KvcalError(f"commvq score_dot '{score_dot}' is a knob of key_path 'codewords', not '{key_path}'")
+    dot_n = score_dot_n or SCORE_DOT_N
+    if dot_n != pow2(dot_n):
+        raise KvcalError(f"commvq score_dot_n must be a power of two, got {dot_n}")
     if probe not in PROBES:
         raise KvcalError(f"commvq probe must be one of {sorted(p for p in PROBES if p)}, got '{probe}'")
     tables = _workspace(storage, q.dtype, dev)
@@ -568,6 +604,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
         else:
             nsplit = max(1, min(triton.cdiv(target, batch * vchunks), triton.cdiv(tcap, 4 * vbt)))
         hqp = max(pow2(hq), 16)
+        sdot = 0 if q.dtype == torch.float64 else SCORE_DOTS[score_dot]  # no float64 tl.dot (runtime/kernels.dot)
         scores = (torch.zeros if probe == "no_key_pass" else torch.empty)(batch, hq, tcap, dtype=acc_dtype, device=dev)
         m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
         l_s = torch.empty_like(m_s)
@@ -578,9 +615,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
                     q, q.stride(0), q.stride(1), packed.lengths, kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
                     theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
                     scores, scores.stride(0), scores.stride(1), qk_hi, qk_lo,
-                    D=d, G=group, GP=gp, R=storage.stages, NCODE=storage.codes, IB=storage.index_bits,
-                    NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1], BLOCK_T=kbt, TILES=ntile,
-                    PROBE=PROBES[probe] % 3, num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
+                    D=d, G=group, GP=max(gp, dot_n) if sdot else gp, R=storage.stages, NCODE=storage.codes,
+                    IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
+                    BLOCK_T=kbt, TILES=ntile, PROBE=PROBES[probe] % 3, SCORE_DOT=sdot, INTERP=K.INTERPRET,
+                    num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
                 )
             _value_mass_kernel[(vchunks, nsplit, batch)](
                 scores, scores.stride(0), scores.stride(1), packed.lengths, vc, vc.stride(0), vc.stride(1),

@@ -121,6 +121,22 @@ if triton is not None:
         return (((w0 >> sh[None, :]) | hi) & MASK).to(tl.int32)
 
     @triton.jit
+    def _add_codeword(kx, ky, x, y, E: tl.constexpr):
+        """A stage's codeword (x, y) of each pair into the stage sum: w_a, row 0 of C_a (E 0), or i w_b, row 1 of
+        C_b: (-y, x) (E 1)."""
+        if E == 0:
+            return kx + x, ky + y
+        else:
+            return kx - y, ky + x
+
+    @triton.jit
+    def _rope_tables(cos_ptr, sin_ptr, pos, jj, tm, D: tl.constexpr, ACC: tl.constexpr):
+        """cos and sin [BLOCK_T, P] of the tokens at `pos` (HF rotate_half: channel j pairs with j + P)."""
+        c = tl.load(cos_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
+        sn = tl.load(sin_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
+        return c, sn
+
+    @triton.jit
     def _pair_dot(k, q, SCORE_DOT: tl.constexpr, INTERP: tl.constexpr):
         """k [BLOCK_T, P] (float32 or float64) . q [P, GP] over the pairs -> [BLOCK_T, GP]: SCORE_DOT 0 a broadcast
         product and tl.sum, 1 tl.dot as tf32x3 (tensor cores), 2 tl.dot in ieee float32 (Triton's FMA dot); the dots
@@ -202,16 +218,9 @@ if triton is not None:
                         off = ((r * NCODE + code) * P + jj[None, :]) * 2  # codeword (x, y) of pair j
                         pair = tl.load(th_head + off[:, :, None] + xy[None, None, :]).to(ACC)  # [BLOCK_T, P, 2]
                         x, y = tl.split(pair)
-                        if e == 0:  # w_a: row 0 of C_a
-                            kx += x
-                            ky += y
-                        else:  # i w_b: row 1 of C_b, (-y, x)
-                            kx -= y
-                            ky += x
-            # one rotation per token and pair (HF rotate_half: channel j pairs with j + P)
-            pos = pos_offset + t
-            c = tl.load(cos_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
-            sn = tl.load(sin_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
+                        kx, ky = _add_codeword(kx, ky, x, y, e)
+            # one rotation per token and pair
+            c, sn = _rope_tables(cos_ptr, sin_ptr, pos_offset + t, jj, tm, D, ACC)
             kappa = tl.load(kn_ptr + b * sknb + t, mask=tm, other=0.0).to(ACC)
             if TABLE:  # fused_key_scores: sum_p cos A_p + sin B_p
                 s = tl.sum(c[:, :, None] * big_a + sn[:, :, None] * big_b, 1)  # [BT, GP]
@@ -324,15 +333,8 @@ if triton is not None:
                     off = ((r * NCODE + code) * (2 * P))[:, :, None] + grp[None, :, :]  # [BLOCK_T, NPH, W2]
                     rows = tl.load(th_head + off).to(ACC)
                     x, y = tl.split(tl.reshape(rows, (BLOCK_T, P, 2)))
-                    if e == 0:  # w_a: row 0 of C_a
-                        kx += x
-                        ky += y
-                    else:  # i w_b: row 1 of C_b, (-y, x)
-                        kx -= y
-                        ky += x
-            pos = pos_offset + t
-            cs = tl.load(cos_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
-            sn = tl.load(sin_ptr + pos[:, None] * D + jj[None, :], mask=tm[:, None], other=0.0).to(ACC)
+                    kx, ky = _add_codeword(kx, ky, x, y, e)
+            cs, sn = _rope_tables(cos_ptr, sin_ptr, pos_offset + t, jj, tm, D, ACC)
             kappa = tl.load(kn_ptr + b * sknb + t, mask=tm, other=0.0).to(ACC)
             k1 = kx * cs - ky * sn
             k2 = ky * cs + kx * sn

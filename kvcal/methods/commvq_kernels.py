@@ -143,12 +143,10 @@ if triton is not None:
         need GP >= 16 (the host pads) and are exact float32 products under the interpreter."""
         if SCORE_DOT == 0:
             return tl.sum(k[:, :, None] * q[None, :, :], 1)
-        elif INTERP:
-            return tl.dot(k, q, input_precision="ieee")
-        elif SCORE_DOT == 1:
-            return tl.dot(k, q, input_precision="tf32x3")
+        elif SCORE_DOT == 2 or INTERP:
+            return dot(k, q, INTERP)  # ieee float32 (exact under the interpreter)
         else:
-            return tl.dot(k, q, input_precision="ieee")
+            return tl.dot(k, q, input_precision="tf32x3")
 
     @triton.jit
     def _scores_mass_kernel(

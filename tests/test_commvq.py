@@ -292,6 +292,7 @@ def test_e_step_kernel_matches_torch_reference():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_e_step_kernel_on_gpu_matches_cpu_reference():
     """On the GPU, e_step_groups takes the kernel: its statistics equal the CPU torch E-step's at Llama-like
     sizes (N = 64, g = 64), soft at a low temperature and hard."""

@@ -49,6 +49,9 @@ MaxMemoryOpt = typer.Option(None, "--max-memory", help="--device-map: memory per
                             "0=20GiB,1=20GiB (forces a model that fits one GPU across several).")
 DataDirOpt = typer.Option(None, "--data-dir", help="Folder with wiki.test.raw etc. (default: $KVCAL_DATA_DIR, else the Hub).")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set bits=2 (repeatable).")
+FpWindowOpt = typer.Option(None, "--fp-window", help="Full-precision allowance: the newest W tokens stay in fp16 for "
+                           "every method alike (0: strict, every token compressed as it enters), overriding each "
+                           "method's own window; default: each method's own (docs/conventions.md).")
 
 
 @app.command("models")
@@ -207,6 +210,7 @@ def eval_ppl_command(
     prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window (default: seqlen/2)."),
     prefix_len: int | None = typer.Option(None, help="tail: full-precision prefix tokens (default: seqlen/64)."),
     block_len: int | None = typer.Option(None, help="tail: compressed block tokens (default: 3*seqlen/4)."),
+    fp_window: int | None = FpWindowOpt,
     batch_size: int = typer.Option(1, help="Windows per forward pass (decode mode: rows of the batch)."),
     mode: str = typer.Option("simulate", help="simulate (whole windows, the gptq emulation) or decode "
                              "(token by token through the real compressed cache)."),
@@ -236,12 +240,13 @@ def eval_ppl_command(
             check_writable(path, folder, flag=flag)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                    protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic,
-                                   prefix_len, block_len, device_map, caps)
-    table = Table("method", "setting", "protocol", "mode", "windows", "tokens", "PPL", "bits/elem")
+                                   prefix_len, block_len, device_map, caps, fp_window)
+    table = Table("method", "setting", "protocol", "fp window", "mode", "windows", "tokens", "PPL", "bits/elem")
     for record in records:
         record["command"] = invoked_command()
-        table.add_row(record["method"], record["setting"], record["protocol"], record["mode"], str(record["nsamples"]),
-                      str(record["tokens"]), f"{record['ppl']:.4f}", f"{record['bits_per_element']:.3f}")
+        table.add_row(record["method"], record["setting"], record["protocol"], str(record["fp_window"]), record["mode"],
+                      str(record["nsamples"]), str(record["tokens"]), f"{record['ppl']:.4f}",
+                      f"{record['bits_per_element']:.3f}")
     console.print(table)
     first = records[0]
     console.print(f"{first['model']['name']} ({first['dtype']}, {first['device']}) on {first['dataset']['dataset']} "
@@ -273,6 +278,7 @@ def eval_passkey_command(
                              "simulate (the prefill-decode simulation; the answer teacher-forced, correct when "
                              "greedy would emit it)."),
     backend: str = typer.Option("packed", help="decode mode: packed, reference or dequantized (as eval ppl)."),
+    fp_window: int | None = FpWindowOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     device_map: str | None = DeviceMapOpt,
@@ -289,7 +295,7 @@ def eval_passkey_command(
     depths = [int(d) if float(d).is_integer() else d for d in (depths or DEFAULT_DEPTHS)]
     record = evaluate_passkey_command(model, artifact, method, recipe, sets, list(lengths) if lengths else None,
                                       depths, trials, seed, mode, max_new_tokens, backend, dtype, device,
-                                      device_map, caps)
+                                      device_map, caps, fp_window)
     record["command"] = invoked_command()
     table = Table("length", *[f"{d}%" for d in record["depths"]], "all")
     for n in record["lengths"]:

@@ -157,7 +157,9 @@ def run_passkey(loaded, codec, lengths, depths, trials: int, seed: int = 0, mode
 
 
 def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: str, lengths, depths, trials: int,
-                   seed: int = 0, mode: str = "decode", max_new_tokens: int = 8, backend: str = "packed") -> dict:
+                   seed: int = 0, mode: str = "decode", max_new_tokens: int = 8, backend: str = "packed",
+                   fp_window: int | None = None) -> dict:
+    """fp_window: the allowance named (--fp-window; the method already carries it), None for the method's own."""
     from kvcal.runtime.cache import backend_ran
 
     cells = run_passkey(loaded, codec, lengths, depths, trials, seed, mode, max_new_tokens, backend, setting)
@@ -167,6 +169,8 @@ def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: 
     return {
         "kind": "passkey",
         **record_head(method, setting, artifact_record, loaded, dtype),
+        "fp_window": method.fp_window() if fp_window is None else fp_window,
+        "fp_window_named": fp_window is not None,
         "mode": mode,
         "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
         "lengths": list(lengths),
@@ -184,11 +188,13 @@ def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: 
 
 
 def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, lengths, depths, trials, seed, mode,
-                             max_new_tokens, backend, dtype, device, device_map=None, max_memory=None) -> dict:
+                             max_new_tokens, backend, dtype, device, device_map=None, max_memory=None,
+                             fp_window: int | None = None) -> dict:
     from pathlib import Path
 
     from kvcal.artifact import load_artifact
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.eval.run import protocol_setting
+    from kvcal.methods.registry import artifact_method, codec_for_artifact
     from kvcal.models import check_model_args, load_model
     from kvcal.recipes import resolve
     from kvcal.runtime.cache import backend_ran
@@ -202,27 +208,30 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
     art = load_artifact(artifact_path) if artifact_path else None
     if art is not None:
         model = model or art.header["model"]["name"]
+        artifact_method(art, sets, fp_window)  # what the setting cannot honour is refused before the model loads
     else:
         method, tag, _ = resolve(method_name or ("fp16" if not recipe else None), recipe, sets)
         if method.needs_artifact():
             raise KvcalError(f"method {method.name} ({tag}) needs an artifact: run `kvcal calibrate --method "
                              f"{method.name}` and pass it with --artifact")
+        if fp_window is not None:
+            method = method.with_fp_window(fp_window)
     check_model_args(model or "smollm2-135m", dtype, device)
     loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     if art is not None:
-        method, codec = codec_for_artifact(art, loaded, artifact_path, sets)
-        setting = Path(artifact_path).stem
+        method, codec = codec_for_artifact(art, loaded, artifact_path, sets, fp_window)
+        setting = protocol_setting(Path(artifact_path).stem, fp_window)
         artifact_record = {"path": str(artifact_path), "tensor_hash": art.header["tensor_hash"]}
     else:
         method.check_model(loaded.dims)
-        setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
+        setting = protocol_setting(tag if tag.startswith(method.name) else f"{method.name}-{tag}", fp_window)
         codec = method.build_codec({}, loaded.dims)
         artifact_record = None
     if not lengths:  # the defaults, the longest cut to what the model's positions hold with the generated tokens
         limit = getattr(loaded.model.config, "max_position_embeddings", None) or DEFAULT_LENGTHS[-1]
         lengths = sorted({min(n, limit - max_new_tokens) for n in DEFAULT_LENGTHS})
     return passkey_record(loaded, method, codec, setting, artifact_record, dtype, lengths, depths, trials, seed, mode,
-                          max_new_tokens, backend)
+                          max_new_tokens, backend, fp_window)
 
 
 def accuracy_grid(record: dict) -> tuple[list[int], list, list[list[float]]]:

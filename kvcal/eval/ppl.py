@@ -11,6 +11,10 @@ Protocols:
   (kvcal.eval.simulate.TailAttention). `prompt_len` is S + P (the prefill) and `prefix_len` is S; only the tail's
   predictions count (targets S+P+1 .. seqlen-1: target S+P is the exact prefill's prediction). Decode mode runs it
   through the cache for codecs whose policy compresses the prompt in bulk (FlushPolicy.bulk) with S sinks.
+
+The full-precision allowance (`--fp-window W`, docs/conventions.md) is carried by the method setting (its own window
+set to W) under gptq and prefill-decode; under tail it keeps the newest W tokens of the prefill out of the block,
+for every method alike (the block compressed is [S, S + P - W)).
 """
 
 from __future__ import annotations
@@ -38,6 +42,31 @@ class NllSum:
         return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
 
 
+def effective_fp_window(method, protocol: str, named: int | None) -> int:
+    """The full-precision allowance a record states: the one named (--fp-window), else the method's own window
+    under gptq and prefill-decode, and 0 under tail (whose prefix and tail are the protocol's, every method alike)."""
+    if named is not None:
+        return named
+    return 0 if protocol == "tail" else method.fp_window()
+
+
+def fp_keys_per_query(codec, length: int, protocol: str = "gptq", prompt_len: int = 0, prefix_len: int = 0,
+                      fp_window: int = 0) -> float:
+    """Mean number of keys a scored query sees in full precision (or, for a method that drops tokens, at all) in a
+    window of `length`: what the allowance and the method's format (sinks, unfinished blocks) give it, so rows
+    of one table can be checked for equal footing."""
+    start = first_target(protocol, prompt_len) - 1  # the first scored query
+    queries = torch.arange(start, length - 1)
+    if codec.lossless:
+        return float((queries + 1).double().mean())
+    if protocol == "tail":
+        compressed = prompt_len - prefix_len - fp_window
+        return float((queries + 1 - compressed).double().mean())
+    mask = codec.policy.full_precision_mask(length, prompt_len if protocol == "prefill-decode" else 0)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return float((mask & causal)[queries].sum(1).double().mean())
+
+
 def first_target(protocol: str, prompt_len: int) -> int:
     """Index of the first target token that counts."""
     return prompt_len + 1 if protocol in ("prefill-decode", "tail") else 1
@@ -57,11 +86,12 @@ def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.T
 
 
 def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
-                  batch_size: int = 1, progress=None, prefix_len: int = 0) -> NllSum:
+                  batch_size: int = 1, progress=None, prefix_len: int = 0, fp_window: int = 0) -> NllSum:
     """NLL of the windows through the simulation of `codec` under `protocol` (whole-window forwards, no cache);
-    tail: `prompt_len` = S + P, `prefix_len` = S."""
+    tail: `prompt_len` = S + P, `prefix_len` = S, the newest `fp_window` tokens of the prefill kept out of the block
+    (gptq and prefill-decode: the codec's own policy carries the allowance)."""
     if protocol == "tail":
-        handler = TailAttention(codec, prefix_len, prompt_len - prefix_len)
+        handler = TailAttention(codec, prefix_len, prompt_len - prefix_len, fp_window)
     else:
         handler = SimulatedAttention(codec, prompt_len if protocol == "prefill-decode" else 0)
     start = first_target(protocol, prompt_len)
@@ -79,7 +109,7 @@ def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", 
 
 def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
                 batch_size: int = 1, backend: str = "packed", progress=None, step_graphs: bool = True,
-                prefix_len: int = 0) -> NllSum:
+                prefix_len: int = 0, fp_window: int = 0) -> NllSum:
     """NLL through the real cache, teacher-forced one token at a time (after a full-precision prefill
     of `prompt_len` tokens for prefill-decode). Counts the same targets as `simulated_nll`. `progress(n)` is
     called after every step with the tokens it scored (a batch's rows; scored_tokens(...) in all), since one batch
@@ -97,6 +127,9 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
         if policy.sink != prefix_len:
             raise KvcalError(f"the tail protocol's prefix of {prefix_len} tokens differs from the codec's {policy.sink} "
                              f"full-precision sinks: pass --prefix-len {policy.sink} (or --set sink={prefix_len})")
+        if policy.residual != fp_window:
+            raise KvcalError(f"the tail protocol keeps the newest {fp_window} prefill tokens in full precision but the "
+                             f"codec keeps {policy.residual}: pass --fp-window {policy.residual}")
     start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
     total = NllSum()
     with torch.inference_mode():

@@ -10,7 +10,14 @@ from kvcal.artifact import load_artifact
 from kvcal.data import check_text, load_eval_windows
 from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
-from kvcal.eval.ppl import PROTOCOLS, decoded_nll, scored_tokens, simulated_nll
+from kvcal.eval.ppl import (
+    PROTOCOLS,
+    decoded_nll,
+    effective_fp_window,
+    fp_keys_per_query,
+    scored_tokens,
+    simulated_nll,
+)
 from kvcal.progress import progress_bar
 from kvcal.runtime.cache import backend_ran
 
@@ -20,13 +27,15 @@ MODES = ("simulate", "decode")
 def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                          protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed",
                          deterministic: bool = False, prefix_len: int | None = None,
-                         block_len: int | None = None, device_map=None, max_memory=None) -> list[dict]:
+                         block_len: int | None = None, device_map=None, max_memory=None,
+                         fp_window: int | None = None) -> list[dict]:
     """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once.
-    deterministic: the whole evaluation, model load included, in torch's deterministic mode (kvcal.determinism)."""
+    deterministic: the whole evaluation, model load included, in torch's deterministic mode (kvcal.determinism).
+    fp_window: the full-precision allowance every setting runs under (None: each method's own window)."""
     with deterministic_algorithms(deterministic):
         records = _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                 protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len, block_len,
-                                device_map, max_memory)
+                                device_map, max_memory, fp_window)
     for record in records:
         record["deterministic"] = deterministic
     return records
@@ -34,8 +43,8 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
 
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                   protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
-                  block_len=None, device_map=None, max_memory=None) -> list[dict]:
-    from kvcal.methods.registry import codec_for_artifact
+                  block_len=None, device_map=None, max_memory=None, fp_window=None) -> list[dict]:
+    from kvcal.methods.registry import artifact_method, codec_for_artifact
     from kvcal.models import check_model_args, load_model
     from kvcal.recipes import resolve
 
@@ -70,9 +79,13 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     artifact_paths = list(artifact_paths or [])
     if artifact_paths and (method_name or recipe):
         raise KvcalError("give either --artifact or --method/--recipe, not both")
+    if fp_window is not None and fp_window < 0:
+        raise KvcalError(f"--fp-window must be >= 0, got {fp_window}")
     artifacts = [load_artifact(path) for path in artifact_paths]
     if artifacts:
         model = model or artifacts[0].header["model"]["name"]
+        for art in artifacts:  # what each setting cannot honour is refused before the model loads
+            check_protocol(artifact_method(art, sets, fp_window), protocol, mode, prefix_len, block_len, fp_window)
     else:
         method, tag, _ = resolve(method_name, recipe, sets)
         if method.needs_artifact():
@@ -80,20 +93,42 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
                 f"method {method.name} ({tag}) needs an artifact: run `kvcal calibrate --method {method.name}` "
                 "and pass it with --artifact"
             )
+        if fp_window is not None:
+            method = method.with_fp_window(fp_window)
+        check_protocol(method, protocol, mode, prefix_len, block_len, fp_window)
     check_model_args(model or "smollm2-135m", dtype, device)
     check_text(dataset, "eval", data_dir)  # a missing dataset fails here, before the model loads
     loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     targets = []  # (method, codec, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
-        m, codec = codec_for_artifact(art, loaded, path, sets)
-        targets.append((m, codec, Path(path).stem, {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
+        m, codec = codec_for_artifact(art, loaded, path, sets, fp_window)
+        targets.append((m, codec, protocol_setting(Path(path).stem, fp_window),
+                        {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
     if not artifacts:
         method.check_model(loaded.dims)
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
-        targets.append((method, method.build_codec({}, loaded.dims), setting, None))
+        targets.append((method, method.build_codec({}, loaded.dims), protocol_setting(setting, fp_window), None))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     return [ppl_record(loaded, method, codec, setting, artifact_record, text, windows, dtype, protocol, prompt_len,
-                       batch_size, mode, backend, prefix_len) for method, codec, setting, artifact_record in targets]
+                       batch_size, mode, backend, prefix_len, fp_window)
+            for method, codec, setting, artifact_record in targets]
+
+
+def protocol_setting(setting: str, fp_window: int | None) -> str:
+    """A setting's name under a named full-precision allowance (records of both allowances never share a name)."""
+    return setting if fp_window is None else f"{setting}-fp{fp_window}"
+
+
+def check_protocol(method, protocol: str, mode: str, prefix_len: int, block_len: int, fp_window: int | None) -> None:
+    """One-line refusal, before any model loads, of a protocol this setting cannot run: the method's own (a bulk-only
+    codec outside `tail`), and under `tail` an allowance that leaves nothing of the block, or a decode-mode tail
+    whose cache would not keep what the simulation keeps."""
+    method.check_protocol(protocol)
+    if protocol != "tail" or not fp_window:
+        return
+    if fp_window >= block_len:
+        raise KvcalError(f"--fp-window {fp_window} keeps the whole tail protocol's block of {block_len} tokens in "
+                         "full precision: pass a longer --block-len")
 
 
 def record_head(method, setting: str, artifact_record: dict | None, loaded, dtype: str) -> dict:
@@ -104,18 +139,21 @@ def record_head(method, setting: str, artifact_record: dict | None, loaded, dtyp
 
 def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None, text, windows, dtype: str,
                protocol: str = "gptq", prompt_len: int = 0, batch_size: int = 1, mode: str = "simulate",
-               backend: str = "packed", prefix_len: int = 0) -> dict:
+               backend: str = "packed", prefix_len: int = 0, fp_window: int | None = None) -> dict:
     """Evaluate one codec on the windows and return `kvcal eval ppl`'s JSON record (without its command). Under the
-    tail protocol prompt_len is the full-precision prefill S + P and prefix_len is S."""
+    tail protocol prompt_len is the full-precision prefill S + P and prefix_len is S. fp_window: the allowance named
+    (--fp-window; the method already carries it), None for each method's own window."""
+    allowance = effective_fp_window(method, protocol, fp_window)
     # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window
     total, unit = ((scored_tokens(windows, protocol, prompt_len), "tokens") if mode == "decode"
                    else (windows.shape[0], "windows"))
     with progress_bar(f"ppl {setting} ({protocol}, {mode}; {unit})", total) as advance:
         if mode == "decode":
             result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance,
-                                 prefix_len=prefix_len)
+                                 prefix_len=prefix_len, fp_window=allowance)
         else:
-            result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance, prefix_len)
+            result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance, prefix_len,
+                                   fp_window=allowance)
     bits = bits_per_element(method, loaded.dims)
     return {
         **record_head(method, setting, artifact_record, loaded, dtype),
@@ -126,6 +164,10 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
                             "tail": int(windows.shape[1]) - prompt_len,
                             "scored_targets_per_window": int(windows.shape[1]) - prompt_len - 1}}
            if protocol == "tail" else {}),
+        "fp_window": allowance,
+        "fp_window_named": fp_window is not None,
+        "fp_keys_per_query": round(fp_keys_per_query(codec, int(windows.shape[1]), protocol, prompt_len, prefix_len,
+                                                     allowance), 3),
         "mode": mode,
         "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
         "seqlen": int(windows.shape[1]),

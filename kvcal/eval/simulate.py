@@ -94,13 +94,17 @@ class TailAttention:
     whole-block statistic, such as CalibQuant's per-channel ranges, spans all P tokens), and the tail queries
     [S+P, T) see [full-precision prefix | the reconstructed block | the causal full-precision tail], with the
     codec's score remap on the block. The codec's own flush policy (sinks, residual window) does not apply: the
-    protocol's prefix and tail are its full-precision tokens. P must be a multiple of the policy's block."""
+    protocol's prefix and tail are its full-precision tokens. The full-precision allowance `fp_window` W keeps the
+    newest W tokens of the prefill out of the block: [S, S+P-W) is compressed. P - W must be a multiple of the
+    policy's block."""
 
-    def __init__(self, codec, prefix: int, block: int):
-        if not codec.lossless and block % codec.policy.block:
-            raise KvcalError(f"the tail protocol's block of {block} tokens is not a multiple of the method's "
-                             f"{codec.policy.block}-token blocks: choose --block-len accordingly")
-        self.codec, self.prefix, self.block = codec, prefix, block
+    def __init__(self, codec, prefix: int, block: int, fp_window: int = 0):
+        if not 0 <= fp_window < block:
+            raise KvcalError(f"--fp-window {fp_window} must leave some of the tail protocol's {block}-token block")
+        if not codec.lossless and (block - fp_window) % codec.policy.block:
+            raise KvcalError(f"the tail protocol's compressed block of {block - fp_window} tokens is not a multiple "
+                             f"of the method's {codec.policy.block}-token blocks: choose --block-len accordingly")
+        self.codec, self.prefix, self.block, self.fp_window = codec, prefix, block, fp_window
         self.state: dict = {}
 
     def attend(self, inp: AttentionInputs) -> torch.Tensor:
@@ -110,16 +114,17 @@ class TailAttention:
         if self.codec.lossless:
             return attention(q, k_fp, inp.v, inp.mask, inp.scale)
         length = k_fp.shape[2]
-        start, end = self.prefix, self.prefix + self.block
-        if end >= length:
-            raise KvcalError(f"the tail protocol's prefix + block ({end}) leaves no tail in a window of {length}")
+        start, end = self.prefix, self.prefix + self.block - self.fp_window  # the compressed span
+        prefill = self.prefix + self.block  # queries before it run in the exact prefill
+        if prefill >= length:
+            raise KvcalError(f"the tail protocol's prefix + block ({prefill}) leaves no tail in a window of {length}")
         mask = inp.mask
-        head_mask = None if mask is None else mask[..., :end, :end]
-        head = attention(q[:, :, :end], k_fp[:, :, :end], inp.v[:, :, :end], head_mask, inp.scale)
+        head_mask = None if mask is None else mask[..., :prefill, :prefill]
+        head = attention(q[:, :, :prefill], k_fp[:, :, :prefill], inp.v[:, :, :prefill], head_mask, inp.scale)
         k_hat, v_hat = reconstruct(self.codec, inp, k_fp, self.state, (start, end))
         k_mix, v_mix = k_fp.clone(), inp.v.clone()  # each key in one version for every tail query
         k_mix[:, :, start:end], v_mix[:, :, start:end] = k_hat[:, :, start:end], v_hat[:, :, start:end]
-        q_tail = q[:, :, end:]
+        q_tail = q[:, :, prefill:]
         if self.codec.remaps_scores:
             bias = additive_mask(mask, q_tail.shape[2], length, q.device)
             compressed = torch.zeros(length, dtype=torch.bool, device=q.device)

@@ -147,6 +147,10 @@ class Method:
     # what each learned tensor is (short name "k.theta" -> kind, kvcal/compare.py KINDS): written into the artifact's
     # header, so `kvcal compare` compares codebooks up to permutation, SVD factors up to sign, datatypes as sets
     tensor_kinds: ClassVar[dict[str, str]] = {}
+    # the config field holding the method's own window of newest tokens kept in full precision (KIVI's residual,
+    # SKVQ's window, ...): the full-precision allowance of a comparison (`--fp-window W`, docs/conventions.md) sets
+    # it. It must be a runtime field (calibration never depends on it). None: the method has no such window.
+    fp_window_field: ClassVar[str | None] = None
 
     @classmethod
     def config_keys(cls) -> list[str]:
@@ -171,6 +175,27 @@ class Method:
 
     def validate(self) -> None:
         """Raise KvcalError on impossible settings that do not depend on the model."""
+
+    def fp_window(self) -> int:
+        """The newest tokens this setting keeps in full precision besides what its format itself stores (its own
+        window; 0 for a method without one)."""
+        return int(getattr(self, self.fp_window_field)) if self.fp_window_field else 0
+
+    def with_fp_window(self, window: int) -> Method:
+        """This setting under the full-precision allowance `window` (`--fp-window`): the newest `window` tokens stay
+        in fp16 whatever the method's own default. A one-line KvcalError where the method cannot honour it."""
+        if window < 0:
+            raise KvcalError(f"--fp-window must be >= 0, got {window}")
+        if self.fp_window_field is None:
+            raise KvcalError(f"{self.name} has no full-precision window: it cannot keep the newest {window} tokens in "
+                             "fp16")
+        method = dataclasses.replace(self, **{self.fp_window_field: window})
+        method.validate()
+        return method
+
+    def check_protocol(self, protocol: str) -> None:
+        """Raise KvcalError if this setting cannot run under the perplexity protocol `protocol` (gptq,
+        prefill-decode, tail), before any model loads."""
 
     def needs_artifact(self) -> bool:
         """Whether the codec needs an artifact's tensors (learned from data, or derived from the weights alone)."""

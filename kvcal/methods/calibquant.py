@@ -285,6 +285,11 @@ class CalibQuantStorage(Storage):
 
 
 # ---- codec ------------------------------------------------------------------------------------------------------
+BULK_ONLY = ("calibquant group_tokens=0 takes its ranges over the whole compressed block (the paper): evaluate it with "
+             "--protocol tail (simulate, or decode through the cache), or set group_tokens (e.g. --set "
+             "group_tokens=128) for the gptq/prefill-decode simulations")
+
+
 class CalibQuantCodec(Codec):
     """Reconstructs K (after RoPE) and V of each group of tokens; remaps the compressed keys' scores."""
 
@@ -295,14 +300,12 @@ class CalibQuantCodec(Codec):
         self.k_scale, self.v_scale = method.range_scales()
         # group_tokens 0 (the paper's regime): the prompt's tokens after the sinks are compressed once, as one range
         # group, after the prefill; later tokens stay full precision (FlushPolicy.bulk)
-        self.policy = (FlushPolicy(sink=method.sink, residual=0, block=self.group) if self.group
-                       else FlushPolicy(sink=method.sink, bulk=True))
+        self.policy = (FlushPolicy(sink=method.sink, residual=method.fp_window, block=self.group) if self.group
+                       else FlushPolicy(sink=method.sink, residual=method.fp_window, bulk=True))
         self.remaps_scores = method.remap_on()
         self.taus = taus  # per layer (tau1 [Hq], tau2 [Hq])
         if self.group == 0:
-            self.bulk_only = ("calibquant group_tokens=0 takes its ranges over the whole compressed block (the paper): "
-                              "evaluate it with --protocol tail (simulate, or decode through the cache), or set "
-                              "group_tokens (e.g. --set group_tokens=128) for the gptq/prefill-decode simulations")
+            self.bulk_only = BULK_ONLY
         self.rows = 0  # query rows remapped (the simulation; the packed cache counts in its storages)
         self.slope_clamps = 0  # of them, rows whose slope was clamped at 0 (§7.10)
         self._storages: dict[int, CalibQuantStorage] = {}
@@ -363,10 +366,15 @@ class CalibQuant(Method):
     # lie inside one group), a 2x2 tau grid (4 forwards per window)
     test_config = {"bits": 1, "group_tokens": 16, "sink": 2, "tau_grid": "0,3"}
     tensor_kinds = {"k.tau1": "range", "k.tau2": "range"}  # the searched remap per query head
+    runtime_fields = ("fp_window",)
+    fp_window_field = "fp_window"
 
     bits: int = 1  # 8, 4, 2, 1 [P]
     group_tokens: int = 0  # 0: one range over the whole compressed block [P] (tail protocol); G: groups of G tokens
     sink: int = 32  # group_tokens > 0: full-precision first tokens (the tail protocol uses its own prefix)
+    # newest tokens kept in full precision: with group_tokens G, besides the unfinished group; in the bulk regime,
+    # the newest of the prompt when it is compressed (the comparison's full-precision allowance)
+    fp_window: int = 0
     k_range_scale: float | None = None  # c_K; None: 0.5 at 1 bit [C], 1.0 otherwise
     v_range_scale: float | None = None  # c_V; None: 0.3 at 1 bit [C], 1.0 otherwise
     v_ranges: str = "channel"  # channel [P]; token (KIVI-style) and global: ablations
@@ -378,8 +386,9 @@ class CalibQuant(Method):
     def validate(self):
         if self.bits not in SUPPORTED_BITS:
             raise KvcalError(f"calibquant bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {self.bits}")
-        if self.group_tokens < 0 or self.sink < 0:
-            raise KvcalError(f"calibquant group_tokens and sink must be >= 0, got {self.group_tokens}, {self.sink}")
+        if self.group_tokens < 0 or self.sink < 0 or self.fp_window < 0:
+            raise KvcalError(f"calibquant group_tokens, sink and fp_window must be >= 0, got {self.group_tokens}, "
+                             f"{self.sink}, {self.fp_window}")
         if self.v_ranges not in V_RANGES:
             raise KvcalError(f"calibquant v_ranges must be one of {', '.join(V_RANGES)}, got {self.v_ranges!r}")
         for key in ("k_range_scale", "v_range_scale"):
@@ -394,6 +403,10 @@ class CalibQuant(Method):
             if not self.remap_on():
                 raise KvcalError("calibquant tau1/tau2 apply only with the score remap (calibration on)")
         parse_grid(self.tau_grid)
+
+    def check_protocol(self, protocol: str) -> None:
+        if self.group_tokens == 0 and protocol != "tail":
+            raise KvcalError(BULK_ONLY)
 
     def remap_on(self) -> bool:
         return self.bits <= 2 if self.calibration is None else self.calibration
@@ -538,9 +551,9 @@ class CalibQuant(Method):
     def footprint(self, dims, tokens):
         """Codes at `bits`, fp32 (step, minimum) per range and group (§7.14), fp16 sinks. group_tokens 0: the tokens
         after the sinks form one block (the paper's regime, at the reference length)."""
-        sink = min(self.sink, tokens)
-        n = FlushPolicy(sink=self.sink, block=self.group_tokens).compressed_count(tokens) if self.group_tokens \
-            else tokens - sink
+        policy = (FlushPolicy(sink=self.sink, residual=self.fp_window, block=self.group_tokens) if self.group_tokens
+                  else FlushPolicy(sink=self.sink, residual=self.fp_window, bulk=True))
+        n = policy.compressed_count(tokens)
         groups = (n // self.group_tokens if self.group_tokens else (1 if n else 0))
         heads, d = dims.num_layers * dims.num_kv_heads, dims.head_dim
         stats = {"channel": groups * d, "token": n, "global": groups}

@@ -26,6 +26,7 @@ which one it follows ([P] paper, [C] code, [D] digest).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -575,6 +576,7 @@ class CommVQ(Method):
     learns = True
     captures = ("k", "v", "q")
     runtime_fields = ("quantize", "fp_window", "fp_flush")
+    fp_window_field = "fp_window"
     test_config = {"bits": 2, "key_codes": 8, "key_stages": 3, "key_em_steps": 3, "key_train_vectors": 256,
                    "value_steps": 8, "value_batch_tokens": 64, "value_attn_tokens": 32, "value_warmup": 2,
                    "fp_window": 4}
@@ -670,6 +672,15 @@ class CommVQ(Method):
 
     def hidden(self, dims) -> int:
         return self.value_hidden or min(4096, 4 * self.value_groups(dims))
+
+    def with_fp_window(self, window: int) -> Method:
+        """The allowance's rule is the newest `window` tokens at every step: the sliding window (fp_flush=block,
+        the official runtime's, holds 1..W tokens and needs W > 0)."""
+        if window < 0:
+            return super().with_fp_window(window)
+        method = dataclasses.replace(self, fp_window=window, fp_flush="sliding")
+        method.validate()
+        return method
 
     def policy(self) -> FlushPolicy:
         if self.fp_flush == "block":

@@ -25,6 +25,12 @@ class FP16(Method):
     def tag(self) -> str:
         return "fp16"
 
+    def with_fp_window(self, window: int) -> Method:
+        """Every token stays in full precision: any allowance holds."""
+        if window < 0:
+            return super().with_fp_window(window)
+        return self
+
     def build_codec(self, tensors, dims) -> Codec:
         return LosslessCodec()
 

@@ -104,6 +104,7 @@ class KIVI(Method):
 
     name = "kivi"
     summary = "per-channel keys, per-token values, fp16 residual window"
+    fp_window_field = "residual"  # the newest R tokens, plus the unfinished key block (its format needs whole blocks)
     test_config = {"bits": 2, "group_size": 8, "residual": 8}  # blocks flush during a short decode
     bits: int = 2
     group_size: int = 32

@@ -104,9 +104,10 @@ class KVQuantStorage(Storage):
 
     keys_pre_rope = True
 
-    def __init__(self, bits: int, tables: dict, capacity: int, value_per_side: int, per_head: bool, sink: int):
+    def __init__(self, bits: int, tables: dict, capacity: int, value_per_side: int, per_head: bool, sink: int,
+                 fp_window: int = 0):
         self.bits, self.capacity, self.value_per_side, self.per_head = bits, capacity, value_per_side, per_head
-        self.policy = FlushPolicy(sink=sink)
+        self.policy = FlushPolicy(sink=sink, residual=fp_window)
         self.tables = tables
         self.key_zero, self.key_scale = range_params(tables["k_lo"], tables["k_hi"])  # as the quantizer uses them
         self.key_table, self.value_table = tables["k_decode"], tables["v_decode"]
@@ -205,7 +206,7 @@ class KVQuantCodec(Codec):
         self.method = method
         self.head_dim = dims.head_dim
         self.keys_pre_rope = method.pre_rope
-        self.policy = FlushPolicy(sink=method.sink)
+        self.policy = FlushPolicy(sink=method.sink, residual=method.fp_window)
         self.value_per_side = method.value_per_side(dims)
         self.tables = []
         for i in range(dims.num_layers):
@@ -243,7 +244,7 @@ class KVQuantCodec(Codec):
         if layer not in self.storages:
             self.storages[layer] = KVQuantStorage(self.method.bits, self.tables[layer], self.key_capacity(),
                                                   self.value_per_side, self.method.value_scope == "head",
-                                                  self.method.sink)
+                                                  self.method.sink, self.method.fp_window)
         return self.storages[layer]
 
     def reconstruct(self, layer, k, v):
@@ -268,7 +269,8 @@ class KVQuant(Method):
     summary = "Fisher-weighted non-uniform datatypes, pre-RoPE per-channel keys, 1% outliers"
     learns = True
     captures = ("k", "v", "fisher")
-    runtime_fields = ("key_outlier_capacity", "exact_outliers")
+    runtime_fields = ("key_outlier_capacity", "exact_outliers", "fp_window")
+    fp_window_field = "fp_window"
     # the contract compares decoding with the simulation of what the cache stores (exact_outliers=false)
     test_config = {"bits": 3, "outliers": 0.05, "exact_outliers": False}
     tensor_kinds = {f"{side}.{name}": "datatype" for side in "kv" for name in ("encode", "decode")} | {
@@ -277,6 +279,7 @@ class KVQuant(Method):
     bits: int = 4
     outliers: float = 0.01  # fraction of each vector kept exact (half at each tail); 0 = dense only
     sink: int = 1  # first tokens kept in fp16 and left out of calibration
+    fp_window: int = 0  # newest tokens kept in fp16 besides the sinks (the comparison's full-precision allowance)
     weighting: str = "fisher_scale"  # k-means weights: F*s^2 (NeurIPS App. E), F (seed paper, code), none
     datatype: str = "nuq"  # nuq: k-means levels; int: uniform levels (the ablation baseline)
     qnorm: bool | None = None  # None: on at 2 bits only, as in the seed paper
@@ -304,8 +307,8 @@ class KVQuant(Method):
             raise KvcalError(f"kvquant bits must be 2, 3 or 4, got {self.bits}")
         if not 0 <= self.outliers < 0.5:
             raise KvcalError(f"kvquant outliers is a fraction in [0, 0.5), got {self.outliers}")
-        if self.sink < 0:
-            raise KvcalError("kvquant sink must be >= 0")
+        if self.sink < 0 or self.fp_window < 0:
+            raise KvcalError("kvquant sink and fp_window must be >= 0")
         for key, value, allowed in (("weighting", self.weighting, WEIGHTINGS), ("datatype", self.datatype, DATATYPES),
                                     ("key_granularity", self.key_granularity, GRANULARITIES),
                                     ("value_scope", self.value_scope, VALUE_SCOPES)):
@@ -482,7 +485,8 @@ class KVQuant(Method):
     def footprint(self, dims, tokens):
         channels, layers = dims.kv_channels, dims.num_layers
         sinks = min(self.sink, tokens)
-        stored = (tokens - sinks) * layers  # tokens x layers held as codes
+        quantized = FlushPolicy(sink=self.sink, residual=self.fp_window).compressed_count(tokens)
+        stored = quantized * layers  # tokens x layers held as codes
         per_side = per_side_outliers(self.outliers, channels)
         value_vectors = dims.num_kv_heads if self.value_scope == "head" else 1  # (scale, zero) pairs per token
         dynamic = value_vectors + (self.key_granularity == "per_token")  # ... and one for K if per token
@@ -496,6 +500,8 @@ class KVQuant(Method):
             parts["outliers"] = (key_outliers + value_outliers) * stored * OUTLIER_ENTRY_BYTES
             parts["outlier_pointers"] = 2 * stored * OUTLIER_POINTER_BYTES
         parts["fp16_sinks"] = fp16_token_bytes(dims, sinks)
+        if tokens - sinks - quantized:
+            parts["fp16_window"] = fp16_token_bytes(dims, tokens - sinks - quantized)
         return parts
 
 

@@ -96,11 +96,18 @@ def check_artifact(artifact, path="artifact") -> None:
                          "(an edited header?)")
 
 
-def codec_for_artifact(artifact, loaded, path="artifact", sets: list[str] | None = None):
-    """The codec an artifact describes, after checking it was made for this model. `sets` may override
-    the method's runtime fields (e.g. kvquant's key_outlier_capacity)."""
+def artifact_method(artifact, sets: list[str] | None = None, fp_window: int | None = None):
+    """The method setting an artifact describes, with `sets` overriding its runtime fields (e.g. kvquant's
+    key_outlier_capacity) and the full-precision allowance `fp_window` (--fp-window) where one is named."""
+    method = build_method(artifact.method, {**artifact.config, **runtime_overrides(artifact.method, sets)})
+    return method if fp_window is None else method.with_fp_window(fp_window)
+
+
+def codec_for_artifact(artifact, loaded, path="artifact", sets: list[str] | None = None,
+                       fp_window: int | None = None):
+    """The codec an artifact describes, after checking it was made for this model (artifact_method's settings)."""
     from kvcal.artifact import check_model
 
     check_model(artifact, loaded, path)
-    method = build_method(artifact.method, {**artifact.config, **runtime_overrides(artifact.method, sets)})
+    method = artifact_method(artifact, sets, fp_window)
     return method, method.build_codec(artifact.tensors, loaded.dims)

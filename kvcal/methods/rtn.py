@@ -1,5 +1,6 @@
 """RTN int-N: round-to-nearest per token (keys after RoPE), one fp16 scale and zero per token, KV head and group of
-channels. Nothing to learn. Kernels: kvcal/methods/rtn_kernels.py."""
+channels; the newest `fp_window` tokens stay in fp16 (0: every token is quantized as it enters the cache). Nothing to
+learn. Kernels: kvcal/methods/rtn_kernels.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.accounting import kv_elements
+from kvcal.accounting import fp16_token_bytes, kv_elements
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, Method, check_bits
 from kvcal.methods.registry import register
@@ -21,10 +22,9 @@ PARAM_BYTES = 2  # fp16 scale and fp16 zero (the group minimum) per quantization
 class RtnStorage(Storage):
     """Codes [B, Hkv, T, W] int32 for keys and values; scale and zero [B, Hkv, T, D / group] fp16 each."""
 
-    policy = FlushPolicy()
-
-    def __init__(self, bits: int, group: int):
+    def __init__(self, bits: int, group: int, fp_window: int = 0):
         self.bits, self.group = bits, group
+        self.policy = FlushPolicy(sink=0, residual=fp_window, block=1)
 
     def check(self, heads: int, dim: int) -> None:
         if dim % self.group:
@@ -66,8 +66,9 @@ class RtnStorage(Storage):
 
 
 class RTNCodec(Codec):
-    def __init__(self, bits: int, group: int):
-        self._storage = RtnStorage(bits, group)
+    def __init__(self, bits: int, group: int, fp_window: int = 0):
+        self._storage = RtnStorage(bits, group, fp_window)
+        self.policy = self._storage.policy
 
     def storage(self, layer: int) -> Storage:
         return self._storage
@@ -80,13 +81,18 @@ class RTN(Method):
 
     name = "rtn"
     summary = "asymmetric min/max int-N per token, keys post-RoPE"
+    runtime_fields = ("fp_window",)
+    fp_window_field = "fp_window"
     bits: int = 4
     group_size: int | None = None  # channels per group, inside one head; None = one group per head (head_dim)
+    fp_window: int = 0  # newest tokens kept in fp16 (the comparison's full-precision allowance)
 
     def validate(self):
         check_bits(self.bits)
         if self.group_size is not None and self.group_size <= 0:
             raise KvcalError(f"group_size must be positive, got {self.group_size}")
+        if self.fp_window < 0:
+            raise KvcalError(f"rtn fp_window must be >= 0, got {self.fp_window}")
 
     def group(self, dims) -> int:
         return self.group_size or dims.head_dim
@@ -97,15 +103,18 @@ class RTN(Method):
                              "lie inside one head)")
 
     def tag(self) -> str:
-        return f"int{self.bits}" + (f"-g{self.group_size}" if self.group_size else "")
+        return (f"int{self.bits}" + (f"-g{self.group_size}" if self.group_size else "")
+                + (f"-w{self.fp_window}" if self.fp_window else ""))
 
     def build_codec(self, tensors, dims) -> Codec:
         self.check_model(dims)
-        return RTNCodec(self.bits, self.group(dims))
+        return RTNCodec(self.bits, self.group(dims), self.fp_window)
 
     def footprint(self, dims, tokens):
-        elements = kv_elements(dims, tokens)
+        quantized = FlushPolicy(residual=self.fp_window).compressed_count(tokens)
+        elements = kv_elements(dims, quantized)
         return {
             "codes": elements * self.bits / 8,
             "scales_zeros": elements / self.group(dims) * 2 * PARAM_BYTES,
+            "fp16_window": fp16_token_bytes(dims, tokens - quantized),
         }

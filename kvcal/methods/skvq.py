@@ -416,6 +416,9 @@ class SKVQ(Method):
 
     name = "skvq"
     summary = "k-means channel reorder, clipped per-token group quant, fp16 window + sinks"
+    # the window never enters calibration (the clip search quantizes every non-sink token): a runtime setting
+    runtime_fields = ("window",)
+    fp_window_field = "window"
     learns = True
     captures = ("k", "v", "q")  # pre-RoPE K and V (stats, search), pre-RoPE Q (clip search objective)
     test_config = {"k_bits": 2.0, "v_bits": 1.5, "group_size": 8, "window": 8, "sink": 2, "clip_queries": 16}

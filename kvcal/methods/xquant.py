@@ -567,6 +567,7 @@ class XQuant(Method):
     summary = "cache X or its SVD latents, rematerialize K/V; cross-layer deltas"
     runtime_fields = ("bits", "hp_layers", "hp_bits", "outlier_channel", "group_tokens", "group_channels",
                       "delta_axis", "closed_loop", "residual")
+    fp_window_field = "residual"  # the newest R tokens, plus the unfinished token block (per-channel groups)
     # tiny models (hidden 64, 2 KV heads x 16, 2 layers): the packed storage's svd latents, layer 0 at 4 bits and
     # layer 1 at 2, latent channel 0 in fp16 (the cross-layer variants have no packed storage: tests/test_xquant.py
     # runs them through the simulation and the dequantized cache)

@@ -37,10 +37,10 @@ class FlushPolicy:
     `compressed_count(n)` tokens after the sinks are compressed and the rest are full precision.
     RTN: (0, 0, 1). KIVI: (0, R, G). SKVQ: (S, W, 1). KVQuant: (n_sink, 0, 1).
 
-    `bulk` (CalibQuant's regime): a prompt's tokens after the sinks are compressed once, in one write of the whole
-    span (one block of its own length, per row), right after the full-precision prefill; every later token stays
-    full precision, so that part grows without bound. `compressed_count(n)` is then what a prefill of n tokens
-    compresses (n - sink), and nothing is ever flushed token by token (so `full_precision_mask`, the token-by-token
+    `bulk` (CalibQuant's regime): a prompt's tokens after the sinks, but for its newest `residual`, are compressed
+    once, in one write of the whole span (one block of its own length, per row), right after the full-precision
+    prefill; every later token stays full precision, so that part grows without bound. `compressed_count(n)` is then
+    what a prefill of n tokens compresses (n - sink - residual), and nothing is ever flushed token by token (so `full_precision_mask`, the token-by-token
     rule, does not describe it: the gptq simulation refuses such codecs).
     """
 
@@ -51,7 +51,7 @@ class FlushPolicy:
 
     def compressed_count(self, n: int) -> int:
         if self.bulk:
-            return max(0, n - self.sink)
+            return max(0, n - self.sink - self.residual)
         return self.block * (max(0, n - self.sink - self.residual) // self.block)
 
     def compressed_span(self, n: int) -> tuple[int, int]:

@@ -141,10 +141,11 @@ class CalibQuantStorage(Storage):
     clamped at 0 (§7.10). Kernels: kvcal/methods/calibquant_kernels.py."""
 
     def __init__(self, bits: int, group: int, sink: int, k_scale: float, v_scale: float,
-                 taus: tuple[torch.Tensor, torch.Tensor] | None):
+                 taus: tuple[torch.Tensor, torch.Tensor] | None, fp_window: int = 0):
         self.bits, self.group = bits, group
         self.k_scale, self.v_scale = k_scale, v_scale
-        self.policy = FlushPolicy(sink=sink, block=group) if group else FlushPolicy(sink=sink, bulk=True)
+        self.policy = (FlushPolicy(sink=sink, residual=fp_window, block=group) if group
+                       else FlushPolicy(sink=sink, residual=fp_window, bulk=True))
         self.taus = None if taus is None else tuple(t.to(torch.float32).contiguous() for t in taus)
         self.counts = torch.zeros(2, dtype=torch.int64)
 
@@ -316,7 +317,7 @@ class CalibQuantCodec(Codec):
         if layer not in self._storages:
             taus = self.taus[layer] if self.remaps_scores else None
             self._storages[layer] = CalibQuantStorage(self.bits, self.group, self.method.sink, self.k_scale,
-                                                      self.v_scale, taus)
+                                                      self.v_scale, taus, self.method.fp_window)
         return self._storages[layer]
 
     def storage_refusal(self) -> str:
@@ -559,7 +560,7 @@ class CalibQuant(Method):
         stats = {"channel": groups * d, "token": n, "global": groups}
         ranges_count = heads * (groups * d + stats[self.v_ranges])
         return {
-            "codes": 2 * n * heads * d * self.bits / 8,
+            "codes": 2 * n * heads * words_per_vector(d, self.bits) * 4,  # packed in int32 words
             "step_minimum": ranges_count * 2 * STAT_BYTES,
             "fp16_full_precision": fp16_token_bytes(dims, tokens - n),
         }

@@ -934,17 +934,19 @@ class CommVQ(Method):
         return CommVQCodec(self, keys, values, dims)
 
     def footprint(self, dims, tokens):
-        """Bytes of the cache: codes at their real width (keys 2 ceil(log2 N') bits per group and stage, values
-        N_c bits), one fp16 norm per token for K and for V, fp16 for the window and for what is not quantized."""
+        """Bytes of the cache as the storage holds them: each token's codes (keys 2 ceil(log2 N') bits per group and
+        stage, values N_c bits) in whole int32 words, one fp16 norm per token for K and for V, fp16 for the window and
+        for what is not quantized."""
         compressed = self.policy().compressed_count(tokens)
         rows = compressed * dims.num_layers
         channels = dims.kv_channels
         parts = {}
         if self.keys_quantized:
-            parts["key_codes"] = rows * self.num_groups(dims) * self.stages(dims) * 2 * self.index_bits / 8
+            key_bits = self.num_groups(dims) * self.stages(dims) * 2 * self.index_bits
+            parts["key_codes"] = rows * 4 * ((key_bits + 31) // 32)
             parts["key_norms"] = rows * NORM_BYTES
         if self.values_quantized:
-            parts["value_codes"] = rows * channels * self.bits / 8
+            parts["value_codes"] = rows * 4 * ((channels * self.bits + 31) // 32)
             parts["value_norms"] = rows * NORM_BYTES
         parts["fp16_window"] = fp16_token_bytes(dims, tokens - compressed)
         if self.quantize != "kv":

@@ -131,7 +131,8 @@ class KIVI(Method):
         quantized = policy.compressed_count(tokens)
         elements = kv_elements(dims, quantized)
         return {
-            "codes": elements * self.bits / 8,
+            # each (token, KV head, K or V) vector's codes in whole int32 words
+            "codes": elements / dims.head_dim * words_per_vector(dims.head_dim, self.bits) * 4,
             # keys: one (scale, zero) per channel per G tokens; values: per token per G channels
             "scales_zeros": elements / self.group_size * 2 * PARAM_BYTES,
             "fp16_residual": fp16_token_bytes(dims, tokens - quantized),

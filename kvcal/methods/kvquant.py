@@ -226,20 +226,14 @@ class KVQuantCodec(Codec):
         return t
 
     def key_capacity(self) -> int:
-        """Key outlier slots per token and KV head in the packed runtime. Key outliers vary per token: the
-        runtime keeps a fixed capacity, by default twice the nominal rate (overflow keeps the largest
-        residuals, the rest clamp to the extreme level). Per head, so that the decode kernel's program for
-        one KV head reads only its own slots."""
-        if not self.method.outliers:
-            return 0
-        capacity = self.method.key_outlier_capacity or math.ceil(2 * self.method.outliers * self.head_dim)
-        return min(capacity, self.head_dim)  # more slots than channels can never be used
+        """Key outlier slots per token and KV head in the packed runtime (KVQuant.key_capacity)."""
+        return self.method.key_capacity(self.head_dim)
 
     def storage_refusal(self) -> str:
         return "the packed runtime runs KVQuant with pre-RoPE per-channel keys only"
 
     def storage(self, layer: int) -> KVQuantStorage | None:
-        if self.method.key_granularity != "per_channel" or not self.method.pre_rope:
+        if not self.method.packs():
             return None
         if layer not in self.storages:
             self.storages[layer] = KVQuantStorage(self.method.bits, self.tables[layer], self.key_capacity(),
@@ -318,6 +312,20 @@ class KVQuant(Method):
             raise KvcalError("kvquant key_outlier_capacity must be >= 0 (0: automatic)")
         if self.kmeans_inits < 1 or self.kmeans_iters < 1:
             raise KvcalError("kvquant kmeans_inits and kmeans_iters must be >= 1")
+
+    def key_capacity(self, head_dim: int) -> int:
+        """Key outlier slots per token and KV head in the packed runtime. Key outliers vary per token: the
+        runtime keeps a fixed capacity, by default twice the nominal rate (overflow keeps the largest
+        residuals, the rest clamp to the extreme level). Per head, so that the decode kernel's program for
+        one KV head reads only its own slots."""
+        if not self.outliers:
+            return 0
+        capacity = self.key_outlier_capacity or math.ceil(2 * self.outliers * head_dim)
+        return min(capacity, head_dim)  # more slots than channels can never be used
+
+    def packs(self) -> bool:
+        """Whether the packed runtime holds this setting (pre-RoPE per-channel keys)."""
+        return self.key_granularity == "per_channel" and self.pre_rope
 
     def value_per_side(self, dims) -> int:
         """Value outliers per side of each value vector (the token's C channels, or one head's)."""
@@ -483,6 +491,12 @@ class KVQuant(Method):
         return tensors
 
     def footprint(self, dims, tokens):
+        """Bytes of the cache. A setting the packed runtime holds: what its storage holds (codes in int32 words per
+        KV head, key_capacity outlier slots per token and KV head, value scales and outlier slots), the sinks and the
+        window in fp16. The ablations without a packed storage: the paper's accounting (nominal outlier rate, CSR
+        pointers)."""
+        if self.packs():
+            return self._packed_footprint(dims, tokens)
         channels, layers = dims.kv_channels, dims.num_layers
         sinks = min(self.sink, tokens)
         quantized = FlushPolicy(sink=self.sink, residual=self.fp_window).compressed_count(tokens)
@@ -499,6 +513,24 @@ class KVQuant(Method):
         if self.outliers:
             parts["outliers"] = (key_outliers + value_outliers) * stored * OUTLIER_ENTRY_BYTES
             parts["outlier_pointers"] = 2 * stored * OUTLIER_POINTER_BYTES
+        parts["fp16_sinks"] = fp16_token_bytes(dims, sinks)
+        if tokens - sinks - quantized:
+            parts["fp16_window"] = fp16_token_bytes(dims, tokens - sinks - quantized)
+        return parts
+
+    def _packed_footprint(self, dims, tokens):
+        heads, layers = dims.num_kv_heads, dims.num_layers
+        sinks = min(self.sink, tokens)
+        quantized = FlushPolicy(sink=self.sink, residual=self.fp_window).compressed_count(tokens)
+        stored = quantized * layers
+        value_vectors = heads if self.value_scope == "head" else 1
+        slots = heads * self.key_capacity(dims.head_dim) + value_vectors * 2 * self.value_per_side(dims)
+        parts = {
+            "codes": 2 * stored * heads * words_per_vector(dims.head_dim, self.bits) * 4,
+            "scales_zeros": stored * value_vectors * 2 * FP16_BYTES,
+        }
+        if slots:
+            parts["outliers"] = stored * slots * OUTLIER_ENTRY_BYTES
         parts["fp16_sinks"] = fp16_token_bytes(dims, sinks)
         if tokens - sinks - quantized:
             parts["fp16_window"] = fp16_token_bytes(dims, tokens - sinks - quantized)

@@ -114,7 +114,8 @@ class RTN(Method):
         quantized = FlushPolicy(residual=self.fp_window).compressed_count(tokens)
         elements = kv_elements(dims, quantized)
         return {
-            "codes": elements * self.bits / 8,
+            # each (token, KV head, K or V) vector's codes in whole int32 words
+            "codes": elements / dims.head_dim * words_per_vector(dims.head_dim, self.bits) * 4,
             "scales_zeros": elements / self.group(dims) * 2 * PARAM_BYTES,
             "fp16_window": fp16_token_bytes(dims, tokens - quantized),
         }

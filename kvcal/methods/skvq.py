@@ -18,7 +18,6 @@ cited as rec #N below); every such place says which source it follows.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,6 @@ from kvcal.methods.registry import register
 from kvcal.models.devmap import device_scope
 from kvcal.quant.kmeans import weighted_kmeans
 from kvcal.quant.packing import (
-    TRITS_PER_BYTE,
     bytes_per_trit_vector,
     pack_codes,
     pack_trits,
@@ -68,13 +66,13 @@ def levels_for(bits: float) -> int:
     return 3 if bits == 1.5 else 1 << int(bits)
 
 
-def code_bytes_per_token(channels: int, bits: float, ternary_storage: str) -> int:
-    """Bytes of one token's codes for one tensor, packed contiguously along the permuted channel axis
-    (a kernel finds channel c at permuted position inv_perm[c], so groups need no byte alignment)."""
+def code_bytes_per_token(heads: int, head_dim: int, bits: float, ternary_storage: str) -> int:
+    """Bytes of one token's codes for one tensor as the storage holds them: per KV head, base-3 bytes (1.5 bits,
+    base3) or int32 words of 2-bit slots (the [code] stores ternary codes in 2-bit slots) or of `bits`-bit codes."""
     if bits == 1.5 and ternary_storage == "base3":
-        return math.ceil(channels / TRITS_PER_BYTE)
-    slot_bits = 2 if bits == 1.5 else int(bits)  # the [code] stores ternary codes in 2-bit slots
-    return math.ceil(channels * slot_bits / 8)
+        return heads * bytes_per_trit_vector(head_dim)
+    slot_bits = 2 if bits == 1.5 else int(bits)
+    return heads * words_per_vector(head_dim, slot_bits) * 4
 
 
 class GroupLayout:
@@ -628,7 +626,7 @@ class SKVQ(Method):
     def footprint(self, dims, tokens):
         quantized = FlushPolicy(sink=self.sink, residual=self.window).compressed_count(tokens)
         rows = dims.num_layers * quantized  # quantized token rows per tensor kind, all layers
-        code_bytes = sum(code_bytes_per_token(dims.kv_channels, bits, self.ternary_storage)
+        code_bytes = sum(code_bytes_per_token(dims.num_kv_heads, dims.head_dim, bits, self.ternary_storage)
                          for bits in (self.k_bits, self.v_bits))
         params_per_row = self.num_groups(dims) * 2 * PARAM_BYTES[self.param_dtype]  # scale + zero per group
         return {

@@ -738,7 +738,7 @@ class XQuant(Method):
             if bits == 16:
                 parts["codes"] += n * width * 2
                 return
-            parts["codes"] += n * width * bits / 8
+            parts["codes"] += n * words_per_vector(width, bits) * 4  # each token's codes in whole int32 words
             groups = n * width / (self.group_channels if axis == "token" else self.group_tokens)
             parts["scales_zeros"] += groups * 2 * PARAM_BYTES
 
@@ -750,9 +750,9 @@ class XQuant(Method):
             elif self.variant == "x":
                 cost(w["x"], bits, "token")
             else:  # kv, svd: a key-side tensor per channel, a value-side tensor per token
-                outlier = 1 if self.outlier_channel else 0
-                cost(w["kv"] - outlier, bits, "channel")
-                parts["fp16_outlier_channel"] += n * outlier * 2
+                # the outlier channel: its fp16 value beside the codes of every channel (its own code is unused)
+                cost(w["kv"], bits, "channel")
+                parts["fp16_outlier_channel"] += n * (2 if self.outlier_channel else 0)
                 cost(w["kv"], bits, "token")
         parts["fp16_residual"] = fp16_token_bytes(dims, tokens - n)
         return parts

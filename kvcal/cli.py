@@ -358,8 +358,9 @@ def report_command(
                               "from the records it names."),
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 when a committed page differs from what "
                                "its records give (what CI runs)."),
-    plot: Path | None = typer.Option(None, "--plot", help="Write the Pareto chart of the manifest's `plot` points "
-                                     "(PNG; needs the [plot] extra: matplotlib)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write the Pareto chart (PNG; needs the [plot] extra: "
+                                     "matplotlib) of the records given (an fp16 record among them), one front per "
+                                     "full-precision allowance; without records, of the manifest's `plot` points."),
     manifest: Path = typer.Option(Path("results/tables.yaml"), help="The manifest; its paths are relative to the "
                                   "folder above its own (the checkout)."),
 ):
@@ -367,11 +368,13 @@ def report_command(
     docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml; with `kvcal eval passkey` records, --plot draws their
     length x depth grids."""
     from kvcal.eval.report import (
+        draw_pareto,
         markdown_table,
         plot_pareto,
         plot_passkey,
         read_passkey_record,
         read_record,
+        record_points,
         write_docs,
     )
 
@@ -389,7 +392,10 @@ def report_command(
         return
     if plot is not None:
         check_writable(plot, folder=False, flag="--plot")
-        plot_pareto(manifest, plot)
+        if records:  # the records given; without any, the manifest's chart (a checkout's results/tables.yaml)
+            draw_pareto(*record_points([read_record(p) for p in records]), plot)
+        else:
+            plot_pareto(manifest, plot)
         console.print(f"wrote {plot}", highlight=False)
     if docs or check:
         differ = write_docs(manifest, check=check)

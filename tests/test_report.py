@@ -12,15 +12,19 @@ from kvcal.errors import KvcalError
 from kvcal.eval.report import load_manifest, markdown_table, pareto_points, render_docs, write_docs
 
 
-def record(method, ppl, nsamples, protocol="gptq", seqlen=2048, model="smollm2-135m"):
-    return {"setting": f"{method}-{nsamples}", "method": method, "ppl": ppl, "bits_per_element": 16.0 if method ==
-            "fp16" else 2.5, "protocol": protocol, "nsamples": nsamples, "seqlen": seqlen, "model": {"name": model},
-            "dataset": {"dataset": "wikitext2", "split": "wiki.test.raw"}, "device": "cpu"}
+def record(method, ppl, nsamples, protocol="gptq", seqlen=2048, model="smollm2-135m", fp_window=0, setting=None):
+    return {"setting": setting or f"{method}-{nsamples}", "method": method, "ppl": ppl,
+            "bits_per_element": 16.0 if method == "fp16" else 2.5, "protocol": protocol, "nsamples": nsamples,
+            "seqlen": seqlen, "model": {"name": model}, "dataset": {"dataset": "wikitext2", "split": "wiki.test.raw"},
+            "device": "cpu", "fp_window": fp_window}
+
+
+def rows_of(table: str) -> list[str]:
+    return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| setting")]
 
 
 def deltas(records):
-    rows = markdown_table(records).splitlines()[2:]
-    return {r.split(" | ")[0].lstrip("| "): r.split(" | ")[3] for r in rows}
+    return {r.split(" | ")[0].lstrip("| "): r.split(" | ")[3] for r in rows_of(markdown_table(records))}
 
 
 def test_rows_compare_with_the_matching_fp16_record_only():
@@ -30,8 +34,48 @@ def test_rows_compare_with_the_matching_fp16_record_only():
     assert got["fp16-8"] == "+0.0%" and got["fp16-16"] == "+0.0%"  # not +25% against the 8-window fp16
     assert got["kivi-16"] == "+20.0%"  # 30 / 25
     assert got["kivi-8"] == "+10.0%"  # 22 / 20
-    rtn = [line for line in markdown_table(records).splitlines() if line.startswith("| rtn-16")]
+    rtn = [line for line in rows_of(markdown_table(records)) if line.startswith("| rtn-16")]
     assert [line.split(" | ")[3] for line in rtn] == ["", ""]  # no fp16 of that protocol or seqlen: no comparison
+
+
+def test_rows_of_two_allowances_are_never_in_one_table():
+    """Strict and windowed rows of the same windows form two tables, each headed by the one fp16 record; a record
+    written before `fp_window` existed is placed by its method's own window (KIVI's residual)."""
+    old_kivi = {**record("kivi", 26.0, 16, setting="kivi-old"), "config": {"bits": 2, "residual": 128}}
+    del old_kivi["fp_window"]
+    records = [record("fp16", 20.0, 16), record("rtn", 40.0, 16, setting="rtn-fp0"),
+               record("rtn", 30.0, 16, fp_window=128, setting="rtn-fp128"),
+               record("kivi", 25.0, 16, fp_window=128, setting="kivi-fp128"), old_kivi]
+    tables = markdown_table(records).split("\n\n**")
+    assert len(tables) == 2
+    strict, windowed = ([r.split(" | ")[0].lstrip("| ") for r in rows_of(t)] for t in tables)
+    assert strict == ["fp16-16", "rtn-fp0"] and "--fp-window 0" in tables[0]
+    assert windowed == ["fp16-16", "rtn-fp128", "kivi-fp128", "kivi-old"] and "--fp-window 128" in tables[1]
+    assert deltas(records)["rtn-fp128"] == "+50.0%"
+
+
+def test_plot_of_given_records_draws_one_front_per_allowance(tmp_path):
+    """`kvcal report --plot` with records draws those (from any folder: no manifest needed); records of another
+    protocol than the fp16 record's are refused in one line."""
+    pytest.importorskip("matplotlib")
+    from kvcal.eval.report import record_points
+
+    records = [record("fp16", 20.0, 16), record("rtn", 40.0, 16, setting="rtn-fp0"),
+               record("rtn", 30.0, 16, fp_window=128, setting="rtn-fp128")]
+    reference, points, _ = record_points(records)
+    assert {p["label"]: p["group"] for p in points} == {"rtn-fp0": "--fp-window 0", "rtn-fp128": "--fp-window 128"}
+    paths = []
+    for i, r in enumerate(records):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    out = tmp_path / "chart.png"
+    result = CliRunner().invoke(app, ["report", "--plot", str(out), *map(str, paths),
+                                      "--manifest", str(tmp_path / "none.yaml")])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KvcalError, match="rtn-tail not of the fp16 record's") as err:
+        record_points(records + [record("rtn", 30.0, 16, protocol="tail", setting="rtn-tail")])
+    assert "\n" not in str(err.value)
 
 
 # docs/results.md from results/tables.yaml and the records it names

@@ -169,7 +169,7 @@ def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: 
     return {
         "kind": "passkey",
         **record_head(method, setting, artifact_record, loaded, dtype),
-        "fp_window": method.fp_window() if fp_window is None else fp_window,
+        "fp_window": method.own_fp_window() if fp_window is None else fp_window,
         "fp_window_named": fp_window is not None,
         "mode": mode,
         "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",

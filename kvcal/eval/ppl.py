@@ -47,7 +47,7 @@ def effective_fp_window(method, protocol: str, named: int | None) -> int:
     under gptq and prefill-decode, and 0 under tail (whose prefix and tail are the protocol's, every method alike)."""
     if named is not None:
         return named
-    return 0 if protocol == "tail" else method.fp_window()
+    return 0 if protocol == "tail" else method.own_fp_window()
 
 
 def fp_keys_per_query(codec, length: int, protocol: str = "gptq", prompt_len: int = 0, prefix_len: int = 0,

@@ -39,35 +39,83 @@ def _relative(value: float, reference: dict | None) -> str:
     return f"{100 * (value / reference['ppl'] - 1):+.1f}%"
 
 
+def fp_window_of(record: dict) -> int | None:
+    """The full-precision allowance a record ran under: its `fp_window`, or for a record written before the field
+    existed, its method's own window (0 under tail); None when its config no longer builds."""
+    if isinstance(record.get("fp_window"), int):
+        return record["fp_window"]
+    if record.get("protocol") == "tail" or record.get("method") == "fp16":
+        return 0
+    from kvcal.methods.registry import build_method
+
+    try:
+        return build_method(record["method"], record.get("config") or {}).own_fp_window()
+    except KvcalError:
+        return None
+
+
 def comparison_key(record: dict) -> tuple:
     """What two records must share for one's perplexity to be compared with the other's: the model, the dataset and
-    split, the protocol (and its prompt length), the window length and the number of windows."""
+    split, the protocol (and its prompt length), the window length and the number of windows. The full-precision
+    allowance is not in it (fp16 is the reference of every allowance): `group_key` adds it."""
     dataset = record.get("dataset") or {}
     return (json.dumps(record.get("model", {}).get("name")), dataset.get("dataset"), dataset.get("split"),
             record.get("protocol"), record.get("prompt_len"), record.get("seqlen"), record.get("nsamples"))
 
 
+def group_key(record: dict) -> tuple:
+    """What rows of one table share, so that they rank against each other: the comparison key and the allowance."""
+    return (*comparison_key(record), None if record.get("method") == "fp16" else fp_window_of(record))
+
+
+def group_title(record: dict) -> str:
+    window = fp_window_of(record)
+    allowance = ("full-precision window: each method's own" if window is None else
+                 "strict: every token compressed as it enters (--fp-window 0)" if window == 0 else
+                 f"the newest {window} tokens in fp16 (--fp-window {window})")
+    model = (record.get("model") or {}).get("name", "?")
+    dataset = (record.get("dataset") or {}).get("dataset", "?")
+    return (f"{model}, {dataset}, {record.get('nsamples')} x {record.get('seqlen')}, protocol "
+            f"{record.get('protocol')}; {allowance}")
+
+
 def markdown_table(records: list[dict], commands: bool = False) -> str:
-    """One row per record; "vs fp16" against the fp16 record of the same model, dataset, protocol, seqlen and
-    windows among `records` (blank when there is none)."""
+    """One table per protocol and full-precision allowance (rows of two are never ranked together), rows in the
+    order given; "vs fp16" against the fp16 record of the same model, dataset, protocol, seqlen and windows among
+    `records` (blank when there is none), which heads every table it applies to."""
     references = {}
     for r in records:
         if r["method"] == "fp16":
             references.setdefault(comparison_key(r), r)
-    header = ["setting", "method", "PPL", "vs fp16", "bits/elem", "protocol", "windows", "device"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["method"] != "fp16":
+            groups.setdefault(group_key(r), []).append(r)
+    for r in records:  # an fp16 record heads every table of its comparison key (or its own, if none)
+        if r["method"] == "fp16":
+            owners = [k for k in groups if k[:-1] == comparison_key(r)] or [group_key(r)]
+            for key in owners:
+                groups.setdefault(key, []).insert(0, r)
+    header = ["setting", "method", "PPL", "vs fp16", "bits/elem", "fp keys/query", "protocol", "windows", "device"]
     if commands:
         header.append("command")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in records:
-        delta = _relative(r["ppl"], references.get(comparison_key(r)))
-        mode = r.get("mode", "simulate")
-        row = [r["setting"], r["method"], f"{r['ppl']:.3f}", delta, f"{r['bits_per_element']:.2f}",
-               r["protocol"] + ("" if mode in ("simulate", "simulated") else f" ({mode})"),
-               str(r["nsamples"]), r.get("device", "?")]
-        if commands:
-            row.append(f"`{r.get('command', '')}`")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    tables = []
+    for rows in groups.values():
+        lines = [f"**{group_title(next((r for r in rows if r['method'] != 'fp16'), rows[0]))}**", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for r in rows:
+            delta = _relative(r["ppl"], references.get(comparison_key(r)))
+            mode = r.get("mode", "simulate")
+            fp_keys = r.get("fp_keys_per_query")
+            row = [r["setting"], r["method"], f"{r['ppl']:.3f}", delta, f"{r['bits_per_element']:.2f}",
+                   "" if fp_keys is None else f"{fp_keys:.1f}",
+                   r["protocol"] + ("" if mode in ("simulate", "simulated") else f" ({mode})"),
+                   str(r["nsamples"]), r.get("device", "?")]
+            if commands:
+                row.append(f"`{r.get('command', '')}`")
+            lines.append("| " + " | ".join(row) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,7 +246,8 @@ def load_manifest(path: Path = MANIFEST) -> dict:
 
     path = Path(path)
     if not path.is_file():
-        raise KvcalError(f"report: manifest {path} does not exist")
+        raise KvcalError(f"report: manifest {path} does not exist (--docs and a chart without records need a kvcal "
+                         "checkout; give records to tabulate or --plot them)")
     try:
         manifest = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -252,8 +301,14 @@ def write_docs(manifest_path: Path = MANIFEST, check: bool = False) -> list[str]
 # several, a label and the method, which picks the colour); `reference` is the fp16 record they are compared with.
 
 
+def _allowance(record: dict) -> str:
+    window = fp_window_of(record)
+    return "own windows" if window is None else f"--fp-window {window}"
+
+
 def pareto_points(manifest: dict, root: Path) -> tuple[dict, list[dict]]:
-    """(the fp16 reference record, [{label, method, bits, ppl, increase (%)}]) of the manifest's `plot` section."""
+    """(the fp16 reference record, [{label, method, group, bits, ppl, increase (%)}]) of the manifest's `plot`
+    section; `group` is each point's full-precision allowance (one curve each)."""
     spec = manifest.get("plot")
     if not isinstance(spec, dict) or not spec.get("points"):
         raise KvcalError("report: the manifest has no 'plot' section with points")
@@ -267,15 +322,49 @@ def pareto_points(manifest: dict, root: Path) -> tuple[dict, list[dict]]:
         if comparison_key(record)[:6] != key[:6] or record.get("nsamples") != reference.get("nsamples"):
             raise KvcalError(f"report: {where}: {point['rec']} is not of the reference's model, dataset, protocol, "
                              "seqlen and windows")
-        points.append({"label": point["label"], "method": point["method"], "bits": record["bits_per_element"],
-                       "ppl": record["ppl"], "increase": 100 * (record["ppl"] / reference["ppl"] - 1),
-                       "offset": tuple(point.get("offset", (5, 3)))})
+        points.append(_point(record, reference, point["label"], point["method"], point.get("offset", (5, 3))))
     return reference, points
 
 
+def _point(record: dict, reference: dict, label: str, method: str, offset=(5, 3)) -> dict:
+    return {"label": label, "method": method, "group": _allowance(record), "bits": record["bits_per_element"],
+            "ppl": record["ppl"], "increase": 100 * (record["ppl"] / reference["ppl"] - 1), "offset": tuple(offset)}
+
+
+def record_points(records: list[dict]) -> tuple[dict, list[dict], str]:
+    """(the fp16 reference, the points, a title) of `kvcal eval ppl` records given on the command line: one fp16 record
+    and the others of its model, dataset, protocol, seqlen and windows (a one-line error otherwise)."""
+    references = [r for r in records if r["method"] == "fp16"]
+    if not references:
+        raise KvcalError("report --plot: give the fp16 record of the same windows too (the increase is over fp16)")
+    reference = references[0]
+    key = comparison_key(reference)
+    others = [r for r in records if r["method"] != "fp16"]
+    stray = [r["setting"] for r in others if comparison_key(r) != key]
+    if stray:
+        raise KvcalError(f"report --plot: {', '.join(stray)} not of the fp16 record's model, dataset, protocol, seqlen "
+                         "and windows")
+    if not others:
+        raise KvcalError("report --plot: give the records of some compressed settings besides fp16")
+    points = [_point(r, reference, r["setting"], r["method"]) for r in others]
+    model, dataset = (reference.get("model") or {}).get("name", "?"), (reference.get("dataset") or {}).get("dataset")
+    title = f"{model}, {dataset}, protocol {reference['protocol']}, {reference['nsamples']} x {reference['seqlen']}"
+    return reference, points, title
+
+
 def plot_pareto(manifest_path: Path, out: Path) -> None:
-    """Perplexity increase over fp16 (symlog %) against bits per element, one colour per method, each point labelled
-    (`offset`: the label's offset in points, where labels would overlap), the Pareto front (fewest bits for the lowest increase) joined by a line."""
+    """The manifest's chart (its `plot` section)."""
+    manifest_path = Path(manifest_path)
+    manifest = load_manifest(manifest_path)
+    reference, points = pareto_points(manifest, manifest_path.resolve().parent.parent)
+    draw_pareto(reference, points, manifest["plot"].get("title", ""), out)
+
+
+def draw_pareto(reference: dict, points: list[dict], title: str, out: Path) -> None:
+    """Perplexity increase over fp16 (symlog %) against bits per element, one colour per method and one marker per
+    full-precision allowance, each point labelled (`offset`: the label's offset in points, where labels would
+    overlap), and per allowance its Pareto front (fewest bits for the lowest increase) joined by a line: rows of two
+    allowances are never ranked together."""
     try:
         import matplotlib
     except ImportError:
@@ -283,36 +372,40 @@ def plot_pareto(manifest_path: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    manifest_path = Path(manifest_path)
-    manifest = load_manifest(manifest_path)
-    reference, points = pareto_points(manifest, manifest_path.resolve().parent.parent)
     fig, ax = plt.subplots(figsize=(12, 7.5), dpi=110)
     methods = list(dict.fromkeys(p["method"] for p in points))
+    groups = list(dict.fromkeys(p["group"] for p in points))
     colors = plt.get_cmap("tab10")
+    markers, lines = "os^Dv", ["-", "--", ":", "-."]
     for i, method in enumerate(methods):
-        mine = [p for p in points if p["method"] == method]
-        ax.scatter([p["bits"] for p in mine], [p["increase"] for p in mine], s=36, color=colors(i), label=method,
-                   zorder=3)
-        for p in mine:
-            ax.annotate(p["label"], (p["bits"], p["increase"]), xytext=p["offset"], textcoords="offset points",
-                        fontsize=7.5, color=colors(i))
-    front, best = [], math.inf
-    for p in sorted(points, key=lambda p: (p["bits"], p["increase"])):
-        if p["increase"] < best:
-            front.append(p)
-            best = p["increase"]
-    ax.step([p["bits"] for p in front], [p["increase"] for p in front], where="post", color="0.6", lw=1, zorder=1,
-            label="Pareto front")
+        for j, group in enumerate(groups):
+            mine = [p for p in points if p["method"] == method and p["group"] == group]
+            if not mine:
+                continue
+            ax.scatter([p["bits"] for p in mine], [p["increase"] for p in mine], s=36, color=colors(i % 10),
+                       marker=markers[j % len(markers)], label=method if len(groups) == 1 else f"{method} ({group})",
+                       zorder=3)
+            for p in mine:
+                ax.annotate(p["label"], (p["bits"], p["increase"]), xytext=p["offset"], textcoords="offset points",
+                            fontsize=7.5, color=colors(i % 10))
+    for j, group in enumerate(groups):
+        front, best = [], math.inf
+        for p in sorted((p for p in points if p["group"] == group), key=lambda p: (p["bits"], p["increase"])):
+            if p["increase"] < best:
+                front.append(p)
+                best = p["increase"]
+        ax.step([p["bits"] for p in front], [p["increase"] for p in front], where="post", color="0.5", lw=1,
+                ls=lines[j % len(lines)], zorder=1, label=f"Pareto front, {group}")
     ax.axhline(0, color="black", lw=1.2, ls="--", zorder=2,
                label=f"fp16 (PPL {reference['ppl']:.3f}, {reference['bits_per_element']:.0f} bits)")
     ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_ylim(-0.3, 2 * max(p["increase"] for p in points))
+    ax.set_ylim(-0.3, 2 * max(max(p["increase"] for p in points), 1.0))
     ax.set_xlim(0.5, max(p["bits"] for p in points) + 0.8)
     ax.set_xlabel("bits per element (everything counted, 4096 tokens)")
     ax.set_ylabel("perplexity increase over fp16 (%, log scale above 1%)")
-    ax.set_title(manifest["plot"].get("title", ""), fontsize=11)
+    ax.set_title(title, fontsize=11)
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
-    ax.legend(loc="upper right", fontsize=8.5)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

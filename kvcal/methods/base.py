@@ -176,7 +176,7 @@ class Method:
     def validate(self) -> None:
         """Raise KvcalError on impossible settings that do not depend on the model."""
 
-    def fp_window(self) -> int:
+    def own_fp_window(self) -> int:
         """The newest tokens this setting keeps in full precision besides what its format itself stores (its own
         window; 0 for a method without one)."""
         return int(getattr(self, self.fp_window_field)) if self.fp_window_field else 0

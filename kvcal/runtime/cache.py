@@ -415,7 +415,9 @@ class PackedLayer(_LayerBase):
                        adapter.inv_freq_on(inp.v.device),
                        inp.x.shape[-1])
             self.storage.bind(inp.kv_projection())
-        if length == 1 and not self.static and self.static_refusal() is None:  # fewer kernels than the host ring
+        # on CUDA a static step launches fewer kernels than the host ring (and replays as a graph); on a CPU the host
+        # ring is cheaper: it writes a block only when the block flushes, not the oldest block at every step
+        if length == 1 and not self.static and inp.q.is_cuda and self.static_refusal() is None:
             return self._eager_static_step(inp)
         q = apply_rope(inp.q, inp.cos, inp.sin)
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)

@@ -37,8 +37,12 @@ RECIPES = ("rtn-int4", "rtn-int2", "kivi-4bit", "kivi-2bit")
 KVQUANT = ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct", "kvquant-nuq2-1pct")
 
 
-def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_capacity=True):
+def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_capacity=True, calibrated=()):
     """Rows (name, codec to simulate, codec to decode, codec of the exact-outlier simulation or None)."""
+    for name in calibrated:  # any other method's artifact: its own codec both ways
+        path = os.path.join(artifact_dir, f"{name}.safetensors")
+        codec = codec_for_artifact(load_artifact(path), loaded, path)[1]
+        yield name, codec, codec, None
     for name in recipes:
         method, _, _ = resolve(None, name, None)
         codec = method.build_codec({}, loaded.dims)
@@ -80,6 +84,10 @@ def main():
     ap.add_argument("--nsamples", type=int, default=2)
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
     ap.add_argument("--kvquant", nargs="*", default=list(KVQUANT))
+    ap.add_argument("--calibrated", nargs="*", default=[], help="other artifacts of --artifact-dir (by recipe name), "
+                    "each simulated and decoded with its own codec")
+    ap.add_argument("--backend", default="packed", help="decode backend: packed (Triton kernels on CUDA) or reference "
+                    "(the storages' torch references on any device: float64 on a GPU)")
     ap.add_argument("--artifact-dir", default="artifacts/smollm2-135m")
     ap.add_argument("--big-capacity", type=int, default=64, help="KVQuant decode rows with this key outlier "
                     "capacity too (0: none)")
@@ -107,7 +115,8 @@ def run(a):
     rows = []
     exact = {}
     for name, sim_codec, dec_codec, exact_codec in targets(loaded, a.recipes, a.kvquant, a.artifact_dir,
-                                                           a.big_capacity, not a.no_default_capacity):
+                                                           a.big_capacity, not a.no_default_capacity,
+                                                           a.calibrated):
         base = name.split(" ")[0]  # the capacity rows share their artifact's exact-outlier simulation
         row = {"codec": name}
         t = time.time()
@@ -118,7 +127,8 @@ def run(a):
                 exact[base] = simulated_nll(loaded, exact_codec, windows, batch_size=a.nsamples).ppl
             row["simulate_exact_outliers"] = exact[base]
         t = time.time()
-        dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples, step_graphs=not a.no_step_graphs).ppl
+        dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples, backend=a.backend,
+                          step_graphs=not a.no_step_graphs).ppl
         row.update(simulate=sim, decode=dec, difference=abs(dec - sim) / sim, decode_s=time.time() - t)
         rows.append(row)
         print(f"{name:45s} simulate {row['simulate']:.4f} decode {dec:.4f} diff {100 * row['difference']:.3f}% "
@@ -127,7 +137,8 @@ def run(a):
                   if loaded.device.type == "cuda" else "cpu", "software": software_versions(), "dtype": a.dtype,
                   "seqlen": a.seqlen, "nsamples": a.nsamples, "tokens": int(windows.shape[0] * (windows.shape[1] - 1)),
                   "dataset": text.provenance, "rmsnorm_in_dtype": a.rmsnorm_in_dtype,
-                  "deterministic": a.deterministic, "step_graphs": not a.no_step_graphs, "rows": rows}
+                  "deterministic": a.deterministic, "step_graphs": not a.no_step_graphs, "backend": a.backend,
+                  "rows": rows}
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:  # after every row: long runs keep what they finished
             json.dump(result, f, indent=1)

@@ -236,6 +236,14 @@ ATTENTION_CASES = [
                                                                       "value_per_head": True}, {},
      {"deterministic": True}),
     ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
+    # 1 bit (two levels per group, its min and max): rtn per head and in groups of 32 channels, kivi on the tile
+    # path (blocks of 16 and 32 tokens) and the generic key path (blocks of 8), every query dtype
+    ("int1_bf16", "rtn", 1, torch.bfloat16, {}, {}, {}),
+    ("int1_g32_fp16", "rtn", 1, torch.float16, {"group": 32}, {}, {}),
+    ("int1_g32_d128_fp32", "rtn", 1, torch.float32, {"group": 32}, {}, {"d": 128}),
+    ("kivi1_b16_bf16", "kivi", 1, torch.bfloat16, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
+    ("kivi1_b32_fp16", "kivi", 1, torch.float16, {}, {}, {"lengths": [32, 0, 64]}),
+    ("kivi1_b8_generic_fp64", "kivi", 1, torch.float64, {"key_block": 8}, {}, {"lengths": [24, 0, 72]}),
     ("int3_fp32", "rtn", 3, torch.float32, {}, {}, {}),
     ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
     ("nuq4_outliers_fp32", "kvquant", 4, torch.float32, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
@@ -450,8 +458,42 @@ def run_quantize_checks(device="cpu", n=8, h=3, d=64, seed=0) -> dict:
                     torch.equal(u, v) for u, v in zip(a[:3], b[:3])) and _same_outliers(x, a[3], a[4], b[3], b[4])
         for bits in (2, 4):
             res.update(_into_checks(x, bits, gen, f"{str(dtype)[6:]}_b{bits}"))
+        res.update(_one_bit_checks(x, gen, f"{str(dtype)[6:]}_b1"))
         res.update(_skvq_write_checks(x, gen, str(dtype)[6:]))
     res.update(_commvq_write_checks(gen, device))
+    return res
+
+
+def _one_bit_checks(x, gen, tag: str) -> dict:
+    """The uniform formats at 1 bit (rtn-1, kivi-1): per token over a head and over groups of 32 channels (a group of
+    zeros: scale 0), per channel over blocks of tokens, and the per-token write into a cache's rows and slots (buffers
+    start random, rows out of order, slots scattered)."""
+    from kvcal.quant import uniform as U  # noqa: N812
+    from kvcal.quant import uniform_kernels as UK  # noqa: N812
+    from kvcal.quant.packing import words_per_vector
+
+    n, h, d = x.shape
+    dev = x.device
+    x = x.clone()
+    x[1, 0, :32] = 0.0
+    res = {}
+    for group in (d, 32):
+        a, b = U.quantize_per_token(x, 1, group), UK.quantize_per_token_triton(x, 1, group)
+        res[f"per_token_{tag}_g{group}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+    for block in (n, max(2, n // 4)):
+        blocks = x[: n // block * block]
+        a, b = U.quantize_per_channel(blocks, 1, block), UK.quantize_per_channel_triton(blocks, 1, block)
+        res[f"per_channel_{tag}_block{block}"] = all(torch.equal(u, v) for u, v in zip(a, b))
+    rows_n, tcap = 3, n + 4
+    rows = torch.arange(n, device=dev) % rows_n
+    slots = (torch.arange(n, device=dev) * 5 + 1) % tcap
+    codes = torch.randint(-(2**31), 2**31 - 1, (rows_n, h, tcap, words_per_vector(d, 1)), generator=gen, device=dev,
+                          dtype=torch.int64).to(torch.int32)
+    scale, zero = (torch.randn(rows_n, h, tcap, d // 32, generator=gen, device=dev).half() for _ in range(2))
+    ref, fast = (codes, scale, zero), tuple(t.clone() for t in (codes, scale, zero))
+    U.quantize_per_token_into(x, 1, 32, *ref, rows, slots)
+    UK.quantize_per_token_into_triton(x, 1, 32, *fast, rows, slots)
+    res[f"per_token_into_{tag}"] = all(torch.equal(u, v) for u, v in zip(ref, fast))
     return res
 
 
@@ -616,12 +658,16 @@ def _same_outliers(x, ia, va, ib, vb) -> bool:
 
 def cache_codecs() -> list[tuple[str, str, dict]]:
     """(name, method, config) of every registered method with a packed storage, at its test_config (the registry
-    drives these checks, as it drives tests/test_contract.py); KVQuant also with values per head."""
+    drives these checks, as it drives tests/test_contract.py); KVQuant also with values per head, rtn and kivi also at
+    1 bit."""
     from kvcal.methods.registry import all_methods
 
     cases = [(name, name, dict(cls.test_config)) for name, cls in sorted(all_methods().items()) if name != "fp16"]
     if "kvquant" in all_methods():
         cases.append(("kvquant_vhead", "kvquant", {**all_methods()["kvquant"].test_config, "value_scope": "head"}))
+    # 1-bit codes (two levels per group): rtn in groups of 32 channels, kivi at its test setting (blocks of 8 tokens)
+    cases += [("rtn_1bit", "rtn", {"bits": 1, "group_size": 32}),
+              ("kivi_1bit", "kivi", {**all_methods()["kivi"].test_config, "bits": 1})]
     if "calibquant" in all_methods():  # the paper's regime: the prompt after 4 sinks compressed in bulk, tau (0, 3)
         cases.append(("calibquant_bulk", "calibquant", {"bits": 1, "sink": 4, "tau1": 0.0, "tau2": 3.0}))
     return cases

@@ -234,8 +234,9 @@ def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     res = interpreted["quantize"]
     bad = [k for k, ok in res.items() if not ok]
     assert not bad, f"differ from the reference: {bad}"
-    # every format x bits x dtype ran, 4 of them CommVQ writes (a check that stopped running would lower the count)
-    assert len(res) == 172
+    # every format x bits x dtype ran, 4 of them CommVQ writes, 20 the 1-bit uniform formats (a check that stopped
+    # running would lower the count)
+    assert len(res) == 192
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
@@ -294,6 +295,9 @@ GPU_CASES = [
      # torch's deterministic mode: the value pass sums in int64 fixed point
      ("nuq4_deterministic_bf16", "kvquant", 4, torch.bfloat16, NUQ, {}, {"deterministic": True}),
      ("nuq2_deterministic_fp16", "kvquant", 2, torch.float16, NUQ, {}, {"deterministic": True}),
+     # 1 bit (rtn in groups of 32 channels, kivi at the paper's blocks of 32 tokens)
+     ("int1_g32_bf16", "rtn", 1, torch.bfloat16, {"group": 32}, {}, {}),
+     ("kivi1_fp16", "kivi", 1, torch.float16, {}, {}, {}),
      ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
      # asks for 64-token tiles on 4 warps (Triton 3.6 lowers them to a wrong wgmma): runs 32-token tiles
      ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {}),

@@ -106,7 +106,9 @@ def round_trip(storage: Storage, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
     return (torch.stack([r[0] for r in read]).to(k.dtype), torch.stack([r[1] for r in read]).to(v.dtype))
 
 
-def check_bits(bits: int, allowed=(2, 3, 4, 8)) -> None:
+def check_bits(bits: int, allowed=(1, 2, 3, 4, 8)) -> None:
+    """The widths of the uniform min/max codes (kvcal/quant/uniform.py; 1 bit: two levels, the group's min and max)
+    that the packing and the decode kernels take."""
     if bits not in allowed:
         raise KvcalError(f"bits must be one of {', '.join(map(str, allowed))}, got {bits}")
 

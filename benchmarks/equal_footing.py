@@ -34,7 +34,7 @@ BASELINES = ["fp16", "rtn-int4", "rtn-int2", "rtn-int1", "kivi-4bit", "kivi-2bit
              "evict-2bit", "evict-1bit"]
 CALIBRATED = ["kvquant-nuq4-1pct", "kvquant-nuq2-1pct", "skvq-k4v4-g32-w128", "skvq-k2v2-g32-w128",
               "xquant-svd-4bit-r128", "xquant-svd-2bit", "xquant-cl-svd-2bit", "commvq-2bit", "commvq-1bit"]
-TAIL = ["fp16", "rtn-int2", "kivi-2bit", "evict-2bit", "evict-1bit", "kvquant-nuq2-1pct", "commvq-1bit",
+TAIL = ["fp16", "rtn-int2", "kivi-2bit", "kvquant-nuq2-1pct", "commvq-1bit",
         "calibquant-2bit", "calibquant-1bit"]
 
 

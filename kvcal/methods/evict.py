@@ -96,6 +96,12 @@ class Evict(Method):
         if self.window < 1:
             raise KvcalError(f"evict window must be >= 1 (the newest token attends to itself), got {self.window}")
 
+    def check_protocol(self, protocol: str) -> None:
+        if protocol == "tail":
+            raise KvcalError("evict keeps sinks and a sliding window as tokens arrive; the tail protocol compresses a "
+                             "block in bulk, which for evict would drop the whole block whatever its budget: use "
+                             "--protocol gptq or prefill-decode")
+
     def with_fp_window(self, window: int) -> Method:
         """The allowance's newest `window` tokens are already in fp16 when they fit in this setting's window (its
         budget, which the allowance does not change); a larger allowance is refused."""

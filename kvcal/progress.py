@@ -29,20 +29,38 @@ def make_console(stderr: bool = False) -> Console:
 
 
 stderr_console = make_console(stderr=True)
+LOG_EVERY_SECONDS = 30.0  # without a terminal: a progress line at most this often while a stage runs
+_clock = time.monotonic
+
+
+def stage(message: str) -> None:
+    """One line on stderr when a long stage starts (with a terminal or without: a log shows where the time goes)."""
+    stderr_console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 @contextmanager
 def progress_bar(description: str, total: int):
-    """Yields `advance(n=1)`; the bar disappears when done. Without a terminal, one line when done instead."""
+    """Yields `advance(n=1)`. With a terminal, a bar that disappears when done. Without one (a log file, a pipe), plain
+    lines: one when the stage starts, one at the first advance after each LOG_EVERY_SECONDS (done/total, elapsed,
+    an estimate of what is left) and one when done."""
     if not stderr_console.is_terminal:
-        done, started = [0], time.perf_counter()
+        done, started, last = [0], _clock(), [_clock()]
+
+        def line(text: str) -> None:
+            stderr_console.print(f"{description}: {text}", markup=False, highlight=False, soft_wrap=True)
 
         def advance(n=1):
             done[0] += n
+            now = _clock()
+            if now - last[0] >= LOG_EVERY_SECONDS and done[0] < total:
+                last[0] = now
+                elapsed = now - started
+                left = elapsed * (total - done[0]) / done[0] if done[0] else float("nan")
+                line(f"{done[0]}/{total} after {elapsed:.0f} s (about {left:.0f} s left)")
 
+        line(f"0/{total}")
         yield advance
-        stderr_console.print(f"{description}: {done[0]}/{total} in {time.perf_counter() - started:.1f} s",
-                             highlight=False)
+        line(f"{done[0]}/{total} in {_clock() - started:.1f} s")
         return
     with Progress(
         TextColumn("{task.description}"),

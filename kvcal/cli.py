@@ -672,9 +672,11 @@ def gate_command(
 ):
     """CI quality gate: exit 0 when the record's perplexity and bits per element are within the limits of the
     baseline's, 1 when either regressed, 2 when the two records did not measure the same thing (one line each)."""
-    from kvcal.eval.gate import gate_files
+    from kvcal.eval.gate import MISMATCH, gate_files
 
     verdict = gate_files(record, baseline, max_increase, max_bits_increase)
+    if verdict.code == MISMATCH:  # not a verdict on the numbers: an error, one line on stderr
+        raise KvcalError(verdict.message)
     console.print(verdict.message, highlight=False, soft_wrap=True)
     raise typer.Exit(verdict.code)
 

@@ -111,7 +111,7 @@ def calibrate_command(
     """Calibrate a method on a model and write its artifact."""
     import time
 
-    from kvcal.calib.run import run_calibrations
+    from kvcal.calib.run import check_calibration, run_calibrations
     from kvcal.models import load_model
     from kvcal.models.devmap import check_device_map
     from kvcal.recipes import resolve
@@ -130,6 +130,7 @@ def calibrate_command(
     _positive("--nsamples", calib["nsamples"])
     _positive("--seqlen", calib["seqlen"])
     _positive("--batch-size", batch_size)
+    check_calibration([instance for instance, _, _ in jobs], calib["nsamples"], calib["seqlen"])
     if not 0 <= calib["seed"] < 2**63:
         raise KvcalError(f"--seed must be in [0, 2^63), got {calib['seed']}")
     if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:

@@ -79,6 +79,21 @@ def methods_command():
     console.print(table)
 
 
+@app.command("recipes")
+def recipes_command(model: str = typer.Option("smollm2-135m", "--model", "-m", help="Model whose dims the bits per "
+                                              "element are counted on (read from its config, no weights loaded).")):
+    """List the recipes (`--recipe NAME`): method, bits per element on the model at 4096 tokens, and what each is."""
+    from kvcal.models.dims import model_dims
+    from kvcal.recipes import describe_recipes
+
+    table = Table("recipe", "method", f"bits/elem on {model}", "description")
+    for row in describe_recipes(model_dims(model)):
+        bits = "-" if row["bits_per_element"] is None else f"{row['bits_per_element']:.3f}"
+        note = f"(not on this model: {row['problem']}) " if row["problem"] else ""
+        table.add_row(escape(row["name"]), row["method"], bits, escape(note + row["description"]))
+    console.print(table)
+
+
 @app.command("calibrate")
 def calibrate_command(
     method: str | None = typer.Option(None, help="Method name (see `kvcal methods`)."),

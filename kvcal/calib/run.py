@@ -17,7 +17,7 @@ from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
 from kvcal.data import calibration_windows, load_text, tokenize
-from kvcal.progress import progress_bar
+from kvcal.progress import progress_bar, stage, stderr_console
 
 
 def capture_key(loaded, windows) -> str:
@@ -65,6 +65,15 @@ def check_calibration(methods, nsamples: int, seqlen: int) -> None:
             method.check_calibration(nsamples, seqlen)
 
 
+def announce_replacements(paths) -> None:
+    """One line on stderr per artifact that exists and will be replaced, before the calibration starts (an existing
+    artifact is replaced, never silently: docs/conventions.md)."""
+    for path in paths:
+        if Path(path).exists():
+            stderr_console.print(f"note: {path} exists and will be replaced when this calibration finishes (--out or "
+                                 "--out-dir to keep it)", markup=False, highlight=False, soft_wrap=True)
+
+
 def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str = "wikitext2", nsamples: int = 16,
                      seqlen: int = 2048, seed: int = 0, data_dir: str | None = None, budget_bytes: int = 4 << 30,
                      batch_size: int = 1, capture_cache: Path | None = None, on_done=None) -> list[Artifact]:
@@ -76,6 +85,7 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
         method.check_model(loaded.dims)
     learners = [method for method, _ in jobs if method.learns]
     check_calibration(learners, nsamples, seqlen)
+    announce_replacements(out for _, out in jobs)
     store, calibration = None, None
     if learners:
         check_context(loaded, seqlen, "--seqlen")
@@ -99,6 +109,7 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     try:
         for method, out in jobs:
             started = time.perf_counter()
+            stage(f"calibrating {method.name} -> {out}")
             tensors, info = method.calibrate(loaded, store if method.learns else None)
             bits = bits_per_element(method, loaded.dims)
             header = make_header(method, loaded, calibration if method.learns else None, bits, info,

@@ -3,6 +3,7 @@ write to a file or a pipe (a log keeps whole lines and whole table cells)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from kvcal.errors import KvcalError
+
 LOG_WIDTH = 1000  # columns of a console that writes to a file or pipe: tables at full width, no wrapped lines
 
 
@@ -29,21 +32,28 @@ def make_console(stderr: bool = False) -> Console:
 
 
 stderr_console = make_console(stderr=True)
-LOG_EVERY_SECONDS = 30.0  # without a terminal: a progress line at most this often while a stage runs
 _clock = time.monotonic
 
 
-def stage(message: str) -> None:
-    """One line on stderr when a long stage starts (with a terminal or without: a log shows where the time goes)."""
-    stderr_console.print(message, markup=False, highlight=False, soft_wrap=True)
+def log_every_seconds() -> float:
+    """How often, at most, a stage without a terminal prints a progress line: $KVCAL_PROGRESS_SECONDS, else 30."""
+    raw = os.environ.get("KVCAL_PROGRESS_SECONDS", "30")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:
+        raise KvcalError(f"KVCAL_PROGRESS_SECONDS must be a number of seconds >= 0, got '{raw}'")
+    return seconds
 
 
 @contextmanager
 def progress_bar(description: str, total: int):
     """Yields `advance(n=1)`. With a terminal, a bar that disappears when done. Without one (a log file, a pipe), plain
-    lines: one when the stage starts, one at the first advance after each LOG_EVERY_SECONDS (done/total, elapsed,
-    an estimate of what is left) and one when done."""
+    lines: one at the first advance after each log_every_seconds() (done/total, elapsed, an estimate of what is left)
+    and one when the stage ends. A stage that fails before its first line leaves only the error's line."""
     if not stderr_console.is_terminal:
+        every = log_every_seconds()
         done, started, last = [0], _clock(), [_clock()]
 
         def line(text: str) -> None:
@@ -52,13 +62,12 @@ def progress_bar(description: str, total: int):
         def advance(n=1):
             done[0] += n
             now = _clock()
-            if now - last[0] >= LOG_EVERY_SECONDS and done[0] < total:
+            if now - last[0] >= every and done[0] < total:
                 last[0] = now
                 elapsed = now - started
-                left = elapsed * (total - done[0]) / done[0] if done[0] else float("nan")
-                line(f"{done[0]}/{total} after {elapsed:.0f} s (about {left:.0f} s left)")
+                line(f"{done[0]}/{total} after {elapsed:.0f} s (about {elapsed * (total - done[0]) / done[0]:.0f} s "
+                     "left)")
 
-        line(f"0/{total}")
         yield advance
         line(f"{done[0]}/{total} in {_clock() - started:.1f} s")
         return

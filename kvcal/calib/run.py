@@ -17,7 +17,7 @@ from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
 from kvcal.data import calibration_windows, load_text, tokenize
-from kvcal.progress import progress_bar, stage, stderr_console
+from kvcal.progress import progress_bar, stderr_console
 
 
 def capture_key(loaded, windows) -> str:
@@ -109,7 +109,6 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     try:
         for method, out in jobs:
             started = time.perf_counter()
-            stage(f"calibrating {method.name} -> {out}")
             tensors, info = method.calibrate(loaded, store if method.learns else None)
             bits = bits_per_element(method, loaded.dims)
             header = make_header(method, loaded, calibration if method.learns else None, bits, info,

@@ -79,6 +79,21 @@ def methods_command():
     console.print(table)
 
 
+@app.command("recipes")
+def recipes_command(model: str = typer.Option("smollm2-135m", "--model", "-m", help="Model whose dims the bits per "
+                                              "element are counted on (read from its config, no weights loaded).")):
+    """List the recipes (`--recipe NAME`): method, bits per element on the model at 4096 tokens, and what each is."""
+    from kvcal.models.dims import model_dims
+    from kvcal.recipes import describe_recipes
+
+    table = Table("recipe", "method", f"bits/elem on {model}", "description")
+    for row in describe_recipes(model_dims(model)):
+        bits = "-" if row["bits_per_element"] is None else f"{row['bits_per_element']:.3f}"
+        note = f"(not on this model: {row['problem']}) " if row["problem"] else ""
+        table.add_row(escape(row["name"]), row["method"], bits, escape(note + row["description"]))
+    console.print(table)
+
+
 @app.command("calibrate")
 def calibrate_command(
     method: str | None = typer.Option(None, help="Method name (see `kvcal methods`)."),
@@ -111,7 +126,7 @@ def calibrate_command(
     """Calibrate a method on a model and write its artifact."""
     import time
 
-    from kvcal.calib.run import run_calibrations
+    from kvcal.calib.run import check_calibration, run_calibrations
     from kvcal.models import load_model
     from kvcal.models.devmap import check_device_map
     from kvcal.recipes import resolve
@@ -130,6 +145,7 @@ def calibrate_command(
     _positive("--nsamples", calib["nsamples"])
     _positive("--seqlen", calib["seqlen"])
     _positive("--batch-size", batch_size)
+    check_calibration([instance for instance, _, _ in jobs], calib["nsamples"], calib["seqlen"])
     if not 0 <= calib["seed"] < 2**63:
         raise KvcalError(f"--seed must be in [0, 2^63), got {calib['seed']}")
     if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
@@ -672,9 +688,11 @@ def gate_command(
 ):
     """CI quality gate: exit 0 when the record's perplexity and bits per element are within the limits of the
     baseline's, 1 when either regressed, 2 when the two records did not measure the same thing (one line each)."""
-    from kvcal.eval.gate import gate_files
+    from kvcal.eval.gate import MISMATCH, gate_files
 
     verdict = gate_files(record, baseline, max_increase, max_bits_increase)
+    if verdict.code == MISMATCH:  # not a verdict on the numbers: an error, one line on stderr
+        raise KvcalError(verdict.message)
     console.print(verdict.message, highlight=False, soft_wrap=True)
     raise typer.Exit(verdict.code)
 

@@ -72,9 +72,20 @@ def _load_text(dataset: str, split: str, data_dir: str | None) -> Text:
         # A local file serves both splits: calibration windows are random, evaluation windows sequential.
         text = path.read_text(encoding="utf-8", errors="replace")
         return Text(text, {"dataset": str(path), "split": "whole file", "sha256": _sha(text)})
+    if path.is_dir():
+        raise KvcalError(f"dataset {dataset} is a folder, not a text file (a folder of WikiText-2 files goes to "
+                         "--dataset wikitext2 --data-dir)")
+    if looks_like_path(dataset):
+        raise KvcalError(f"dataset file {dataset} does not exist (--dataset takes {' or '.join(DATASETS)}, or the path "
+                         "of a local text file)")
     raise KvcalError(
         f"unknown dataset '{dataset}': use {' or '.join(DATASETS)}, or the path of a local text file"
     )
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a --dataset value names a file rather than a dataset: it has a folder part or a file extension."""
+    return "/" in name or os.sep in name or name.startswith(("~", ".")) or bool(Path(name).suffix)
 
 
 def _sha(text: str) -> str:

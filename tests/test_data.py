@@ -40,6 +40,19 @@ def test_shakespeare_splits_are_disjoint_plays():
     assert "**" not in ev.text and len(cal.text) > len(ev.text) > 100_000
 
 
+def test_a_dataset_path_that_does_not_exist_says_so(tmp_path):
+    from kvcal.data import check_text
+
+    for missing in (tmp_path / "nope.txt", tmp_path / "sub" / "plays"):
+        with pytest.raises(KvcalError) as err:
+            check_text(str(missing), "calib")
+        assert str(err.value).startswith(f"dataset file {missing} does not exist") and "unknown" not in str(err.value)
+    with pytest.raises(KvcalError, match=f"dataset {tmp_path} is a folder, not a text file"):
+        load_text(str(tmp_path), "eval")
+    with pytest.raises(KvcalError, match="unknown dataset 'wikitext3': use wikitext2 or shakespeare"):
+        load_text("wikitext3", "eval")  # a name, not a path
+
+
 def test_local_text_file(tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("hello world")

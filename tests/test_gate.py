@@ -87,8 +87,8 @@ def test_gate_pass_fail_and_mismatch():
     assert gate(dict(RECORD, bits_per_element=3.5), RECORD, 1.0, max_bits_increase=0.1).code == PASS
     assert gate(dict(RECORD, ppl=float("nan")), RECORD, 1.0).code == FAIL
     mismatch = gate(dict(RECORD, protocol="prefill"), RECORD, 1.0)
-    assert mismatch.code == MISMATCH and mismatch.message == ("gate: not comparable: protocol is prefill here but gptq "
-                                                              "in the baseline")
+    assert mismatch.code == MISMATCH and mismatch.message == ("not comparable: protocol is prefill here but gptq in the "
+                                                              "baseline")
     with pytest.raises(KvcalError):
         gate(RECORD, RECORD, -1.0)
 
@@ -104,6 +104,12 @@ def test_gate_command_exit_codes(tmp_path):
         "gate: perplexity regressed: 30.0000 > 26.2500 (baseline 25.0000 +5%)"]
     new.write_text(json.dumps(dict(RECORD, seqlen=512)))
     other = kvcal("gate", new, "--baseline", base, "--max-increase", 5)
-    assert other.returncode == 2 and "seqlen is 512 here but 256" in other.stdout
-    assert_one_line_error(kvcal("gate", tmp_path / "none.json", "--baseline", base, "--max-increase", 5),
-                          "is not a file")
+    # records that measured different things: an error (docs/conventions.md), one line on stderr, nothing on stdout
+    assert_one_line_error(other, "not comparable: seqlen is 512 here but 256 in the baseline")
+    assert other.stdout == ""
+    missing = kvcal("gate", tmp_path / "none.json", "--baseline", base, "--max-increase", 5)
+    assert_one_line_error(missing, f"error: record {tmp_path / 'none.json'} is not a file")
+    (tmp_path / "text.json").write_text("not json")
+    bad = kvcal("gate", base, "--baseline", tmp_path / "text.json", "--max-increase", 5)
+    assert_one_line_error(bad, f"error: --baseline {tmp_path / 'text.json'} is not JSON")
+    assert "report:" not in missing.stderr + bad.stderr and missing.stdout == bad.stdout == ""

@@ -17,7 +17,7 @@ from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
 from kvcal.data import calibration_windows, load_text, tokenize
-from kvcal.progress import progress_bar
+from kvcal.progress import progress_bar, stderr_console
 
 
 def capture_key(loaded, windows) -> str:
@@ -57,16 +57,38 @@ def cached_capture(loaded, windows, needs: set[str], budget_bytes, batch_size, c
     return store
 
 
+def check_calibration(methods, nsamples: int, seqlen: int) -> None:
+    """What each method that learns says about the calibration windows (CommVQ: a holdout that leaves no training
+    window), before any model loads."""
+    for method in methods:
+        if method.learns:
+            method.check_calibration(nsamples, seqlen)
+
+
+def announce_replacements(paths) -> None:
+    """One line on stderr per artifact that exists and will be replaced, before the calibration starts (an existing
+    artifact is replaced, never silently: docs/conventions.md)."""
+    for path in paths:
+        if Path(path).exists():
+            stderr_console.print(f"note: {path} exists and will be replaced when this calibration finishes (--out or "
+                                 "--out-dir to keep it)", markup=False, highlight=False, soft_wrap=True)
+
+
 def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str = "wikitext2", nsamples: int = 16,
                      seqlen: int = 2048, seed: int = 0, data_dir: str | None = None, budget_bytes: int = 4 << 30,
                      batch_size: int = 1, capture_cache: Path | None = None, on_done=None) -> list[Artifact]:
     """Calibrate several (method, out path) jobs on the same windows: one capture serves them all
     (it holds the union of what they need), and each artifact is written as soon as it is ready."""
+    from kvcal.models.dims import check_context
+
     for method, _ in jobs:
         method.check_model(loaded.dims)
     learners = [method for method, _ in jobs if method.learns]
+    check_calibration(learners, nsamples, seqlen)
+    announce_replacements(out for _, out in jobs)
     store, calibration = None, None
     if learners:
+        check_context(loaded, seqlen, "--seqlen")
         text = load_text(dataset, "calib", data_dir)
         windows = calibration_windows(tokenize(loaded.tokenizer, text.text), nsamples, seqlen, seed)
         needs = set().union(*(method.capture_needs() for method in learners))

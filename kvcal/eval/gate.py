@@ -2,10 +2,10 @@
 
 `kvcal gate NEW.json --baseline BASE.json --max-increase PCT [--max-bits-increase B]` passes (exit 0) when the new
 perplexity is at most PCT percent above the baseline's and the bits per element grew by at most B (default 0); it
-fails (exit 1) with one line naming the metric, the baseline, the new value and the limit. Two records are only
-comparable when they measured the same thing: the same model, dataset (and its hash), protocol (and its prompt
-length), mode, sequence length and number of windows; otherwise the gate refuses (exit 2) naming the field that
-differs.
+fails (exit 1) with one line naming the metric, the baseline, the new value and the limit (both on stdout). Two
+records are only comparable when they measured the same thing: the same model, dataset (and its hash), protocol (and
+its prompt length), mode, sequence length and number of windows; otherwise the gate refuses (exit 2, one error line on
+stderr) naming the field that differs.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def gate(new: dict, baseline: dict, max_increase: float, max_bits_increase: floa
         raise KvcalError(f"--max-bits-increase must be a finite number >= 0, got {max_bits_increase}")
     for name, read in MATCH_FIELDS:
         if read(new) != read(baseline):
-            return Verdict(MISMATCH, f"gate: not comparable: {name} is {read(new)} here but {read(baseline)} in the "
+            return Verdict(MISMATCH, f"not comparable: {name} is {read(new)} here but {read(baseline)} in the "
                                      "baseline")
     ppl, base = float(new["ppl"]), float(baseline["ppl"])
     limit = base * (1 + max_increase / 100)
@@ -67,4 +67,12 @@ def gate(new: dict, baseline: dict, max_increase: float, max_bits_increase: floa
 
 
 def gate_files(new_path, baseline_path, max_increase: float, max_bits_increase: float = 0.0) -> Verdict:
-    return gate(read_record(new_path), read_record(baseline_path), max_increase, max_bits_increase)
+    return gate(_read(new_path, "record"), _read(baseline_path, "--baseline"), max_increase, max_bits_increase)
+
+
+def _read(path, what: str) -> dict:
+    """An eval record, or a one-line error of the gate's own that says which of the two files is wrong."""
+    try:
+        return read_record(path)
+    except KvcalError as exc:
+        raise KvcalError(f"{what} {str(exc).removeprefix('report: ')}") from None

@@ -18,6 +18,7 @@ from kvcal.eval.ppl import (
     scored_tokens,
     simulated_nll,
 )
+from kvcal.models.dims import check_context
 from kvcal.progress import progress_bar
 from kvcal.runtime.cache import backend_ran
 
@@ -99,6 +100,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     check_model_args(model or "smollm2-135m", dtype, device)
     check_text(dataset, "eval", data_dir)  # a missing dataset fails here, before the model loads
     loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
+    check_context(loaded, seqlen, "--seqlen")
     targets = []  # (method, codec, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
         m, codec = codec_for_artifact(art, loaded, path, sets, fp_window)
@@ -186,6 +188,7 @@ def compare_with_fp16(loaded, artifact, path, dataset, data_dir, seqlen, nsample
     """`kvcal eval ppl` records of fp16 and of the artifact on the dataset's evaluation split (gptq protocol)."""
     from kvcal.methods import build_method
 
+    check_context(loaded, seqlen, "--seqlen")
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     fp16 = build_method("fp16")
     method = build_method(artifact.method, artifact.config)

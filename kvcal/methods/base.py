@@ -210,6 +210,10 @@ class Method:
     def check_model(self, dims) -> None:
         """Raise KvcalError if this config cannot run on a model with these dims."""
 
+    def check_calibration(self, nsamples: int, seqlen: int) -> None:
+        """Raise KvcalError if calibrating on `nsamples` windows of `seqlen` tokens cannot work (checked before any
+        model loads)."""
+
     def tag(self) -> str:
         """Short name of the setting, used in default artifact file names."""
         return "-".join(f"{k}{v}" for k, v in self.config().items()) or "default"

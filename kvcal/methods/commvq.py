@@ -700,6 +700,9 @@ class CommVQ(Method):
             raise KvcalError(f"commvq key_group_pairs {self.group_pairs(dims)} must divide the {half} RoPE pairs of a "
                              f"head (head_dim {dims.head_dim})")
 
+    def check_calibration(self, nsamples: int, seqlen: int) -> None:
+        held_out_windows(nsamples, self.holdout, self.seed)  # a holdout that leaves no training window
+
     def capture_needs(self) -> set[str]:
         # queries serve only the attention-output loss of the value encoder
         return {"k", "v"} | ({"q"} if self.value_loss == "attention" else set())

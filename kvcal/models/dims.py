@@ -1,0 +1,78 @@
+"""A model's attention dims and context length without loading its weights, and the context check of commands that
+cut windows.
+
+`model_dims(name)` reads what the shapes come from and nothing else: the config in code (tiny and random models), a
+GGUF header (smollm2-135m, a local .gguf file) or a local folder's config.json. It serves what needs only the shapes
+(`kvcal recipes`: bits per element); loading a model gives the same ModelDims (tests/test_recipes.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+from kvcal.models import ModelDims
+from kvcal.models.registry import ALIASES
+from kvcal.quant.rope import RopeSpec
+
+
+def model_dims(name: str) -> ModelDims:
+    """The ModelDims of a model alias, a local single-file .gguf or a local Hugging Face folder, from its config alone
+    (a GGUF header gives the rope theta but not a rope scaling: the shapes are what this is for). A model whose config
+    needs the Hub or a model in several GGUF parts is refused in one line."""
+    spec = ALIASES.get(name)
+    if spec is not None and spec.kind == "tiny":
+        from kvcal.models.tiny import tiny_config
+
+        return ModelDims.from_config(tiny_config(spec.source))
+    if spec is not None and spec.kind == "random":
+        from kvcal.models.tiny import llama31_8b_config
+
+        return ModelDims.from_config(llama31_8b_config())
+    if spec is not None and spec.kind == "gguf":
+        from kvcal.models.gguf import package_parts
+
+        parts, _ = package_parts(spec)
+        if len(parts) > 1:
+            raise KvcalError(f"{name} is one GGUF file in {len(parts)} parts, whose dims are not read without "
+                             "joining them: use --model smollm2-135m, a tiny model or a local model folder")
+        return gguf_dims(parts[0])
+    if spec is not None:
+        raise KvcalError(f"{name}'s config comes from the Hub ({spec.source}): give its local folder instead")
+    path = Path(name)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_dims(path)
+    if path.is_dir():
+        from kvcal.models import _check_local_config
+
+        return ModelDims.from_config(_check_local_config(path))
+    raise KvcalError(f"unknown model '{name}': use one of {', '.join(ALIASES)}, a local .gguf file or a local Hugging "
+                     "Face model directory")
+
+
+def gguf_dims(path: Path) -> ModelDims:
+    """ModelDims from a GGUF header (the tensors are not read)."""
+    from kvcal.models.gguf import GGUF_FAMILIES, check_gguf_servable, inspect_gguf
+
+    info = inspect_gguf(path)
+    check_gguf_servable(info, path)
+    heads, hidden = int(info.get("attention.head_count")), int(info.get("embedding_length"))
+    head_dim = int(info.get("attention.key_length") or hidden // heads)
+    return ModelDims(family=GGUF_FAMILIES[info.architecture], num_layers=int(info.get("block_count")), num_heads=heads,
+                     num_kv_heads=int(info.get("attention.head_count_kv") or heads), head_dim=head_dim,
+                     hidden_size=hidden, rope=RopeSpec(head_dim, float(info.get("rope.freq_base", 10000.0))))
+
+
+def context_length(config) -> int | None:
+    """The longest sequence the model's positions were made for (max_position_embeddings), None when unknown."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def check_context(loaded, tokens: int, flag: str) -> None:
+    """One-line refusal of windows longer than the model's context: positions past it are untrained, and on a CPU
+    their attention runs for minutes per window."""
+    limit = context_length(loaded.model.config)
+    if limit is not None and tokens > limit:
+        raise KvcalError(f"{flag} {tokens} exceeds {loaded.name}'s context of {limit} tokens "
+                         f"(max_position_embeddings): use {flag} {limit} or less")

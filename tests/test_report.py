@@ -159,3 +159,17 @@ def test_plot_writes_a_png(tmp_path):
     result = CliRunner().invoke(app, ["report", "--plot", str(out), "--manifest", str(ROOT / "results/tables.yaml")])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bits_at_the_window_length_by_hand():
+    """An eviction budget of 256 tokens is 1 bit per element at the 4096-token reference but 2 at 2048-token windows:
+    the report computes it from the record's config and model shapes when the record does not carry it."""
+    from kvcal.eval.report import bits_at_seqlen
+
+    model = {"family": "llama", "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+             "hidden_size": 64, "rope": {"head_dim": 16, "theta": 10000.0}}
+    evict = {**record("evict", 30.0, 16), "config": {"sink": 4, "window": 252}, "model": model}
+    assert bits_at_seqlen(evict) == pytest.approx(2.0)
+    assert bits_at_seqlen({**evict, "seqlen": 4096}) == pytest.approx(1.0)
+    assert bits_at_seqlen({**evict, "bits_at_seqlen": 3.5}) == 3.5
+    assert bits_at_seqlen({**evict, "config": {"no_such_key": 1}}) is None

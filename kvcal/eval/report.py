@@ -54,6 +54,27 @@ def fp_window_of(record: dict) -> int | None:
         return None
 
 
+def bits_at_seqlen(record: dict) -> float | None:
+    """Bits per element at the record's window length (`bits_at_seqlen`, or for a record written before the field
+    existed, its method's footprint at that length on the record's model shapes); None when that cannot be built."""
+    if isinstance(record.get("bits_at_seqlen"), (int, float)):
+        return record["bits_at_seqlen"]
+    from kvcal.accounting import bits_per_element
+    from kvcal.methods.registry import build_method
+    from kvcal.models import ModelDims
+    from kvcal.quant.rope import RopeSpec
+
+    try:
+        m = record["model"]
+        dims = ModelDims(family=m["family"], num_layers=m["num_layers"], num_heads=m["num_heads"],
+                         num_kv_heads=m["num_kv_heads"], head_dim=m["head_dim"], hidden_size=m["hidden_size"],
+                         rope=RopeSpec(**m["rope"]))
+        method = build_method(record["method"], record.get("config") or {})
+        return bits_per_element(method, dims, int(record["seqlen"])).bits_per_element
+    except (KeyError, TypeError, ValueError, KvcalError):
+        return None
+
+
 def comparison_key(record: dict) -> tuple:
     """What two records must share for one's perplexity to be compared with the other's: the model, the dataset and
     split, the protocol (and its prompt length), the window length and the number of windows. The full-precision
@@ -96,7 +117,8 @@ def markdown_table(records: list[dict], commands: bool = False) -> str:
             owners = [k for k in groups if k[:-1] == comparison_key(r)] or [group_key(r)]
             for key in owners:
                 groups.setdefault(key, []).insert(0, r)
-    header = ["setting", "method", "PPL", "vs fp16", "bits/elem", "fp keys/query", "protocol", "windows", "device"]
+    header = ["setting", "method", "PPL", "vs fp16", "bits/elem", "at seqlen", "fp keys/query", "protocol", "windows",
+              "device"]
     if commands:
         header.append("command")
     tables = []
@@ -106,8 +128,9 @@ def markdown_table(records: list[dict], commands: bool = False) -> str:
         for r in rows:
             delta = _relative(r["ppl"], references.get(comparison_key(r)))
             mode = r.get("mode", "simulate")
-            fp_keys = r.get("fp_keys_per_query")
+            fp_keys, at_seqlen = r.get("fp_keys_per_query"), bits_at_seqlen(r)
             row = [r["setting"], r["method"], f"{r['ppl']:.3f}", delta, f"{r['bits_per_element']:.2f}",
+                   "" if at_seqlen is None else f"{at_seqlen:.2f}",
                    "" if fp_keys is None else f"{fp_keys:.1f}",
                    r["protocol"] + ("" if mode in ("simulate", "simulated") else f" ({mode})"),
                    str(r["nsamples"]), r.get("device", "?")]
@@ -173,6 +196,10 @@ def _cell(spec, records: _Records, where: str) -> str:
     where = f"{where} ({spec['rec']})"
     at = list(spec.get("at", []))
     value = _select(record, at, where)
+    if spec.get("fn") == "bits_at_seqlen":  # derived from the record, not stored in it
+        value = bits_at_seqlen(value)
+        if value is None:
+            raise KvcalError(f"report: {where}: its bits at the window length cannot be computed")
     fields = {"v": value, "r": record if not at else _select(record, at[:-1], where)}
     if "ref" in spec:
         ref = spec["ref"]
@@ -189,6 +216,8 @@ def _cell(spec, records: _Records, where: str) -> str:
 _EVAL_CELLS = {
     "ppl": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["ppl"], "fmt": row.get("ppl_fmt", "{v:.3f}")},
     "bits": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["bits_per_element"], "fmt": "{v:.2f}"},
+    "fp_keys": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["fp_keys_per_query"], "fmt": "{v:.1f}"},
+    "bits_seqlen": lambda row: {"rec": row["rec"], "at": row.get("at", []), "fn": "bits_at_seqlen", "fmt": "{v:.2f}"},
     "command": lambda row: {"rec": row["rec"], "at": ["command"], "fmt": "`{v}`"},
     "device": lambda row: {"rec": row["rec"], "at": row.get("at", []) + ["device"]},
 }

@@ -179,6 +179,9 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
         "ppl": result.ppl,
         "bits_per_element": bits.bits_per_element,
         "bits": bits.to_dict(),
+        # the same count at the evaluated window's length: what the cache held at its end (an eviction budget or an
+        # fp16 window weighs more in a shorter window)
+        "bits_at_seqlen": bits_per_element(method, loaded.dims, int(windows.shape[1])).bits_per_element,
         "kvcal_version": __version__,
         "software": software_versions(),
     }

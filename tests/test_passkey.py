@@ -115,6 +115,7 @@ def test_cli_record_table_and_plot(tmp_path):
     (["--trials", "0"], "--trials"),
     (["--mode", "nope"], "unknown mode"),
     (["--method", "kvquant"], "needs an artifact"),
+    (["--recipe", "evict-1bit", "--fp-window", "512"], "keeps"),
 ])
 def test_cli_bad_input(tmp_path, args, message):
     out = tmp_path / "pk.json"
@@ -124,6 +125,17 @@ def test_cli_bad_input(tmp_path, args, message):
     message_line = result.stderr.strip()
     assert message in message_line and "Traceback" not in message_line and "\n" not in message_line, message_line
     assert not out.exists()
+
+
+def test_cli_records_the_full_precision_allowance(tmp_path):
+    """--fp-window sets the method's own window for passkey too, and the record says which allowance ran."""
+    out = tmp_path / "pk.json"
+    result = kvcal("eval", "passkey", "--model", "tiny-llama", "--lengths", "300", "--depths", "50", "--trials", "1",
+                   "--max-new-tokens", "2", "--recipe", "rtn-int2", "--fp-window", "16", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert record["fp_window"] == 16 and record["fp_window_named"] and record["config"]["fp_window"] == 16
+    assert record["setting"].endswith("-fp16")
 
 
 @pytest.mark.slow

@@ -172,6 +172,12 @@ def test_the_bytes_the_cache_holds_equal_the_footprint(name, fp_window, artifact
         pytest.skip(f"{name}'s test setting has no packed storage")
     if codec.bulk_only:
         pytest.skip(f"{name}'s test setting compresses prompts in bulk only")
+    assert_cache_bytes_equal_footprint(loaded, method, codec)
+
+
+def assert_cache_bytes_equal_footprint(loaded, method, codec) -> None:
+    """After prefills of 20, 37 and 48 tokens and 0, 5 and 11 decode steps, `_held_bytes` of the packed cache equals
+    the method's footprint at that length."""
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
     for prefill, steps in ((20, 0), (37, 5), (48, 11)):
         cache = KvcalCache(codec, loaded.dims.num_layers, "packed")
@@ -181,4 +187,4 @@ def test_the_bytes_the_cache_holds_equal_the_footprint(name, fp_window, artifact
                 forward_with_cache(loaded.model, ids[:, t : t + 1], cache)
         tokens = prefill + steps
         expected = sum(method.footprint(loaded.dims, tokens).values())
-        assert _held_bytes(cache, loaded.dims) == pytest.approx(expected, rel=1e-9), (tokens, fp_window)
+        assert _held_bytes(cache, loaded.dims) == pytest.approx(expected, rel=1e-9), tokens

@@ -14,9 +14,7 @@ from kvcal.accounting import bits_per_element
 from kvcal.eval.ppl import decoded_nll, simulated_nll
 from kvcal.methods.registry import build_method
 from kvcal.models import load_model
-from kvcal.models.adapter import forward_with_cache
 from kvcal.recipes import load_recipe
-from kvcal.runtime.cache import KvcalCache
 
 SETTINGS = {"rtn": {"bits": 1, "group_size": 8}, "kivi": {"bits": 1, "group_size": 8, "residual": 8}}
 
@@ -48,19 +46,9 @@ def test_the_bytes_a_one_bit_cache_holds_equal_the_footprint(tiny, name):
     proportion to the slots they fill) plus every full-precision token in fp16 equal the footprint."""
     method = build_method(name, SETTINGS[name])
     codec = method.build_codec({}, tiny.dims)
-    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
-    for prefill, steps in ((20, 0), (37, 5), (48, 11)):
-        cache = KvcalCache(codec, tiny.dims.num_layers, "packed")
-        with torch.inference_mode():
-            forward_with_cache(tiny.model, ids[:, :prefill], cache)
-            for t in range(prefill, prefill + steps):
-                forward_with_cache(tiny.model, ids[:, t : t + 1], cache)
-        held = 0.0
-        for layer in cache.layers:
-            packed = sum(t.numel() * t.element_size() for t in layer.buffers.values())
-            fp16_token = 2 * 2 * layer.heads * layer.dim
-            held += packed * sum(layer.compressed) / (layer.batch * layer.capacity) + fp16_token * int(layer.fp_valid.sum())
-        assert held == pytest.approx(sum(method.footprint(tiny.dims, prefill + steps).values()), rel=1e-9)
+    from tests.test_contract import assert_cache_bytes_equal_footprint
+
+    assert_cache_bytes_equal_footprint(tiny, method, codec)
 
 
 def test_one_bit_recipes_by_hand():

@@ -237,6 +237,16 @@ class StepByStep:
         return torch.softmax(scores, -1) @ self.v[layer].repeat_interleave(groups, 1)
 
 
+def step_by_step_nll(loaded, reference: StepByStep, ids, end: int) -> float:
+    """NLL of the tail [end + 1, T) through `reference`: an exact prefill of [0, end), then one token at a time."""
+    logits = []
+    with torch.inference_mode(), loaded.adapter.use(reference):
+        logits.append(loaded.model(ids[:, :end], use_cache=False).logits)
+        for t in range(end, ids.shape[1]):
+            logits.append(loaded.model(ids[:, t:t + 1], position_ids=torch.tensor([[t]]), use_cache=False).logits)
+    return sequence_nll(torch.cat(logits, 1), ids, end + 1).item()
+
+
 @pytest.mark.parametrize("setting", ["calibquant-remap", "calibquant-1bit", "kivi"])
 def test_tail_protocol_equals_an_independent_token_by_token_decode(setting):
     from kvcal.models import load_model
@@ -252,13 +262,7 @@ def test_tail_protocol_equals_an_independent_token_by_token_decode(setting):
     codec_ = method.build_codec({}, loaded.dims)
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(7))
     end = prefix + block
-    reference = StepByStep(codec_, prefix, end, tau)
-    logits = []
-    with torch.inference_mode(), loaded.adapter.use(reference):
-        logits.append(loaded.model(ids[:, :end], use_cache=False).logits)
-        for t in range(end, length):
-            logits.append(loaded.model(ids[:, t:t + 1], position_ids=torch.tensor([[t]]), use_cache=False).logits)
-    expected = sequence_nll(torch.cat(logits, 1), ids, end + 1).item()
+    expected = step_by_step_nll(loaded, StepByStep(codec_, prefix, end, tau), ids, end)
     got = simulated_nll(loaded, codec_, ids, "tail", end, prefix_len=prefix)
     assert got.tokens == length - end - 1
     assert got.nll == pytest.approx(expected, rel=1e-9)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.eval.ppl import decoded_nll, fp_keys_per_query, sequence_nll, simulated_nll
+from kvcal.eval.ppl import decoded_nll, fp_keys_per_query, simulated_nll
 from kvcal.methods.registry import build_method
 from kvcal.models import load_model
-from tests.test_calibquant import StepByStep
+from tests.test_calibquant import StepByStep, step_by_step_nll
 from tests.test_cli import assert_one_line_error, kvcal
 
 
@@ -81,13 +81,7 @@ def test_tail_window_equals_an_independent_reference(tiny, setting):
     codec = method.with_fp_window(window).build_codec({}, tiny.dims)
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(7))
     end = prefix + block
-    reference = StepByStep(codec, prefix, end - window, tau)
-    logits = []
-    with torch.inference_mode(), tiny.adapter.use(reference):
-        logits.append(tiny.model(ids[:, :end], use_cache=False).logits)
-        for t in range(end, length):
-            logits.append(tiny.model(ids[:, t:t + 1], position_ids=torch.tensor([[t]]), use_cache=False).logits)
-    expected = sequence_nll(torch.cat(logits, 1), ids, end + 1).item()
+    expected = step_by_step_nll(tiny, StepByStep(codec, prefix, end - window, tau), ids, end)
     got = simulated_nll(tiny, codec, ids, "tail", end, prefix_len=prefix, fp_window=window)
     assert got.tokens == length - end - 1
     assert got.nll == pytest.approx(expected, rel=1e-9)

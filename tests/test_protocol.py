@@ -124,3 +124,23 @@ def test_cli_records_the_allowance_and_refuses_what_a_setting_cannot_honour(tmp_
         (("--method", "rtn", "--protocol", "tail", "--block-len", 16, "--fp-window", 16), "keeps the whole tail"),
     ):
         assert_one_line_error(kvcal(*base, "--model", "no-such-model", *args), needle)
+
+
+def test_every_shipped_recipe_takes_both_allowances():
+    """Every shipped recipe runs under --fp-window 0 and 128 (its own window replaced: the record's config shows it),
+    under gptq unless its method compresses prompts in bulk only (CalibQuant's regime), which runs under tail."""
+    from kvcal.recipes import recipe_names, resolve
+
+    names = recipe_names()
+    assert {"evict-1bit", "kivi-1bit", "rtn-int1", "commvq-2bit", "calibquant-1bit"} <= set(names)
+    for name in names:
+        method, _, _ = resolve(None, name, None)
+        for window in (0, 128):
+            windowed = method.with_fp_window(window)
+            if method.fp_window_field:
+                assert windowed.own_fp_window() == window, name
+            try:
+                windowed.check_protocol("gptq")
+            except KvcalError as err:
+                assert method.name == "calibquant" and "--protocol tail" in str(err), name
+                windowed.check_protocol("tail")

@@ -88,17 +88,15 @@ def software_versions() -> dict:
     return out
 
 
-def provenance(device, seconds: float | None = None) -> dict:
-    """Where an artifact was made and how long calibration took: may differ between two runs of the same calibration
-    (kvcal compare skips it). No timestamp: the same calibration on the same machine writes the same header."""
-    out = {"device": str(device), "software": software_versions()}
-    if seconds is not None:
-        out["seconds"] = round(seconds, 1)
-    return out
+def provenance(device) -> dict:
+    """Where an artifact was made: the device and the software versions, which may differ between two machines (kvcal
+    compare skips them). Nothing that changes from one run to the next on the same machine (no wall time, timestamp,
+    host name or process id; the log and the eval records carry times), so the same calibration on the same machine
+    writes the same bytes."""
+    return {"device": str(device), "software": software_versions()}
 
 
-def make_header(method, loaded, calibration: dict | None, bits, info: dict | None = None,
-                seconds: float | None = None) -> dict:
+def make_header(method, loaded, calibration: dict | None, bits, info: dict | None = None) -> dict:
     """The header without its tensor hash, which `save_artifact` adds. `tensor_kinds` says what each tensor is
     (how kvcal compare compares it: kvcal/compare.py)."""
     return {
@@ -112,7 +110,7 @@ def make_header(method, loaded, calibration: dict | None, bits, info: dict | Non
         "bits": bits.to_dict(),
         "info": info or {},
         "tensor_kinds": dict(getattr(method, "tensor_kinds", {}) or {}),
-        "provenance": provenance(getattr(loaded, "device", "cpu"), seconds),
+        "provenance": provenance(getattr(loaded, "device", "cpu")),
     }
 
 
@@ -221,12 +219,31 @@ def check_model(artifact: Artifact, loaded, path: str | Path = "artifact", ident
     identity=False (a model kvcal did not load) only the shapes and RoPE are compared."""
     expected = artifact.header["model"]
     actual = loaded.identity
+    gguf = same_gguf(expected.get("source"), actual.get("source"))
     for key in MODEL_FIELDS if identity else MODEL_FIELDS[:-2]:
+        if key in ("name", "source") and gguf:
+            continue
+        if key == "source" and _located_the_same(expected.get(key), actual.get(key)):
+            continue
         if expected.get(key) != actual.get(key):
             raise KvcalError(
                 f"{path} was calibrated for a model with {key}={_short(expected.get(key))}, "
                 f"but {loaded.name} has {key}={_short(actual.get(key))}"
             )
+
+
+def same_gguf(a, b) -> bool:
+    """Whether two source records name the same GGUF content (its sha256), whatever the file was called, where it was,
+    or whether it came as a package alias or as its conversion's folder: the same weights."""
+    return isinstance(a, dict) and isinstance(b, dict) and bool(a.get("gguf_sha256")) \
+        and a.get("gguf_sha256") == b.get("gguf_sha256")
+
+
+def _located_the_same(a, b) -> bool:
+    """Two source records that differ only in `path` (where a local model was found, which says nothing about its
+    weights: a folder moved or copied is the same model)."""
+    return isinstance(a, dict) and isinstance(b, dict) and \
+        {k: v for k, v in a.items() if k != "path"} == {k: v for k, v in b.items() if k != "path"}
 
 
 def _short(value) -> str:

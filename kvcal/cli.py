@@ -659,7 +659,7 @@ def compare_command(
 
     The summary line comes first. Codebooks are compared up to a permutation of their codewords, SVD factors up to
     sign, datatypes as sorted sets (the kinds the header records); header fields must match exactly apart from
-    provenance (time, device, software versions)."""
+    provenance (device, software versions) and where a local model was found."""
     from kvcal.artifact import load_artifact
     from kvcal.compare import Tolerance, compare_artifacts, parse_tolerances
 

@@ -14,8 +14,9 @@ method, kvcal/methods/base.py `Method.tensor_kinds`). A kind says how two versio
 
 Tolerances are per kind (`--tol KIND=RTOL,ATOL`; `--rtol/--atol` for every kind not named). Header fields must
 match exactly (method, config, model identity, calibration data and settings, bits), except those that may differ
-between two runs of the same calibration: provenance (time, device, software versions), the content hash, kvcal's
-version, the tokenizer's class name, and the folder of a local calibration text whose content hash matches.
+between two runs of the same calibration: provenance (device, software versions), the content hash, kvcal's
+version, the tokenizer's class name, where a local model was found (`model.source.path`: its hash or files are
+compared), and the folder of a local calibration text whose content hash matches.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ KINDS = {
     "diagnostic": "statistics for reporting only: listed, never a difference",
 }
 # header fields two runs of the same calibration may differ in (prefixes of the flattened header)
-MAY_DIFFER = ("tensor_hash", "kvcal_version", "provenance.", "calibration.tokenizer")
+MAY_DIFFER = ("tensor_hash", "kvcal_version", "provenance.", "calibration.tokenizer", "model.source.path")
 NOTE_ONLY = ("info.",)
 
 

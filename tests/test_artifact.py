@@ -93,3 +93,43 @@ def test_compare(tmp_path, tiny):
     c = load_artifact(save_artifact(tmp_path / "c.safetensors", make(tiny, bits=3)))
     where = {d.what.split(":")[0] for d in compare_artifacts(a, c).failures}
     assert {"config.bits", "bits_per_element"} <= where
+
+
+def test_calibrating_twice_gives_the_same_bytes_whatever_the_clock_host_and_folder(tmp_path, tiny, monkeypatch):
+    """Two calibrations with the same inputs write the same bytes, though the second runs on a clock that says it took
+    a thousand times longer, under another host name and from another working folder, with its activations captured
+    through --capture-cache: nothing in the artifact depends on the run (wall times go to the log)."""
+    import platform
+    import socket
+    import time
+
+    from kvcal.artifact import flatten
+    from kvcal.calib.run import run_calibrations
+
+    text = tmp_path / "t.txt"
+    text.write_text(open(__file__).read() * 2)
+    settings = {"kvquant": {"bits": 3}, "skvq": {"k_bits": 2, "v_bits": 2, "group_size": 8, "clip": "global"},
+                "xquant": {"bits": 4, "variant": "svd", "group_tokens": 8, "group_channels": 16}}
+
+    def calibrate(folder, **kwargs):
+        jobs = [(build_method(name, config), folder / f"{name}.safetensors") for name, config in settings.items()]
+        run_calibrations(tiny, jobs, str(text), nsamples=2, seqlen=48, **kwargs)
+        return {name: (folder / f"{name}.safetensors").read_bytes() for name in settings}
+
+    first = calibrate(tmp_path / "a")
+    real_perf, real_time = time.perf_counter, time.time
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000 * real_perf() + 12345.6)
+    monkeypatch.setattr(time, "time", lambda: 1000 * real_time())
+    monkeypatch.setattr(socket, "gethostname", lambda: "another-host")
+    monkeypatch.setattr(platform, "node", lambda: "another-host")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    second = calibrate(tmp_path / "b", capture_cache=tmp_path / "captures")
+    for name in settings:
+        assert first[name] == second[name], name
+        header = flatten(load_artifact(tmp_path / "b" / f"{name}.safetensors").header)
+        timed = [k for k in header if any(w in k.lower() for w in ("second", "time", "host", "date", "pid"))]
+        assert timed == [], timed
+        # the only path in the header is the calibration text's, an input (xquant learns from the weights alone)
+        assert [k for k, v in header.items() if str(tmp_path) in str(v)] == (["calibration.dataset"]
+                                                                             if name != "xquant" else []), name

@@ -113,7 +113,8 @@ def test_local_gguf_converts_once_and_matches_the_source_model(cache, tiny_gguf,
 
     loaded = load_model(str(tiny_gguf))
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
-    assert loaded.name == "tiny-qwen2" and loaded.source == {"gguf_file": "tiny-qwen2.gguf", "gguf_sha256": sha}
+    assert loaded.name == "tiny-qwen2" and loaded.source == {"gguf_file": "tiny-qwen2.gguf", "gguf_sha256": sha,
+                                                             "path": str(tiny_gguf.resolve())}
     assert (loaded.dims.family, loaded.dims.num_kv_heads, loaded.dims.head_dim) == ("qwen2", 1, 32)
     entry = cache / "models" / f"gguf-{sha[:16]}"
     assert json.loads((entry / "kvcal_source.json").read_text())["gguf_sha256"] == sha
@@ -248,6 +249,29 @@ def test_local_hf_folder_loads(tmp_path, qwen_tiny):
         assert torch.equal(loaded.model(ids).logits, qwen_tiny(ids).logits)
 
 
+def test_an_artifact_finds_its_hf_folder_at_its_path_and_fits_it_after_a_move(tmp_path, qwen_tiny):
+    """A local folder's artifact records the folder's path (where --artifact alone loads it from) but its identity is
+    the config and weight files: the same folder moved elsewhere still fits it; a folder gone asks for --model."""
+    import shutil
+
+    from kvcal.accounting import bits_per_element
+    from kvcal.artifact import Artifact, check_model, make_header
+    from kvcal.methods import build_method
+    from kvcal.models import artifact_model, load_model
+
+    folder = _hf_folder(tmp_path / "a", qwen_tiny)
+    method = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8})
+    loaded = load_model(str(folder))
+    art = Artifact(make_header(method, loaded, None, bits_per_element(method, loaded.dims)), {})
+    assert artifact_model(art.header["model"]) == str(folder.resolve())
+    moved = tmp_path / "b" / "hf"
+    shutil.move(folder, moved)
+    check_model(art, load_model(str(moved)))
+    with pytest.raises(KvcalError, match=r"calibrated on the model folder .*/a/hf, which is not there any more: pass "
+                                         r"--model DIR$"):
+        artifact_model(art.header["model"])
+
+
 def _config_only(tmp_path, name, config: dict):
     folder = tmp_path / name
     folder.mkdir()
@@ -313,3 +337,61 @@ def test_sliding_window_only_where_it_slides():
     assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=4096, max_window_layers=0)) == 4096
     assert sliding_window(MistralConfig(sliding_window=None)) is None
     assert sliding_window(MistralConfig(sliding_window=4096)) == 4096
+
+
+def test_an_artifact_finds_its_gguf_by_sha256_in_the_cache_then_at_its_path(cache, tiny_gguf, qwen_tiny, tmp_path):
+    """An artifact calibrated with --model FILE.gguf records the file's path and sha256; used with --artifact alone it
+    loads the conversion cached under that sha256, else the file at its path, else asks for --model in one line."""
+    import shutil
+
+    from kvcal.artifact import check_model, load_artifact
+    from kvcal.calib.run import run_calibration
+    from kvcal.methods import build_method
+    from kvcal.models import artifact_model, load_model
+
+    gguf = tmp_path / "moved" / "my-model.gguf"
+    gguf.parent.mkdir()
+    shutil.copy(tiny_gguf, gguf)
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    out = tmp_path / "kivi.safetensors"
+    run_calibration(load_model(str(gguf)), build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}), out)
+    art = load_artifact(out)
+    assert art.header["model"]["name"] == "my-model"
+    assert art.header["model"]["source"] == {"gguf_file": "my-model.gguf", "gguf_sha256": sha,
+                                             "path": str(gguf.resolve())}
+    entry = cache / "models" / f"gguf-{sha[:16]}"
+    assert artifact_model(art.header["model"], out) == str(entry)  # the cache first
+    loaded = load_model(artifact_model(art.header["model"], out))
+    check_model(art, loaded, out)  # the conversion's folder keeps the GGUF's identity
+    assert loaded.name == "my-model" and loaded.source == {"gguf_sha256": sha}
+    ids = torch.tensor([[256, 72, 101, 108, 108, 111]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, qwen_tiny(ids).logits)
+
+    # the whole command, with --artifact alone
+    text = tmp_path / "t.txt"
+    text.write_text("Hello world, this is a small text for one window of evaluation. " * 4)
+    result = kvcal("eval", "ppl", "--artifact", out, "--dataset", text, "--nsamples", 1, "--seqlen", 32)
+    assert result.returncode == 0, result.stderr
+
+    other = tmp_path / "other.gguf"  # the same content under another name and folder is the same model
+    shutil.copy(gguf, other)
+    check_model(art, load_model(str(other)), out)
+
+    shutil.rmtree(entry)  # no conversion cached: the recorded path, whose sha256 is checked when it loads
+    assert artifact_model(art.header["model"], out) == str(gguf.resolve())
+    changed = tiny_qwen2()
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.k_proj.bias.add_(0.5)
+    write_gguf(changed, gguf)
+    with pytest.raises(KvcalError, match=r"was calibrated for a model with source=.* but my-model has source="):
+        check_model(art, load_model(artifact_model(art.header["model"], out)), out)
+
+    shutil.rmtree(cache / "models")
+    gguf.unlink()
+    with pytest.raises(KvcalError, match=r"kivi.safetensors was calibrated on my-model.gguf \(sha256 "
+                                         + sha[:16] + r"\.\.\.\), which is neither in kvcal's conversion cache .* nor at "
+                                         + re.escape(str(gguf.resolve())) + ": pass --model FILE.gguf$"):
+        artifact_model(art.header["model"], out)
+    result = kvcal("eval", "ppl", "--artifact", out, "--dataset", text, "--nsamples", 1, "--seqlen", 32)
+    assert_one_line_error(result, "pass --model FILE.gguf")

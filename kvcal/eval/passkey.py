@@ -195,7 +195,7 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
     from kvcal.artifact import load_artifact
     from kvcal.eval.run import protocol_setting
     from kvcal.methods.registry import artifact_method, codec_for_artifact
-    from kvcal.models import check_model_args, load_model
+    from kvcal.models import artifact_model, check_model_args, load_model
     from kvcal.recipes import resolve
     from kvcal.runtime.cache import backend_ran
 
@@ -207,7 +207,7 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
         raise KvcalError("give either --artifact or --method/--recipe, not both")
     art = load_artifact(artifact_path) if artifact_path else None
     if art is not None:
-        model = model or art.header["model"]["name"]
+        model = model or artifact_model(art.header["model"], artifact_path)
         artifact_method(art, sets, fp_window)  # what the setting cannot honour is refused before the model loads
     else:
         method, tag, _ = resolve(method_name or ("fp16" if not recipe else None), recipe, sets)

@@ -46,7 +46,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
                   protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
                   block_len=None, device_map=None, max_memory=None, fp_window=None) -> list[dict]:
     from kvcal.methods.registry import artifact_method, codec_for_artifact
-    from kvcal.models import check_model_args, load_model
+    from kvcal.models import artifact_model, check_model_args, load_model
     from kvcal.recipes import resolve
 
     if mode not in MODES:
@@ -84,7 +84,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         raise KvcalError(f"--fp-window must be >= 0, got {fp_window}")
     artifacts = [load_artifact(path) for path in artifact_paths]
     if artifacts:
-        model = model or artifacts[0].header["model"]["name"]
+        model = model or artifact_model(artifacts[0].header["model"], artifact_paths[0])
         for art in artifacts:  # what each setting cannot honour is refused before the model loads
             check_protocol(artifact_method(art, sets, fp_window), protocol, mode, prefix_len, block_len, fp_window)
     else:

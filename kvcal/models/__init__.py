@@ -233,7 +233,13 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", adapt: bo
         folder, source = local_gguf_source(Path(name))
         loaded = _load_converted(Path(name).stem, folder, torch_dtype, place, source)
     elif spec is None:
-        loaded = _load_local(name, torch_dtype, place)
+        from kvcal.models.gguf import converted_folder_source
+
+        converted = converted_folder_source(Path(name))  # a GGUF's conversion: the GGUF's identity
+        if converted is not None:
+            loaded = _load_converted(converted[0], Path(name), torch_dtype, place, converted[1])
+        else:
+            loaded = _load_local(name, torch_dtype, place)
     elif spec.kind == "tiny":
         loaded = _load_tiny(spec, torch_dtype, place)
     elif spec.kind == "random":
@@ -348,6 +354,39 @@ def _load_local(path: str, dtype, place: Placement) -> LoadedModel:
         # files: transformers' own words, first line
         raise KvcalError(f"could not load the model in {path} ({type(exc).__name__}: {first_line(str(exc), 200)})") \
             from exc
+
+
+def artifact_model(model: dict, artifact_path="artifact") -> str:
+    """The --model that loads the model an artifact's header records (`model`: the header's identity), for a command
+    given --artifact alone: an alias by its name; a local GGUF file by its sha256, in kvcal's conversion cache first,
+    then at the path it was calibrated from; a local Hugging Face folder at its path. One line ending in
+    'pass --model ...' where none of them is there any more."""
+    name, source = model.get("name"), model.get("source") or {}
+    if name in ALIASES or not isinstance(source, dict):
+        return name
+    path = source.get("path")
+    sha = source.get("gguf_sha256")
+    if sha:
+        from kvcal.models.gguf import cache_root, find_converted
+
+        folder = find_converted(sha)
+        if folder is not None:
+            return str(folder)
+        if path and Path(path).is_file():
+            return path  # hashed when it loads: another file at that path is refused by check_model
+        where = f"nor at {path}" if path else "and the artifact records no path"
+        raise KvcalError(f"{artifact_path} was calibrated on {source.get('gguf_file') or name} (sha256 {sha[:16]}...), "
+                         f"which is neither in kvcal's conversion cache ({cache_root() / 'models'}) {where}: pass "
+                         "--model FILE.gguf")
+    if path and Path(path).is_dir():
+        return path
+    if path:
+        raise KvcalError(f"{artifact_path} was calibrated on the model folder {path}, which is not there any more: pass "
+                         "--model DIR")
+    if name and Path(name).exists():  # a model a program loaded by a relative path (kvcal.load_cache)
+        return name
+    raise KvcalError(f"{artifact_path} was calibrated on '{name}', which is not a model kvcal knows by name and the "
+                     "artifact records no path: pass --model FILE or DIR")
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -254,7 +254,11 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
             info = inspect_gguf(gguf_path)
             check_gguf_servable(info, Path(label))
         _convert(gguf_path, staging / "model", label, target)
-        (staging / "model" / SOURCE_FILE).write_text(json.dumps({"gguf_sha256": sha, "name": info.name}, indent=2))
+        # what loading the folder itself needs (--model FOLDER, or an artifact whose GGUF is found by its sha256):
+        # the hash, and the name kvcal gives the model (a local file's stem, or the alias)
+        loaded_as = Path(label).stem if label.lower().endswith(".gguf") else label
+        (staging / "model" / SOURCE_FILE).write_text(json.dumps({"gguf_sha256": sha, "name": info.name,
+                                                                 "loaded_as": loaded_as}, indent=2))
         if (target / SOURCE_FILE).is_file():  # another process converted the same file meanwhile: keep its entry
             pass
         else:
@@ -361,9 +365,36 @@ def package_gguf_source(spec) -> tuple[Path, dict]:
 
 
 def local_gguf_source(path: Path) -> tuple[Path, dict]:
-    """(converted folder, source record) of a local .gguf file."""
+    """(converted folder, source record) of a local .gguf file. The record's `path` (absolute) is where to find the
+    file again (an artifact used without --model), not part of the identity: the sha256 is (artifact.check_model)."""
     folder, sha = converted_gguf_dir([path], str(path))
-    return folder, {"gguf_file": path.name, "gguf_sha256": sha}
+    return folder, {"gguf_file": path.name, "gguf_sha256": sha, "path": str(path.resolve())}
+
+
+def find_converted(sha: str) -> Path | None:
+    """The conversion cache's folder of the GGUF file of this sha256, None when there is none (or its marker records
+    another file or is unreadable: the folder is then not trusted)."""
+    folder = _entry(sha)
+    try:
+        recorded = json.loads((folder / SOURCE_FILE).read_text()).get("gguf_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return folder if recorded == sha else None
+
+
+def converted_folder_source(folder: Path) -> tuple[str, dict] | None:
+    """(name, source record) of a converted GGUF folder (one holding kvcal's marker), None for any other folder: loaded
+    by its path it keeps the identity of the GGUF it came from (its sha256)."""
+    marker = folder / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        recorded = json.loads(marker.read_text())
+        sha = recorded["gguf_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise KvcalError(f"{marker} is corrupt: delete {folder} and kvcal converts the GGUF again") from None
+    name = recorded.get("loaded_as") or recorded.get("name") or folder.name
+    return str(name), {"gguf_sha256": sha}
 
 
 def converted_smollm2_dir() -> tuple[Path, dict]:

@@ -51,7 +51,7 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     replays decode steps from a CUDA graph on CUDA where the codec's steps are static, else runs them eagerly)."""
     from kvcal.artifact import load_artifact
     from kvcal.methods.registry import codec_for_artifact
-    from kvcal.models import load_model
+    from kvcal.models import artifact_model, load_model
     from kvcal.recipes import resolve
     from kvcal.runtime.graph import DECODE_MODES, greedy_decode
 
@@ -62,7 +62,7 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     art = None
     if artifact_path is not None:
         art = load_artifact(artifact_path)
-        model_name = model_name or art.header["model"]["name"]
+        model_name = model_name or artifact_model(art.header["model"], artifact_path)
     loaded = load_model(model_name or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     if art is not None:
         method, codec = codec_for_artifact(art, loaded, artifact_path, sets)

@@ -70,4 +70,5 @@ def test_ci_example_passes_on_the_golden_artifact_and_fails_as_documented(tmp_pa
     (tmp_path / "c").mkdir()
     refused = check(tmp_path / "c", BASELINE=other)
     assert refused.returncode == 2
-    assert lines(refused)[-1] == "gate: not comparable: protocol is gptq here but tail in the baseline"
+    assert refused.stderr.strip().splitlines()[-1] == ("error: not comparable: protocol is gptq here but tail in the "
+                                                       "baseline")

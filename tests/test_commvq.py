@@ -595,9 +595,9 @@ def test_calibrate_save_load_and_eval_through_the_cli(tmp_path, monkeypatch):
     assert ev.returncode == 0, ev.stderr
     result = json.loads(record.read_text())
     assert result["method"] == "commvq" and result["tokens"] == 2 * 63 and math.isfinite(result["ppl"])
-    # tiny-llama: 2 groups x 2 stages x 2 indices x 3 bits (8 codes) = 24 key bits + 16 bits of kappa, 64 value
-    # bits + 16 of rho, per token and layer, over 2 x 32 channels; no window
-    assert result["bits_per_element"] == pytest.approx((24 + 16 + 64 + 16) / 64)
+    # tiny-llama: 2 groups x 2 stages x 2 indices x 3 bits (8 codes) = 24 key bits, held in one 32-bit word, + 16 bits
+    # of kappa, 64 value bits + 16 of rho, per token and layer, over 2 x 32 channels; no window
+    assert result["bits_per_element"] == pytest.approx((32 + 16 + 64 + 16) / 64)
     # runtime settings apply to the artifact; calibrated ones are refused
     window = kvcal("eval", "ppl", "--artifact", out, "--set", "fp_window=8", "--dataset", __file__, "--seqlen", 64,
                    "--nsamples", 2, "--json", tmp_path / "w8.json")
@@ -623,13 +623,13 @@ def test_calibrate_save_load_and_eval_through_the_cli(tmp_path, monkeypatch):
 
 
 def test_bits_per_element_by_hand():
-    # smollm2, 2 bits: 3 groups x 11 stages x 12 bits = 396 key bits + 16 (kappa), 384 value bits + 16 (rho), per
-    # token and layer, over 2 x 192 elements: 812 / 384 = 2.1146 (the digest's 2.115); 1 bit: 5 stages
-    # -> 180 + 16 + 192 + 16 = 404 -> 1.052
+    # smollm2, 2 bits: 3 groups x 11 stages x 12 bits = 396 key bits (the digest's 2.115 counts these), held in 13
+    # int32 words = 416, + 16 (kappa), 384 value bits + 16 (rho), per token and layer, over 2 x 192 elements: 832 / 384
+    # = 2.1667; 1 bit: 5 stages -> 180 key bits in 6 words = 192, + 16 + 192 + 16 = 416 -> 1.0833
     two, one = build_method("commvq", {"bits": 2}), build_method("commvq", {"bits": 1})
     assert two.stages(SMOLLM2_DIMS) == 11 and one.stages(SMOLLM2_DIMS) == 5
-    assert bits_per_element(two, SMOLLM2_DIMS).bits_per_element == pytest.approx(812 / 384)
-    assert bits_per_element(one, SMOLLM2_DIMS).bits_per_element == pytest.approx(404 / 384)
+    assert bits_per_element(two, SMOLLM2_DIMS).bits_per_element == pytest.approx(832 / 384)
+    assert bits_per_element(one, SMOLLM2_DIMS).bits_per_element == pytest.approx(416 / 384)
     assert one.code_bits(SMOLLM2_DIMS) == pytest.approx({"keys": 0.9375, "values": 1.0, "average": 0.96875})
     # Llama-3.1-8B: g = 64 (a head), R = 11 / 21 -> the paper's 1.031 / 1.969 key bits
     assert one.stages(LLAMA8B_DIMS) == 11 and two.stages(LLAMA8B_DIMS) == 21
@@ -638,10 +638,10 @@ def test_bits_per_element_by_hand():
     # a 128-token window at 4096 tokens: 3968 tokens compressed, 128 in fp16
     w128 = build_method("commvq", {"bits": 2, "fp_window": 128})
     assert bits_per_element(w128, SMOLLM2_DIMS).bits_per_element == pytest.approx(
-        (3968 * 812 / 384 + 128 * 16) / 4096)
-    # K only: values stay fp16 (16 bits), keys 412 / 192 bits per element
+        (3968 * 832 / 384 + 128 * 16) / 4096)
+    # K only: values stay fp16 (16 bits), keys 432 / 192 bits per element
     k_only = build_method("commvq", {"bits": 2, "quantize": "k"})
-    assert bits_per_element(k_only, SMOLLM2_DIMS).bits_per_element == pytest.approx((412 / 192 + 16) / 2)
+    assert bits_per_element(k_only, SMOLLM2_DIMS).bits_per_element == pytest.approx((432 / 192 + 16) / 2)
 
 
 def test_window_policies():

@@ -80,15 +80,16 @@ def test_bits_per_element_hand_computed():
 
     dims = ModelDims("llama", 30, 9, 3, 64, 576, RopeSpec(64, 1e5))
     report = bits_per_element(build_method("kvquant", {"bits": 3}), dims)
-    # per stored token and tensor of C=192: 3 bits codes; V scale+zero 32 bits (/2 over K and V);
-    # outliers: K 1% of 192 = 1.92, V 2 per token, 32 bits each; 32-bit pointers for K and V;
-    # the sink token (1 of 4096) in fp16 instead of codes.
+    # as the packed cache holds them, per stored token and tensor of C=192: 3-bit codes (64 x 3 = 192 bits: 6 whole
+    # words per head); V scale+zero 32 bits (/2 over K and V); outliers in fixed slots of 32 bits (fp16 value, int16
+    # index): K ceil(2 x 1% x 64) = 2 slots per head = 6 per token, V 1 + 1 per token; no pointers; the sink token (1
+    # of 4096) in fp16 instead of codes.
     stored = 4095 / 4096
-    expected = stored * (3 + 32 / 192 / 2 + (1.92 + 2) * 32 / 192 / 2 + 32 / 192) + 16 / 4096
+    expected = stored * (3 + 32 / 192 / 2 + (6 + 2) * 32 / 192 / 2) + 16 / 4096
     assert report.bits_per_element == pytest.approx(expected, rel=1e-6)
     # values per (token, head): 3 scale+zero pairs per token, and 1 + 1 outliers per head of 64 (6 per token)
     report = bits_per_element(build_method("kvquant", {"bits": 3, "value_scope": "head"}), dims)
-    expected = stored * (3 + 3 * 32 / 192 / 2 + (1.92 + 6) * 32 / 192 / 2 + 32 / 192) + 16 / 4096
+    expected = stored * (3 + 3 * 32 / 192 / 2 + (6 + 6) * 32 / 192 / 2) + 16 / 4096
     assert report.bits_per_element == pytest.approx(expected, rel=1e-6)
 
 

@@ -413,8 +413,9 @@ SMOL = ModelDims(family="llama", num_layers=30, num_heads=9, num_kv_heads=3, hea
     (dict(variant="svd", bits=2), 2.375),
     # X: 576 channels of 2 + 32/64 bits per token, against 2 x 192 K/V elements: 576 * 2.5 / 384
     (dict(variant="x", bits=2), 3.75),
-    # +fp16 latent channel 0 instead of its 2-bit code and ranges: (191 * 2.25 + 16 + 192 * 2.5) / 384
-    (dict(variant="svd", bits=2, outlier_channel=True), (191 * 2.25 + 16 + 192 * 2.5) / 384),
+    # +fp16 latent channel 0 beside every channel's 2-bit code and ranges (its own code slot is held, unused):
+    # (192 * 2.25 + 16 + 192 * 2.5) / 384
+    (dict(variant="svd", bits=2, outlier_channel=True), (192 * 2.25 + 16 + 192 * 2.5) / 384),
     # CL-SVD, first 3 layers at 4 bits, full-width base at layer 2 (digest §8.1 table, G_ch=64 column: 0.173 x 16):
     # 2 x 192 x (4.25 + 4.5) + 576 x 4.5 + 27 x 384 x 2.5 over 30 x 384
     (dict(variant="svd", cross_layer=True, bits=2, hp_layers=3), (2 * 192 * 8.75 + 576 * 4.5 + 27 * 960) / 11520),

@@ -325,7 +325,7 @@ def test_end_to_end_smollm2(tmp_path, wikitext_dir, smollm2):
         assert ev.returncode == 0, ev.stderr
         records[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert records["kvquant"]["ppl"] < records["rtn"]["ppl"]
-    assert 2.5 < records["kvquant"]["bits_per_element"] < 2.7
+    assert 2.7 < records["kvquant"]["bits_per_element"] < 2.8  # 2.753: the outlier slots as the cache holds them
     header = load_artifact(out).header
     assert header["calibration"]["tokens"] == 1024 and len(header["info"]["fisher_err_k"]) == 30
 

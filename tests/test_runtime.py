@@ -418,7 +418,8 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
     through the residual ring (append, then flush): bit for bit for the packed codecs (same codes, same
     attention inputs), to float32 rounding for the fp16 cache (a masked attention over the preallocated buffer
     instead of one over the filled part). After end_static the two caches keep decoding alike (the host
-    counters followed). One-token eager steps take the static path by default (`direct`: rtn and KVQuant pack
+    counters followed). One-token eager steps take the static path on CUDA (`direct`, here with static_steps_on_cpu
+    set: on a CPU the host ring is cheaper and runs by default; rtn and KVQuant pack
     the token straight into its slot, KIVI runs the device-side ring step); the reference cache is held on the
     host-side ring path. KIVI (residual 8, blocks of 4) flushes a block at the 4th static step: on the device,
     as the reference does on the host, and its ring positions end where the reference's are."""
@@ -440,6 +441,7 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
                 raise AssertionError("an eager one-token step took the host-side ring path")
 
             layer._append_step = ring_used
+            layer.static_steps_on_cpu = True
         static.begin_static()
         room = static.static_room()
         for t in range(6):

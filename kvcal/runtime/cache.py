@@ -179,6 +179,7 @@ class PackedLayer(_LayerBase):
     packed tokens, and a residual ring of the most recent ones."""
 
     GROWTH = 1.125  # buffers grow by 1/8 (bounded over-allocation, so memory tracks bits per element)
+    static_steps_on_cpu = False  # eager one-token steps as static steps on a CPU too (tests run CUDA's path there)
 
     def __init__(self, codec, layer_idx: int, storage, kernels: bool | None, capacity_hint: int = 0,
                  shared: SharedState | None = None):
@@ -417,7 +418,8 @@ class PackedLayer(_LayerBase):
             self.storage.bind(inp.kv_projection())
         # on CUDA a static step launches fewer kernels than the host ring (and replays as a graph); on a CPU the host
         # ring is cheaper: it writes a block only when the block flushes, not the oldest block at every step
-        if length == 1 and not self.static and inp.q.is_cuda and self.static_refusal() is None:
+        if (length == 1 and not self.static and (inp.q.is_cuda or self.static_steps_on_cpu)
+                and self.static_refusal() is None):
             return self._eager_static_step(inp)
         q = apply_rope(inp.q, inp.cos, inp.sin)
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)

@@ -61,6 +61,8 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
                      batch_size: int = 1, capture_cache: Path | None = None, on_done=None) -> list[Artifact]:
     """Calibrate several (method, out path) jobs on the same windows: one capture serves them all
     (it holds the union of what they need), and each artifact is written as soon as it is ready."""
+    # model-dependent defaults resolved, so each artifact's config states the numbers it was calibrated with
+    jobs = [(method.for_model(loaded.dims), out) for method, out in jobs]
     for method, _ in jobs:
         method.check_model(loaded.dims)
     learners = [method for method, _ in jobs if method.learns]

@@ -208,6 +208,11 @@ class Method:
     def check_model(self, dims) -> None:
         """Raise KvcalError if this config cannot run on a model with these dims."""
 
+    def for_model(self, dims) -> Method:
+        """This setting with its model-dependent defaults resolved for a model of these dims (what an artifact and a
+        record state); the setting itself for a method that has none."""
+        return self
+
     def tag(self) -> str:
         """Short name of the setting, used in default artifact file names."""
         return "-".join(f"{k}{v}" for k, v in self.config().items()) or "default"

@@ -440,12 +440,52 @@ def test_bad_config_is_one_line_error(config, message):
 
 def test_model_mismatches_are_one_line_errors():
     with pytest.raises(KvcalError, match="group_channels 128 does not divide a per-token width of 192"):
-        build_method("xquant", {}).check_model(SMOL)
+        build_method("xquant", {"group_channels": 128}).check_model(SMOL)
+    build_method("xquant", {}).check_model(SMOL)  # the default divides it
     with pytest.raises(KvcalError, match="base_layer 40 is past the model's 30 layers"):
         build_method("xquant", {"cross_layer": True, "base_layer": 40, "group_channels": 64}).check_model(SMOL)
     with pytest.raises(KvcalError, match="needs the SVD factors of an artifact"):
         build_method("xquant", {"group_channels": 64}).build_codec({}, SMOL)
     build_method("xquant", {"variant": "x", "group_channels": 64}).build_codec({}, SMOL)  # X needs no artifact
+
+
+def test_default_group_channels_is_the_largest_divisor_of_the_widths_and_artifacts_record_it(tmp_path):
+    """group_channels by default: the largest of 128, 64, 32, 16, 8 that divides every per-token width (SmolLM2: K/V
+    width 192 and X 576, both 64 x odd); an artifact records the number, and its bits per element are those of the
+    number (check_artifact recomputes them from the config)."""
+    import dataclasses
+
+    from kvcal.accounting import bits_per_element
+    from kvcal.artifact import load_artifact
+    from kvcal.calib.run import run_calibration
+    from kvcal.methods.registry import check_artifact
+    from kvcal.models import load_model
+
+    assert build_method("xquant", {}).for_model(SMOL).group_channels == 64  # 192 = 64 x 3
+    assert build_method("xquant", {"variant": "x"}).for_model(SMOL).group_channels == 64  # 576 = 64 x 9
+    wide = dataclasses.replace(SMOL, num_kv_heads=8, head_dim=128, hidden_size=4096)  # Llama-3.1-8B: 1024, 4096
+    assert build_method("xquant", {}).for_model(wide).group_channels == 128
+    assert build_method("xquant", {"group_channels": 32}).for_model(SMOL).group_channels == 32  # explicit: kept
+    odd = dataclasses.replace(SMOL, num_kv_heads=1, head_dim=12, hidden_size=36)
+    with pytest.raises(KvcalError, match=r"^xquant: none of group_channels 128, 64, 32, 16, 8 divides the per-token "
+                                         r"widths 12 of this model: pass --set group_channels=N$"):
+        build_method("xquant", {}).check_model(odd)
+    # footprint (bits per element) of the default is that of the resolved number, not of 128
+    default, explicit = build_method("xquant", {"bits": 2}), build_method("xquant", {"bits": 2, "group_channels": 64})
+    assert bits_per_element(default, SMOL).to_dict() == bits_per_element(explicit, SMOL).to_dict()
+    # scales and zeros by hand, per token and layer of 192 K/V channels: an fp16 scale and zero (4 bytes) per 128
+    # tokens of each key channel (192 / 128 groups a token) and per 64 value channels (192 / 64): 8 x 4 x (1.5 + 3)
+    # bits over 2 x 192 elements = 0.375 (it would be 0.25 with groups of 128)
+    assert bits_per_element(default, SMOL).parts["scales_zeros"] == pytest.approx(0.375, abs=1e-12)
+
+    loaded = load_model("tiny-llama")  # K/V width 2 x 16 = 32
+    out = tmp_path / "x.safetensors"
+    run_calibration(loaded, build_method("xquant", {"group_tokens": 8}), out)
+    art = load_artifact(out)
+    assert art.config["group_channels"] == 32
+    check_artifact(art, out)
+    assert art.header["bits_per_element"] == pytest.approx(bits_per_element(
+        build_method("xquant", {"group_tokens": 8, "group_channels": 32}), loaded.dims).bits_per_element, abs=1e-6)
 
 
 # -- smollm2 end to end ----------------------------------------------------------------------------------------

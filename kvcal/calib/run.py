@@ -80,6 +80,8 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     (it holds the union of what they need), and each artifact is written as soon as it is ready."""
     from kvcal.models.dims import check_context
 
+    # model-dependent defaults resolved, so each artifact's config states the numbers it was calibrated with
+    jobs = [(method.for_model(loaded.dims), out) for method, out in jobs]
     for method, _ in jobs:
         method.check_model(loaded.dims)
     learners = [method for method, _ in jobs if method.learns]

@@ -223,6 +223,7 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
         setting = protocol_setting(Path(artifact_path).stem, fp_window)
         artifact_record = {"path": str(artifact_path), "tensor_hash": art.header["tensor_hash"]}
     else:
+        method = method.for_model(loaded.dims)  # model-dependent defaults resolved (the record states them)
         method.check_model(loaded.dims)
         setting = protocol_setting(tag if tag.startswith(method.name) else f"{method.name}-{tag}", fp_window)
         codec = method.build_codec({}, loaded.dims)

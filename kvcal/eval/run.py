@@ -107,6 +107,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         targets.append((m, codec, protocol_setting(Path(path).stem, fp_window),
                         {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
     if not artifacts:
+        method = method.for_model(loaded.dims)  # model-dependent defaults resolved (the record states them)
         method.check_model(loaded.dims)
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
         targets.append((method, method.build_codec({}, loaded.dims), protocol_setting(setting, fp_window), None))

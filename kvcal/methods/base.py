@@ -214,6 +214,11 @@ class Method:
         """Raise KvcalError if calibrating on `nsamples` windows of `seqlen` tokens cannot work (checked before any
         model loads)."""
 
+    def for_model(self, dims) -> Method:
+        """This setting with its model-dependent defaults resolved for a model of these dims (what an artifact and a
+        record state); the setting itself for a method that has none."""
+        return self
+
     def tag(self) -> str:
         """Short name of the setting, used in default artifact file names."""
         return "-".join(f"{k}{v}" for k, v in self.config().items()) or "default"

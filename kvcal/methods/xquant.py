@@ -51,6 +51,7 @@ VARIANTS = ("kv", "x", "svd")
 BASE_REPRS = ("full_x", "latent")
 DELTA_AXES = ("token", "channel")
 SUPPORTED_BITS = (2, 3, 4, 8, 16)
+GROUP_CHANNELS = (128, 64, 32, 16, 8)  # group_channels None: the largest of these that divides the per-token widths
 PARAM_BYTES = 2  # fp16 scale and fp16 zero per group
 OUTLIER_TOP_K = 8  # App. B: the Key outlier channel predicted among the top-k of |B_k^T[0, :]|
 MAX_RECON_ERROR = 1e-5  # ||U R - W|| / ||W|| of every stored factorization (digest §8.2 unit test)
@@ -587,7 +588,9 @@ class XQuant(Method):
     base_repr: str = "full_x"  # cross_layer svd: the base as full-width X (rec §7.4) or as its [W_k|W_v] latent
     outlier_channel: bool = False  # svd: latent channel 0 of X U_k kept in fp16 (App. B, Table B.1)
     group_tokens: int = 128  # per-channel groups (tokens), and the block in which tokens leave full precision
-    group_channels: int = 128  # per-token groups (channels); SmolLM2's widths (576, 192) need 64 (rec §7.7)
+    # per-token groups (channels); None: the largest of GROUP_CHANNELS dividing the model's per-token widths (SmolLM2's
+    # 576 and 192: 64, rec §7.7), resolved when the setting meets the model (for_model: artifacts record the number)
+    group_channels: int | None = None
     delta_axis: str = "token"  # cross_layer deltas per token (rec §7.3) or per channel (ablation)
     closed_loop: bool = True  # deltas against the reconstructed previous layer (False: the open-loop ablation)
     residual: int = 0  # full-precision recent tokens kept besides the unfinished block (generation)
@@ -605,7 +608,7 @@ class XQuant(Method):
         if self.outlier_channel and self.variant != "svd":
             raise KvcalError("xquant outlier_channel applies to variant svd (a channel of X U_k)")
         for key in ("group_tokens", "group_channels"):
-            if getattr(self, key) <= 0:
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
                 raise KvcalError(f"xquant {key} must be positive, got {getattr(self, key)}")
         for key in ("hp_layers", "base_layer", "residual"):
             if getattr(self, key) < 0:
@@ -639,13 +642,29 @@ class XQuant(Method):
             widths.add(w["x"] if self.variant == "x" else w["latent"])
         return widths
 
+    def resolved_group_channels(self, dims) -> int:
+        """group_channels, or by default the largest of GROUP_CHANNELS that divides every per-token width."""
+        if self.group_channels is not None:
+            return self.group_channels
+        widths = sorted(self._per_token_widths(dims))
+        for n in GROUP_CHANNELS:
+            if all(width % n == 0 for width in widths):
+                return n
+        raise KvcalError(f"xquant: none of group_channels {', '.join(map(str, GROUP_CHANNELS))} divides the per-token "
+                         f"widths {', '.join(map(str, widths))} of this model: pass --set group_channels=N")
+
+    def for_model(self, dims) -> XQuant:
+        return self if self.group_channels is not None else dataclasses.replace(
+            self, group_channels=self.resolved_group_channels(dims))
+
     def check_model(self, dims):
         if self.cross_layer and self.base_layer >= dims.num_layers:
             raise KvcalError(f"xquant base_layer {self.base_layer} is past the model's {dims.num_layers} layers")
         if self.hp_layers > dims.num_layers:
             raise KvcalError(f"xquant hp_layers {self.hp_layers} is more than the model's {dims.num_layers} layers")
+        channels = self.resolved_group_channels(dims)
         for width in sorted(self._per_token_widths(dims)):
-            if width % self.group_channels:
+            if width % channels:
                 raise KvcalError(f"xquant group_channels {self.group_channels} does not divide a per-token width of "
                                  f"{width} channels on this model (try a divisor such as 64)")
 
@@ -705,7 +724,7 @@ class XQuant(Method):
         if self.needs_artifact() and factored and not tensors:
             raise KvcalError("xquant variant svd needs the SVD factors of an artifact: run `kvcal calibrate --method "
                              "xquant` (seconds, no data) and pass it with --artifact")
-        return XQuantCodec(self, tensors, dims)
+        return XQuantCodec(self.for_model(dims), tensors, dims)
 
     def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
         """Random factors of an artifact's shapes (speed benchmarks at shapes no artifact exists for): U [hidden,
@@ -730,6 +749,8 @@ class XQuant(Method):
 
     # ---- memory --------------------------------------------------------------------------------------------------
     def footprint(self, dims, tokens):
+        if self.group_channels is None:
+            return self.for_model(dims).footprint(dims, tokens)
         n = FlushPolicy(residual=self.residual, block=self.group_tokens).compressed_count(tokens)
         w = self._widths(dims)
         parts = {"codes": 0.0, "scales_zeros": 0.0, "fp16_outlier_channel": 0.0}

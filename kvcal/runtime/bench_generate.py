@@ -123,8 +123,8 @@ def largest_batch(loaded, name: str, method, codec, context: int, candidates: li
     """Largest batch at which every mode in `modes` fills its cache and decodes `steps` timed steps (run_case:
     after 2 warm-up steps) without running out of memory, and the records of that batch's try (its throughput).
     The try at a batch runs the same cases a timed run of those steps and modes would, because at the largest batch
-    a few MiB decide: a search that decoded 3 steps in one mode found batches where 16 steps, or the other mode,
-    ran out of memory (`results/bench/generate-kivi-2bit-b82-*old-search-h100.json`). `candidates` (ascending)
+    a few MiB decide: a search that decoded fewer steps, or one mode, can find batches where the timed run runs out
+    of memory. `candidates` (ascending)
     are tried in turn up to the first that fails, then the batches between the last fit and that one are bisected,
     so the answer is exact to one row (memory use grows with the batch). Each try is appended to `tried` as (batch,
     fits, the failed mode and its error's first line, or None)."""

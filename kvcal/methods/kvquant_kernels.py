@@ -526,8 +526,7 @@ VALUE_PASS_TOKENS, VALUE_PASS_WARPS = 32, 4
 # below float32's rounding of sums of order 1 (GPU check at Llama-3.1-8B shapes: 2.5e-8 to 6.5e-8 from the float64
 # reference, the float32 atomics 1.9e-8 to 7.6e-8). A term is below 2^16 (p <= 1, |r| <= 65504, fp16), so sums of up
 # to 2^19 tokens cannot overflow 2^63; longer rows get fewer fraction bits (fixed_point_bits). Four scalar int64
-# atomics per slot instead of one 16-byte float32 vector: the pass took 130.8 us against 62.7 at 32K x 8 (H100,
-# results/bench/value-pass-fixed-h100.json).
+# atomics per slot instead of one 16-byte float32 vector: about twice the pass's time (docs/runtime.md).
 FIXED_BITS = 28
 
 

@@ -222,8 +222,8 @@ if triton is not None:
         """Key A register r: the code pair (i, i + P) of word r // P (P = 16 / b), masked where it lies in its byte:
         bits below 8 stay inside an fp16 mantissa, so the half is the subnormal n 2^(b j - 24) for code j of its byte.
         The word's upper bytes come down with one shift by 8 that their registers share, so a register costs one mask
-        (shifting each pair down to bits [0, b) first took 56 shifts per int2 tile against 8, 48 against 16 at int4,
-        and int2 was 5-8% slower on an H100: results/bench/tune-key-mask-in-byte-h100*.json). The query's B register r is
+        (shifting each pair down to bits [0, b) first takes 56 shifts per int2 tile against 8, 48 against 16 at int4).
+        The query's B register r is
         scaled by 2^-(b j) to match (_query_register), so the product is q n 2^-24."""
         P: tl.constexpr = 16 // BITS
         i: tl.constexpr = r % P
@@ -250,9 +250,7 @@ if triton is not None:
         """Token (from the tile's start) of lane row g's score row in 8-token block j (row g of m-tile j // 2 for even
         j, g + 8 for odd): 4 g + j, so a lane's four tokens are adjacent and each of their per-token parameters is one
         8-byte load. Any one-to-one map works as long as keys, values and scales agree (softmax and the value sum do
-        not depend on the order of tokens); the previous g + 8 j took 16 two-byte loads per tile and 10 more registers
-        (H100, 32K x 8: int2 82.2 -> 81.8 us, int4 122.4 -> 121.8; 131K x 32: int2 918.4 -> 894.5,
-        results/bench/tune-adjacent-token-scales-h100-*.json)."""
+        not depend on the order of tokens); g + 8 j would take 16 two-byte loads per tile and 10 more registers."""
         return 4 * g + j
 
     @triton.jit

@@ -17,9 +17,8 @@ NEG = torch.finfo(torch.float32).min
 # model at 32K context, host-bound). Flash / memory-efficient kernels have no per-shape setup.
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A masked decode over a preallocated buffer (static shapes, so cuDNN's per-shape setup is paid once): cuDNN
-# takes the additive mask with GQA and matched flash over the valid prefix (370 vs 371 us, bf16, 32K x 8 KV
-# heads x batch 8, H100: results/bench/masked-decode-sdpa-h100.txt); flash takes no mask, and the memory-efficient
-# kernel no GQA with a mask (1347 us with the query heads as query rows).
+# takes the additive mask with GQA and matches flash over the valid prefix (docs/runtime.md); flash takes no mask, and
+# the memory-efficient kernel no GQA with a mask (far slower with the query heads as query rows).
 MASKED_DECODE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

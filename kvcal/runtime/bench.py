@@ -119,8 +119,7 @@ def _read_flush_bench(fn, warmup_ms: float, rep_ms: float) -> float:
     """do_bench's loop with a read-only L2 flush: summing a 256 MB buffer evicts the cache and leaves it holding
     clean lines, as a decode step finds it after the previous layer's GEMMs (which read weights and write little).
     do_bench's own flush zeroes that buffer, leaving 50 MB of dirty lines that the timed call then pays to write
-    back (H100, 32K x 8: 9.2 us for int4 and 11.3 us for SDPA; results/bench/decode-read-flush-h100-80gb-hbm3.json
-    against decode-h100-80gb-hbm3.json)."""
+    back (measured in docs/runtime.md)."""
     buf = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

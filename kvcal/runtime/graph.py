@@ -20,8 +20,8 @@ class GraphPool:
     """What the StepGraphs of one cache's layers share: one CUDA-graph memory pool, and one stream per device that
     their captures run on. torch's caching allocator reuses a freed block only for allocations on the stream that
     freed it, so with a capture stream per layer no layer's capture could reuse another's temporaries, and the pool
-    held every layer's: 32 x 200 MiB for KVQuant's key-outlier scores at 49 rows of 32K on Llama-3.1-8B shapes, which
-    cut nuq4's largest batch from 54 to 48 (`results/bench/generate-max-batch-*-h100{-stream-per-layer,}.json`)."""
+    held every layer's temporaries at once (KVQuant's key-outlier scores, 200 MiB a layer at 49 rows of 32K on
+    Llama-3.1-8B shapes), which cut the largest batch (docs/runtime.md)."""
 
     def __init__(self):
         self._handles: dict[int, object] = {}
@@ -67,9 +67,8 @@ class StepGraph:
 
     A recording that runs out of GPU memory is given up: that key's steps are launched instead, as without step
     graphs, and torch's cache is emptied. During a capture torch cannot hand its cached blocks back to the driver,
-    and a graph's pool needs memory of its own, so a capture can fail where the launched step fits (on an H100
-    whose memory sat in torch's cache, a 1 GiB capture ran out of memory where a launched 1 GiB allocation did not,
-    `results/bench/capture-oom-probe-h100.log`)."""
+    and a graph's pool needs memory of its own, so a capture can fail where the launched step fits (with memory in
+    torch's cache, a capture can run out of memory where the same allocation launched eagerly does not)."""
 
     def __init__(self, shared: GraphPool):
         self.shared = shared

@@ -32,10 +32,8 @@ LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The merge: one program per (row, query head, REDUCE_CHANNELS channels), REDUCE_CHUNK partials per step at 4 warps (a
 # quarter of that at 1 warp). At batch 1 a tile kernel leaves ~265 partials per head and the merge has only B x Hq =
-# 32 (row, head) pairs: one program per pair over all 128 channels took 9 steps of 32 partials in a row (32K x 1, int4
-# 40.3 us); 32 channels per program and 256 partials per step: int4 32.5 us, int2 28.2, kivi4 41.2, nuq4 87.5 (was
-# 108.2); batch 8 within 1% (H100, results/bench/reduce-channels-h100.json). sm_90 SASS at 265 partials: 96 registers, 166 with
-# extra sums, no stack.
+# 32 (row, head) pairs: one program per pair over all 128 channels takes 9 steps of 32 partials in a row, so 32
+# channels per program and 256 partials per step (timings: docs/runtime.md).
 REDUCE_CHANNELS = 32
 REDUCE_CHUNK = 256
 # Full-precision tokens per program of the generic full-precision kernel (chunks of a few tiles: one program walking a

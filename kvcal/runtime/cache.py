@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvcal.errors import KvcalError
 from kvcal.models.attention import additive_mask, attention, decode_attention_masked, remapped_attention
 from kvcal.quant.rope import apply_rope
-from kvcal.runtime.decode import FullPrecision, decode_attention
+from kvcal.runtime.decode import FullPrecision, decode_attention, one_cpu_thread
 from kvcal.runtime.graph import GraphPool, StepGraph
 from kvcal.runtime.storage import Packed, SharedState
 
@@ -751,7 +751,11 @@ class KvcalCache(Cache):
         self.backend = backend
 
     def kvcal_attend(self, inp) -> torch.Tensor:
-        return self.layers[inp.layer_idx].attend(inp)
+        layer = self.layers[inp.layer_idx]
+        if inp.q.shape[2] == 1 and inp.q.device.type == "cpu":  # a decode step on a CPU: small ops, one thread
+            with one_cpu_thread():
+                return layer.attend(inp)
+        return layer.attend(inp)
 
     def graph_refusal(self) -> str | None:
         """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each

@@ -1,5 +1,10 @@
 """Progress bars on stderr (rich), so stdout stays clean for tables and JSON; consoles that do not wrap when they
-write to a file or a pipe (a log keeps whole lines and whole table cells)."""
+write to a file or a pipe (a log keeps whole lines and whole table cells).
+
+A long stage says up front what it will cost: its first units of work are the probe (they run at least
+PROBE_SECONDS), and if the whole stage, at their pace, would take more than LONG_SECONDS, one line gives the expected
+time before the rest runs. Without a terminal (a log, a pipe) a stage also prints a line at most every
+log_every_seconds(), with the time left."""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from rich.progress import (
 
 from kvcal.errors import KvcalError
 
+PROBE_SECONDS = 2.0  # a stage's first units, timed, give its expected time
+LONG_SECONDS = 30.0  # a stage expected to take longer says so after the probe
 LOG_WIDTH = 1000  # columns of a console that writes to a file or pipe: tables at full width, no wrapped lines
 
 
@@ -47,29 +54,64 @@ def log_every_seconds() -> float:
     return seconds
 
 
+def duration(seconds: float) -> str:
+    """'45 s', '1 min 40 s', '12 min', '2.5 h'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 10 * 60:
+        return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class Estimate:
+    """The expected time of a stage of `total` units from its first ones (the probe), said once when the stage looks
+    long."""
+
+    def __init__(self, description: str, total: int):
+        self.description, self.total = description, total
+        self.started, self.done, self.probed = _clock(), 0, False
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.probed or self.total <= 0 or self.done >= self.total:
+            return
+        elapsed = _clock() - self.started
+        if elapsed >= PROBE_SECONDS:
+            self.probed = True
+            expected = elapsed / self.done * self.total
+            if expected > LONG_SECONDS:
+                _say(f"{self.description}: expect about {duration(expected)} in all (the first "
+                     f"{self.done}/{self.total} took {elapsed:.1f} s)")
+
+
+def _say(line: str) -> None:
+    stderr_console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 @contextmanager
 def progress_bar(description: str, total: int):
-    """Yields `advance(n=1)`. With a terminal, a bar that disappears when done. Without one (a log file, a pipe), plain
-    lines: one at the first advance after each log_every_seconds() (done/total, elapsed, an estimate of what is left)
-    and one when the stage ends. A stage that fails before its first line leaves only the error's line."""
+    """Yields `advance(n=1)`. A long stage first says its expected time (module docstring). With a terminal, a bar
+    that disappears when done. Without one (a log file, a pipe), plain lines: one at the first advance after each
+    log_every_seconds() (done/total, elapsed, an estimate of what is left) and one when the stage ends. A stage that
+    fails before its first line leaves only the error's line."""
+    estimate = Estimate(description, total)
     if not stderr_console.is_terminal:
         every = log_every_seconds()
-        done, started, last = [0], _clock(), [_clock()]
-
-        def line(text: str) -> None:
-            stderr_console.print(f"{description}: {text}", markup=False, highlight=False, soft_wrap=True)
+        last = [estimate.started]
 
         def advance(n=1):
-            done[0] += n
-            now = _clock()
-            if now - last[0] >= every and done[0] < total:
+            estimate.advance(n)
+            done, now = estimate.done, _clock()
+            if now - last[0] >= every and done < total:
                 last[0] = now
-                elapsed = now - started
-                line(f"{done[0]}/{total} after {elapsed:.0f} s (about {elapsed * (total - done[0]) / done[0]:.0f} s "
-                     "left)")
+                elapsed = now - estimate.started
+                _say(f"{description}: {done}/{total} after {elapsed:.0f} s (about {elapsed * (total - done) / done:.0f}"
+                     " s left)")
 
         yield advance
-        line(f"{done[0]}/{total} in {_clock() - started:.1f} s")
+        _say(f"{description}: {estimate.done}/{total} in {_clock() - estimate.started:.1f} s")
         return
     with Progress(
         TextColumn("{task.description}"),
@@ -81,4 +123,9 @@ def progress_bar(description: str, total: int):
         transient=True,
     ) as progress:
         task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.advance(task, n)
+
+        def advance(n=1):
+            progress.advance(task, n)
+            estimate.advance(n)
+
+        yield advance

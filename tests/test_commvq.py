@@ -734,3 +734,29 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     fp16 = ppl(build_method("fp16").build_codec({}, smollm2.dims))
     rtn2 = ppl(build_method("rtn", {"bits": 2}).build_codec({}, smollm2.dims))
     assert fp16 < keys_only < full < rtn2, (fp16, keys_only, full, rtn2)
+
+
+def test_calibration_says_the_expected_time_of_its_stages(tiny, tiny_store, monkeypatch, capsys):
+    """Both long stages (key EM, value encoders) print their expected time after a timed probe of their first units
+    (here every stage counts as long, and the clock moves 1 s per reading): key EM advances one stage of all the
+    layer's groups at a time, value training one step."""
+    from kvcal import progress
+
+    now = [0.0]
+
+    def tick():
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(progress, "PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "LONG_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "_clock", tick)
+    method = CommVQ(bits=1, key_stages=2, **TINY_SETTINGS)
+    groups = method.num_groups(tiny.dims)
+    method.calibrate(tiny, tiny_store)
+    err = capsys.readouterr().err.splitlines()
+    # 2 layers x G groups x 2 stages; the first G took 1 s: 4 s in all. 2 layers x 12 steps, 1 s the first: 24 s
+    total = 2 * groups * 2
+    assert (f"commvq: key codebooks (EM, {groups} groups x 2 stages): expect about 4 s in all (the first "
+            f"{groups}/{total} took 1.0 s)") in err
+    assert "commvq: value encoders (12 steps per layer): expect about 24 s in all (the first 1/24 took 1.0 s)" in err

@@ -1,4 +1,5 @@
-"""Progress without a terminal: a log file gets a line at most every N seconds while a stage runs, and one when done."""
+"""Progress: a long stage says its expected time after a short timed probe of its first units; without a terminal a log
+file gets a line at most every N seconds while a stage runs, and one when done."""
 
 import io
 
@@ -27,6 +28,7 @@ def test_progress_reaches_a_log_file(log, monkeypatch):
         now[0] += 20
         advance(12)
     assert log.getvalue().splitlines() == [
+        "calibquant tau grid (4x4): expect about 3 min 0 s in all (the first 1/18 took 10.0 s)",  # the probe: 10 s
         "calibquant tau grid (4x4): 3/18 after 35 s (about 175 s left)",  # the first step 30 s after the start
         "calibquant tau grid (4x4): 4/18 after 75 s (about 262 s left)",  # 40 s after the last line
         "calibquant tau grid (4x4): 18/18 in 105.0 s",
@@ -54,3 +56,36 @@ def test_a_stage_that_fails_early_leaves_no_line(log):
             advance()
             raise KeyboardInterrupt
     assert log.getvalue() == ""  # the error's own line (printed by the CLI) is the only one
+
+
+def run_stage(now, total: int, seconds_per_unit: float, first_unit: float | None = None) -> None:
+    with progress.progress_bar("stage", total) as advance:
+        for i in range(total):
+            now[0] += first_unit if (i == 0 and first_unit is not None) else seconds_per_unit
+            advance()
+
+
+@pytest.fixture
+def quiet_log(log, monkeypatch):
+    """A log with a fake clock and no periodic lines: only the estimate and the last line."""
+    now = [1000.0]
+    monkeypatch.setattr(progress, "_clock", lambda: now[0])
+    monkeypatch.setenv("KVCAL_PROGRESS_SECONDS", "1e9")
+    return now
+
+
+def test_a_long_stage_prints_its_expected_time_after_the_probe(quiet_log, log):
+    run_stage(quiet_log, 100, 1.0)  # 100 units of 1 s: the probe is the first 2 (PROBE_SECONDS), 100 s expected
+    assert log.getvalue().splitlines() == ["stage: expect about 1 min 40 s in all (the first 2/100 took 2.0 s)",
+                                           "stage: 100/100 in 100.0 s"]
+
+
+def test_the_estimate_comes_from_the_probe_and_is_said_in_minutes_or_hours(quiet_log, log):
+    run_stage(quiet_log, 600, 10.0, first_unit=3.0)  # the probe's pace, 3 s x 600 = 30 min, said once
+    assert log.getvalue().splitlines()[0] == "stage: expect about 30 min in all (the first 1/600 took 3.0 s)"
+    assert progress.duration(45) == "45 s" and progress.duration(9000) == "2.5 h"
+
+
+def test_a_short_stage_prints_only_its_last_line(quiet_log, log):
+    run_stage(quiet_log, 10, 1.0)  # 10 s expected: under LONG_SECONDS
+    assert log.getvalue().splitlines() == ["stage: 10/10 in 10.0 s"]

@@ -1,6 +1,7 @@
 """The packed runtime (torch reference path): storages against independent quantizers, decode against the gptq
 simulation, left padding against batch 1, memory against the bit accounting."""
 
+import contextlib
 import os
 import sys
 
@@ -892,3 +893,72 @@ def test_reference_backend_is_never_captured_in_a_cuda_graph():
     prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with pytest.raises(KvcalError, match="CUDA-graph decoding"):
         greedy_decode(tiny, reference, prompt, 4, None, "graph")
+
+
+def test_generate_reports_the_compressed_and_full_precision_parts_apart():
+    """`kvcal generate`'s size line: a sequence shorter than what the method keeps in full precision is said to be
+    uncompressed (no ratio: float32 slots on a CPU hold more than fp16 would), and past it the compressed part is
+    reported on its own, its bits per element those of the accounting for its tokens."""
+    import re
+
+    from kvcal.accounting import bits_per_element
+    from kvcal.methods import build_method
+    from kvcal.runtime.generate import generate_text
+
+    dims = load_model("tiny-llama").dims
+    token_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4  # K and V of one token in float32
+    short = generate_text("Hi", "tiny-llama", None, "kivi", ["bits=2", "group_size=16", "residual=16"], 3, "float32",
+                          "cpu")
+    n = short["tokens"]
+    assert n < 32 and short["compressed_tokens"] == 0 and short["fp_tokens"] == n
+    assert short["cache_bytes"] == short["fp_bytes"] == n * token_bytes
+    assert short["summary"].startswith(f"kivi: nothing compressed yet: all {n} tokens are in the full-precision part")
+    assert "compresses once 32 tokens are cached (sinks 0, window 16, blocks of 16)" in short["summary"]
+    assert "smaller" not in short["summary"]
+
+    long = generate_text("The quick brown fox jumps over", "tiny-llama", None, "kivi",
+                         ["bits=2", "group_size=4", "residual=8"], 6, "float32", "cpu")
+    n = long["tokens"]
+    compressed = 4 * ((n - 8) // 4)
+    assert long["compressed_tokens"] == compressed > 0 and long["fp_tokens"] == n - compressed
+    assert long["fp_bytes"] == (n - compressed) * token_bytes
+    assert long["cache_bytes"] == long["compressed_bytes"] + long["fp_bytes"]
+    part = re.search(r"compressed part (\d+) tokens in [\d.]+ [KM]iB \(([\d.]+) bits/element", long["summary"])
+    assert part and int(part.group(1)) == compressed
+    strict = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 0})
+    assert float(part.group(2)) == pytest.approx(bits_per_element(strict, dims, compressed).bits_per_element, abs=0.005)
+    assert f"full-precision part {n - compressed} tokens" in long["summary"]
+
+
+def test_decode_steps_on_a_cpu_attend_on_one_thread(monkeypatch):
+    """A CPU decode step's attention (the torch references: many ops of microseconds) runs on one intra-op thread,
+    whose pool waits made it tens of times slower on a busy machine (docs/runtime.md); the prefill keeps the threads,
+    and the setting is restored after each step. The numbers are those of the same decode on the threads as they were."""
+    import kvcal.runtime.cache as cache_module
+    from kvcal.runtime.cache import KvcalCache
+
+    torch.set_num_threads(2)
+    seen = []
+    real = cache_module.decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "decode_attention", spy)
+    loaded = load_model("tiny-llama")
+    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 4}).build_codec({}, loaded.dims)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def decode():
+        cache = KvcalCache(codec, loaded.dims.num_layers)
+        with torch.inference_mode():
+            forward_with_cache(loaded.model, ids[:, :8], cache)
+            return torch.stack([forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits[:, -1]
+                                for t in range(8, 24)])
+
+    logits = decode()
+    assert seen == [1] * (16 * loaded.dims.num_layers) and torch.get_num_threads() == 2
+    monkeypatch.setattr(cache_module, "one_cpu_thread", contextlib.nullcontext)  # the threads as they were
+    seen.clear()
+    assert torch.equal(decode(), logits) and seen == [2] * (16 * loaded.dims.num_layers)

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvcal.errors import KvcalError
 from kvcal.models.attention import additive_mask, attention, decode_attention_masked, remapped_attention
 from kvcal.quant.rope import apply_rope
-from kvcal.runtime.decode import FullPrecision, decode_attention
+from kvcal.runtime.decode import FullPrecision, decode_attention, one_cpu_thread
 from kvcal.runtime.graph import GraphPool, StepGraph
 from kvcal.runtime.storage import Packed, SharedState
 
@@ -611,9 +611,20 @@ class PackedLayer(_LayerBase):
         packed = sum(t.numel() * t.element_size() for t in self.buffers.values())
         fp_tensors = {id(t): t for t in [self.fp_k, self.fp_v, *self.fp_sources]}.values()
         fp_alloc = sum(t.numel() * t.element_size() for t in fp_tensors)
+        held = self.held()
+        return packed + fp_alloc, held["compressed_bytes"] + held["fp_bytes"]
+
+    def held(self) -> dict[str, int]:
+        """What this layer's tokens take, by part: the packed slots that hold tokens and the full-precision slots
+        that hold tokens (sinks, the window, an unflushed block), with the token counts of each (all rows)."""
+        if not self.buffers:
+            return {"compressed_tokens": 0, "compressed_bytes": 0, "fp_tokens": 0, "fp_bytes": 0}
+        packed = sum(t.numel() * t.element_size() for t in self.buffers.values())
         fp_slot = 2 * self.heads * self.dim * self.fp_k.element_size()  # one token's K and V
-        used = packed * sum(self.compressed) / (self.batch * self.capacity) + fp_slot * int(self.fp_valid.sum())
-        return packed + fp_alloc, int(used)
+        fp_tokens = int(self.fp_valid.sum())
+        return {"compressed_tokens": sum(self.compressed),
+                "compressed_bytes": int(packed * sum(self.compressed) / (self.batch * self.capacity)),
+                "fp_tokens": fp_tokens, "fp_bytes": fp_slot * fp_tokens}
 
 
 class LosslessLayer(_LayerBase):
@@ -742,7 +753,11 @@ class KvcalCache(Cache):
         self.backend = backend
 
     def kvcal_attend(self, inp) -> torch.Tensor:
-        return self.layers[inp.layer_idx].attend(inp)
+        layer = self.layers[inp.layer_idx]
+        if inp.q.shape[2] == 1 and inp.q.device.type == "cpu":  # a decode step on a CPU: small ops, one thread
+            with one_cpu_thread():
+                return layer.attend(inp)
+        return layer.attend(inp)
 
     def graph_refusal(self) -> str | None:
         """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each
@@ -803,3 +818,22 @@ class KvcalCache(Cache):
         """(allocated, used) bytes of the per-token cache over all layers."""
         sizes = [layer.nbytes() for layer in self.layers if hasattr(layer, "nbytes")]
         return sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+
+    def held(self) -> dict[str, int]:
+        """The used bytes by part, summed over layers: the compressed part (packed slots) and the full-precision part
+        (in the cache's dtype), with their tokens per layer (all rows). A lossless cache is all full precision."""
+        parts = {"compressed_tokens": 0, "compressed_bytes": 0, "fp_tokens": 0, "fp_bytes": 0}
+        for layer in self.layers:
+            if isinstance(layer, PackedLayer):
+                held = layer.held()
+            elif isinstance(layer, LosslessLayer):
+                rows = 0 if layer.k_buf is None else layer.k_buf.shape[0]
+                held = {"fp_tokens": layer.length * rows, "fp_bytes": layer.nbytes()[1]}
+            else:
+                continue
+            for key, value in held.items():
+                parts[key] += value
+        layers = max(1, sum(isinstance(layer, (PackedLayer, LosslessLayer)) for layer in self.layers))
+        parts["compressed_tokens"] //= layers
+        parts["fp_tokens"] //= layers
+        return parts

@@ -14,6 +14,7 @@ run: there is no silent fallback), or the torch references (`kernels=False`: the
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,23 @@ def _with_extra(p: Partials) -> torch.Tensor:
         return p.acc
     extra = p.extra.to(p.acc.dtype) * p.extra_unit if p.extra.dtype == torch.int64 else p.extra.to(p.acc.dtype)
     return p.acc + extra[..., : p.acc.shape[2]].permute(0, 1, 3, 2)  # [R, S, D, GP] -> [R, S, G, D]
+
+
+@contextmanager
+def one_cpu_thread():
+    """torch's CPU ops on one intra-op thread inside the block. A decode step's attention on a CPU (the torch
+    references: a [KV heads, group, tokens] score and its softmax per layer) is many ops of microseconds each, and every
+    parallel region of an op waits for all the pool's threads: on a machine whose other cores are busy, each wait
+    is a scheduler time slice, which made these steps tens of times slower than the work (docs/runtime.md)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- dispatch --------------------------------------------------------------------------------------------------

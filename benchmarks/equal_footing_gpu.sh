@@ -2,10 +2,10 @@
 # The equal-footing records of smollm2-135m (docs/results.md "Equal footing") on one GPU, in the background:
 # calibrate every calibrated setting (one capture of 16 x 2048 WikiText-2 calibration tokens; CommVQ from its recipes'
 # own calibration, 64 x 1024, each in its own process beside the others), then benchmarks/equal_footing.py for
-# every setting under --fp-window 0 and 128 (gptq; tail for CalibQuant and the baselines beside it), and the
-# decode-against-simulation parity of every packed method at 2 x 512 in float32 and float64 (reference storages).
+# every setting under --fp-window 0 and 128 (gptq; tail for CalibQuant and the baselines beside it). Decode against
+# simulation: benchmarks/decode_parity_all.sh.
 #   bash benchmarks/equal_footing_gpu.sh OUT_DIR [DATA_DIR]
-# Writes OUT_DIR/{records/, parity-*.json, *.log}; artifacts under artifacts/smollm2-135m/.
+# Writes OUT_DIR/{records/, *.log}; artifacts under artifacts/smollm2-135m/.
 set -uo pipefail
 OUT=${1:?output folder}
 DATA=${2:-${KVCAL_DATA_DIR:-tests/data/wikitext2}}
@@ -27,20 +27,8 @@ EF=(python benchmarks/equal_footing.py --model smollm2-135m --nsamples 16 --seql
     --artifacts "$ART" --out "$OUT/records")
 "${EF[@]}" > "$OUT/equal-footing.log" 2>&1 &
 E1=$!
-P=(python benchmarks/decode_parity.py --device cuda --seqlen 512 --nsamples 2 --backend reference --big-capacity 0
-   --recipes rtn-int2 kivi-2bit --kvquant kvquant-nuq2-1pct --calibrated skvq-k2v2-g32-w128 xquant-svd-2bit
-   --artifact-dir "$ART")
-"${P[@]}" --dtype float32 --json "$OUT/parity-float32-2x512.json" > "$OUT/parity-float32.log" 2>&1 &
-P1=$!
-"${P[@]}" --dtype float64 --json "$OUT/parity-float64-2x512.json" > "$OUT/parity-float64.log" 2>&1 &
-P2=$!
 wait $C1 $C2
 "${EF[@]}" --only commvq-1bit commvq-2bit > "$OUT/equal-footing-commvq.log" 2>&1 &
 E2=$!
-for dt in float32 float64; do
-  python benchmarks/decode_parity.py --device cuda --seqlen 512 --nsamples 2 --backend reference --big-capacity 0 \
-    --recipes --kvquant --calibrated commvq-1bit --artifact-dir "$ART" --dtype $dt \
-    --json "$OUT/parity-commvq-$dt-2x512.json" > "$OUT/parity-commvq-$dt.log" 2>&1
-done
-wait $E1 $E2 $P1 $P2
+wait $E1 $E2
 echo ALLDONE > "$OUT/done"

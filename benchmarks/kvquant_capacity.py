@@ -23,7 +23,7 @@ from kvcal import software_versions
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
-from kvcal.methods.kvquant import OUTLIER_ENTRY_BYTES
+from kvcal.methods.kvquant.method import OUTLIER_ENTRY_BYTES
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
 

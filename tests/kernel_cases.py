@@ -29,14 +29,14 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
     tokens, values per token in groups of key_block channels), 'kvquant' (pre-RoPE nuq keys with kcap outlier slots
     per token and head, nuq values with per_side outliers per side, per token or per token and head; `sink` tokens
     before the packed ones), 'skvq' (`bits` for keys, skvq's v_bits for values; see _skvq_storage)."""
-    from kvcal.methods.kivi import KiviStorage
-    from kvcal.methods.kvquant import KVQuantStorage
-    from kvcal.methods.rtn import RtnStorage
+    from kvcal.methods.kivi.method import KiviStorage
+    from kvcal.methods.kvquant.method import KVQuantStorage
+    from kvcal.methods.rtn.method import RtnStorage
 
     if method == "rtn":
         return RtnStorage(bits, group or d)
     if method == "calibquant":  # one range group over the row (group None) or groups of `group` tokens; tau (0.5, 3)
-        from kvcal.methods.calibquant import CalibQuantStorage
+        from kvcal.methods.calibquant.method import CalibQuantStorage
 
         c = (0.5, 0.3) if bits == 1 else (1.0, 1.0)
         taus = None if skvq.get("remap") is False else (torch.full((64,), 0.5), torch.full((64,), 3.0))
@@ -62,7 +62,7 @@ def _skvq_storage(bits, hkv: int, d: int, sink: int, seed: int, device, v_bits: 
                   param_dtype: str = "fp16", ternary_storage: str = "base3"):
     """An SKVQ storage with random k-means-like layouts: a random permutation of the Hkv x D channels cut into
     `groups` groups of uneven sizes (across heads), random clip ratios in [0.8, 1]."""
-    from kvcal.methods.skvq import ChannelQuantizer, GroupLayout, SKVQStorage
+    from kvcal.methods.skvq.method import ChannelQuantizer, GroupLayout, SKVQStorage
 
     gen = torch.Generator().manual_seed(seed + 7)
     channels = hkv * d
@@ -82,7 +82,7 @@ def _commvq_storage(bits: int, hkv: int, d: int, seed: int, stages: int = 3, cod
     groups of `group_pairs` pairs (0: one KV head). Keys before RoPE."""
     from types import SimpleNamespace
 
-    from kvcal.methods.commvq import CommVQ
+    from kvcal.methods.commvq.method import CommVQ
 
     dims = SimpleNamespace(num_layers=1, num_heads=4 * hkv, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
     method = CommVQ(bits=bits, key_codes=codes, key_stages=stages, key_group_pairs=group_pairs)
@@ -326,7 +326,7 @@ def run_attention_case(case, *, small=True, device="cpu"):
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), len(lengths), q.dtype)
     assert storage.supports_triton(q, packed) is None, f"{name}: {storage.supports_triton(q, packed)}"
     if kernel_kw.get("frag"):  # an explicit frag case must reach the fragment kernel, not the tile one
-        from kvcal.methods.rtn_kernels import _frag_applies
+        from kvcal.methods.rtn.kernels import _frag_applies
 
         assert _frag_applies(q, packed, bits, hq // hkv), f"{name}: the fragment kernel does not take this cache"
     chunk = K.REDUCE_CHUNK
@@ -356,7 +356,7 @@ OUTLIER_PASS_CASES = [
 def run_outlier_pass_checks(device="cpu", small=True) -> dict:
     """The key pass's score terms and the value pass's additions to given partials against the references:
     {name: relative error}. A slot that one side dropped or misplaced moves them by O(1)."""
-    from kvcal.methods import kvquant_kernels as O  # noqa: N812
+    from kvcal.methods.kvquant.method import kernels as O  # noqa: N812
 
     if small:
         d, hkv, hq, lengths, tcap, nsplit, block_t = 64, 2, 8, [37, 0, 70], 80, 3, 16

@@ -16,7 +16,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import sequence_nll, simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods import calibquant as cq
+from kvcal.methods.calibquant import method as cq
 from kvcal.models.attention import NEG
 
 

@@ -77,7 +77,7 @@ def _rtn(bits, lengths, hkv, d, tcap, **kw):
 def test_frag_kernel_takes_one_scale_per_token_and_head_only():
     """The fragment kernel applies to one scale per token and KV head with head_dim * bits >= 256 (so the frag cases
     above do run it), not to grouped scales, float32 queries or 2-bit head_dim 64."""
-    from kvcal.methods.rtn_kernels import _frag_applies
+    from kvcal.methods.rtn.kernels import _frag_applies
 
     q = torch.zeros(3, 8, 64, dtype=torch.float16)
     q128 = torch.zeros(3, 8, 128, dtype=torch.float16)
@@ -124,7 +124,7 @@ def test_kvquant_residuals_inside_the_kernel_for_float32_and_float64(monkeypatch
     """fp16 and bf16 run KVQuant's sparse residuals as passes around the tile kernel (KCORR, SAVE_S); float32 and
     float64 add them inside it (KCAP, VCAP), as the reference does and without the value pass's atomics, whose
     run-dependent order made two float32 decodes of smollm2-135m on an H100 differ by up to 2.5% in perplexity."""
-    import kvcal.methods.kvquant_kernels as KQ
+    import kvcal.methods.kvquant.kernels as KQ
 
     monkeypatch.setattr(KQ, "key_outlier_scores_triton", lambda *args: None)  # runs before the (stubbed) kernel
     storage, packed = _kvquant([40, 33], 48)
@@ -140,7 +140,7 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
     """fp16 / bf16 KVQuant decoding sums the value residuals in float32 by default and in int64 fixed point (integer
     atomics: the same sums in any order) under torch.use_deterministic_algorithms(True); the partials carry that
     buffer and its unit to the merge."""
-    import kvcal.methods.kvquant_kernels as KQ
+    import kvcal.methods.kvquant.kernels as KQ
 
     calls = []
     monkeypatch.setattr(KQ, "key_outlier_scores_triton", lambda *args: None)
@@ -170,7 +170,7 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
 def test_fixed_point_bits_keep_int64_sums_from_overflowing():
     """A split's fixed-point sum of n terms below 2^16 stays below 2^63: 28 fraction bits up to 2^19 tokens, one
     fewer per doubling beyond."""
-    from kvcal.methods.kvquant_kernels import FIXED_BITS, fixed_point_bits
+    from kvcal.methods.kvquant.kernels import FIXED_BITS, fixed_point_bits
 
     assert FIXED_BITS == 28
     assert fixed_point_bits(0) == fixed_point_bits(1) == fixed_point_bits(2**19) == 28
@@ -184,7 +184,7 @@ def test_frag_dispatch_rules(monkeypatch):
     """From FRAG_MIN_ROWS (row, KV head) pairs the fragment kernel is the default; a tile-kernel knob or frag=False
     selects the tile kernel, frag=True forces the fragment kernel below the threshold; its code words are vector
     loads only where every lane's words are aligned for them."""
-    import kvcal.methods.rtn_kernels as R
+    import kvcal.methods.rtn.kernels as R
 
     storage, packed = _rtn(4, [40, 33], 8, 64, 48)  # 2 rows x 8 KV heads = 16 pairs
     q, fp = build_step(2, 32, 8, 64, 5, torch.float16)
@@ -217,7 +217,7 @@ def test_commvq_score_dot_knob_is_checked():
     """attend_triton refuses an unknown score_dot, score_dot on the one-kernel paths (a knob of the key pass) and a
     dot width that is not a power of two, before launching anything."""
     from kvcal.errors import KvcalError
-    from kvcal.methods.commvq_kernels import attend_triton
+    from kvcal.methods.commvq.kernels import attend_triton
 
     storage = make_storage("commvq", 1, 2, 64)
     packed = build_packed(storage, [5], 2, 64)

@@ -15,7 +15,7 @@ from kvcal.calib.capture import capture
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import sequence_nll, simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods.skvq import (
+from kvcal.methods.skvq.method import (
     CLIP_GRID,
     SKVQ,
     AttentionOutputError,

@@ -15,7 +15,7 @@ from kvcal.artifact import load_artifact
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods import xquant as xq
+from kvcal.methods.xquant import method as xq
 from kvcal.models import ModelDims, load_model
 from kvcal.models.adapter import forward_with_cache, kv_projection_weights
 from kvcal.quant.rope import RopeSpec

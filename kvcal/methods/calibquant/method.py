@@ -29,7 +29,7 @@ recommendation where both are silent (its §7 item N as "§7.N").
 - Ablations (§8.2): `v_ranges` token (KIVI-style per-token V, min/max over the head's channels) or global (one range
   per head over the block), `calibration` false, `k_range_scale`/`v_range_scale` 1.0 (pure paper), a fixed tau.
 
-Packed runtime (§5; `CalibQuantStorage`, kernels in kvcal/methods/calibquant_kernels.py): codes packed at their width
+Packed runtime (§5; `CalibQuantStorage`, kernels in kvcal/methods/calibquant/kernels.py): codes packed at their width
 (int32 words of kvcal/quant/packing.py), float32 step and minimum per (row, KV head, range group, channel) for K and
 V; decode attention post-scaled and remapped in two passes (pass 1 the score min/max per query head, pass 2 the
 remapped split-K partials and the full-precision part). With group_tokens 0 the cache runs the paper's regime
@@ -138,7 +138,7 @@ class CalibQuantStorage(Storage):
     (NG = T / G). Keys after RoPE. Decode attention is post-scaled (the codes are never dequantized) and remaps the
     compressed tokens' scores per query head (tau of this layer) before the softmax they share with the
     full-precision part; `counts` [2] (device, int64) adds up the query rows remapped and those whose slope was
-    clamped at 0 (§7.10). Kernels: kvcal/methods/calibquant_kernels.py."""
+    clamped at 0 (§7.10). Kernels: kvcal/methods/calibquant/kernels.py."""
 
     def __init__(self, bits: int, group: int, sink: int, k_scale: float, v_scale: float,
                  taus: tuple[torch.Tensor, torch.Tensor] | None, fp_window: int = 0):
@@ -198,7 +198,7 @@ class CalibQuantStorage(Storage):
                                                                  self.bits)
 
     def write_triton(self, packed, keys, values, rows, slots):
-        from kvcal.methods import calibquant_kernels
+        from kvcal.methods.calibquant.method import kernels as calibquant_kernels
 
         calibquant_kernels.write_triton(packed, keys, values, rows, slots, self.bits, self.group, self._run(rows),
                                         self.k_scale, self.v_scale)
@@ -262,12 +262,12 @@ class CalibQuantStorage(Storage):
         return with_fp_reference(parts, q, fp, scale)
 
     def supports_triton(self, q, packed):
-        from kvcal.methods import calibquant_kernels
+        from kvcal.methods.calibquant.method import kernels as calibquant_kernels
 
         return calibquant_kernels.unsupported(q, packed, self.bits, self.group)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import calibquant_kernels
+        from kvcal.methods.calibquant.method import kernels as calibquant_kernels
 
         tau1, tau2 = self.taus if self.remaps else (None, None)
         return calibquant_kernels.attend_triton(q, packed, scale, fp, self.bits, self.group, self.remaps, tau1, tau2,
@@ -483,7 +483,7 @@ class CalibQuant(Method):
         return total.nll / total.tokens
 
     def calibrate(self, loaded, store):
-        from kvcal.methods.fp16 import LosslessCodec
+        from kvcal.methods.fp16.method import LosslessCodec
         from kvcal.progress import progress_bar
 
         dims = loaded.dims

@@ -1,6 +1,6 @@
 """RTN int-N: round-to-nearest per token (keys after RoPE), one fp16 scale and zero per token, KV head and group of
 channels; the newest `fp_window` tokens stay in fp16 (0: every token is quantized as it enters the cache). Nothing to
-learn. Kernels: kvcal/methods/rtn_kernels.py."""
+learn. Kernels: kvcal/methods/rtn/kernels.py."""
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ class RtnStorage(Storage):
         return k.to(dtype), v.to(dtype)
 
     def supports_triton(self, q, packed):
-        from kvcal.methods import rtn_kernels
+        from kvcal.methods.rtn.method import kernels as rtn_kernels
 
         return rtn_kernels.unsupported(q, packed, self.bits)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import rtn_kernels
+        from kvcal.methods.rtn.method import kernels as rtn_kernels
 
         return rtn_kernels.attend_triton(q, packed, scale, fp, self.bits, **knobs)
 

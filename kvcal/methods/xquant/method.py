@@ -97,7 +97,7 @@ class XQuantStorage(Storage):
     - "x": X itself per token (KIVI's value format, width = hidden); K = X W_k^T (+ b_k), V = X W_v^T (+ b_v), the
       weights taken from the layer at bind().
     bits 16 keeps the latents in RAW_DTYPE. Keys are rebuilt before RoPE and rotated at their positions. Kernels:
-    kvcal/methods/xquant_kernels.py (scores with the keys rebuilt tile by tile; values summed in latent space, then
+    kvcal/methods/xquant/kernels.py (scores with the keys rebuilt tile by tile; values summed in latent space, then
     one product with R_v per query-head group)."""
 
     keys_pre_rope = True
@@ -105,7 +105,7 @@ class XQuantStorage(Storage):
 
     def __init__(self, variant: str, bits: int, group_tokens: int, group_channels: int, residual: int,
                  factors: dict[str, torch.Tensor] | None = None, outlier: bool = False, hidden: int = 0):
-        from kvcal.methods.kivi import KiviStorage
+        from kvcal.methods.kivi.method import KiviStorage
 
         if variant not in ("svd", "x") or bits not in STORAGE_BITS:
             raise KvcalError(f"xquant packed storage holds variants svd and x at {STORAGE_BITS} bits, got "
@@ -256,12 +256,12 @@ class XQuantStorage(Storage):
 
     # ---- attend -------------------------------------------------------------------------------------------------
     def supports_triton(self, q, packed):
-        from kvcal.methods import xquant_kernels
+        from kvcal.methods.xquant.method import kernels as xquant_kernels
 
         return xquant_kernels.unsupported(self, q, packed)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import xquant_kernels
+        from kvcal.methods.xquant.method import kernels as xquant_kernels
 
         return xquant_kernels.attend_triton(self, q, packed, scale, fp, **knobs)
 

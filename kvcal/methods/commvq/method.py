@@ -467,7 +467,7 @@ class CommVQStorage(Storage):
         one program per block of 16 tokens and group over its stages); values by the encoder MLP as torch GEMMs on the GPU (a
         LayerNorm and two Linear layers of C x hidden weights per token: cuBLAS is the right tool for them), the
         argmax, the bits and rho as the reference computes them."""
-        from kvcal.methods import commvq_kernels
+        from kvcal.methods.commvq.method import kernels as commvq_kernels
 
         m = keys.shape[0]
         t = self.constants(keys.dtype)
@@ -539,12 +539,12 @@ class CommVQStorage(Storage):
         return with_fp_reference(parts, q, fp, scale)
 
     def supports_triton(self, q, packed):
-        from kvcal.methods import commvq_kernels
+        from kvcal.methods.commvq.method import kernels as commvq_kernels
 
         return commvq_kernels.unsupported(q, packed, self)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import commvq_kernels
+        from kvcal.methods.commvq.method import kernels as commvq_kernels
 
         return commvq_kernels.attend_triton(q, packed, scale, fp, self, **knobs)
 

@@ -283,17 +283,17 @@ class SKVQStorage(Storage):
         return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v.to(dtype)
 
     def write_triton(self, packed, keys, values, rows, slots):
-        from kvcal.methods import skvq_kernels
+        from kvcal.methods.skvq.method import kernels as skvq_kernels
 
         skvq_kernels.write_triton(self, packed, keys, values, rows, slots)
 
     def supports_triton(self, q, packed):
-        from kvcal.methods import skvq_kernels
+        from kvcal.methods.skvq.method import kernels as skvq_kernels
 
         return skvq_kernels.unsupported(q, self)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import skvq_kernels
+        from kvcal.methods.skvq.method import kernels as skvq_kernels
 
         return skvq_kernels.attend_triton(q, packed, scale, fp, self, **knobs)
 

@@ -1,4 +1,4 @@
-"""CommVQ's Triton kernels, beside their torch references in kvcal/methods/commvq.py (CommVQStorage).
+"""CommVQ's Triton kernels, beside their torch references in kvcal/methods/commvq/method.py (CommVQStorage).
 
 Decode attention (`attend_triton`, reference CommVQStorage.attend_reference). The default (key_path "codewords") is
 two passes over the tokens, then the codebook product and the generic merge:
@@ -483,7 +483,7 @@ def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.
                        storage=None, block_m: int = ENCODE_BLOCK_M, codes_chunk: int = 16, num_warps: int = 8):
     """commvq.encode_keys with the nearest-code search in Triton: rows [M, C] (pre-RoPE keys) -> (key words
     [M, WK] int32 as pack_stream packs them, kappa [M] fp16). The norms, unit pairs and the packing are torch ops."""
-    from kvcal.methods.commvq import FP16_MAX, pack_stream
+    from kvcal.methods.commvq.method import FP16_MAX, pack_stream
     from kvcal.quant import vq
 
     x = rows.to(theta.dtype)

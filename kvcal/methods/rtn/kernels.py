@@ -1,5 +1,5 @@
 """RTN's decode kernels: attention of one query per row over int-N per-token codes (one fp16 scale and zero per
-token, KV head and group of channels), the torch reference being RtnStorage.attend_reference (kvcal/methods/rtn.py).
+token, KV head and group of channels), the torch reference being RtnStorage.attend_reference (kvcal/methods/rtn/method.py).
 
 Two kernels, both writing softmax partials that runtime/kernels.merge_triton combines:
 

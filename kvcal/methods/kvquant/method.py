@@ -171,12 +171,12 @@ class KVQuantStorage(Storage):
         return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v
 
     def supports_triton(self, q, packed):
-        from kvcal.methods import kvquant_kernels
+        from kvcal.methods.kvquant.method import kernels as kvquant_kernels
 
         return kvquant_kernels.unsupported(q, self.bits)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import kvquant_kernels
+        from kvcal.methods.kvquant.method import kernels as kvquant_kernels
 
         return kvquant_kernels.attend_triton(q, packed, scale, fp, self, **knobs)
 

@@ -1,6 +1,6 @@
 """KVQuant's decode kernels: attention of one query per row over nuq codes (a sorted table of 2^b levels per layer)
 with sparse fp16 outliers: keys per channel before RoPE with calibrated ranges, values per token (or per token and
-head) with ranges of their own. The torch reference is KVQuantStorage.attend_reference (kvcal/methods/kvquant.py).
+head) with ranges of their own. The torch reference is KVQuantStorage.attend_reference (kvcal/methods/kvquant/method.py).
 
 The tile kernel (`_tile_kernel`, grid (B * Hkv, S)): program (row, KV head, split) over all G query heads of the KV
 head, an online softmax over BLOCK_T-token tiles; split NSPLIT takes the full-precision part (the sink tokens).

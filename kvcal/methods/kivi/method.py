@@ -1,6 +1,6 @@
 """KIVI (Liu et al., 2024): keys per channel over blocks of G tokens, values per token over groups of G channels, and
 a full-precision residual of the R most recent tokens, flushed one block of G at a time. Nothing to learn. Kernels:
-kvcal/methods/kivi_kernels.py."""
+kvcal/methods/kivi/kernels.py."""
 
 from __future__ import annotations
 
@@ -77,12 +77,12 @@ class KiviStorage(Storage):
         return k.to(dtype), v.to(dtype)
 
     def supports_triton(self, q, packed):
-        from kvcal.methods import kivi_kernels
+        from kvcal.methods.kivi.method import kernels as kivi_kernels
 
         return kivi_kernels.unsupported(q, packed, self.bits, self.group)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        from kvcal.methods import kivi_kernels
+        from kvcal.methods.kivi.method import kernels as kivi_kernels
 
         return kivi_kernels.attend_triton(q, packed, scale, fp, self.bits, self.group, **knobs)
 

@@ -1,6 +1,6 @@
 """KIVI's decode kernel: attention of one query per row over per-channel key codes (one fp16 scale and zero per
 channel and block of `block` tokens) and per-token value codes (groups of channels), the torch reference being
-KiviStorage.attend_reference (kvcal/methods/kivi.py).
+KiviStorage.attend_reference (kvcal/methods/kivi/method.py).
 
 Grid (B * Hkv, S), one program per (row, KV head, split) over all G query heads of the KV head; splits s < NSPLIT take
 an equal BLOCK_T-aligned share of the row's packed tokens, split NSPLIT the full-precision part (the residual window;

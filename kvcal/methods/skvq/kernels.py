@@ -1,6 +1,6 @@
 """SKVQ's decode kernel: attention of one query per row over codes kept in channel order, one row per (token, KV
 head), whose (scale, zero) come from the token's clipped groups (k-means clusters across heads); the torch reference
-is SKVQStorage.attend_reference (kvcal/methods/skvq.py).
+is SKVQStorage.attend_reference (kvcal/methods/skvq/method.py).
 
 Grid (B * Hkv, S): program (row, KV head, split) over all G query heads of the KV head, an online softmax over
 BLOCK_T-token tiles; split NSPLIT takes the full-precision part (sinks and the recent window; runtime/kernels
@@ -242,7 +242,7 @@ if triton is not None:
 def write_triton(storage, packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                  slots: torch.Tensor) -> None:
     """SKVQStorage.write_reference's Triton kernel, bit for bit: one program per token."""
-    from kvcal.methods.skvq import FP8_MIN_SCALE, SCALE_FLOOR
+    from kvcal.methods.skvq.method import FP8_MIN_SCALE, SCALE_FLOOR
 
     m, h, d = keys.shape
     if not m:

@@ -1,4 +1,4 @@
-"""Triton kernels of CalibQuantStorage (kvcal/methods/calibquant.py), beside its torch references.
+"""Triton kernels of CalibQuantStorage (kvcal/methods/calibquant/method.py), beside its torch references.
 
 Layout: codes [B, Hkv, T, W] int32 (kvcal/quant/packing.py: b-bit codes, 32/b per word, code d at bits [d b, d b + b)
 of the row's little-endian stream), per (row, head, range group, channel) float32 step and minimum for K and V

@@ -1,0 +1,5 @@
+"""Evict: kvcal/methods/evict/ (method.py: the config and its registration)."""
+
+from kvcal.methods.evict.method import Evict
+
+__all__ = ["Evict"]

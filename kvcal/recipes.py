@@ -19,7 +19,7 @@ import yaml
 
 from kvcal.accounting import REFERENCE_TOKENS, bits_per_element
 from kvcal.errors import KvcalError
-from kvcal.methods.registry import build_method
+from kvcal.methods.registry import build_method, parse_sets
 
 CALIBRATION_DEFAULTS = {"dataset": "wikitext2", "nsamples": 16, "seqlen": 2048, "seed": 0}
 RECIPE_KEYS = {"method", "config", "calibration", "description"}
@@ -111,19 +111,6 @@ def load_recipe(name: str) -> Recipe:
     if not isinstance(description, str):
         raise KvcalError(f"recipe {path}: 'description' must be one line of text, got {description!r}")
     return Recipe(data["method"], data.get("config") or {}, calibration, path.stem, " ".join(description.split()))
-
-
-def parse_sets(items: list[str] | None) -> dict:
-    overrides = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise KvcalError(f"--set expects key=value, got '{item}'")
-        try:
-            overrides[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            overrides[key.strip()] = raw
-    return overrides
 
 
 def resolve(method: str | None, recipe: str | None, sets: list[str] | None):

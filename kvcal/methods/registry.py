@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import yaml
+
 from kvcal.errors import KvcalError
 
 METHODS: dict[str, type] = {}
@@ -49,11 +51,23 @@ def _load_all() -> None:
 _LOADED = False
 
 
+def parse_sets(items: list[str] | None) -> dict:
+    """--set key=value strings -> {key: value}, each value read as YAML (a number, a bool, a list; else the string)."""
+    overrides = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise KvcalError(f"--set expects key=value, got '{item}'")
+        try:
+            overrides[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
 def runtime_overrides(method_name: str, sets: list[str] | dict | None) -> dict:
     """--set on an artifact (key=value strings, or a dict): only the method's runtime fields may change
     (the rest was calibrated)."""
-    from kvcal.recipes import parse_sets
-
     overrides = dict(sets) if isinstance(sets, dict) else parse_sets(sets)
     allowed = method_class(method_name).runtime_fields
     for key in overrides:

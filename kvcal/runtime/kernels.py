@@ -21,6 +21,7 @@ import os
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
+from kvcal.runtime.partials import Partials
 
 try:
     import triton
@@ -497,8 +498,6 @@ def fp_splits(fp) -> int:
 
 def fp_partials_triton(q: torch.Tensor, fp, scale: float):
     """Partials of the full-precision part alone (a cache whose storage holds no token yet)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = fp.k.shape[1]
     parts = Partials.empty(batch * hkv, fp_splits(fp), hq // hkv, d, q.dtype, q.device)

@@ -356,7 +356,7 @@ OUTLIER_PASS_CASES = [
 def run_outlier_pass_checks(device="cpu", small=True) -> dict:
     """The key pass's score terms and the value pass's additions to given partials against the references:
     {name: relative error}. A slot that one side dropped or misplaced moves them by O(1)."""
-    from kvcal.methods.kvquant.method import kernels as O  # noqa: N812
+    from kvcal.methods.kvquant import kernels as O  # noqa: N812
 
     if small:
         d, hkv, hq, lengths, tcap, nsplit, block_t = 64, 2, 8, [37, 0, 70], 80, 3, 16

@@ -1,4 +1,5 @@
-"""Evict: kvcal/methods/evict/ (method.py: the config and its registration)."""
+"""Evict: kvcal/methods/evict/ (method.py: the config and its registration; storage.py: the codec and
+storage; no kernels of its own)."""
 
 from kvcal.methods.evict.method import Evict
 

@@ -1,6 +1,6 @@
 """KIVI's decode kernel: attention of one query per row over per-channel key codes (one fp16 scale and zero per
 channel and block of `block` tokens) and per-token value codes (groups of channels), the torch reference being
-KiviStorage.attend_reference (kvcal/methods/kivi/method.py).
+KiviStorage.attend_reference (kvcal/methods/kivi/storage.py).
 
 Grid (B * Hkv, S), one program per (row, KV head, split) over all G query heads of the KV head; splits s < NSPLIT take
 an equal BLOCK_T-aligned share of the row's packed tokens, split NSPLIT the full-precision part (the residual window;
@@ -16,6 +16,7 @@ import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -25,10 +26,10 @@ except ImportError:  # pragma: no cover
 
 PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 UNPACK_BITS = (1, 2, 3, 4, 8)
-# (block_t, num_warps, num_stages, max registers) measured at 32K x 8 on an H100: one warp, a tile inside one key
+# (block_t, num_warps, num_stages, max registers) chosen by measurement at 32K x 8: one warp, a tile inside one key
 # block (q scaled once per tile); the generic path 4 warps
 DEFAULTS = {"tile": (32, 1, 3, None), "generic": (32, 4, 2, None)}
-# tiles ahead whose code rows are prefetched into L2: nothing gained for kivi4 on the fast path (H100, 32K x 8)
+# tiles ahead whose code rows are prefetched into L2: none on the fast path, where it gained nothing for kivi4 (32K x 8)
 PREFETCH = {"tile": 0, "generic": 1}
 
 if triton is not None:
@@ -185,8 +186,6 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
     block_t (tokens per tile: at most 32, inside one key block), num_splits (default from programs_per_sm, 16, x SMs),
     num_warps, num_stages, max_registers, block_f (full-precision tile), prefetch (tiles ahead prefetched into L2 on
     sm_90+), generic_keys (the float32 dequantizing key path, for tests)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group = hq // hkv

@@ -1,4 +1,5 @@
-"""RTN: kvcal/methods/rtn/ (method.py: the config and its registration)."""
+"""RTN: kvcal/methods/rtn/ (method.py: the config and its registration; storage.py: the codec and
+storage; kernels.py: the Triton kernels)."""
 
 from kvcal.methods.rtn.method import RTN
 

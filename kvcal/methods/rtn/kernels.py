@@ -1,5 +1,6 @@
 """RTN's decode kernels: attention of one query per row over int-N per-token codes (one fp16 scale and zero per
-token, KV head and group of channels), the torch reference being RtnStorage.attend_reference (kvcal/methods/rtn/method.py).
+token, KV head and group of channels), the torch reference being RtnStorage.attend_reference
+(kvcal/methods/rtn/storage.py).
 
 Two kernels, both writing softmax partials that runtime/kernels.merge_triton combines:
 
@@ -12,12 +13,12 @@ Two kernels, both writing softmax partials that runtime/kernels.merge_triton com
 - the fragment kernel (`_frag_decode_kernel`), for one group per head of 2 or 4 bits and fp16/bf16 queries, from
   FRAG_MIN_ROWS (row, KV head) pairs: codes unpacked straight into tensor-core fragments, no shared memory (below).
 
-Launch defaults were chosen by measurement at 32K x batch 8 on an H100 (docs/runtime.md).
+Launch defaults were chosen by measurement at 32K x batch 8 (docs/runtime.md).
 
 The fragment kernel. The tile kernel unpacks a tile's codes in a blocked layout and Triton moves them through shared
 memory into the `mma` operand layout: per byte of 4-bit codes read from HBM that is about 10 bytes of shared-memory
-traffic (staging copy, unpacked fp16 stores, ldmatrix), and ncu put the H100's L1/shared pipe at 74% busy with DRAM at
-61%. Here every lane loads exactly the code bits that its own `mma.sync.m16n8k16` fragment registers need, so
+traffic (staging copy, unpacked fp16 stores, ldmatrix), and a profile showed the L1/shared pipe busier than DRAM.
+Here every lane loads exactly the code bits that its own `mma.sync.m16n8k16` fragment registers need, so
 unpacking is a mask per register (and a shift by 8 that two registers share).
 
 Programming model: every tensor is one-dimensional with 32 elements, element i living in lane i of the program's
@@ -52,6 +53,7 @@ import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -62,27 +64,27 @@ except ImportError:  # pragma: no cover
 PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 # tile kernel: (block_t, num_warps, num_stages, max registers): one-warp programs, every reduction stays in the warp
 TILE_DEFAULTS = (32, 1, 2, 128)
-# Tiles ahead whose code rows are prefetched into L2 (0: none), measured at 32K x 8 on the H100: one tile ahead saves
-# 5% for int4; two or more thrash the L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against
-# 50 MB): int4 183 us at 4 ahead
+# Tiles ahead whose code rows are prefetched into L2 (0: none), chosen by measurement at 32K x 8: one tile ahead is
+# faster for int4; two or more thrash the L2 (16 programs per SM x 4 KB per tile x tiles ahead, over 132 SMs, against
+# 50 MB)
 PREFETCH_DEFAULT = 1
 FRAG_MIN_ROWS = 64  # (row, KV head) pairs from which the fragment kernel is the default
 # the fragment kernel: the full-precision part's launch overlaps its tail (sm_90 PDL); a switch for A/B timing
 FRAG_OVERLAP_FP = True
-# warps per program of the merge after the fragment kernel (1) and after the tile kernel (4): H100, 32K x 8,
-# (fp chunk, warps) (32, 4) -> (16, 1): int2 72.1 -> 70.9 us, int4 112.3 -> 110.6; 4K x 32 int2 51.7 -> 49.6
+# warps per program of the merge after the fragment kernel (1) and after the tile kernel (4), chosen by measurement
+# at 32K x 8 and 4K x 32: after the fragment kernel, (fp chunk, warps) (16, 1) was faster than (32, 4) for int2 and int4
 FRAG_MERGE_WARPS = 1
 TILE_MERGE_WARPS = 4
 FRAG_BITS = (2, 4)
 FRAG_BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 # One-warp programs per SM and the register cap that lets them fit in the SM's 64K registers, by the wider of the key
 # and value widths. Without a cap ptxas (Triton 3.6, sm_90) gave 4-bit codes 204 registers once the tile's rows became
-# one pointer plus uniform offsets (10 programs: a second wave, int4 171.7 us at 32K x 8), 158 with the cap of 168
-# (127.2 us); 2-bit codes took 128 uncapped, so 16 fit (94.4 us against 97.0 at 12). The current kernel takes 150 / 116
-# under these caps. The register file is split among the SM's 4 schedulers (16K registers each), so the warps that fit
-# are 4 floor(16384 / (32 r)) for r registers rounded up to 8: 150 (152) -> 12, 116 (120) -> 16, not 13 and 17. A
-# 13th int4 or 17th int2 program per SM forms a second wave: 147.2 against 119.9 us and 99.1 against 80.3 at 32K x 8.
-# More programs would need 128 registers at 4 bits (16) or 102 at 2 (20).
+# one pointer plus uniform offsets (10 programs: a second wave, slower), 158 with the cap of 168 (faster); 2-bit codes
+# took 128 uncapped, so 16 fit (faster than 12). The current kernel takes 150 / 116 under these caps. The register
+# file is split among the SM's 4 schedulers (16K registers each), so the warps that fit are 4 floor(16384 / (32 r))
+# for r registers rounded up to 8: 150 (152) -> 12, 116 (120) -> 16, not 13 and 17. A 13th int4 or 17th int2 program
+# per SM forms a second wave, measurably slower at 32K x 8. More programs would need 128 registers at 4 bits (16) or
+# 102 at 2 (20).
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 
@@ -135,8 +137,8 @@ if triton is not None:
         PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr,
     ):
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
-        # (not a tl.dtype launch argument: a run with one, and a torch scalar built per call, timed int4 at
-        # 301 us instead of 200 us at 32K x 8, small shapes slower still)
+        # (not a tl.dtype launch argument: one, and a torch scalar built per call, made int4 measurably slower at
+        # 32K x 8, small shapes more so)
         # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
         if PREC == 64:
             qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
@@ -575,8 +577,6 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     rows are prefetched into L2 on sm_90+; 0 = off), frag (the fragment kernel: default on where it applies, from
     FRAG_MIN_ROWS (row, KV head) pairs and when no tile-kernel knob is given; False: the tile kernel), frag_vector
     (the fragment kernel loads each lane's code words with one vector load; default where the rows are aligned)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group = hq // hkv
@@ -668,8 +668,6 @@ def _attend_frag(q, packed, scale: float, fp, bits: int, hkv: int, group: int, n
                  frag_vector: bool | None = None):
     """attend_triton through the fragment kernel (one warp per program), the full-precision part by the generic
     kernel overlapping its tail."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     dev = q.device
     kc, vc = packed["k_codes"], packed["v_codes"]
@@ -701,8 +699,7 @@ def _attend_frag(q, packed, scale: float, fp, bits: int, hkv: int, group: int, n
                            for t in (ks, kz, vs, vz)))
     # programmatic dependent launch (sm_90; griddepcontrol does not assemble for older targets): the window's
     # programs start in the slots of fragment programs that finish early instead of after the whole kernel; they
-    # read only what was ready before it (launching the merge the same way gained nothing measurable: 123.8
-    # against 123.1-123.3 us)
+    # read only what was ready before it (launching the merge the same way gained nothing measurable)
     pdl = bool(FRAG_OVERLAP_FP and fsplit and K.sm90_or_newer(dev))
     with launch_device(q):
         _frag_decode_kernel[(batch * hkv, nsplit)](

@@ -29,9 +29,9 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
     tokens, values per token in groups of key_block channels), 'kvquant' (pre-RoPE nuq keys with kcap outlier slots
     per token and head, nuq values with per_side outliers per side, per token or per token and head; `sink` tokens
     before the packed ones), 'skvq' (`bits` for keys, skvq's v_bits for values; see _skvq_storage)."""
-    from kvcal.methods.kivi.method import KiviStorage
+    from kvcal.methods.kivi.storage import KiviStorage
     from kvcal.methods.kvquant.method import KVQuantStorage
-    from kvcal.methods.rtn.method import RtnStorage
+    from kvcal.methods.rtn.storage import RtnStorage
 
     if method == "rtn":
         return RtnStorage(bits, group or d)

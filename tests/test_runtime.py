@@ -54,7 +54,7 @@ def test_storages_reconstruct_what_the_fake_quantizer_computes(tiny, bits):
 
 def test_decode_attention_reference_against_plain_softmax():
     """An rtn storage (per-row lengths) + a full-precision part with holes, against a hand loop."""
-    from kvcal.methods.rtn.method import RtnStorage
+    from kvcal.methods.rtn.storage import RtnStorage
     from kvcal.runtime.decode import FullPrecision, decode_attention
     from kvcal.runtime.storage import Packed
 

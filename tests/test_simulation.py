@@ -58,7 +58,7 @@ def test_a_wrong_window_is_detected(tiny):
 def test_sinks_window_policy_matches_decoding(tiny):
     """Sinks + sliding window (SKVQ/KVQuant-style policies) through the same two paths."""
     from kvcal.methods.base import Codec
-    from kvcal.methods.rtn.method import RtnStorage
+    from kvcal.methods.rtn.storage import RtnStorage
 
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
     windowed = RtnStorage(2, tiny.dims.head_dim)

@@ -10,10 +10,7 @@ from kvcal.accounting import fp16_token_bytes, kv_elements
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, Method, check_bits
 from kvcal.methods.registry import register
-from kvcal.methods.rtn.storage import (
-    RTNCodec,
-    RtnStorage,  # noqa: F401 (re-exported for tests: kernel_cases, test_runtime, test_simulation)
-)
+from kvcal.methods.rtn.storage import RTNCodec
 from kvcal.quant.packing import words_per_vector
 from kvcal.runtime.storage import FlushPolicy
 

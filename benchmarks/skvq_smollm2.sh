@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces the SKVQ rows of docs/results.md: smollm2-135m, CPU, float32, WikiText-2, calibration 16 windows x 2048
 # tokens seed 0, evaluation 16 windows x 2048 tokens, protocol gptq (the baselines: results/baselines/).
-# Usage: bash results/skvq/run.sh [ROW ...]   (no argument: every row, in order; existing JSONs are kept)
+# Usage: bash benchmarks/skvq_smollm2.sh [ROW ...]   (no argument: every row, in order; existing JSONs are kept)
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 DATA=(--data-dir "${KVCAL_DATA_DIR:-../shared/data/wikitext2}")
 OUT=results/skvq
 ART=artifacts/smollm2-135m/skvq-results

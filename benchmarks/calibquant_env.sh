@@ -1,4 +1,5 @@
-# The settings the CalibQuant run scripts share (sourced by run.sh, run-ablations.sh and run-extra.sh).
+# The settings the CalibQuant run scripts share (sourced by calibquant_smollm2.sh, calibquant_smollm2_ablations.sh and
+# calibquant_smollm2_g32_diagnostics.sh).
 set -euo pipefail
 export KVCAL_DATA_DIR=${KVCAL_DATA_DIR:-../shared/data/wikitext2}
 KVCAL="python -m kvcal.cli"

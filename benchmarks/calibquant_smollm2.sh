@@ -2,8 +2,8 @@
 # CalibQuant on smollm2-135m, CPU, float32 (digest papers/calibquant.md §8, at a small budget): tau calibration on 4
 # random 2048-token windows of the WikiText-2 calibration split (seed 0), then perplexity under the tail protocol on
 # the first 4 test windows of 2048 (prefix 32, block 1536, tail 480: 479 scored targets per window).
-# Run from the repository root: bash results/calibquant/run.sh
-source "$(dirname "$0")/env.sh"
+# Run from the repository root: bash benchmarks/calibquant_smollm2.sh
+source "$(dirname "$0")/calibquant_env.sh"
 
 stage=${1:-all}
 if [[ $stage == all || $stage == calib ]]; then

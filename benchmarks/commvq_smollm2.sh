@@ -3,10 +3,10 @@
 # Calibration: the recipes' budget (digest §9 minimal), 64 WikiText-2 windows x 1024 tokens, seed 0 (the
 # offline data folder has no train split: kvcal takes wiki.valid.tokens); one capture (k, v, q: 7.5 GB) serves
 # both artifacts through the capture cache. Evaluation: WikiText-2 test, gptq protocol, seqlen 2048.
-# Usage: bash results/commvq/run.sh [calibrate|eval|ablations|mse]   (no argument: all; existing files are kept)
+# Usage: bash benchmarks/commvq_smollm2.sh [calibrate|eval|ablations|mse]   (no argument: all; existing files are kept)
 # The machine is shared: one thread per process, nice 10; the two calibrations may run side by side.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DATA=(--data-dir "${KVCAL_DATA_DIR:-../shared/data/wikitext2}")
 OUT=results/commvq

@@ -48,7 +48,7 @@ SCORE_DOT_CONFIGS = [["two-pass, no key pass", {"probe": "no_key_pass"}]] + [
 
 def compiled_kernels() -> list[dict]:
     """Shared memory, registers and spills of every compiled CommVQ decode kernel (Triton's per-device caches)."""
-    from kvcal.methods.commvq.method import kernels as C
+    from kvcal.methods.commvq import kernels as C
 
     out = []
     for fn in (C._scores_mass_kernel, C._key_scores_kernel, C._value_mass_kernel, C._codebook_kernel):
@@ -85,7 +85,7 @@ def sm90_compile(recipes) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvcal.methods.commvq.method import kernels as C
+    from kvcal.methods.commvq import kernels as C
     from kvcal.models import ModelDims
     from kvcal.models.tiny import llama31_8b_config
 

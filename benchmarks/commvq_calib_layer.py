@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kvcal.methods.commvq.method import CommVQ, held_out_windows, rows_of, window_bounds
+from kvcal.methods.commvq.calibrate import held_out_windows, rows_of, window_bounds
+from kvcal.methods.commvq.method import CommVQ
 
 SHAPES = {  # num_layers, query heads, KV heads, head_dim, hidden size, rope theta
     "llama-3.1-8b": (32, 32, 8, 128, 4096, 500000.0),

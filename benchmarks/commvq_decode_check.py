@@ -36,7 +36,8 @@ def check(recipe: str, dtype=torch.bfloat16, knobs: dict | None = None) -> dict:
     out = K.merge_triton(storage.attend_triton(q, packed, 128**-0.5, fp, **knobs), q)
     # the key encoder: codes of random keys against the reference encoder's (float32: near-ties may differ)
     from kvcal.methods.commvq.kernels import encode_keys_triton
-    from kvcal.methods.commvq.method import encode_keys, unpack_stream
+    from kvcal.methods.commvq.packing import unpack_stream
+    from kvcal.methods.commvq.storage import encode_keys
 
     t = storage.constants(torch.float32)
     keys = torch.randn(4096, 1024, device="cuda")
@@ -52,7 +53,7 @@ def reconstruct_then_sdpa(storage, packed, q: torch.Tensor):
     """The baseline that rebuilds every key and value of the packed rows in torch (codewords gathered per stage,
     summed, rotated; value bits times the codebook), then bf16 SDPA: one decode step, its [B, Hq, D] output (rows
     of equal length, one group per KV head)."""
-    from kvcal.methods.commvq.method import unpack_stream
+    from kvcal.methods.commvq.packing import unpack_stream
 
     batch, hq, d = q.shape
     hkv, half, n = packed.heads, d // 2, int(packed.lengths.max())

@@ -17,7 +17,7 @@ import torch
 
 import kvcal
 from kvcal.data import load_eval_windows
-from kvcal.methods.commvq import method as C
+from kvcal.methods.commvq import storage as C
 from kvcal.models.adapter import forward_with_cache
 from kvcal.runtime.decode import merge_reference
 

@@ -17,13 +17,13 @@ from kvcal.accounting import bits_per_element
 from kvcal.calib.capture import capture
 from kvcal.errors import KvcalError
 from kvcal.methods import build_method
-from kvcal.methods.commvq.method import (
-    CommVQ,
+from kvcal.methods.commvq.calibrate import init_value_params
+from kvcal.methods.commvq.method import CommVQ
+from kvcal.methods.commvq.storage import (
     category_bits,
     fused_key_scores,
     fused_value_attention,
     index_bits,
-    init_value_params,
     pair_channels,
 )
 from kvcal.methods.registry import runtime_overrides
@@ -419,7 +419,7 @@ def test_simulation_equals_token_by_token_decoding(tiny, window):
 def test_code_streams_pack_at_their_real_width():
     """pack_stream puts code k at stream bits [k b, k b + b) of little-endian int32 words (codes straddle words when b
     does not divide 32): checked by hand for 6-bit codes, and round trips for 1 to 8 bits."""
-    from kvcal.methods.commvq.method import pack_stream, unpack_stream
+    from kvcal.methods.commvq.packing import pack_stream, unpack_stream
 
     codes = torch.tensor([[5, 63, 1, 0, 33, 7]])  # 36 bits: two words
     words = pack_stream(codes, 6)
@@ -473,7 +473,7 @@ def test_fused_attention_through_the_storage_equals_decode_rope_dot(tiny):
     random codes at positions near 10^5 equals: decode the keys by explicit loops, rotate them with the cache's RoPE
     tables, dot with q, softmax, times the explicitly decoded values (float64; GQA 4 query heads over 2 KV heads;
     groups of 4 pairs; 12 codes, not a power of two). The softmax's log-sum-exp checks the scores alone."""
-    from kvcal.methods.commvq.method import unpack_stream
+    from kvcal.methods.commvq.packing import unpack_stream
     from kvcal.runtime.decode import LOG2E, merge_reference
 
     dims = tiny.dims
@@ -513,7 +513,7 @@ def test_fused_attention_through_the_storage_equals_decode_rope_dot(tiny):
 def test_storage_writes_what_the_codec_encodes(tiny):
     """write_reference stores the codec's codes and norms (the simulation's numerics), read gives back its decode;
     fill_synthetic draws only valid indices (12 codes in 4-bit fields)."""
-    from kvcal.methods.commvq.method import unpack_stream
+    from kvcal.methods.commvq.packing import unpack_stream
     from kvcal.runtime.storage import Packed
 
     dims = tiny.dims

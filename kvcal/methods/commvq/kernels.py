@@ -1,4 +1,4 @@
-"""CommVQ's Triton kernels, beside their torch references in kvcal/methods/commvq/method.py (CommVQStorage).
+"""CommVQ's Triton kernels, beside their torch references in kvcal/methods/commvq/storage.py (CommVQStorage).
 
 Decode attention (`attend_triton`, reference CommVQStorage.attend_reference). The default (key_path "codewords") is
 two passes over the tokens, then the codebook product and the generic merge:
@@ -31,10 +31,10 @@ two passes over the tokens, then the codebook product and the generic merge:
 key_path "fused" (and "table", the paper's key path) runs passes 1 and 2 as one kernel instead,
 `_scores_mass_kernel`, grid (B * Hkv, NSPLIT): program (row b, KV head h, split s) walks its share of row b's tokens
 (runtime/kernels.split_bounds: no host sync), the keys as above, then the value mass of its 4 query heads (the tile's
-bits unpacked per KV head, the dot padded to 16 columns); kept to measure the two against each other
-(docs/commvq.md: the two passes are 4.7x (batch 1) to 8x faster).
+bits unpacked per KV head, the dot padded to 16 columns); kept to measure the two against each other (docs/commvq.md
+compares them; the default is the two passes).
 
-Key encoding (`encode_keys_triton`, reference commvq.encode_keys): one program per (block of 16 tokens, group) runs
+Key encoding (`encode_keys_triton`, reference storage.encode_keys): one program per (block of 16 tokens, group) runs
 the greedy residual search over the stages with the fast distance decomposition of quant/vq.py
 (|r - c_ab|^2 = |r|^2 + P_a + Q_b + G_ab: two small dots per stage, the [N, N] cross term precomputed per stage),
 the argmin over the N^2 centres taken 16 values of a at a time (the first minimum, as torch's), and subtracts the
@@ -47,8 +47,11 @@ from __future__ import annotations
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.methods.commvq.packing import FP16_MAX, pack_stream
+from kvcal.quant import vq
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -61,7 +64,7 @@ BLOCK_T = 32  # tokens per tile
 # Tokens per tile for float32 queries. Their value dot (PREC 32: ieee float32 operands, no tensor cores) stages the
 # tile's bits [N_c, BLOCK_T] and rho p [BLOCK_T, 16] in shared memory as float32: at 2 bits on Llama-3.1-8B shapes
 # (N_c 2048) _scores_mass_kernel needed 264192 B with 32-token tiles (2048 x 32 x 4 + 32 x 16 x 4), over sm_90's
-# 232448 B (OutOfResources on the H100), and needs 132096 B with 16-token tiles. From a Triton 3.9 compile for sm_90
+# 232448 B (OutOfResources), and needs 132096 B with 16-token tiles. From a Triton 3.9 compile for sm_90
 # (triton.compile, no GPU run; Triton 3.6 gave the same numbers). fp16 / bf16 queries keep BLOCK_T (2 bits 133120 B,
 # 1 bit 67584 B). float64 keeps it too: at 2 bits its value sums (no dot) are over the limit at either tile (Triton
 # 3.9: 262144 B at 32 and at 16 tokens), not fixed here.
@@ -465,8 +468,6 @@ def _workspace(storage, dtype, device):
     channel scale, and the key encoder's stage tables (u, ju, sq, cross)."""
     tables = storage.constants(dtype)
     if "kernel" not in tables:
-        from kvcal.quant import vq
-
         theta = tables["theta"]
         groups, stages, n = theta.shape[:3]
         stage_tables = [vq.StageTables.of(theta[g, r]) for g in range(groups) for r in range(stages)]
@@ -481,11 +482,8 @@ def _workspace(storage, dtype, device):
 
 def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.Tensor, index_bits: int, *,
                        storage=None, block_m: int = ENCODE_BLOCK_M, codes_chunk: int = 16, num_warps: int = 8):
-    """commvq.encode_keys with the nearest-code search in Triton: rows [M, C] (pre-RoPE keys) -> (key words
+    """storage.encode_keys with the nearest-code search in Triton: rows [M, C] (pre-RoPE keys) -> (key words
     [M, WK] int32 as pack_stream packs them, kappa [M] fp16). The norms, unit pairs and the packing are torch ops."""
-    from kvcal.methods.commvq.method import FP16_MAX, pack_stream
-    from kvcal.quant import vq
-
     x = rows.to(theta.dtype)
     norms = x.norm(dim=-1)
     unit = x / norms.clamp_min(torch.finfo(x.dtype).tiny)[..., None]
@@ -542,14 +540,12 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
     kernel its one tile: BLOCK_T, BLOCK_T_FP32 for float32 queries), num_warps (key pass / fused kernel), tiles (key
     tiles per program), value_block_t, value_chunk (value-code bits per program, a power of two >= 32), value_warps,
     num_splits (default from programs_per_sm x SMs), code_chunk (codes per codebook program, >= 16), fp16_codewords
-    (fp16/bf16 queries: gather the codewords in fp16, half the bytes; off by default: 27 to 34% faster on the H100,
-    but a codeword rounded to 2^-11 relative moves the output by 4e-3 to 6e-3 at Llama shapes, docs/commvq.md),
+    (fp16/bf16 queries: gather the codewords in fp16, half the bytes; off by default: faster, but a codeword rounded
+    to 2^-11 relative moves the output past the bf16 test tolerance at Llama shapes, docs/commvq.md),
     score_dot (key_path "codewords": the key pass's dot of the rotated keys with the group's queries, "sum" (the
     default), "mma" (tf32x3 tensor cores) or "fma" (Triton's FMA dot: a token's pairs summed in one thread); the
     dots pad the group's query heads to score_dot_n (default 16, a power of two); float64 queries always sum),
     probe (timing only, wrong results: "const_codes", "no_gathers", "no_value_mass", "no_key_pass")."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group = hq // hkv

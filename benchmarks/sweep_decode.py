@@ -80,7 +80,7 @@ def sass_rows(grid, args) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvcal.methods.calibquant.method import kernels as current
+    from kvcal.methods.calibquant import kernels as current
 
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next(p for p in (os.path.join(tools, "ptxas-blackwell"), os.path.join(tools, "ptxas")) if os.path.exists(p))

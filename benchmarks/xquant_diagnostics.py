@@ -18,7 +18,7 @@ import torch
 
 from kvcal.calib.capture import capture
 from kvcal.data import load_eval_windows
-from kvcal.methods.xquant.method import thin_svd
+from kvcal.methods.xquant.calibrate import thin_svd
 from kvcal.models import load_model
 from kvcal.models.adapter import kv_projection_weights
 

@@ -16,7 +16,8 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import sequence_nll, simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods.calibquant import method as cq
+from kvcal.methods.calibquant import storage as cq
+from kvcal.methods.calibquant.calibrate import choose_tau
 from kvcal.models.attention import NEG
 
 
@@ -151,10 +152,10 @@ def test_the_remap_runs_in_the_simulation_and_the_cache(tiny):
 def test_choose_tau_argmin_and_ties():
     grid = [0.0, 1.0, 2.0]
     table = torch.tensor([[3.0, 2.0, 5.0], [4.0, 2.5, 6.0], [1.5, 7.0, 8.0]])
-    assert cq.choose_tau(table, grid) == (2, 0)
+    assert choose_tau(table, grid) == (2, 0)
     tied = torch.tensor([[2.0, 2.0, 3.0], [2.0, 3.0, 3.0], [3.0, 3.0, 3.0]])
     # (0, 0), (0, 1), (1, 0) tie: tau2 - tau1 = 0, 1, -1 -> (1, 0)
-    assert cq.choose_tau(tied, grid) == (1, 0)
+    assert choose_tau(tied, grid) == (1, 0)
 
 
 def test_tau_search_picks_the_argmin_of_its_table(tmp_path):

@@ -15,7 +15,8 @@ from kvcal.artifact import load_artifact
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods.xquant import method as xq
+from kvcal.methods.xquant import storage as xq
+from kvcal.methods.xquant.calibrate import thin_svd
 from kvcal.models import ModelDims, load_model
 from kvcal.models.adapter import forward_with_cache, kv_projection_weights
 from kvcal.quant.rope import RopeSpec
@@ -54,7 +55,7 @@ def ids():
 
 def test_thin_svd_reconstructs_the_weight_with_orthonormal_deterministic_factors():
     w = torch.randn(576, 192, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3, 192)
-    u, r, s, err = xq.thin_svd(w)
+    u, r, s, err = thin_svd(w)
     assert u.shape == (576, 192) and r.shape == (192, 192) and u.dtype == r.dtype == torch.float32
     direct = float(torch.linalg.norm(u.double() @ r.double() - w.double()) / torch.linalg.norm(w.double()))
     assert err == pytest.approx(direct) and err < 1e-5  # ||U_k R_k - W_k|| / ||W_k|| < 1e-5 (digest §8.2)
@@ -65,7 +66,7 @@ def test_thin_svd_reconstructs_the_weight_with_orthonormal_deterministic_factors
     torch.testing.assert_close((x @ u.double()) @ r.double(), x @ w.double(), rtol=1e-5, atol=1e-5)
     # the sign convention: each column's largest-magnitude entry is positive, whatever the sign of the input
     assert (u[u.abs().argmax(0), torch.arange(192)] > 0).all()
-    u2, r2, _, _ = xq.thin_svd(-w)
+    u2, r2, _, _ = thin_svd(-w)
     torch.testing.assert_close(u2, u, rtol=0, atol=1e-5)
     torch.testing.assert_close(r2, -r, rtol=0, atol=1e-4)
 

@@ -38,7 +38,8 @@ def make_case(variant, bits, dtype, *, hidden=96, hkv=2, d=32, hq=None, lengths=
               outlier=False, bias=False, group_tokens=8, group_channels=16, seed=0, device="cpu", **_):
     """(storage, packed, q, fp): a storage with random factors (svd) or weights (x), `lengths[b]` tokens of random
     attention inputs in row b written by its torch reference, a query and a full-precision part."""
-    from kvcal.methods.xquant.method import XQuantStorage, thin_svd
+    from kvcal.methods.xquant.calibrate import thin_svd
+    from kvcal.methods.xquant.storage import XQuantStorage
     from kvcal.models.adapter import KVProjection
 
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Triton kernels of CalibQuantStorage (kvcal/methods/calibquant/method.py), beside its torch references.
+"""Triton kernels of CalibQuantStorage (kvcal/methods/calibquant/storage.py), beside its torch references.
 
 Layout: codes [B, Hkv, T, W] int32 (kvcal/quant/packing.py: b-bit codes, 32/b per word, code d at bits [d b, d b + b)
 of the row's little-endian stream), per (row, head, range group, channel) float32 step and minimum for K and V
@@ -36,10 +36,13 @@ of the row's little-endian stream), per (row, head, range group, channel) float3
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2, words_per_vector
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -50,8 +53,8 @@ except ImportError:  # pragma: no cover
 PREC = {torch.float32: 32, torch.float64: 64}  # dot operands: fp16 for fp16 and bf16 queries
 UNPACK_BITS = (1, 2, 4, 8)
 LOG2E = 1.4426950408889634
-SCORE_EPS = 1e-8  # [C] in the remap's denominator (calibquant.SCORE_EPS)
-STEP_FLOOR = 1e-6  # calibquant.STEP_FLOOR
+SCORE_EPS = 1e-8  # [C] in the remap's denominator (storage.SCORE_EPS)
+STEP_FLOOR = 1e-6  # storage.STEP_FLOOR
 DEFAULT_BLOCK_T = 32  # tokens per tile (1 warp): a tile lies inside one range group
 # pass 1's register cap for one-warp programs on the unpack_mma path: 128 a thread lets 16 programs share an SM (the
 # default split count's 16 per SM in one wave); uncapped, sm_90 ptxas gives it 129 (15 per SM), capped no spills
@@ -468,8 +471,6 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     thread at one warp, sm_90 ptxas: 8 against 11 one-warp programs per SM); default from FP_KERNEL_MIN_ROWS (row,
     KV head) pairs), range_registers (pass 1's register cap a thread, 0 none; default RANGE_REGISTERS for one-warp
     programs on the unpack_mma path)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group_q = hq // hkv
@@ -549,7 +550,5 @@ def _alignment(*codes: torch.Tensor) -> int:
 
 def _scale_parts(scale: float) -> tuple[float, float]:
     """scale as a float32 part and the rest (kernels take scalars as float32; float64 kernels add both)."""
-    import struct
-
     hi = struct.unpack("f", struct.pack("f", float(scale)))[0]
     return hi, float(scale) - hi

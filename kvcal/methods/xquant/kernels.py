@@ -1,7 +1,7 @@
 """XQuant's decode kernels: attention of one query per row over cached latents (X U_k and X U_v, or X itself),
 keys and values rematerialized inside the kernels. The torch reference is XQuantStorage.attend_reference (the
 storage's `read`: dequantize, multiply by the factors, add the bias, RoPE at the original positions; kvcal/methods/
-xquant.py), with the same signature as `attend_triton` below.
+xquant/storage.py), with the same signature as `attend_triton` below.
 
 Two launches and one product, the split-K partials of runtime/decode.py:
 
@@ -28,6 +28,7 @@ import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -221,8 +222,6 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
     (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
     program)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group = hq // hkv

@@ -36,7 +36,7 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
     if method == "rtn":
         return RtnStorage(bits, group or d)
     if method == "calibquant":  # one range group over the row (group None) or groups of `group` tokens; tau (0.5, 3)
-        from kvcal.methods.calibquant.method import CalibQuantStorage
+        from kvcal.methods.calibquant.storage import CalibQuantStorage
 
         c = (0.5, 0.3) if bits == 1 else (1.0, 1.0)
         taus = None if skvq.get("remap") is False else (torch.full((64,), 0.5), torch.full((64,), 3.0))

@@ -49,7 +49,6 @@ from kvcal.methods.calibquant.storage import (
     BULK_ONLY,
     STAT_BYTES,
     CalibQuantCodec,
-    CalibQuantStorage,  # noqa: F401 (re-exported for tests/kernel_cases.py)
 )
 from kvcal.methods.registry import register
 from kvcal.quant.packing import words_per_vector

@@ -11,7 +11,6 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, Method, check_bits
 from kvcal.methods.kivi.storage import (
     KIVICodec,
-    KiviStorage,  # noqa: F401 (re-exported for kvcal/methods/xquant/method.py and tests/kernel_cases.py)
 )
 from kvcal.methods.registry import register
 from kvcal.quant.packing import words_per_vector

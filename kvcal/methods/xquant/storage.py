@@ -11,7 +11,7 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
-from kvcal.methods.kivi.method import KiviStorage
+from kvcal.methods.kivi.storage import KiviStorage
 from kvcal.methods.xquant import kernels as xquant_kernels
 from kvcal.quant.packing import words_per_vector
 from kvcal.quant.uniform import (

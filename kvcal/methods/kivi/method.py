@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from kvcal.accounting import fp16_token_bytes, kv_elements
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, Method, check_bits
-from kvcal.methods.kivi.storage import (
-    KIVICodec,
-)
+from kvcal.methods.kivi.storage import KIVICodec
 from kvcal.methods.registry import register
 from kvcal.quant.packing import words_per_vector
 from kvcal.runtime.storage import FlushPolicy

@@ -20,7 +20,7 @@ import torch
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
-from kvcal.methods.kvquant.method import to_rows
+from kvcal.methods.kvquant.calibrate import to_rows
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
 from kvcal.quant.nonuniform import (

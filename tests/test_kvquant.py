@@ -12,7 +12,7 @@ from kvcal.artifact import load_artifact
 from kvcal.calib.capture import capture
 from kvcal.calib.run import run_calibration
 from kvcal.methods import build_method
-from kvcal.methods.kvquant.method import per_side_outliers
+from kvcal.methods.kvquant.storage import per_side_outliers
 from kvcal.methods.registry import codec_for_artifact
 from kvcal.models import load_model
 from tests.test_cli import kvcal
@@ -239,7 +239,7 @@ def test_post_rope_ablation_rotates_keys_as_the_model_does(tiny_store):
     """The pre_rope=false ablation (digest R3) calibrates on rotate_rows of the captured pre-RoPE keys: those must be
     the keys the model itself attends with, post-RoPE at each token's position (here from the model's own cos/sin,
     through a forward pass of window 0)."""
-    from kvcal.methods.kvquant.method import rotate_rows, to_rows
+    from kvcal.methods.kvquant.calibrate import rotate_rows, to_rows
     from kvcal.models.adapter import StandardAttention
 
     loaded, store = tiny_store

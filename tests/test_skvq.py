@@ -15,15 +15,9 @@ from kvcal.calib.capture import capture
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import sequence_nll, simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods.skvq.method import (
-    CLIP_GRID,
-    SKVQ,
-    AttentionOutputError,
-    ChannelQuantizer,
-    GroupLayout,
-    clipped_group_params,
-    fake_quant_clipped,
-)
+from kvcal.methods.skvq.calibrate import CLIP_GRID, AttentionOutputError
+from kvcal.methods.skvq.method import SKVQ
+from kvcal.methods.skvq.storage import ChannelQuantizer, GroupLayout, clipped_group_params, fake_quant_clipped
 from kvcal.models.adapter import forward_with_cache
 from kvcal.quant.rope import RopeSpec
 from kvcal.recipes import load_recipe

@@ -1,4 +1,6 @@
-"""KVQuant: kvcal/methods/kvquant/ (method.py: the config and its registration)."""
+"""KVQuant: kvcal/methods/kvquant/ (method.py: the config and its registration; calibrate.py: the tables learned
+from captured activations; storage.py: the codec, the packed storage and their torch quantizers; kernels.py: the
+Triton kernels)."""
 
 from kvcal.methods.kvquant.method import KVQuant
 

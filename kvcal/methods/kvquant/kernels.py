@@ -1,6 +1,7 @@
 """KVQuant's decode kernels: attention of one query per row over nuq codes (a sorted table of 2^b levels per layer)
 with sparse fp16 outliers: keys per channel before RoPE with calibrated ranges, values per token (or per token and
-head) with ranges of their own. The torch reference is KVQuantStorage.attend_reference (kvcal/methods/kvquant/method.py).
+head) with ranges of their own. The torch reference is KVQuantStorage.attend_reference
+(kvcal/methods/kvquant/storage.py).
 
 The tile kernel (`_tile_kernel`, grid (B * Hkv, S)): program (row, KV head, split) over all G query heads of the KV
 head, an online softmax over BLOCK_T-token tiles; split NSPLIT takes the full-precision part (the sink tokens).
@@ -32,9 +33,8 @@ does, without atomics:
    in any order; about 2x the float pass's time).
 
 Inside the tile kernel's loop the same sums cost more than its dense part: each slot was a gather and a layout
-change, and one-warp programs waited on loads that depended on other loads: nuq4 at 32K x 8 on an H100 took 753.9
-us in the kernel, 444.4 with the passes (docs/runtime.md). Each pass has a torch reference with the same
-signature; tests compare them.
+change, and one-warp programs waited on loads that depended on other loads; the passes are faster (measured at 32K x
+batch 8, docs/runtime.md). Each pass has a torch reference with the same signature; tests compare them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 from kvcal.runtime.kernels import split_share
 
 try:
@@ -53,14 +54,14 @@ except ImportError:  # pragma: no cover
 
 PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 UNPACK_BITS = (1, 2, 3, 4, 8)
-# (block_t, num_warps, num_stages, max registers) measured at 32K x 8 on an H100: the float32 path and the lookup-table
-# path (fp16 operands from table lookups)
+# (block_t, num_warps, num_stages, max registers), chosen by measurement at 32K x batch 8 (docs/runtime.md): the
+# float32 path and the lookup-table path (fp16 operands from table lookups)
 DEFAULTS = {"generic": (32, 4, 2, None), "lut": (16, 1, 2, None)}
-# tiles ahead whose code rows are prefetched into L2 (H100, 32K x 8: one tile ahead saves 4% for nuq4)
+# tiles ahead whose code rows are prefetched into L2 (one tile ahead: faster for nuq4 at 32K x batch 8)
 PREFETCH_DEFAULT = 1
 # The value pass (fp16 / bf16) sums in float32 (the atomics' order, and so the last bits, change from run to run)
-# unless torch.use_deterministic_algorithms(True) is on, then in int64 fixed point: nuq4 at 32K x 8 took 517.3 / 519.7
-# us per call in fixed point against 447.1 / 440.6 (bf16, H100); True: fixed point always
+# unless torch.use_deterministic_algorithms(True) is on, then in int64 fixed point (slower, docs/runtime.md); True:
+# fixed point always
 VALUE_PASS_FIXED = False
 MERGE_WARPS = 4
 
@@ -516,9 +517,9 @@ if triton is not None:
                            acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
 
 
-# Tokens and warps per program, H100, nuq4 at 32K x 8: the key pass took 52.9 us at (32, 1) against 92.5 at (64, 4),
-# 55.4 at (64, 2) and 84.0 at (16, 1) (reading cos/sin table rows instead of computing the angles: 87.9 at (32, 1));
-# the value pass 62.6-64.9 us at every setting but (32, 2).
+# Tokens and warps per program, chosen by measurement (nuq4 at 32K x batch 8): the key pass is fastest at (32, 1)
+# (and computing the angles beats reading cos/sin table rows); the value pass takes about the same time at every
+# setting but (32, 2).
 KEY_PASS_TOKENS, KEY_PASS_WARPS = 32, 1
 VALUE_PASS_TOKENS, VALUE_PASS_WARPS = 32, 4
 
@@ -614,8 +615,6 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     (run-dependent order: repeated decodes can differ in their last bits) or, while
     torch.use_deterministic_algorithms(True) is on, int64 fixed-point ones (the same bits every run; slower); float32
     and float64 queries add them to the dequantized tiles as the reference does (slower, and without atomics)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group = hq // hkv

@@ -1,4 +1,6 @@
-"""SKVQ: kvcal/methods/skvq/ (method.py: the config and its registration)."""
+"""SKVQ: kvcal/methods/skvq/ (method.py: the config and its registration; calibrate.py: channel layouts and clip
+ratios from captured activations; storage.py: the codec, the packed storage and their torch quantizers; kernels.py:
+the Triton kernels)."""
 
 from kvcal.methods.skvq.method import SKVQ
 

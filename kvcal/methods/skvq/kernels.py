@@ -1,6 +1,6 @@
 """SKVQ's decode kernel: attention of one query per row over codes kept in channel order, one row per (token, KV
 head), whose (scale, zero) come from the token's clipped groups (k-means clusters across heads); the torch reference
-is SKVQStorage.attend_reference (kvcal/methods/skvq/method.py).
+is SKVQStorage.attend_reference (kvcal/methods/skvq/storage.py).
 
 Grid (B * Hkv, S): program (row, KV head, split) over all G query heads of the KV head, an online softmax over
 BLOCK_T-token tiles; split NSPLIT takes the full-precision part (sinks and the recent window; runtime/kernels
@@ -18,6 +18,7 @@ import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -27,9 +28,12 @@ except ImportError:  # pragma: no cover
 
 PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 SLOT_BITS = (0, 2, 3, 4, 8)  # 0: base-3 bytes
-# (block_t, num_warps): measured at 32K x 8 on an H100 (K2V2 g128, bf16): (16, 2) 660 us, (32, 4) 790, (64, 4) 692,
-# (64, 8) 925, (16, 4) 913, (32, 8) 1220; ternary values (16, 2) 938 us against 1278 at (32, 4)
+# (block_t, num_warps), chosen by measurement at 32K x batch 8 (K2V2 g128, bf16; with ternary values too, against
+# (32, 4)): benchmarks/skvq_launch_sweep.py, docs/runtime.md
 DEFAULTS = (16, 2)
+# The clipped scale's lower bounds, shared with the torch quantizer (storage.clipped_group_params):
+SCALE_FLOOR = 1e-5  # [code]: scale = max((M - m) / qmax, 1e-5)
+FP8_MIN_SCALE = 2.0**-9  # smallest e4m3 subnormal: a smaller scale would round to 0 (rec #10)
 
 if triton is not None:
     from kvcal.quant.packing import pack_tile, unpack_tile, unpack_trits_tile
@@ -242,8 +246,6 @@ if triton is not None:
 def write_triton(storage, packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                  slots: torch.Tensor) -> None:
     """SKVQStorage.write_reference's Triton kernel, bit for bit: one program per token."""
-    from kvcal.methods.skvq.method import FP8_MIN_SCALE, SCALE_FLOOR
-
     m, h, d = keys.shape
     if not m:
         return
@@ -284,8 +286,6 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, block_f, rope_mode ('angle': angle
     addition, the default for fp16/bf16; 'table': each token's table row, the default for float32 and float64, whose
     results then follow the reference's rotation to their own rounding)."""
-    from kvcal.runtime.decode import Partials
-
     batch, hq, d = q.shape
     hkv = packed.heads
     group = hq // hkv

@@ -30,7 +30,7 @@ def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None 
     per token and head, nuq values with per_side outliers per side, per token or per token and head; `sink` tokens
     before the packed ones), 'skvq' (`bits` for keys, skvq's v_bits for values; see _skvq_storage)."""
     from kvcal.methods.kivi.storage import KiviStorage
-    from kvcal.methods.kvquant.method import KVQuantStorage
+    from kvcal.methods.kvquant.storage import KVQuantStorage
     from kvcal.methods.rtn.storage import RtnStorage
 
     if method == "rtn":
@@ -62,7 +62,7 @@ def _skvq_storage(bits, hkv: int, d: int, sink: int, seed: int, device, v_bits: 
                   param_dtype: str = "fp16", ternary_storage: str = "base3"):
     """An SKVQ storage with random k-means-like layouts: a random permutation of the Hkv x D channels cut into
     `groups` groups of uneven sizes (across heads), random clip ratios in [0.8, 1]."""
-    from kvcal.methods.skvq.method import ChannelQuantizer, GroupLayout, SKVQStorage
+    from kvcal.methods.skvq.storage import ChannelQuantizer, GroupLayout, SKVQStorage
 
     gen = torch.Generator().manual_seed(seed + 7)
     channels = hkv * d

@@ -31,11 +31,9 @@ import torch
 from kvcal.accounting import FP16_BYTES, fp16_token_bytes
 from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
-from kvcal.methods.kvquant import kernels  # noqa: F401 (re-exported for tests/kernel_cases.py)
 from kvcal.methods.kvquant.calibrate import fit_tables
 from kvcal.methods.kvquant.storage import (
     KVQuantCodec,
-    KVQuantStorage,  # noqa: F401 (re-exported for tests/kernel_cases.py)
     per_side_outliers,
 )
 from kvcal.methods.registry import register

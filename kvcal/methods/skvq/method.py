@@ -38,7 +38,6 @@ from kvcal.methods.skvq.storage import (
     ChannelQuantizer,
     GroupLayout,
     SKVQCodec,
-    SKVQStorage,  # noqa: F401 (re-exported for tests/kernel_cases.py)
     code_bytes_per_token,
 )
 from kvcal.progress import stderr_console

@@ -13,8 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NEG = torch.finfo(torch.float32).min
 # cuDNN's SDPA builds an execution graph per new shape; decoding grows the key length every step, so
-# each call paid ~2 ms of host time (measured on an H100, torch 2.11: 94 ms per decode step of an 8B
-# model at 32K context, host-bound). Flash / memory-efficient kernels have no per-shape setup.
+# every call would pay that setup on the host (docs/runtime.md). Flash / memory-efficient kernels have no
+# per-shape setup.
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A masked decode over a preallocated buffer (static shapes, so cuDNN's per-shape setup is paid once): cuDNN
 # takes the additive mask with GQA and matches flash over the valid prefix (docs/runtime.md); flash takes no mask, and

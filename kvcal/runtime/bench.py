@@ -147,9 +147,9 @@ def _read_flush_bench(fn, warmup_ms: float, rep_ms: float) -> float:
 def time_device(fn, warmup=25, rep=100, graph=True, flush: str = "write") -> float:
     """Median time of fn() in ms (triton.testing.do_bench, L2 flushed before every call). graph=True replays
     fn captured in a CUDA graph, as the decode loop runs it (`kvcal generate --graph`): the time is then the
-    GPU's alone. Without a graph, the host side of a decode-attention call (about 220 us on the H100 machine,
-    benchmarks/host_overhead.py) overlaps the kernel only as long as do_bench's L2 flush keeps the GPU busy:
-    the int4 kernel (~141-149 us replayed) read 150 to 368 us from one eager pass to the next.
+    GPU's alone. Without a graph, the host side of a decode-attention call (as long as the kernel or longer,
+    docs/runtime.md) overlaps the kernel only as long as do_bench's L2 flush keeps the GPU busy, so eager
+    timings vary from pass to pass.
     flush: "write" (do_bench's: the flush buffer is zeroed, leaving the L2 dirty) or "read" (_read_flush_bench)."""
     import triton.testing
 

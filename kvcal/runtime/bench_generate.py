@@ -103,7 +103,7 @@ def run_case_or_oom(*args, **kwargs) -> tuple[dict | None, str | None]:
     memory (other errors propagate). The failed case's memory is handed back to the driver before returning:
     after the except block, since until then its traceback holds the case's tensors. Otherwise torch keeps it
     cached, and what cannot come out of torch's cache (a Triton module load, a CUDA graph's pool) can run out of
-    memory in the next case, even at batch 1 (seen on an H100: rtn-int4 at batch 1 after fp16's search). The
+    memory in the next case, even at batch 1 (rtn-int4 at batch 1 after fp16's search). The
     garbage collector runs first, for the failed case's objects that only a reference cycle still holds."""
     try:
         return run_case(*args, **kwargs), None

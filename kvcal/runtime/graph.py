@@ -50,11 +50,10 @@ class StepGraph:
     """One cache layer's decode step, replayed from a CUDA graph while eager decoding (transformers' `generate()`,
     `kvcal eval ppl --mode decode`) runs the rest of the model in Python.
 
-    Launching a packed layer's kernels from Python costs the host more than the GPU spends on them (an rtn-int4
-    layer's one-token step took 719 us of host time on an H100 host, `benchmarks/host_overhead.py`), and eager
+    Launching a packed layer's kernels from Python costs the host more than the GPU spends on them (docs/runtime.md), and eager
     decoding is bound by the host. A layer's static step (device-side positions only, `PackedLayer._attend_static`)
     is the same launches every step while its buffers stay put, so it is recorded once and replayed: the host
-    then copies the step's inputs into the graph's buffers and launches one graph (64 us of host time).
+    then copies the step's inputs into the graph's buffers and launches one graph.
 
     `key` names everything the recorded launches depend on (the buffers' generation, shapes, dtypes, torch's
     deterministic mode). A new key runs its first step eagerly, since that step may compile Triton kernels,

@@ -37,9 +37,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # channels per program and 256 partials per step (timings: docs/runtime.md).
 REDUCE_CHANNELS = 32
 REDUCE_CHUNK = 256
-# Full-precision tokens per program of the generic full-precision kernel (chunks of a few tiles: one program walking a
-# 128-token window tile by tile took 10.5 us at 32K x 8 on the H100, most of it load latency; chunks of 16 with a
-# 1-warp merge were the fastest measured, 64 slower).
+# Full-precision tokens per program of the generic full-precision kernel: chunks of a few tiles, since one program
+# walking a whole window tile by tile waits on load latency; 16 with a 1-warp merge measured fastest
+# (docs/runtime.md).
 FP_CHUNK = 16
 
 
@@ -260,8 +260,8 @@ if triton is not None:
                    INTERP: tl.constexpr, WAIT_PRIOR: tl.constexpr):
         """The full-precision segment alone, where the packed kernel should not carry the segment's shared-memory
         tiles (attention_frag): program (row and KV head, j) takes tokens [j CHUNK, (j + 1) CHUNK), into partial
-        S - num_programs(1) + j of the row and head's S (chunks of a few tiles: one program walking a 128-token
-        window tile by tile took 10.5 us at 32K x 8 on the H100, most of it load latency)."""
+        S - num_programs(1) + j of the row and head's S (chunks of a few tiles: one program walking a whole window tile
+        by tile waits on load latency)."""
         pid = tl.program_id(0)
         j = tl.program_id(1)
         b = pid // HKV

@@ -225,8 +225,8 @@ if triton is not None:
         float32) rotated by R(j): (k1 c - k2 sn, k2 c + k1 sn), c and sn [T, HD] fp16 (ROPE == 0: not rotated).
         On the GPU in fp16 pairs: per pair of registers (two channels of each half) one fma.f16x2 per half for the
         dequantization, two mul.f16x2, two fma.f16x2 and one xor (-sn) for the rotation. A key is rounded to fp16
-        three times instead of the float32 path's once (not measured per key; the kernel's output differs from
-        the reference by 1.44e-3 against the float32 path's 1.41e-3, bf16, 2 x 3000 tokens, H100). The interpreter
+        three times instead of the float32 path's once (the kernel's output error against the reference is close
+        to the float32 path's: docs/runtime.md). The interpreter
         computes in float32 and rounds once."""
         s1 = tl.broadcast_to(s1.to(tl.float16)[None, :], t1.shape)
         z1 = tl.broadcast_to(z1.to(tl.float16)[None, :], t1.shape)
@@ -635,8 +635,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     vcap = 0 if v_out_idx is None else v_out_idx.shape[-1]
     pass_kcap = pass_vcap = 0
     # sparse outliers as passes around the kernel for fp16 / bf16. float32 and float64 add them in it, as the
-    # reference does: the value pass's atomics add in a run-dependent order, and two float32 decodes of
-    # smollm2-135m (2 x 512 tokens, H100) differed by up to 2.5% in perplexity
+    # reference does: the value pass's atomics add in a run-dependent order, which moved float32 decodes'
+    # perplexity from run to run (docs/runtime.md)
     if q.dtype not in (torch.float32, torch.float64):
         pass_kcap, pass_vcap, kcap, vcap = kcap, vcap, 0, 0
     lut_ok = rope == 1 and q.dtype in (torch.float16, torch.bfloat16) and max(kbits, vbits) <= 4

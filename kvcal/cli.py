@@ -539,7 +539,7 @@ def bench_decode_command(
                                help="Time CUDA-graph replays (GPU time, the default) or eager calls (adds host launch cost)."),
     flush: str = typer.Option("write", help="L2 flush before each timed call: 'write' (do_bench's: zeroes 256 MB, "
                                              "leaving the L2 dirty) or 'read' (sums 256 MB, leaving it clean)."),
-    json_out: Path | None = typer.Option(None, "--json", help="JSON path (default results/bench/decode-DEVICE.json)."),
+    json_out: Path | None = typer.Option(None, "--json", help="JSON path (default bench-decode-DEVICE.json in the current folder)."),
 ):
     """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each method's packed storage, same run."""
     import torch
@@ -572,7 +572,7 @@ def bench_decode_command(
         cases, contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)), dims=dims,
         dtype=getattr(torch, dtype), window=window, rep=rep, graph=graph, flush=flush)
     result["command"] = invoked_command()
-    out = json_out or Path("results") / "bench" / f"decode-{bench.device_slug(result['device'])}.json"
+    out = json_out or Path(f"bench-decode-{bench.device_slug(result['device'])}.json")
     write_json_atomic(out, result)
     console.print(bench.format_table(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"{result['device']}, device-to-device copy {result['copy_gbps']:.0f} GB/s; wrote {out}")

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvcal.methods.commvq.calibrate import held_out_windows, rows_of, window_bounds
+from kvcal.methods.commvq.calibrate import fit_keys, fit_values, held_out_windows, rows_of, window_bounds
 from kvcal.methods.commvq.method import CommVQ
 
 SHAPES = {  # num_layers, query heads, KV heads, head_dim, hidden size, rope theta
@@ -71,10 +71,12 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     sync()
     t0 = time.perf_counter()
-    _, key_info = method._fit_keys(data["k"], train_rows, held_rows, 0, dims, device, lambda n=1: None)
+    _, key_info = fit_keys(data["k"], train_rows, held_rows, 0, dims, device, lambda n=1: None,
+                           method.key_fit(dims), method.seed)
     sync()
     t1 = time.perf_counter()
-    _, value_info = method._fit_values(data, positions, windows, held, module, loaded, 0, device, lambda n=1: None)
+    _, value_info = fit_values(data, windows, held, module, loaded, 0, device, lambda n=1: None,
+                               method.value_fit(dims), method.seed)
     sync()
     t2 = time.perf_counter()
     stages = method.stages(dims)

@@ -15,7 +15,7 @@ from kvcal.calib.capture import capture
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import sequence_nll, simulated_nll
 from kvcal.methods import build_method
-from kvcal.methods.skvq.calibrate import CLIP_GRID, AttentionOutputError
+from kvcal.methods.skvq.calibrate import CLIP_GRID, AttentionOutputError, channel_layout, search_clips
 from kvcal.methods.skvq.method import SKVQ
 from kvcal.methods.skvq.storage import ChannelQuantizer, GroupLayout, clipped_group_params, fake_quant_clipped
 from kvcal.models.adapter import forward_with_cache
@@ -68,11 +68,16 @@ def test_kmeans_groups_channels_of_similar_range():
     half_range = torch.tensor([0.1, 1.0, 10.0])[torch.arange(32) % 3]
     rows = torch.stack([-half_range, half_range, 0.5 * half_range])  # 3 tokens: the min, the max, a middle
     method = SKVQ(group_size=10)  # 32 // 10 = 3 clusters
-    layout = method._layout(rows, dims)
+
+    def layout_of(rows):
+        return channel_layout(rows, dims.kv_channels, method.group_size, method.num_groups(dims), method.reorder,
+                              method.seed)
+
+    layout = layout_of(rows)
     expected = [[c for c in range(32) if c % 3 == cls] for cls in (0, 1, 2)]
     assert layout.sizes == [len(e) for e in expected]
     assert layout.perm.tolist() == sum(expected, [])
-    assert torch.equal(method._layout(rows, dims).perm, layout.perm)
+    assert torch.equal(layout_of(rows).perm, layout.perm)
 
 
 # -- quantization numerics -----------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def test_clip_search_picks_the_hand_computed_ratio():
     layout = GroupLayout.contiguous(128, 128)
     k_quant = ChannelQuantizer(layout, torch.ones(1), 2, "fp16")
     v_quant = ChannelQuantizer(layout, torch.ones(1), 2, "fp16")
-    curves = SKVQ(clip="layer")._search_clips(objective, k_quant, v_quant)
+    curves = search_clips(objective, k_quant, v_quant, "layer", SKVQ.clip_min)
     assert k_quant.alpha.tolist() == [1.0]
     assert v_quant.alpha.item() == pytest.approx(0.96)
     # (a check of the derivation above, not of kvcal: the exact-arithmetic optimum on the grid is 0.96)
@@ -165,7 +170,7 @@ def test_clip_search_picks_the_hand_computed_ratio():
     assert curves["v"] == pytest.approx([value_error(a, 0.318, 126) / 128 for a in CLIP_GRID], rel=1e-4)
     # a grid that stops at 0.97 keeps its lowest value, the closest it has to 0.96
     v_quant.alpha = torch.ones(1)
-    curves = SKVQ(clip="layer", clip_min=0.97)._search_clips(objective, k_quant, v_quant)
+    curves = search_clips(objective, k_quant, v_quant, "layer", 0.97)
     assert len(curves["v"]) == 4 and v_quant.alpha.item() == pytest.approx(0.97)
 
 
@@ -175,10 +180,10 @@ def test_group_clip_search_tunes_groups_separately():
     objective = clip_case(torch.tensor([-1.0, 1.0] + [0.318] * 126 + [-1.0, 1.0] * 64))
     layout = GroupLayout.contiguous(256, 128)
     quantizers = [ChannelQuantizer(layout, torch.ones(2), 2, "fp16") for _ in "kv"]
-    SKVQ(clip="layer")._search_clips(objective, *quantizers)
+    search_clips(objective, *quantizers, "layer", SKVQ.clip_min)
     assert quantizers[1].alpha[0] == quantizers[1].alpha[1]
     quantizers = [ChannelQuantizer(layout, torch.ones(2), 2, "fp16") for _ in "kv"]
-    SKVQ(clip="group")._search_clips(objective, *quantizers)
+    search_clips(objective, *quantizers, "group", SKVQ.clip_min)
     assert quantizers[1].alpha.tolist() == pytest.approx([0.96, 1.0])
 
 

@@ -42,8 +42,6 @@ from kvcal.methods.commvq.calibrate import (
     KeyFit,
     ValueFit,
     calibrate_layers,
-    fit_keys,
-    fit_values,
     generator,
     held_out_windows,
 )
@@ -255,15 +253,6 @@ class CommVQ(Method):
             "value_params_per_layer": sum(int(t.numel()) for n, t in tensors.items() if n.startswith("layers.0.v.")),
         }
         return tensors, info
-
-    def _fit_keys(self, k: torch.Tensor, train_rows, held_rows, layer: int, dims, device, advance):
-        """One layer's key codebooks with this config (calibrate.fit_keys; benchmarks/commvq_calib_layer.py times it)."""
-        return fit_keys(k, train_rows, held_rows, layer, dims, device, advance, self.key_fit(dims), self.seed)
-
-    def _fit_values(self, data, positions, windows, held, module, loaded, layer, device, advance):
-        """One layer's value coder with this config (calibrate.fit_values; benchmarks/commvq_calib_layer.py times it)."""
-        return fit_values(data, windows, held, module, loaded, layer, device, advance, self.value_fit(loaded.dims),
-                          self.seed)
 
     # -- runtime ------------------------------------------------------------------------------------------
     def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -27,10 +27,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import Codec, FlushPolicy, Method
 from kvcal.methods.registry import register
 from kvcal.methods.skvq.calibrate import (
-    AttentionOutputError,
-    channel_layout,
     fit_layouts_and_clips,
-    search_clips,
 )
 from kvcal.methods.skvq.storage import (
     PARAM_BYTES,
@@ -146,15 +143,6 @@ class SKVQ(Method):
                                      clip_value=self.clip_value, clip_min=self.clip_min, param_dtype=self.param_dtype,
                                      sink=self.sink, clip_windows=self.clip_windows, clip_queries=self.clip_queries,
                                      seed=self.seed, warning=spans)
-
-    def _layout(self, rows: torch.Tensor, dims) -> GroupLayout:
-        """calibrate.channel_layout with this config's groups."""
-        return channel_layout(rows, dims.kv_channels, self.group_size, self.num_groups(dims), self.reorder, self.seed)
-
-    def _search_clips(self, objective: AttentionOutputError, k_quant: ChannelQuantizer,
-                      v_quant: ChannelQuantizer) -> dict[str, list[float]]:
-        """calibrate.search_clips with this config's clip mode and grid."""
-        return search_clips(objective, k_quant, v_quant, self.clip, self.clip_min)
 
     # -- runtime --
     def build_codec(self, tensors, dims) -> Codec:

@@ -6,6 +6,9 @@ between the two, so a kernel that cannot take a case fails it."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 
 from kvcal.models.adapter import forward_with_cache
@@ -22,71 +25,22 @@ def _keys(gen, n, h, d, device):
     return x
 
 
-def make_storage(method: str, bits: int, hkv: int, d: int, *, group: int | None = None, key_block: int = 32,
-                 kcap: int = 0, per_side: int = 0, value_per_head: bool = False, sink: int = 0, seed: int = 0,
-                 device="cpu", **skvq):
-    """method: 'rtn' (per-token groups of `group` channels, default d), 'kivi' (keys per channel in blocks of key_block
-    tokens, values per token in groups of key_block channels), 'kvquant' (pre-RoPE nuq keys with kcap outlier slots
-    per token and head, nuq values with per_side outliers per side, per token or per token and head; `sink` tokens
-    before the packed ones), 'skvq' (`bits` for keys, skvq's v_bits for values; see _skvq_storage)."""
-    from kvcal.methods.kivi.storage import KiviStorage
-    from kvcal.methods.kvquant.storage import KVQuantStorage
-    from kvcal.methods.rtn.storage import RtnStorage
+def method_cases() -> dict:
+    """{method name: its cases module (kvcal/methods/<name>/cases.py)} for every registered method that has one: each
+    method declares its own storages with random parameters and the cases of its kernels."""
+    from kvcal.methods.registry import all_methods
 
-    if method == "rtn":
-        return RtnStorage(bits, group or d)
-    if method == "calibquant":  # one range group over the row (group None) or groups of `group` tokens; tau (0.5, 3)
-        from kvcal.methods.calibquant.storage import CalibQuantStorage
-
-        c = (0.5, 0.3) if bits == 1 else (1.0, 1.0)
-        taus = None if skvq.get("remap") is False else (torch.full((64,), 0.5), torch.full((64,), 3.0))
-        return CalibQuantStorage(bits, group or 0, sink, *c, taus)
-    if method == "skvq":
-        return _skvq_storage(bits, hkv, d, sink, seed, device, **skvq)
-    if method == "kivi":
-        return KiviStorage(bits, key_block, 0)
-    if method == "commvq":
-        return _commvq_storage(bits, hkv, d, seed, **skvq)
-    gen = torch.Generator(device=device).manual_seed(seed + 100)
-    levels = 1 << bits
-    enc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
-    enc[0], enc[-1] = -1.0, 1.0
-    venc = torch.sort(torch.rand(levels, generator=gen, device=device) * 2 - 1).values
-    sample = _keys(gen, 256, hkv, d, device).reshape(256, hkv * d)
-    tables = {"k_lo": sample.quantile(0.01, dim=0), "k_hi": sample.quantile(0.99, dim=0), "k_encode": enc,
-              "k_decode": enc + 0.01, "v_encode": venc, "v_decode": venc.clone()}
-    return KVQuantStorage(bits, tables, kcap, per_side, value_per_head, sink)
+    found = {}
+    for name in sorted(all_methods()):
+        module = f"kvcal.methods.{name}.cases"
+        if importlib.util.find_spec(module) is not None:
+            found[name] = importlib.import_module(module)
+    return found
 
 
-def _skvq_storage(bits, hkv: int, d: int, sink: int, seed: int, device, v_bits: float = 2.0, groups: int = 5,
-                  param_dtype: str = "fp16", ternary_storage: str = "base3"):
-    """An SKVQ storage with random k-means-like layouts: a random permutation of the Hkv x D channels cut into
-    `groups` groups of uneven sizes (across heads), random clip ratios in [0.8, 1]."""
-    from kvcal.methods.skvq.storage import ChannelQuantizer, GroupLayout, SKVQStorage
-
-    gen = torch.Generator().manual_seed(seed + 7)
-    channels = hkv * d
-    sides = []
-    for side_bits in (bits, v_bits):
-        cuts = torch.sort(torch.randperm(channels - 1, generator=gen)[: groups - 1] + 1).values
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([channels])])
-        layout = GroupLayout(torch.randperm(channels, generator=gen), offsets)
-        alpha = 0.8 + 0.2 * torch.rand(groups, generator=gen)
-        sides.append(ChannelQuantizer(layout, alpha, side_bits, param_dtype))
-    return SKVQStorage(sides[0], sides[1], sink, 0, ternary_storage)
-
-
-def _commvq_storage(bits: int, hkv: int, d: int, seed: int, stages: int = 3, codes: int = 8, group_pairs: int = 0):
-    """A CommVQ storage with random codebooks (N(0, 0.3) per coordinate) and a random value encoder (torch's init):
-    `codes` codewords per pair and stage (not a power of two: index fields wider than the codes), `stages` stages,
-    groups of `group_pairs` pairs (0: one KV head). Keys before RoPE."""
-    from types import SimpleNamespace
-
-    from kvcal.methods.commvq.method import CommVQ
-
-    dims = SimpleNamespace(num_layers=1, num_heads=4 * hkv, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
-    method = CommVQ(bits=bits, key_codes=codes, key_stages=stages, key_group_pairs=group_pairs)
-    return method.build_codec(method.synthetic_tensors(dims, seed), dims).storage(0)
+def make_storage(method: str, bits, hkv: int, d: int, **kw):
+    """A storage of `method` with random parameters (its cases module's random_storage; the keywords are its own)."""
+    return method_cases()[method].random_storage(bits, hkv, d, **kw)
 
 
 def build_packed(storage, lengths, hkv: int, d: int, *, tcap: int | None = None, poison: bool = False,
@@ -170,144 +124,28 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.flo
 # 5.7e-3, float32 1e-6 to 2e-6 (H100): the lookup-table path's fp16 rounding of keys (three roundings per key)
 TOL_GPU = {**TOL, torch.float16: 6e-3, torch.float32: 2e-5}
 
-# (name, method, bits, dtype, storage and cache kwargs, kernel kwargs, step kwargs)
-ATTENTION_CASES = [
-    ("int4_bf16", "rtn", 4, torch.bfloat16, {}, {}, {}),
-    # the register-fragment kernel (one scale per token and head), asked for explicitly (its default needs 64 (row,
-    # KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the full-precision part
-    ("int4_frag_bf16", "rtn", 4, torch.bfloat16, {}, {"frag": True}, {}),
-    # 45 full-precision tokens: three programs of the fp launch (FP_CHUNK 16 tokens each), the last partial
-    ("int2_frag_d128_fp16", "rtn", 2, torch.float16, {}, {"frag": True}, {"d": 128, "nfp": 45}),
-    ("int4_frag_d128_g3_fp16", "rtn", 4, torch.float16, {}, {"frag": True}, {"d": 128, "hq": 6}),
-    # buffers of whole 32-token tiles (the kernel then clamps tiles, not rows), one row filling them: its last tile
-    # is read from the clamped tile start (where the look-ahead past the end is clamped too; an out-of-bounds read
-    # would only show as a fault on a GPU). Per-token scales are then loaded without masks: the rows past a length
-    # hold inf and nan here, which must not reach the output (0 x inf); rows of whole tiles only (64) and one token
-    ("int4_frag_whole_tiles_bf16", "rtn", 4, torch.bfloat16, {"poison": True}, {"frag": True},
-     {"tcap": 96, "lengths": [96, 0, 70]}),
-    ("int2_frag_whole_tiles_d128_fp16", "rtn", 2, torch.float16, {"poison": True}, {"frag": True},
-     {"d": 128, "tcap": 96, "lengths": [33, 1, 64]}),
-    # the same with scale rows off the 8-byte alignment: the scales come as one 2-byte load per token (SCALE_WORDS 0)
-    ("int4_frag_whole_tiles_misaligned_scales_fp16", "rtn", 4, torch.float16,
-     {"poison": True, "misaligned_scales": True}, {"frag": True}, {"tcap": 96, "lengths": [96, 0, 70]}),
-    # a row of one token (one tile, nearly all masked) and a row filling the whole buffer (tcap 80: its last tile
-    # runs past the buffer's end and must be masked, not read)
-    ("int4_len1_full_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"lengths": [1, 80, 33]}),
-    ("nuq4_len1_full_outliers_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {},
-     {"lengths": [1, 80, 33]}),
-    ("int3_g32_fp16", "rtn", 3, torch.float16, {"group": 32}, {}, {}),
-    ("int2_bf16", "rtn", 2, torch.bfloat16, {}, {}, {}),
-    ("kivi4_b16_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
-    ("kivi3_block_t64_fp16", "kivi", 3, torch.float16, {}, {"block_t": 64}, {"lengths": [32, 0, 64]}),  # 32-token tiles
-    # blocks of 8 tokens (not a multiple of 16): the generic key path
-    ("kivi2_b8_generic_bf16", "kivi", 2, torch.bfloat16, {"key_block": 8}, {}, {"lengths": [24, 0, 72]}),
-    ("kivi4_b32_generic_keys_fp16", "kivi", 4, torch.float16, {}, {"generic_keys": True}, {"lengths": [32, 0, 64]}),
-    ("nuq4_prerope_outliers_bf16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
-    ("nuq3_prerope_table_fp16", "kvquant", 3, torch.float16, {"kcap": 9, "per_side": 1}, {"rope_mode": "table"}, {}),
-    ("nuq2_bf16", "kvquant", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
-    # 12 value-outlier slots per token
-    ("nuq2_value_slots12_fp16", "kvquant", 2, torch.float16, {"kcap": 3, "per_side": 6}, {}, {}),
-    ("nuq4_vhead_fp16", "kvquant", 4, torch.float16, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
-    # key outliers only (the value pass does not run), and tiles loaded in their own iteration (lut_ahead off)
-    ("nuq3_key_outliers_fp16", "kvquant", 3, torch.float16, {"kcap": 3, "sink": 2}, {}, {}),
-    ("nuq4_not_ahead_outliers_bf16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 2}, {"lut_ahead": False},
-     {}),
-    # the float32 path, which the lookup-table path replaced for fp16/bf16 (still used for float32 and float64,
-    # rope_mode="table" and codes of more than 4 bits)
-    ("nuq4_float32_path_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {"lut_mma": False}, {}),
-    # head_dim 128 on the small shapes: the code-word order of packing.unpack_mma (chosen against shared-memory
-    # bank conflicts) only differs from the natural order there (at 64 the natural order is already conflict-free)
-    ("int4_d128_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"d": 128}),
-    ("int2_d128_fp16", "rtn", 2, torch.float16, {}, {}, {"d": 128}),
-    ("kivi4_d128_bf16", "kivi", 4, torch.bfloat16, {"key_block": 16}, {}, {"d": 128, "lengths": [32, 0, 64]}),
-    ("nuq4_d128_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {}, {"d": 128}),
-    ("int4_mha_fp16", "rtn", 4, torch.float16, {}, {}, {"hq": 2}),
-    ("int4_g8_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"hq": 16}),
-    ("int4_no_fp_part_bf16", "rtn", 4, torch.bfloat16, {}, {}, {"nfp": 0}),
-    ("int4_many_splits_bf16", "rtn", 4, torch.bfloat16, {}, {"num_splits": 9, "block_t": 16}, {}),
-    # more partials than the merge takes per step (REDUCE_CHUNK, 256 by default, set to 32 here): two steps, with
-    # the value pass's sums
-    ("nuq4_splits40_outliers_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2}, {"num_splits": 40},
-     {"reduce_chunk": 32}),
-    # torch's deterministic mode: the value pass sums in int64 fixed point
-    ("nuq4_deterministic_outliers_fp16", "kvquant", 4, torch.float16, {"kcap": 3, "per_side": 2, "sink": 3}, {},
-     {"deterministic": True}),
-    ("nuq2_vhead_deterministic_bf16", "kvquant", 2, torch.bfloat16, {"kcap": 2, "per_side": 1,
-                                                                      "value_per_head": True}, {},
-     {"deterministic": True}),
-    ("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
-    # 1 bit (two levels per group, its min and max): rtn per head and in groups of 32 channels, kivi on the tile
-    # path (blocks of 16 and 32 tokens) and the generic key path (blocks of 8), every query dtype
-    ("int1_bf16", "rtn", 1, torch.bfloat16, {}, {}, {}),
-    ("int1_g32_fp16", "rtn", 1, torch.float16, {"group": 32}, {}, {}),
-    ("int1_g32_d128_fp32", "rtn", 1, torch.float32, {"group": 32}, {}, {"d": 128}),
-    ("kivi1_b16_bf16", "kivi", 1, torch.bfloat16, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
-    ("kivi1_b32_fp16", "kivi", 1, torch.float16, {}, {}, {"lengths": [32, 0, 64]}),
-    ("kivi1_b8_generic_fp64", "kivi", 1, torch.float64, {"key_block": 8}, {}, {"lengths": [24, 0, 72]}),
-    ("int3_fp32", "rtn", 3, torch.float32, {}, {}, {}),
-    ("kivi4_b16_fp32", "kivi", 4, torch.float32, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
-    ("nuq4_outliers_fp32", "kvquant", 4, torch.float32, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
-    ("int3_fp64", "rtn", 3, torch.float64, {}, {}, {}),
-    ("kivi4_b16_fp64", "kivi", 4, torch.float64, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
-    ("nuq4_outliers_fp64", "kvquant", 4, torch.float64, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
-    ("nuq3_vhead_fp64", "kvquant", 3, torch.float64, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
-    # SKVQ: groups across heads, keys before RoPE; ternary values in base-3 bytes or 2-bit slots; fp8 parameters
-    ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 3}, {}, {}),
-    ("skvq_k2v1.5_base3_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5}, {}, {}),
-    ("skvq_k1.5v1.5_slots_bf16", "skvq", 1.5, torch.bfloat16, {"v_bits": 1.5, "ternary_storage": "2bit"}, {}, {}),
-    ("skvq_k4v3_fp8_fp16", "skvq", 4, torch.float16, {"v_bits": 3.0, "param_dtype": "fp8", "groups": 3}, {}, {}),
-    ("skvq_k8v4_d128_bf16", "skvq", 8, torch.bfloat16, {"v_bits": 4.0, "groups": 9}, {}, {"d": 128}),
-    ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"sink": 2}, {}, {}),
-    ("skvq_k2v1.5_fp64", "skvq", 2, torch.float64, {"v_bits": 1.5}, {}, {}),
-    # CalibQuant: post-scaled codes, the two-pass score remap (bulk: one range group per row; groups of 16 tokens)
-    ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
-    ("calibquant2_g16_fp16", "calibquant", 2, torch.float16, {"group": 16}, {}, {"lengths": [32, 0, 64]}),
-    # the full-precision part by the generic kernel in a launch of its own (the default from 64 (row, KV head) pairs)
-    ("calibquant1_fp_kernel_bf16", "calibquant", 1, torch.bfloat16, {}, {"fp_kernel": True}, {}),
-    ("calibquant4_noremap_fp16", "calibquant", 4, torch.float16, {"remap": False}, {}, {}),
-    ("calibquant8_d128_fp32", "calibquant", 8, torch.float32, {}, {}, {"d": 128}),
-    ("calibquant1_fp64", "calibquant", 1, torch.float64, {}, {}, {}),
-    # CommVQ: keys from code indices (codewords gathered per stage, one rotation per token), values by probability
-    # mass per code bit and one codebook product per chunk of codes; 8 codes of 3-bit fields, or 12 codes (4-bit
-    # fields), groups of 8 pairs (4 groups per KV head), one 32-word value row at d 128
-    ("commvq2_bf16", "commvq", 2, torch.bfloat16, {}, {}, {}),
-    ("commvq1_c12_g8_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
-    ("commvq1_d128_bf16", "commvq", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
-    ("commvq2_fp16_codewords_bf16", "commvq", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
-    # the key pass's epilogue as tl.dot (score_dot: "mma" tf32x3 on the tensor cores, "fma" Triton's FMA dot; the
-    # group padded to 16 query heads, or to score_dot_n; exact float32 dots under the interpreter)
-    ("commvq2_score_mma_bf16", "commvq", 2, torch.bfloat16, {}, {"score_dot": "mma"}, {}),
-    ("commvq1_c12_g8_score_fma_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2},
-     {"score_dot": "fma"}, {}),
-    ("commvq2_score_mma_fp32", "commvq", 2, torch.float32, {}, {"score_dot": "mma"}, {}),
-    ("commvq2_score_fma_n4_bf16", "commvq", 2, torch.bfloat16, {}, {"score_dot": "fma", "score_dot_n": 4}, {}),
-    # the one-kernel walk (keys and value mass per (row, KV head, split))
-    ("commvq2_fused_bf16", "commvq", 2, torch.bfloat16, {}, {"key_path": "fused"}, {}),
-    ("commvq1_c12_g8_fused_fp16", "commvq", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2},
-     {"key_path": "fused"}, {}),
-    ("commvq2_fp32", "commvq", 2, torch.float32, {}, {}, {}),
-    ("commvq1_g8_fp64", "commvq", 1, torch.float64, {"group_pairs": 8}, {}, {}),
-    # the paper's key path: a per-step table of q against the codebooks, gathered by the indices
-    ("commvq2_table_fp16", "commvq", 2, torch.float16, {}, {"key_path": "table"}, {}),
-    ("commvq1_c12_g8_table_fp64", "commvq", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {"key_path": "table"},
-     {}),
-]
-STORAGE_KEYS = ("group", "key_block", "kcap", "per_side", "value_per_head", "sink", "v_bits", "groups", "param_dtype",
-                "ternary_storage", "remap", "stages", "codes", "group_pairs")
+# (name, method, bits, dtype, storage and cache kwargs, kernel kwargs, step kwargs): the generic full-precision kernel
+# alone (method None), then every method's own cases
+ATTENTION_CASES = [("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {})] + [
+    (name, method, *rest) for method, cases in method_cases().items() for name, *rest in cases.ATTENTION]
+GPU_CASES = [("fp_only_fp16", None, 4, torch.float16, {}, {}, {})] + [
+    (name, method, *rest) for method, cases in method_cases().items() for name, *rest in cases.GPU_ATTENTION]
+PACKED_KEYS = ("poison", "misaligned_scales")  # cache kwargs for build_packed; the rest are the storage's
 
 
 def run_attention_case(case, *, small=True, device="cpu"):
     """Kernel vs reference for one case; returns the relative error."""
     name, method, bits, dtype, cache_kw, kernel_kw, step_kw = case
+    cases = method_cases()[method] if method is not None else None
     if small:
         d, hkv, lengths, tcap, nfp = step_kw.get("d", 64), 2, step_kw.get("lengths", [37, 0, 70]), step_kw.get("tcap", 80), 19
         kernel_kw = {"num_splits": 2, "block_t": 16, **kernel_kw}
-        if method == "rtn" and kernel_kw.get("frag"):
-            kernel_kw.pop("block_t")  # a tile-kernel knob
+        if method is not None and hasattr(cases, "small_kernel_kwargs"):
+            kernel_kw = cases.small_kernel_kwargs(kernel_kw)
     else:  # Llama-3.1-8B attention shapes, odd lengths, batch 4
         d, hkv, lengths, tcap, nfp = 128, 8, [4097, 32763, 1500, 16001], 32768, 128
-        if method == "kivi" or (method == "calibquant" and cache_kw.get("group")):  # whole key blocks / groups
-            block = cache_kw.get("group", cache_kw.get("key_block", 32))
+        if method is not None and hasattr(cases, "gpu_block"):  # rows of whole key blocks / range groups
+            block = cases.gpu_block(cache_kw)
             lengths = [n // block * block for n in lengths]
     hq = step_kw.get("hq", 4 * hkv if small else 32)
     if small and "hq" in step_kw:
@@ -319,16 +157,14 @@ def run_attention_case(case, *, small=True, device="cpu"):
         ref = merge_reference(fp_partials_reference(q, fp, scale), len(lengths), q.dtype)
         out = K.merge_triton(K.fp_partials_triton(q, fp, scale), q)
         return rel_err(out, ref, per_head=True)
-    storage_kw = {k: v for k, v in cache_kw.items() if k in STORAGE_KEYS}
-    storage = make_storage(method, bits, hkv, d, device=device, **storage_kw)
+    storage = cases.random_storage(bits, hkv, d, device=device,
+                                   **{k: v for k, v in cache_kw.items() if k not in PACKED_KEYS})
     packed = build_packed(storage, lengths, hkv, d, tcap=tcap, device=device,
-                          **{k: v for k, v in cache_kw.items() if k not in STORAGE_KEYS})
+                          **{k: v for k, v in cache_kw.items() if k in PACKED_KEYS})
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), len(lengths), q.dtype)
     assert storage.supports_triton(q, packed) is None, f"{name}: {storage.supports_triton(q, packed)}"
-    if kernel_kw.get("frag"):  # an explicit frag case must reach the fragment kernel, not the tile one
-        from kvcal.methods.rtn.kernels import _frag_applies
-
-        assert _frag_applies(q, packed, bits, hq // hkv), f"{name}: the fragment kernel does not take this cache"
+    if hasattr(cases, "check_case"):
+        cases.check_case(name, storage, q, packed, bits, kernel_kw)
     chunk = K.REDUCE_CHUNK
     deterministic = torch.are_deterministic_algorithms_enabled()
     K.REDUCE_CHUNK = step_kw.get("reduce_chunk", chunk)
@@ -658,18 +494,13 @@ def _same_outliers(x, ia, va, ib, vb) -> bool:
 
 def cache_codecs() -> list[tuple[str, str, dict]]:
     """(name, method, config) of every registered method with a packed storage, at its test_config (the registry
-    drives these checks, as it drives tests/test_contract.py); KVQuant also with values per head, rtn and kivi also at
-    1 bit."""
+    drives these checks, as it drives tests/test_contract.py), then the further settings each method's cases module
+    lists in CACHE_CONFIGS."""
     from kvcal.methods.registry import all_methods
 
     cases = [(name, name, dict(cls.test_config)) for name, cls in sorted(all_methods().items()) if name != "fp16"]
-    if "kvquant" in all_methods():
-        cases.append(("kvquant_vhead", "kvquant", {**all_methods()["kvquant"].test_config, "value_scope": "head"}))
-    # 1-bit codes (two levels per group): rtn in groups of 32 channels, kivi at its test setting (blocks of 8 tokens)
-    cases += [("rtn_1bit", "rtn", {"bits": 1, "group_size": 32}),
-              ("kivi_1bit", "kivi", {**all_methods()["kivi"].test_config, "bits": 1})]
-    if "calibquant" in all_methods():  # the paper's regime: the prompt after 4 sinks compressed in bulk, tau (0, 3)
-        cases.append(("calibquant_bulk", "calibquant", {"bits": 1, "sink": 4, "tau1": 0.0, "tau2": 3.0}))
+    for method, module in method_cases().items():
+        cases += [(name, method, config) for name, config in getattr(module, "CACHE_CONFIGS", [])]
     return cases
 
 

@@ -23,6 +23,7 @@ import torch
 
 from tests.kernel_cases import (
     ATTENTION_CASES,
+    GPU_CASES,
     OUTLIER_PASS_CASES,
     TOL,
     TOL_GPU,
@@ -266,76 +267,6 @@ def test_interpreted_cache_decode_matches_the_references(interpreted, codec):
 
 # ---- GPU (Llama-3.1-8B shapes) -------------------------------------------------------------------------
 
-NUQ = {"kcap": 3, "per_side": 6, "sink": 7}
-GPU_CASES = [
-    (f"{method}{bits}_{str(dtype)[6:]}", method, bits, dtype, kw, {}, {})
-    for method, kw in (("rtn", {}), ("kivi", {}), ("kvquant", NUQ))
-    for bits in (4, 3, 2)
-    for dtype in ((torch.bfloat16, torch.float16) if bits == 4 else (torch.bfloat16,))
-] + [(f"{method}4_{str(dtype)[6:]}", method, 4, dtype, kw, {}, {})
-     for method, kw in (("rtn", {}), ("kivi", {}), ("kvquant", NUQ))
-     for dtype in (torch.float32, torch.float64)
-] + [# the fragment kernel (the default from 64 (row, KV head) pairs; these 4 x 8 are asked for explicitly)
-     ("int4_frag_bf16", "rtn", 4, torch.bfloat16, {}, {"frag": True}, {}),
-     ("int4_frag_fp16", "rtn", 4, torch.float16, {}, {"frag": True}, {}),
-     ("int2_frag_bf16", "rtn", 2, torch.bfloat16, {}, {"frag": True}, {}),
-     ("int2_frag_fp16", "rtn", 2, torch.float16, {}, {"frag": True}, {}),
-     # rows past each length hold inf / nan scales and random codes: unmasked scale loads must not let them through
-     ("int4_frag_poisoned_bf16", "rtn", 4, torch.bfloat16, {"poison": True}, {"frag": True}, {}),
-     ("int2_frag_poisoned_fp16", "rtn", 2, torch.float16, {"poison": True}, {"frag": True}, {}),
-     ("nuq4_vhead_bfloat16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 1, "value_per_head": True}, {}, {}),
-     ("fp_only_fp16", None, 4, torch.float16, {}, {}, {}),
-     # the lookup-table path without outliers (a per-lane table load once read as one lane's entry there: a wrong
-     # lookup table), and the float32 path it replaced
-     ("nuq4_no_outliers_bf16", "kvquant", 4, torch.bfloat16, {"sink": 7}, {}, {}),
-     ("nuq2_no_outliers_fp16", "kvquant", 2, torch.float16, {}, {}, {}),
-     ("nuq3_key_outliers_bf16", "kvquant", 3, torch.bfloat16, {"kcap": 3, "sink": 7}, {}, {}),
-     ("nuq4_not_ahead_outliers_fp16", "kvquant", 4, torch.float16, NUQ, {"lut_ahead": False}, {}),
-     ("nuq4_float32_path_bf16", "kvquant", 4, torch.bfloat16, NUQ, {"lut_mma": False}, {}),
-     # torch's deterministic mode: the value pass sums in int64 fixed point
-     ("nuq4_deterministic_bf16", "kvquant", 4, torch.bfloat16, NUQ, {}, {"deterministic": True}),
-     ("nuq2_deterministic_fp16", "kvquant", 2, torch.float16, NUQ, {}, {"deterministic": True}),
-     # 1 bit (rtn in groups of 32 channels, kivi at the paper's blocks of 32 tokens)
-     ("int1_g32_bf16", "rtn", 1, torch.bfloat16, {"group": 32}, {}, {}),
-     ("kivi1_fp16", "kivi", 1, torch.float16, {}, {}, {}),
-     ("kivi2_block64_fp16", "kivi", 2, torch.float16, {"key_block": 64}, {}, {}),  # tiles inside a block
-     # asks for 64-token tiles on 4 warps (Triton 3.6 lowers them to a wrong wgmma): runs 32-token tiles
-     ("kivi4_4warps_bf16", "kivi", 4, torch.bfloat16, {"key_block": 64}, {"block_t": 64, "num_warps": 4}, {}),
-     # the int and nuq paths do take wgmma tiles when asked (64 tokens, 4 warps)
-     ("int4_wgmma_bf16", "rtn", 4, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
-     ("nuq4_wgmma_bf16", "kvquant", 4, torch.bfloat16, {"kcap": 3, "per_side": 2}, {"block_t": 64, "num_warps": 4},
-      {}),
-     # SKVQ: 8 groups across the 1024 channels (g128), ternary values in base-3 bytes, fp8 parameters
-     ("skvq_k2v2_bf16", "skvq", 2, torch.bfloat16, {"sink": 5, "groups": 8}, {}, {}),
-     ("skvq_k2v1.5_fp16", "skvq", 2, torch.float16, {"v_bits": 1.5, "groups": 8}, {}, {}),
-     ("skvq_k4v4_fp8_bf16", "skvq", 4, torch.bfloat16, {"v_bits": 4.0, "param_dtype": "fp8", "groups": 16}, {}, {}),
-     ("skvq_k2v2_fp32", "skvq", 2, torch.float32, {"groups": 8}, {}, {}),
-     # CalibQuant: 1 bit, one range group per row (the paper's bulk regime) and groups of 128 tokens; 4 bits, no remap
-     ("calibquant1_bulk_bf16", "calibquant", 1, torch.bfloat16, {}, {}, {}),
-     ("calibquant1_bulk_fp16", "calibquant", 1, torch.float16, {}, {}, {}),
-     ("calibquant2_g128_bf16", "calibquant", 2, torch.bfloat16, {"group": 128}, {}, {}),
-     ("calibquant4_noremap_bf16", "calibquant", 4, torch.bfloat16, {"remap": False}, {}, {}),
-     ("calibquant1_bulk_fp32", "calibquant", 1, torch.float32, {}, {}, {}),
-     # CommVQ at the paper's Llama-3.1-8B settings: 64 codes, one group per KV head, 11 / 21 stages (1 / 2 bits)
-     ("commvq1_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {}, {}),
-     ("commvq2_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {}, {}),
-     ("commvq1_fp16", "commvq", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
-     ("commvq2_fp32", "commvq", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {}),
-     ("commvq1_table_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {}),
-     # the one-kernel walk (the two passes are the default)
-     ("commvq2_fused_fp16", "commvq", 2, torch.float16, {"codes": 64, "stages": 21}, {"key_path": "fused"}, {}),
-     # the key pass's epilogue as a tensor-core dot (tf32x3) and as Triton's FMA dot
-     ("commvq1_score_mma_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"score_dot": "mma"}, {}),
-     ("commvq2_score_fma_bf16", "commvq", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {"score_dot": "fma"}, {}),
-     ("commvq1_score_mma_n4_bf16", "commvq", 1, torch.bfloat16, {"codes": 64, "stages": 11},
-      {"score_dot": "mma", "score_dot_n": 4}, {}),
-     # the shift-and-convert unpacking (mma=False) and 64-token tiles on 4 warps (wgmma-sized) of the mma path
-     ("calibquant1_shifts_bf16", "calibquant", 1, torch.bfloat16, {}, {"mma": False}, {}),
-     ("calibquant1_tiles64_bf16", "calibquant", 1, torch.bfloat16, {}, {"block_t": 64, "num_warps": 4}, {}),
-     ("calibquant1_fp_kernel_2warps_fp16", "calibquant", 1, torch.float16, {}, {"fp_kernel": True, "num_warps": 2},
-      {}),
-     ("calibquant2_g128_tiles64_fp16", "calibquant", 2, torch.float16, {"group": 128},
-      {"block_t": 64, "num_warps": 4}, {})]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -24,6 +24,7 @@ import json
 
 import torch
 
+from kvcal import bench as cases
 from kvcal.runtime import bench
 
 CONFIGS = [
@@ -96,7 +97,7 @@ def sm90_compile(recipes) -> list[dict]:
     pointer = {"q_ptr": "*bf16", "len_ptr": "*i32", "kc_ptr": "*i32", "kn_ptr": "*fp16", "s_ptr": "*fp32"}
     rows = []
     for recipe in recipes:
-        (_, _, codec), = bench.bench_cases([recipe], [], dims)
+        (_, _, codec), = cases.bench_cases([recipe], [], dims)
         st = codec.storage(0)
         hkv, d, group = 8, 128, 4
         wk = st.buffers(1, 1, hkv, d)["k_codes"].shape[-1]
@@ -159,7 +160,7 @@ def main():
             out["rows"].append({"context": tokens, "batch": batch, "case": f"sdpa bf16 ({backend})", "us": round(us, 1)})
             print(f"{tokens}x{batch} sdpa bf16: {us:.1f} us", flush=True)
             for recipe in args.recipes:
-                storage, inv_freq = bench.storage_for(recipe)
+                storage, inv_freq = cases.storage_for(recipe)
                 for name, knobs in configs:
                     try:
                         us, _ = bench.time_storage(storage, batch, 32, 8, 128, tokens, inv_freq=inv_freq, rep=args.rep,

@@ -19,6 +19,7 @@ import json
 
 import torch
 
+from kvcal import bench as cases
 from kvcal.runtime import bench
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import merge_reference
@@ -26,7 +27,7 @@ from tests.kernel_cases import build_step, rel_err
 
 
 def check(recipe: str, dtype=torch.bfloat16, knobs: dict | None = None) -> dict:
-    storage, inv_freq = bench.storage_for(recipe)
+    storage, inv_freq = cases.storage_for(recipe)
     lengths = [3001, 1, 2048]
     packed = bench.random_packed(storage, len(lengths), 8, 128, max(lengths), inv_freq=inv_freq)
     packed.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
@@ -81,7 +82,7 @@ def reconstruct_then_sdpa(storage, packed, q: torch.Tensor):
 
 
 def time_reconstruct(recipe: str, batch: int, tokens: int, dtype=torch.bfloat16) -> float:
-    storage, inv_freq = bench.storage_for(recipe)
+    storage, inv_freq = cases.storage_for(recipe)
     packed = bench.random_packed(storage, batch, 8, 128, tokens, inv_freq=inv_freq)
     q = torch.randn(batch, 32, 128, device="cuda", dtype=dtype)
     return bench.time_device(lambda: reconstruct_then_sdpa(storage, packed, q), graph=False) * 1e3
@@ -108,7 +109,7 @@ def main():
             out[f"sdpa {tokens}x{batch}"] = {"us": round(us, 1), "backend": backend}
             print(f"sdpa {tokens}x{batch}: {us:.1f} us ({backend})", flush=True)
             for recipe in args.recipes:
-                storage, inv_freq = bench.storage_for(recipe)
+                storage, inv_freq = cases.storage_for(recipe)
                 us, nbytes = bench.time_storage(storage, batch, 32, 8, 128, tokens, inv_freq=inv_freq, **knobs)
                 out[f"{recipe} {tokens}x{batch}"] = {"us": round(us, 1), "bytes": nbytes}
                 print(f"{recipe} {tokens}x{batch}: {us:.1f} us, {nbytes / 1e6:.1f} MB", flush=True)

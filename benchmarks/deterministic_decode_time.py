@@ -11,8 +11,9 @@ import sys
 
 import torch
 
+from kvcal.bench import storage_for
 from kvcal.determinism import deterministic_algorithms
-from kvcal.runtime.bench import storage_for, time_sdpa, time_storage
+from kvcal.runtime.bench import time_sdpa, time_storage
 
 rows = []
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)

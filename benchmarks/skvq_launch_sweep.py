@@ -6,7 +6,8 @@ SDPA in the same process (chose skvq_kernels.DEFAULTS).
     python benchmarks/skvq_launch_sweep.py > results/bench/skvq-launch-sweep-h100.log
 """
 
-from kvcal.runtime.bench import storage_for, time_sdpa, time_storage
+from kvcal.bench import storage_for
+from kvcal.runtime.bench import time_sdpa, time_storage
 
 print("sdpa", round(time_sdpa(8, 32, 8, 128, 32768)[0], 1))
 for recipe in ("skvq-k2v2-g128-w128", "skvq-k2v1.5-g128-w128"):

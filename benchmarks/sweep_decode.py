@@ -28,8 +28,9 @@ import sys
 
 import torch
 
+from kvcal.bench import storage_for
 from kvcal.runtime import kernels as K
-from kvcal.runtime.bench import packed_bytes, random_packed, storage_for, time_device, time_sdpa
+from kvcal.runtime.bench import packed_bytes, random_packed, time_device, time_sdpa
 from kvcal.runtime.decode import FullPrecision, merge_reference
 
 

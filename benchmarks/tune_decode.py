@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvcal.runtime.bench import copy_bandwidth, storage_for, time_sdpa, time_storage  # noqa: E402
+from kvcal.bench import storage_for  # noqa: E402
+from kvcal.runtime.bench import copy_bandwidth, time_sdpa, time_storage  # noqa: E402
 
 RECIPES = {"int": "rtn-int{bits}", "kivi": "kivi-{bits}bit", "nuq": "kvquant-nuq{bits}-1pct"}  # the variants' names
 # Every codec at its launch defaults (no --variants).

@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 def load_cache(artifact, model, backend: str = "packed", capacity: int = 0):
     """See kvcal.runtime.generate.load_cache."""
-    from kvcal.runtime.generate import load_cache as _load_cache
+    from kvcal.generate import load_cache as _load_cache
 
     return _load_cache(artifact, model, backend, capacity)
 

@@ -350,8 +350,8 @@ def generate_command(
 ):
     """Generate greedily with the compressed cache; print the text, the cache size against fp16 and the decode speed."""
     from kvcal.determinism import deterministic_algorithms
+    from kvcal.generate import generate_text
     from kvcal.models.devmap import check_device_map
-    from kvcal.runtime.generate import generate_text
 
     device_map, caps = check_device_map(device_map, max_memory, device)
     if not prompt:
@@ -545,6 +545,7 @@ def bench_decode_command(
     import torch
 
     from kvcal.accounting import bits_per_element
+    from kvcal.bench import bench_cases
     from kvcal.models import ModelDims
     from kvcal.models.tiny import llama31_8b_config
     from kvcal.runtime import bench
@@ -562,7 +563,7 @@ def bench_decode_command(
         check_writable(json_out, folder=False, flag="--json")
     dims = ModelDims.from_config(llama31_8b_config())
     cases = [(name, codec, bits_per_element(method, dims).bits_per_element) for name, method, codec in
-             bench.bench_cases(recipe or ([] if artifact else DECODE_BENCH_RECIPES), artifact or [], dims, sets)]
+             bench_cases(recipe or ([] if artifact else DECODE_BENCH_RECIPES), artifact or [], dims, sets)]
     for name, codec, _ in cases:
         if codec.lossless or codec.storage(0) is None:
             raise KvcalError(f"{name} has no packed storage to benchmark")

@@ -53,7 +53,7 @@ def test_generate_packed_matches_reference_cache_and_is_smaller(smollm2):
     """`kvcal generate`: greedy text through the packed cache equals the text through the dequantized
     reference cache (same codec, same numbers), and the packed cache is smaller than fp16 by what bits per
     element predicts; the CLI prints the text and the size line."""
-    from kvcal.runtime.generate import generate_text
+    from kvcal.generate import generate_text
 
     args = ("The Eiffel tower is", "smollm2-135m", None, "kivi", ["bits=4", "group_size=32", "residual=0"], 40,
             "float32", "cpu")

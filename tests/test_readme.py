@@ -26,8 +26,8 @@ def test_the_python_snippet_runs_as_written(tmp_path, smollm2):
     kvcal's own decoding loop gives through the same cache."""
     from kvcal.accounting import bits_per_element
     from kvcal.artifact import Artifact, make_header, save_artifact
+    from kvcal.generate import generate_text
     from kvcal.recipes import resolve
-    from kvcal.runtime.generate import generate_text
 
     (snippet,) = blocks("python")
     method, _, _ = resolve(None, "kvquant-nuq4-1pct", None)

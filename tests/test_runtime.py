@@ -902,8 +902,8 @@ def test_generate_reports_the_compressed_and_full_precision_parts_apart():
     import re
 
     from kvcal.accounting import bits_per_element
+    from kvcal.generate import generate_text
     from kvcal.methods import build_method
-    from kvcal.runtime.generate import generate_text
 
     dims = load_model("tiny-llama").dims
     token_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4  # K and V of one token in float32

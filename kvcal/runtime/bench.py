@@ -23,41 +23,6 @@ from kvcal.runtime.decode import FullPrecision
 from kvcal.runtime.storage import Packed, SharedState
 
 
-def bench_cases(recipes, artifacts, dims, sets: list[str] | None = None) -> list[tuple[str, object, object]]:
-    """(name, method, codec) for each recipe and artifact, at the shapes `dims` (a ModelDims). A recipe of a method
-    that learns gets random tensors of the right shapes (Method.synthetic_tensors: speed does not depend on them); an
-    artifact must have been calibrated for these shapes. `sets`: --set overrides (runtime fields on artifacts)."""
-    from types import SimpleNamespace
-
-    from kvcal.artifact import check_model, load_artifact
-    from kvcal.methods.registry import build_method, runtime_overrides
-    from kvcal.recipes import resolve
-
-    cases = []
-    for recipe in recipes:
-        method, _, _ = resolve(None, recipe, sets)
-        method.check_model(dims)
-        cases.append((recipe, method, method.build_codec(method.synthetic_tensors(dims), dims)))
-    for path in artifacts:
-        art = load_artifact(path)
-        check_model(art, SimpleNamespace(name="these shapes", identity=dims.to_dict()), path, identity=False)
-        method = build_method(art.method, {**art.config, **runtime_overrides(art.method, sets)})
-        cases.append((str(path).rsplit("/", 1)[-1].removesuffix(".safetensors"), method,
-                      method.build_codec(art.tensors, dims)))
-    return cases
-
-
-def storage_for(recipe: str, dims=None):
-    """(layer 0's storage, RoPE inv_freq) of a recipe at Llama-3.1-8B shapes by default (tuning scripts; a method
-    that learns gets random tables)."""
-    from kvcal.models import ModelDims
-    from kvcal.models.tiny import llama31_8b_config
-
-    dims = dims or ModelDims.from_config(llama31_8b_config())
-    (_, _, codec), = bench_cases([recipe], [], dims)
-    return codec.storage(0), dims.rope.inv_freq("cuda")
-
-
 def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 

@@ -22,7 +22,8 @@ mkdir -p "$OUT" "$ART"
 K="python -m kvcal.cli"
 G=(--device "$DEVICE" --dtype float32)
 
-have() { [ "${CALIBRATE:-1}" = 0 ] || [ -f "$ART/$1.safetensors" ]; }  # CALIBRATE=0: another run calibrates
+# CALIBRATE=0: another run calibrates; a skipped codec needs no artifact
+have() { [ "${CALIBRATE:-1}" = 0 ] || [ -f "$ART/$1.safetensors" ] || [[ $SKIP == *" $1 "* ]]; }
 for bits in 1 2; do
   have commvq-${bits}bit || $K calibrate --recipe commvq-${bits}bit --set value_steps=300 --nsamples 8 --seqlen 1024 \
     "${G[@]}" --out "$ART/commvq-${bits}bit.safetensors" > "$OUT/calibrate-commvq-${bits}bit.log" 2>&1 &

@@ -24,7 +24,7 @@ import torch
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.simulate import tail_layout
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from kvcal.models.attention import additive_mask, attention
 
@@ -43,7 +43,7 @@ class AttentionError:
         q, k = inp.rotated()
         out = attention(q, k, inp.v, inp.mask, inp.scale)
         layer, start, end = inp.layer_idx, self.start, self.end
-        k_hat, _ = self.codec.reconstruct(layer, k[:, :, start:end], inp.v[:, :, start:end])
+        k_hat, _ = self.codec[layer].reconstruct(k[:, :, start:end], inp.v[:, :, start:end])
         k_mix = k.clone()
         k_mix[:, :, start:end] = k_hat
         groups = q.shape[1] // k.shape[1]
@@ -76,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     art = load_artifact(args.artifact)
     loaded = load_model(art.header["model"]["name"], "float32", "cpu")
-    _, codec = codec_for_artifact(art, loaded, args.artifact)
+    _, codec = storages_for_artifact(art, loaded, args.artifact)
     if not codec.remaps_scores:
         raise SystemExit("the artifact's setting has no score remap: nothing to compare")
     _, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), args.seqlen,

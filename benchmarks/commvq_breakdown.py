@@ -98,7 +98,7 @@ def sm90_compile(recipes) -> list[dict]:
     rows = []
     for recipe in recipes:
         (_, _, codec), = cases.bench_cases([recipe], [], dims)
-        st = codec.storage(0)
+        st = codec[0]
         hkv, d, group = 8, 128, 4
         wk = st.buffers(1, 1, hkv, d)["k_codes"].shape[-1]
         for sd, n in SCORE_DOTS:

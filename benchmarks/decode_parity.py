@@ -29,7 +29,7 @@ from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.determinism import deterministic_algorithms
 from kvcal.eval.ppl import decoded_nll, simulated_nll
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from kvcal.recipes import resolve
 
@@ -41,23 +41,23 @@ def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_cap
     """Rows (name, codec to simulate, codec to decode, codec of the exact-outlier simulation or None)."""
     for name in calibrated:  # any other method's artifact: its own codec both ways
         path = os.path.join(artifact_dir, f"{name}.safetensors")
-        codec = codec_for_artifact(load_artifact(path), loaded, path)[1]
+        codec = storages_for_artifact(load_artifact(path), loaded, path)[1]
         yield name, codec, codec, None
     for name in recipes:
         method, _, _ = resolve(None, name, None)
-        codec = method.build_codec({}, loaded.dims)
+        codec = method.build_storages({}, loaded.dims)
         yield name, codec, codec, None
     for name in kvquant:
         path = os.path.join(artifact_dir, f"{name}.safetensors")
         art = load_artifact(path)
-        exact = codec_for_artifact(art, loaded, path)[1]
+        exact = storages_for_artifact(art, loaded, path)[1]
         if default_capacity:
-            stored = codec_for_artifact(art, loaded, path, ["exact_outliers=false"])[1]
+            stored = storages_for_artifact(art, loaded, path, ["exact_outliers=false"])[1]
             yield name, stored, exact, exact
         if big_capacity:
             capacity = f"key_outlier_capacity={big_capacity}"
-            stored = codec_for_artifact(art, loaded, path, ["exact_outliers=false", capacity])[1]
-            big = codec_for_artifact(art, loaded, path, [capacity])[1]
+            stored = storages_for_artifact(art, loaded, path, ["exact_outliers=false", capacity])[1]
+            big = storages_for_artifact(art, loaded, path, [capacity])[1]
             yield f"{name} ({capacity})", stored, big, exact
 
 

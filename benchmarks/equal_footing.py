@@ -26,7 +26,7 @@ from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
 from kvcal.eval.run import check_protocol, ppl_record, protocol_setting
 from kvcal.eval.simulate import tail_layout
-from kvcal.methods.registry import artifact_method, codec_for_artifact
+from kvcal.methods.registry import artifact_method, storages_for_artifact
 from kvcal.models import load_model
 from kvcal.recipes import resolve
 
@@ -83,7 +83,7 @@ def run_one(args, loaded, text, windows, protocol: str, name: str, window: int) 
             art = load_artifact(path)
             method = artifact_method(art, None, window)
             check_protocol(method, protocol, "simulate", prefix_len, prompt_len - prefix_len, window)
-            method, codec = codec_for_artifact(art, loaded, str(path), None, window)
+            method, codec = storages_for_artifact(art, loaded, str(path), None, window)
             setting, source = protocol_setting(path.stem, window), ["--artifact", str(path)]
             artifact = {"path": str(path), "tensor_hash": art.header["tensor_hash"]}
         else:
@@ -93,7 +93,7 @@ def run_one(args, loaded, text, windows, protocol: str, name: str, window: int) 
             method = method.with_fp_window(window)
             check_protocol(method, protocol, "simulate", prefix_len, prompt_len - prefix_len, window)
             method.check_model(loaded.dims)
-            codec = method.build_codec({}, loaded.dims)
+            codec = method.build_storages({}, loaded.dims)
             setting, source, artifact = protocol_setting(name, window), ["--recipe", name], None
     except KvcalError as exc:
         return str(exc)

@@ -74,7 +74,7 @@ def main():
     ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # the profiled steps' input
     for name in recipes:
         method, _, _ = resolve(None, name, None)
-        cache = KvcalCache(method.build_codec(method.synthetic_tensors(loaded.dims), loaded.dims), loaded.dims.num_layers)
+        cache = KvcalCache(method.build_storages(method.synthetic_tensors(loaded.dims), loaded.dims), loaded.dims.num_layers)
         # headroom: the per-call timings below append a token per call
         cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 1024)
         seconds = eager_decode_seconds(loaded, cache, batch, steps, torch.Generator(device="cuda").manual_seed(0))

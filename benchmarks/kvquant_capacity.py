@@ -24,7 +24,7 @@ from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.kvquant.method import OUTLIER_ENTRY_BYTES
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 
 ARTIFACTS = ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct", "kvquant-nuq2-1pct")
@@ -55,11 +55,11 @@ def main():
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
         art = load_artifact(path)
         t = time.time()
-        method, exact_codec = codec_for_artifact(art, loaded, path)
+        method, exact_codec = storages_for_artifact(art, loaded, path)
         exact = simulated_nll(loaded, exact_codec, windows, batch_size=a.batch_size).ppl
         rows = {"exact_outliers": exact, "default_capacity": exact_codec.key_capacity(), "capacities": {}}
         for capacity in a.capacities:
-            codec = codec_for_artifact(art, loaded, path, ["exact_outliers=false", f"key_outlier_capacity={capacity}"])[1]
+            codec = storages_for_artifact(art, loaded, path, ["exact_outliers=false", f"key_outlier_capacity={capacity}"])[1]
             ppl = simulated_nll(loaded, codec, windows, batch_size=a.batch_size).ppl
             rows["capacities"][str(capacity)] = {"ppl": ppl, "vs_exact": ppl / exact - 1,
                                                  "key_slot_bits_per_element": min(capacity, loaded.dims.head_dim)

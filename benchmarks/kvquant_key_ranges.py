@@ -21,7 +21,7 @@ from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.kvquant.calibrate import to_rows
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from kvcal.quant.nonuniform import (
     dequantize_lut_dynamic,
@@ -60,8 +60,8 @@ bits = sys.argv[2] if len(sys.argv) > 2 else "4"
 loaded = load_model("smollm2-135m", "float32", "cpu")
 text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), 2048, ns)
 path = f"artifacts/smollm2-135m/kvquant-nuq{bits}-1pct.safetensors"
-codec = codec_for_artifact(load_artifact(path), loaded, path)[1]
-kivi = resolve(None, f"kivi-{bits}bit-g64-r0", None)[0].build_codec({}, loaded.dims)
+codec = storages_for_artifact(load_artifact(path), loaded, path)[1]
+kivi = resolve(None, f"kivi-{bits}bit-g64-r0", None)[0].build_storages({}, loaded.dims)
 H = loaded.dims.num_kv_heads
 
 
@@ -112,13 +112,13 @@ def perhead_values(layer, v):
 
 variants = {
     "fp": V(),
-    "k nuq-1% (artifact)": V(fk=lambda i, k: codec.reconstruct(i, k, k)[0]),
-    "k kivi g64": V(fk=lambda i, k: kivi.reconstruct(i, k, k)[0], base=kivi),
+    "k nuq-1% (artifact)": V(fk=lambda i, k: codec[i].reconstruct(k, k)[0]),
+    "k kivi g64": V(fk=lambda i, k: kivi[i].reconstruct(k, k)[0], base=kivi),
     "k oracle per-window ranges": V(fk=oracle_keys),
     "k int-1% calibrated ranges": V(fk=int_keys),
     "k nuq table, per-64-token minmax": V(fk=group_keys),
-    "v nuq-1% (artifact)": V(fv=lambda i, v: codec.reconstruct(i, v, v)[1]),
-    "v kivi g64": V(fv=lambda i, v: kivi.reconstruct(i, v, v)[1], base=kivi),
+    "v nuq-1% (artifact)": V(fv=lambda i, v: codec[i].reconstruct(v, v)[1]),
+    "v kivi g64": V(fv=lambda i, v: kivi[i].reconstruct(v, v)[1], base=kivi),
     "v nuq per-head 1/side": V(fv=perhead_values),
 }
 res = {}

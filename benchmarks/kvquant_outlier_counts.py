@@ -20,7 +20,7 @@ from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.kvquant.calibrate import to_rows
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 
 
@@ -37,7 +37,7 @@ def main():
     result = {"model": loaded.identity, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]), "artifacts": {}}
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
-        method, codec = codec_for_artifact(load_artifact(path), loaded, path)
+        method, codec = storages_for_artifact(load_artifact(path), loaded, path)
         counts, head_counts = [], []
         quantize_keys = codec.quantize_keys
 
@@ -54,7 +54,7 @@ def main():
         simulated_nll(loaded, codec, windows)
         c = torch.cat(counts).float()
         ch = torch.cat(head_counts).float()
-        capacity = codec.storage(0).capacity
+        capacity = codec[0].capacity
         stats = {"channels": loaded.dims.kv_channels, "nominal": method.outliers * loaded.dims.kv_channels,
                  "mean": c.mean().item(), "max": c.max().item(),
                  "quantiles": {str(q): float(torch.quantile(c, q)) for q in (0.5, 0.9, 0.99, 0.999)},

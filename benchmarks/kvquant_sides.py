@@ -16,7 +16,7 @@ import os
 from kvcal.artifact import load_artifact
 from kvcal.data import load_eval_windows
 from kvcal.eval.ppl import simulated_nll
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from kvcal.recipes import resolve
 
@@ -49,10 +49,10 @@ def main():
     codecs = {}
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
-        codecs[name] = codec_for_artifact(load_artifact(path), loaded, path)[1]
+        codecs[name] = storages_for_artifact(load_artifact(path), loaded, path)[1]
     for recipe in ("kivi-4bit-g64-r0", "kivi-3bit-g64-r0"):
         method, _, _ = resolve(None, recipe, None)
-        codecs[recipe] = method.build_codec({}, loaded.dims)
+        codecs[recipe] = method.build_storages({}, loaded.dims)
     ppl = {"fp16": simulated_nll(loaded, OneSide(codecs["kivi-4bit-g64-r0"], "none"), windows).ppl}
     for name, codec in codecs.items():
         for side in ("k", "v"):

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvcal.artifact import load_artifact  # noqa: E402
 from kvcal.data import load_eval_windows  # noqa: E402
 from kvcal.eval.ppl import simulated_nll  # noqa: E402
-from kvcal.methods.registry import codec_for_artifact  # noqa: E402
+from kvcal.methods.registry import storages_for_artifact  # noqa: E402
 from kvcal.models import load_model  # noqa: E402
 from kvcal.recipes import resolve  # noqa: E402
 
@@ -51,12 +51,12 @@ def main():
     _, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), args.seqlen,
                                    args.nsamples)
     records = []
-    targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in args.recipe or []]
+    targets = [(r, resolve(None, r, None)[0].build_storages({}, loaded.dims)) for r in args.recipe or []]
     for path in args.artifact:
         targets.append((os.path.basename(path).removesuffix(".safetensors"),
-                        codec_for_artifact(load_artifact(path), loaded, path, args.sets)[1]))
+                        storages_for_artifact(load_artifact(path), loaded, path, args.sets)[1]))
     if not targets:
-        targets = [(r, resolve(None, r, None)[0].build_codec({}, loaded.dims)) for r in ("rtn-int4", "kivi-4bit")]
+        targets = [(r, resolve(None, r, None)[0].build_storages({}, loaded.dims)) for r in ("rtn-int4", "kivi-4bit")]
     for recipe, codec in targets:
         quantize_keys = codec.quantize_keys
         ppls = {}

@@ -24,7 +24,7 @@ from kvcal.calib.run import run_calibration
 from kvcal.data import load_eval_windows
 from kvcal.eval.run import ppl_record
 from kvcal.methods import build_method
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from kvcal.recipes import resolve
 
@@ -80,7 +80,7 @@ def main():
         start = time.time()
         if recipe == "fp16":
             method, codec, artifact, cli = build_method("fp16"), None, None, f"kvcal eval ppl --method fp16 {common}"
-            codec = method.build_codec({}, loaded.dims)
+            codec = method.build_storages({}, loaded.dims)
         else:
             method, _, _ = resolve(None, recipe_path(recipe), sets)
             artifact = None
@@ -93,12 +93,12 @@ def main():
                     artifacts[recipe] = str(out)
                 path = artifacts[recipe]
                 art = load_artifact(path)
-                method, codec = codec_for_artifact(art, loaded, path, sets)
+                method, codec = storages_for_artifact(art, loaded, path, sets)
                 artifact = {"path": path, "tensor_hash": art.header["tensor_hash"]}
                 cli = (f"kvcal calibrate --recipe {recipe} --model smollm2-135m --out {path} && "
                        f"kvcal eval ppl --artifact {path} {sets_cli} {common}")
             else:
-                codec = method.build_codec({}, loaded.dims)
+                codec = method.build_storages({}, loaded.dims)
                 cli = f"kvcal eval ppl --recipe {recipe} {sets_cli} {common}"
         record = ppl_record(loaded, method, codec, row, artifact, text, windows, a.dtype)
         record["command"] = " ".join(cli.split())

@@ -43,7 +43,7 @@ ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
 DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (exactness checks).")
 DeviceOpt = typer.Option("auto", help="cpu, cuda or auto.")
 DeviceMapOpt = typer.Option(None, "--device-map", help="auto (or balanced, sequential): spread the model's layers "
-                            "over the CUDA GPUs (accelerate); each layer's capture, codec, cache and step graphs on "
+                            "over the CUDA GPUs (accelerate); each layer's capture, storages, cache and step graphs on "
                             "its GPU. Not with --device.")
 MaxMemoryOpt = typer.Option(None, "--max-memory", help="--device-map: memory per GPU for the weights, e.g. "
                             "0=20GiB,1=20GiB (forces a model that fits one GPU across several).")
@@ -232,7 +232,7 @@ def eval_ppl_command(
                              "(token by token through the real compressed cache)."),
     backend: str = typer.Option("packed", help="decode mode: packed (each method's storage: Triton kernels on CUDA, "
                                 "torch references elsewhere), reference (the storages' torch references on any "
-                                "device) or dequantized (reconstructed values in plain tensors)."),
+                                "device: also the ablations' reconstructions)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     device_map: str | None = DeviceMapOpt,
@@ -293,7 +293,7 @@ def eval_passkey_command(
     mode: str = typer.Option("decode", help="decode (prefill, then greedy decoding through kvcal's cache) or "
                              "simulate (the prefill-decode simulation; the answer teacher-forced, correct when "
                              "greedy would emit it)."),
-    backend: str = typer.Option("packed", help="decode mode: packed, reference or dequantized (as eval ppl)."),
+    backend: str = typer.Option("packed", help="decode mode: packed or reference (as eval ppl)."),
     fp_window: int | None = FpWindowOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -338,10 +338,10 @@ def generate_command(
     device_map: str | None = DeviceMapOpt,
     max_memory: str | None = MaxMemoryOpt,
     backend: str = typer.Option("packed", help="packed (each method's storage: Triton kernels on CUDA, torch references "
-                                "elsewhere), reference (the storages' torch references) or dequantized (reconstructed "
-                                "values in plain tensors; methods without a storage)."),
+                                "elsewhere), or reference (the storages' torch references: also "
+                                "the ablations' reconstructions)."),
     graph: bool | None = typer.Option(None, "--graph/--no-graph", help="Replay decode steps from a CUDA graph "
-                                      "(default: on CUDA with the packed or fp16 cache; the dequantized backend runs "
+                                      "(default: on CUDA with the packed or fp16 cache; the reference backend runs "
                                       "eagerly). --no-graph: a Python forward per step, as generate() runs it (packed "
                                       "layers still replay their own step from a CUDA graph)."),
     deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="torch's deterministic "
@@ -438,18 +438,18 @@ def bench_generate_command(
     mode: list[str] | None = typer.Option(None, help="eager (a Python forward per step, as generate() runs it: each "
                                           "packed layer replays its own step from a CUDA graph), eager-launch (the "
                                           "same with every kernel launched from Python) and/or graph (one captured "
-                                          "CUDA graph of the whole step; codecs whose steps are static). Repeatable; "
+                                          "CUDA graph of the whole step; settings whose steps are static). Repeatable; "
                                           "default eager and graph."),
     max_batch: bool = typer.Option(True, help="Also search the largest batch at which every mode fits and decodes "
                                    "--steps steps at this context (exact to one row), and time it."),
     dtype: str = typer.Option("bfloat16", help="Model dtype."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the records as JSON."),
 ):
-    """Decode tokens/s and cache memory at long context, fp16 cache vs each codec, and the largest batch."""
+    """Decode tokens/s and cache memory at long context, fp16 cache vs each setting, and the largest batch."""
     import torch
 
     from kvcal.artifact import load_artifact
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
     from kvcal.models import load_model
     from kvcal.recipes import resolve
     from kvcal.runtime.bench_generate import MODES, capture_refusal, largest_batch, run_case_or_oom
@@ -466,10 +466,10 @@ def bench_generate_command(
     cases = []
     for name in recipe or ([] if artifact else ["fp16"]):  # fp16 alone when nothing is named
         method, tag, _ = resolve(None, name, None)  # a method that learns gets random tables (speed only)
-        cases.append((name, method, method.build_codec(method.synthetic_tensors(loaded.dims), loaded.dims)))
+        cases.append((name, method, method.build_storages(method.synthetic_tensors(loaded.dims), loaded.dims)))
     for path in artifact or []:
-        method, codec = codec_for_artifact(load_artifact(path), loaded, path)
-        cases.append((Path(path).stem, method, codec))
+        method, storages = storages_for_artifact(load_artifact(path), loaded, path)
+        cases.append((Path(path).stem, method, storages))
     records, largest, tries, not_captured = [], {}, {}, {}
     table = Table("codec", "mode", "batch", "tokens/s", "ms/step", "cache GiB", "predicted GiB", "cache/pred",
                   "peak GiB")
@@ -483,15 +483,15 @@ def bench_generate_command(
                       f"{r['cache_bytes_predicted'] / 2**30:.2f}", f"{r['cache_vs_prediction']:.3f}",
                       f"{r['peak_bytes_beyond_weights'] / 2**30:.2f}")
 
-    for name, method, codec in cases:
+    for name, method, storages in cases:
         case_modes = list(modes)
-        refusal = capture_refusal(loaded, codec) if "graph" in modes else None
+        refusal = capture_refusal(loaded, storages) if "graph" in modes else None
         if refusal:
             not_captured[name] = refusal
             case_modes.remove("graph")
         for b in batch or [1, 8]:
             for m in case_modes:
-                r, oom = run_case_or_oom(loaded, name, method, codec, b, context, steps, mode=m)
+                r, oom = run_case_or_oom(loaded, name, method, storages, b, context, steps, mode=m)
                 if r is None:
                     r = {"codec": name, "mode": MODES[m], "batch": b, "context": context, "out_of_memory": True,
                          "error": oom}
@@ -500,7 +500,7 @@ def bench_generate_command(
         if max_batch:  # the same steps and modes as the timed cases: the largest batch at which they all run
             tries[name] = []
             largest[name], at_largest = largest_batch(
-                loaded, name, method, codec, context, [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256],
+                loaded, name, method, storages, context, [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256],
                 tries[name], steps=steps, modes=tuple(case_modes))
             for r in at_largest:
                 r["largest_batch"] = True
@@ -562,11 +562,12 @@ def bench_decode_command(
     if json_out is not None:
         check_writable(json_out, folder=False, flag="--json")
     dims = ModelDims.from_config(llama31_8b_config())
-    cases = [(name, codec, bits_per_element(method, dims).bits_per_element) for name, method, codec in
+    cases = [(name, storages, bits_per_element(method, dims).bits_per_element) for name, method, storages in
              bench_cases(recipe or ([] if artifact else DECODE_BENCH_RECIPES), artifact or [], dims, sets)]
-    for name, codec, _ in cases:
-        if codec.lossless or codec.storage(0) is None:
-            raise KvcalError(f"{name} has no packed storage to benchmark")
+    for name, storages, _ in cases:
+        refusal = "it compresses nothing" if storages.lossless else storages.kernel_refusal()
+        if refusal:
+            raise KvcalError(f"{name} has no packed kernels to benchmark: {refusal}")
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench decode needs a CUDA device")
     result = bench.run_decode_bench(

@@ -25,16 +25,16 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, step
     check_model(art, loaded, artifact if not isinstance(artifact, Artifact) else "artifact",
                 identity=not loaded.source.get("unverified"))
     method = build_method(art.method, {**art.config, **runtime_overrides(art.method, runtime)})
-    codec = method.build_codec(art.tensors, loaded.dims)
-    return KvcalCache(codec, loaded.dims.num_layers, backend, capacity, step_graphs=step_graphs)
+    storages = method.build_storages(art.tensors, loaded.dims)
+    return KvcalCache(storages, loaded.dims.num_layers, backend, capacity, step_graphs=step_graphs)
 
 
 def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max_new_tokens: int, dtype, device,
                   backend: str = "packed", mode: str = "auto", device_map=None, max_memory=None) -> dict:
     """Greedy continuation of `prompt` with the compressed cache (mode: see runtime.graph.greedy_decode; 'auto'
-    replays decode steps from a CUDA graph on CUDA where the codec's steps are static, else runs them eagerly)."""
+    replays decode steps from a CUDA graph on CUDA where the storages' steps are static, else runs them eagerly)."""
     from kvcal.artifact import load_artifact
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
     from kvcal.models import artifact_model, load_model
     from kvcal.recipes import resolve
     from kvcal.runtime.graph import DECODE_MODES, greedy_decode
@@ -49,17 +49,17 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
         model_name = model_name or artifact_model(art.header["model"], artifact_path)
     loaded = load_model(model_name or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     if art is not None:
-        method, codec = codec_for_artifact(art, loaded, artifact_path, sets)
+        method, storages = storages_for_artifact(art, loaded, artifact_path, sets)
     else:
         method, _, _ = resolve(method_name or "fp16", None, sets)
         if method.needs_artifact():
             raise KvcalError(f"method {method.name} needs an artifact: run `kvcal calibrate --method {method.name}` "
                              "and pass it with --artifact")
-        codec = method.build_codec({}, loaded.dims)
+        storages = method.build_storages({}, loaded.dims)
     if loaded.tokenizer is None:
         raise KvcalError(f"{loaded.name} has no tokenizer")
     ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids.to(loaded.device)
-    cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=ids.shape[1] + max_new_tokens)
+    cache = KvcalCache(storages, loaded.dims.num_layers, backend, capacity_hint=ids.shape[1] + max_new_tokens)
     result = greedy_decode(loaded, cache, ids, max_new_tokens, loaded.tokenizer.eos_token_id, mode)
     new_tokens = result["tokens"][0]
     timed, seconds = result["timed_steps"], result["decode_seconds"]
@@ -84,12 +84,6 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     fp16 = 2 * kv_elements(loaded.dims, tokens)
     predicted = bits_per_element(method, loaded.dims, tokens).bits_per_element
     text = loaded.tokenizer.decode(new_tokens, skip_special_tokens=True)
-    if backend == "dequantized" and not codec.lossless:
-        summary = (f"{method.name} through the dequantized reference cache: the values the codec reconstructs, held "
-                   f"in {loaded.dtype} (no memory saving); the method's storage is {predicted:.2f} bits/element "
-                   f"for {tokens} tokens; {speed}")
-        return {"text": text, "summary": summary, "cache_bytes": None, "fp16_bytes": fp16, "tokens": tokens,
-                "mode": result["mode"]}
-    summary = f"{size_summary(method.name, codec, loaded, cache, tokens, predicted)}; {speed}"
+    summary = f"{size_summary(method.name, storages, loaded, cache, tokens, predicted)}; {speed}"
     return {"text": text, "summary": summary, "cache_bytes": used, "fp16_bytes": fp16, "tokens": tokens,
             "mode": result["mode"], **cache.held()}

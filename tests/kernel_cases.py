@@ -545,8 +545,8 @@ def run_cache_checks(dtype=torch.float16) -> dict:
                 tensors = method.calibrate(loaded, store)[0]
         elif method.needs_artifact():  # learned from the weights alone (XQuant's SVD factors)
             tensors = method.calibrate(loaded, None)[0]
-        codec = method.build_codec(tensors, loaded.dims)
-        if codec.storage(0) is None:
+        codec = method.build_storages(tensors, loaded.dims)
+        if codec[0] is None:
             out[name] = None  # no packed storage (yet): nothing to run through kernels
             continue
         ref = _decode_logits(loaded, codec, ids, 30, kernels=False)

@@ -130,7 +130,7 @@ def test_the_installed_transformers_hands_kvcal_its_cache(name):
     from kvcal.runtime.cache import KvcalCache
 
     loaded = load_model(name)
-    cache = KvcalCache(build_method("fp16").build_codec({}, loaded.dims), loaded.dims.num_layers)
+    cache = KvcalCache(build_method("fp16").build_storages({}, loaded.dims), loaded.dims.num_layers)
     received = []
     for module in loaded.model.model.layers:
         attn = module.self_attn

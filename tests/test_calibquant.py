@@ -22,7 +22,7 @@ from kvcal.models.attention import NEG
 
 
 def codec(dims, **config):
-    return build_method("calibquant", config).build_codec({}, dims)
+    return build_method("calibquant", config).build_storages({}, dims)
 
 
 # -- the quantizer ------------------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ def test_quantizer_by_hand():
     # 0, 3/7, 6/7, 3 -> codes 0, 0, 1, 3 -> -2, -2, -2 + 7/3, 5
     # (the step is stored as float32, §7.14: 7/3 rounded to float32, s below)
     c2 = codec(dims, bits=2, calibration=False)
-    k_hat, v_hat = c2.reconstruct(0, k, k)
+    k_hat, v_hat = c2[0].reconstruct(k, k)
     s = float(torch.tensor(7 / 3, dtype=torch.float32))
     expected = torch.tensor([[0.0, -2.0], [1.0, -2.0], [2.0, -2 + s], [3.0, -2 + 3 * s]], dtype=torch.float64)
     torch.testing.assert_close(k_hat[0, 0], expected, rtol=0, atol=1e-12)
@@ -46,14 +46,14 @@ def test_quantizer_by_hand():
     # clamp/round 0, 0, 0, 1 -> -1, -1, -1, 2.5. c_V = 0.3: channel 1 [-0.6, 1.5], step 2.1: (x + .6) / 2.1 =
     # <0, <0, .29, 2.67 -> 0, 0, 0, 1 -> -0.6, -0.6, -0.6, 1.5; channel 0 [0, 0.9]: x / 0.9 -> 0, 1, 1, 1
     c1 = codec(dims, bits=1, calibration=False)
-    k_hat, v_hat = c1.reconstruct(0, k, k)
+    k_hat, v_hat = c1[0].reconstruct(k, k)
     torch.testing.assert_close(k_hat[0, 0], torch.tensor([[0.0, -1.0], [1.5, -1.0], [1.5, -1.0], [1.5, 2.5]],
                                                          dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(v_hat[0, 0], torch.tensor([[0.0, -0.6], [0.9, -0.6], [0.9, -0.6], [0.9, 1.5]],
                                                          dtype=torch.float64), rtol=0, atol=2e-7)  # float32 ranges
     # ties round half to even [C] §7.12: channel [0, 1, 2] at 1 bit, c = 1: 1 / 2 = 0.5 -> code 0
     x = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)[None, None, :, None]
-    rec, _ = codec(dims, bits=1, calibration=False, k_range_scale=1.0).reconstruct(0, x, x)
+    rec, _ = codec(dims, bits=1, calibration=False, k_range_scale=1.0)[0].reconstruct(x, x)
     assert rec.flatten().tolist() == [0.0, 0.0, 2.0]
 
 
@@ -61,13 +61,13 @@ def test_value_range_ablations_and_groups():
     dims = type("D", (), {"num_layers": 1, "num_heads": 1})
     v = torch.tensor([[0.0, 4.0], [1.0, 2.0]], dtype=torch.float64)[None, None]
     # per token (KIVI-style): token 0 in [0, 4], token 1 in [1, 2]: 1 bit, c = 1 -> exact at the extremes
-    _, rec = codec(dims, bits=1, calibration=False, v_ranges="token", v_range_scale=1.0).reconstruct(0, v, v)
+    _, rec = codec(dims, bits=1, calibration=False, v_ranges="token", v_range_scale=1.0)[0].reconstruct(v, v)
     assert rec[0, 0].tolist() == [[0.0, 4.0], [1.0, 2.0]]
     # global: one range [0, 4] over the block: 1 -> 0 (1/4 rounds to 0), 2 -> 4 (half to even: 0.5 -> 0 -> 0)
-    _, rec = codec(dims, bits=1, calibration=False, v_ranges="global", v_range_scale=1.0).reconstruct(0, v, v)
+    _, rec = codec(dims, bits=1, calibration=False, v_ranges="global", v_range_scale=1.0)[0].reconstruct(v, v)
     assert rec[0, 0].tolist() == [[0.0, 4.0], [0.0, 0.0]]
     # group_tokens 1: every token its own range: channel-wise reconstruction is then exact
-    rec, _ = codec(dims, bits=1, calibration=False, group_tokens=1, k_range_scale=1.0).reconstruct(0, v, v)
+    rec, _ = codec(dims, bits=1, calibration=False, group_tokens=1, k_range_scale=1.0)[0].reconstruct(v, v)
     assert rec[0, 0].tolist() == v[0, 0].tolist()
 
 
@@ -182,7 +182,7 @@ def test_tau_search_picks_the_argmin_of_its_table(tmp_path):
     assert torch.equal(art.tensors["layers.1.k.tau1"], torch.full((loaded.dims.num_heads,), tau["tau1"]))
     assert torch.equal(art.tensors["layers.0.k.tau2"], torch.full((loaded.dims.num_heads,), tau["tau2"]))
     windows = calibration_windows(tokenize(loaded.tokenizer, text.read_text()), 2, 64, 0)
-    again = simulated_nll(loaded, build_method("calibquant", {"bits": 1}).build_codec(art.tensors, loaded.dims),
+    again = simulated_nll(loaded, build_method("calibquant", {"bits": 1}).build_storages(art.tensors, loaded.dims),
                           windows, "tail", 49, prefix_len=1)
     assert again.nll / again.tokens == pytest.approx(table[i, j].item(), abs=1e-6)
     # a random tiny model: quantization need not cost NLL, but the references are on the same windows
@@ -198,7 +198,7 @@ def test_tail_protocol_fp16_is_the_plain_nll_of_the_tail(tiny):
     with torch.inference_mode():
         logits = tiny.model(ids).logits
     reference = sequence_nll(logits, ids, 31).item()  # prefix 6 + block 24: targets 31 .. 39
-    got = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids, "tail", 30, prefix_len=6)
+    got = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids, "tail", 30, prefix_len=6)
     assert got.tokens == 2 * 9
     assert got.nll == pytest.approx(reference, rel=1e-6)
 
@@ -221,7 +221,7 @@ class StepByStep:
             scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * inp.scale
             scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), NEG)
             out = torch.softmax(scores, -1) @ v.repeat_interleave(groups, 1)
-            k_hat, v_hat = self.codec.reconstruct(layer, k[:, :, self.start:self.end], v[:, :, self.start:self.end])
+            k_hat, v_hat = self.codec[layer].reconstruct(k[:, :, self.start:self.end], v[:, :, self.start:self.end])
             self.k[layer], self.v[layer] = k.clone(), v.clone()
             self.k[layer][:, :, self.start:self.end], self.v[layer][:, :, self.start:self.end] = k_hat, v_hat
             return out
@@ -260,14 +260,14 @@ def test_tail_protocol_equals_an_independent_token_by_token_decode(setting):
         method, tau = build_method("calibquant", {"bits": 1, "calibration": False}), None
     else:
         method, tau = build_method("calibquant", {"bits": 2, "tau1": 0.5, "tau2": 2.0}), (0.5, 2.0)
-    codec_ = method.build_codec({}, loaded.dims)
+    codec_ = method.build_storages({}, loaded.dims)
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(7))
     end = prefix + block
     expected = step_by_step_nll(loaded, StepByStep(codec_, prefix, end, tau), ids, end)
     got = simulated_nll(loaded, codec_, ids, "tail", end, prefix_len=prefix)
     assert got.tokens == length - end - 1
     assert got.nll == pytest.approx(expected, rel=1e-9)
-    exact = simulated_nll(loaded, build_method("fp16").build_codec({}, loaded.dims), ids, "tail", end,
+    exact = simulated_nll(loaded, build_method("fp16").build_storages({}, loaded.dims), ids, "tail", end,
                           prefix_len=prefix)
     assert abs(got.nll - exact.nll) > 1e-4  # the block was compressed
 
@@ -293,10 +293,10 @@ def test_tail_protocol_runs_every_method(name):
         calibration = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
         with capture(loaded, calibration, method.capture_needs()) as store:
             tensors = method.calibrate(loaded, store)[0]
-    codec_ = method.build_codec(tensors, loaded.dims)
+    codec_ = method.build_storages(tensors, loaded.dims)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(9))
     got = simulated_nll(loaded, codec_, ids, "tail", 52, prefix_len=4)
-    exact = simulated_nll(loaded, build_method("fp16").build_codec({}, loaded.dims), ids, "tail", 52, prefix_len=4)
+    exact = simulated_nll(loaded, build_method("fp16").build_storages({}, loaded.dims), ids, "tail", 52, prefix_len=4)
     assert got.tokens == 2 * 11 and math.isfinite(got.nll)
     assert codec_.lossless or abs(got.nll - exact.nll) > 1e-6
 
@@ -332,7 +332,7 @@ def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
         simulated_nll(tiny, c, ids)
     assert "\n" not in str(err.value)
     assert KvcalCache(c, 2, "dequantized").codec is c and KvcalCache(c, 2).codec is c
-    kivi = build_method("kivi", {"group_size": 8}).build_codec({}, tiny.dims)
+    kivi = build_method("kivi", {"group_size": 8}).build_storages({}, tiny.dims)
     for other, needle in ((kivi, "compress the prompt in bulk"), (c, "differs from the codec's 32")):
         with pytest.raises(KvcalError, match=needle) as err:
             decoded_nll(tiny, other, ids, "tail", 14, prefix_len=2)
@@ -340,7 +340,7 @@ def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
     with pytest.raises(KvcalError, match="needs its calibrated tau"):
         codec(tiny.dims, bits=1)
     with pytest.raises(KvcalError, match="not a multiple of the method's 8-token blocks"):
-        simulated_nll(tiny, build_method("kivi", {"group_size": 8}).build_codec({}, tiny.dims), ids, "tail", 14,
+        simulated_nll(tiny, build_method("kivi", {"group_size": 8}).build_storages({}, tiny.dims), ids, "tail", 14,
                       prefix_len=2)
 
 
@@ -522,10 +522,10 @@ def test_decode_mode_tail_protocol_equals_the_simulation(config):
     from kvcal.models import load_model
 
     tiny = load_model("tiny-llama", "float64")
-    c = build_method("calibquant", {**config, "sink": 3}).build_codec({}, tiny.dims)
+    c = build_method("calibquant", {**config, "sink": 3}).build_storages({}, tiny.dims)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(7))
     simulated = simulated_nll(tiny, c, ids, "tail", 27, prefix_len=3)
-    exact = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids, "tail", 27, prefix_len=3)
+    exact = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids, "tail", 27, prefix_len=3)
     assert abs(simulated.nll - exact.nll) > 1e-3  # the block was compressed
     for backend in ("packed", "dequantized"):
         decoded = decoded_nll(tiny, c, ids, "tail", 27, batch_size=2, backend=backend, prefix_len=3)
@@ -544,7 +544,7 @@ def test_generated_tokens_stay_in_full_precision():
     from kvcal.runtime.cache import KvcalCache
 
     tiny = load_model("tiny-llama", "float64")
-    c = build_method("calibquant", {"bits": 1, "sink": 2, "tau1": 0.0, "tau2": 3.0}).build_codec({}, tiny.dims)
+    c = build_method("calibquant", {"bits": 1, "sink": 2, "tau1": 0.0, "tau2": 3.0}).build_storages({}, tiny.dims)
     prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :6] = 0

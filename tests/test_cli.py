@@ -136,7 +136,7 @@ BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) ->
                            "is a folder; expected a file path"),
     "report": (["report", "TMP/r.json"], "is not a kvcal eval record ('setting' missing"),
     "empty_prompt": (["generate", "--prompt", "", "--model", "tiny-llama", "--method", "fp16"], "--prompt is empty"),
-    "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "dequantized"],
+    "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "reference"],
                                "--backend applies to --mode decode only"),
     "bench_recipe": (["bench", "decode", "--recipe", "foo"], "recipe 'foo' not found"),  # before the CUDA check
     # click's own usage errors (typer draws them as a multi-line box in standalone mode)

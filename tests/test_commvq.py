@@ -340,7 +340,7 @@ def random_tensors(dims, method: CommVQ, seed: int = 0) -> dict[str, torch.Tenso
 
 def test_fused_value_attention_equals_explicit_reconstruction(tiny):
     method = CommVQ(bits=2, key_codes=8)
-    codec = method.build_codec(random_tensors(tiny.dims, method), tiny.dims)
+    codec = method.build_storages(random_tensors(tiny.dims, method), tiny.dims)
     gen = torch.Generator().manual_seed(4)
     v = torch.randn(2, 2, 11, 16, generator=gen, dtype=torch.float64)
     bits, rho = codec.encode_values(1, v)
@@ -364,7 +364,7 @@ def test_fused_value_attention_equals_explicit_reconstruction(tiny):
 def test_codec_round_trip_shapes_and_determinism(tiny):
     method = CommVQ(bits=1, key_codes=8, key_stages=3)
     tensors = random_tensors(tiny.dims, method)
-    codec = method.build_codec(tensors, tiny.dims)
+    codec = method.build_storages(tensors, tiny.dims)
     k = torch.randn(2, 2, 7, 16, generator=torch.Generator().manual_seed(5))
     codes, norms = codec.encode_keys(0, k)
     assert codes.dtype == torch.int16 and codes.shape == (2, 7, 2, 3, 2) and int(codes.max()) < 8
@@ -388,7 +388,7 @@ def test_codec_round_trip_shapes_and_determinism(tiny):
     bits, rho = codec.encode_values(1, v)
     assert torch.equal(codec.quantize_values(1, v), codec.decode_values(1, bits, rho))
     # K-only / V-only leave the other tensor untouched
-    k_only = CommVQ(bits=1, key_codes=8, key_stages=3, quantize="k").build_codec(tensors, tiny.dims)
+    k_only = CommVQ(bits=1, key_codes=8, key_stages=3, quantize="k").build_storages(tensors, tiny.dims)
     assert torch.equal(k_only.quantize_values(1, v), v) and not torch.equal(k_only.quantize_keys(0, k), k)
 
 
@@ -402,14 +402,14 @@ def test_simulation_equals_token_by_token_decoding(tiny, window):
     from kvcal.runtime.cache import KvcalCache
 
     method = CommVQ(bits=2, key_codes=8, key_stages=2, **window)
-    codec = method.build_codec(random_tensors(tiny.dims, method), tiny.dims)
+    codec = method.build_storages(random_tensors(tiny.dims, method), tiny.dims)
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
     simulated = simulated_nll(tiny, codec, ids).nll
     cache = KvcalCache(codec, tiny.dims.num_layers, backend="dequantized")
     with torch.inference_mode():
         logits = [forward_with_cache(tiny.model, ids[:, t : t + 1], cache).logits for t in range(ids.shape[1])]
     assert simulated == pytest.approx(sequence_nll(torch.cat(logits, 1), ids, 1).item(), rel=2e-6)
-    lossless = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids).nll
+    lossless = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids).nll
     assert abs(simulated - lossless) > 100 * 2e-6 * lossless  # teeth: the codec moves the NLL far beyond that
 
 
@@ -439,8 +439,8 @@ def test_storage_bytes_at_llama_shapes_by_hand():
     one_layer = SimpleNamespace(**{**vars(LLAMA8B_DIMS), "num_layers": 1})  # the artifact checks: 1 layer's cost
     for bits, per_token in ((1, 264), (2, 512)):
         method = build_method("commvq", {"bits": bits})
-        codec = method.build_codec(method.synthetic_tensors(one_layer), one_layer)
-        storage = codec.storage(0)
+        codec = method.build_storages(method.synthetic_tensors(one_layer), one_layer)
+        storage = codec[0]
         assert storage.bytes_per_token(8, 128) == per_token
         assert sum(method.footprint(LLAMA8B_DIMS, 100).values()) == 100 * 32 * per_token
     from kvcal.runtime.bench import packed_bytes
@@ -449,8 +449,8 @@ def test_storage_bytes_at_llama_shapes_by_hand():
     packed = _random_packed(storage, LLAMA8B_DIMS, [100], 0, torch.Generator().manual_seed(0))
     constants = 4 * (8 * 21 * 64 * 64 * 2 + 2048 * 1024 + 1024)
     assert packed_bytes(storage, packed) == 100 * per_token + 4 + constants
-    assert build_method("commvq", {"quantize": "k"}).build_codec(
-        method.synthetic_tensors(one_layer), one_layer).storage(0) is None  # ablations: reference cache only
+    assert build_method("commvq", {"quantize": "k"}).build_storages(
+        method.synthetic_tensors(one_layer), one_layer)[0] is None  # ablations: reference cache only
 
 
 def _random_packed(storage, dims, lengths, pos_offset, gen, dtype=torch.float64):
@@ -479,7 +479,7 @@ def test_fused_attention_through_the_storage_equals_decode_rope_dot(tiny):
     dims = tiny.dims
     method = CommVQ(bits=1, key_codes=12, key_stages=3, key_group_pairs=4)
     tensors = random_tensors(dims, method)
-    storage = method.build_codec(tensors, dims).storage(0)
+    storage = method.build_storages(tensors, dims)[0]
     gen = torch.Generator().manual_seed(7)
     lengths, offset = [9, 0, 14], 100_000
     packed = _random_packed(storage, dims, lengths, offset, gen)
@@ -518,9 +518,9 @@ def test_storage_writes_what_the_codec_encodes(tiny):
 
     dims = tiny.dims
     method = CommVQ(bits=2, key_codes=12, key_stages=2)
-    codec = method.build_codec(random_tensors(dims, method), dims)
-    storage = codec.storage(0)
-    assert codec.storage(0) is storage and storage.keys_pre_rope
+    codec = method.build_storages(random_tensors(dims, method), dims)
+    storage = codec[0]
+    assert codec[0] is storage and storage.keys_pre_rope
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen)
     buffers = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in storage.buffers(2, 8, 2, 16).items()}
@@ -680,13 +680,13 @@ def test_model_and_artifact_checks(tiny):
     tensors = random_tensors(tiny.dims, method)
     del tensors["layers.1.v.fc1_bias"]
     with pytest.raises(KvcalError, match="commvq artifact lacks layers.1.v.fc1_bias"):
-        method.build_codec(tensors, tiny.dims)
+        method.build_storages(tensors, tiny.dims)
     tensors = random_tensors(tiny.dims, method)
     with pytest.raises(KvcalError, match=r"layers.0.k.theta has shape \[2, 2, 8, 8, 2\], expected \[2, 3, 8, 8, 2\]"):
-        CommVQ(bits=2, key_codes=8, key_stages=3).build_codec(tensors, tiny.dims)
+        CommVQ(bits=2, key_codes=8, key_stages=3).build_storages(tensors, tiny.dims)
     tensors["layers.0.k.pair_channels"] = tensors["layers.0.k.pair_channels"].flip(-1)
     with pytest.raises(KvcalError, match="not the rotate_half pairing"):
-        method.build_codec(tensors, tiny.dims)
+        method.build_storages(tensors, tiny.dims)
 
 
 def test_recipes_resolve():
@@ -712,7 +712,7 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     from kvcal.calib.run import run_calibration
     from kvcal.data import eval_windows, load_text, tokenize
     from kvcal.eval.ppl import simulated_nll
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
 
     method = build_method("commvq", {"bits": 2, "key_train_vectors": 1024, "key_em_steps": 3, "value_steps": 80,
                                      "value_loss": "mse"})
@@ -729,10 +729,10 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     def ppl(codec):
         return simulated_nll(smollm2, codec, windows).ppl
 
-    full = ppl(codec_for_artifact(artifact, smollm2, out)[1])
-    keys_only = ppl(codec_for_artifact(artifact, smollm2, out, ["quantize=k"])[1])
-    fp16 = ppl(build_method("fp16").build_codec({}, smollm2.dims))
-    rtn2 = ppl(build_method("rtn", {"bits": 2}).build_codec({}, smollm2.dims))
+    full = ppl(storages_for_artifact(artifact, smollm2, out)[1])
+    keys_only = ppl(storages_for_artifact(artifact, smollm2, out, ["quantize=k"])[1])
+    fp16 = ppl(build_method("fp16").build_storages({}, smollm2.dims))
+    rtn2 = ppl(build_method("rtn", {"bits": 2}).build_storages({}, smollm2.dims))
     assert fp16 < keys_only < full < rtn2, (fp16, keys_only, full, rtn2)
 
 

@@ -19,7 +19,7 @@ from kvcal.artifact import load_artifact
 from kvcal.compare import Tolerance, compare_artifacts
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import decoded_nll, simulated_nll
-from kvcal.methods.registry import all_methods, build_method, codec_for_artifact
+from kvcal.methods.registry import all_methods, build_method, storages_for_artifact
 from kvcal.models import load_model
 from kvcal.models.adapter import cache_kwargs, forward_with_cache
 from kvcal.runtime.cache import KvcalCache
@@ -69,17 +69,39 @@ def test_simulation_equals_decode_through_the_packed_cache(name, family, artifac
     path = artifacts(name, family)
     art = load_artifact(path)
     assert art.method == name and art.config == _method(name).config()
-    method, codec = codec_for_artifact(art, loaded, path)
+    method, storages = storages_for_artifact(art, loaded, path)
     again = load_artifact(path)  # the file reads back the same tensors
     assert again.tensors.keys() == art.tensors.keys()
     assert all(torch.equal(again.tensors[k], t) for k, t in art.tensors.items())
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
-    simulated = simulated_nll(loaded, codec, ids)
-    if codec.lossless or codec.storage(0) is not None:
-        decoded = decoded_nll(loaded, codec, ids, batch_size=2, backend="packed")
-    else:
-        decoded = decoded_nll(loaded, codec, ids, batch_size=2, backend="dequantized")
+    simulated = simulated_nll(loaded, storages, ids)
+    decoded = decoded_nll(loaded, storages, ids, batch_size=2, backend="packed")
     assert decoded.tokens == simulated.tokens == 2 * 47
+    assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
+
+
+ABLATIONS = [(name, label) for name in METHODS for label in all_methods()[name].test_ablations]
+
+
+@pytest.mark.parametrize("name,label", ABLATIONS)
+def test_every_ablation_decodes_as_it_simulates(name, label, text_file):
+    """Each ablation a method declares (`test_ablations`) runs through the same storage path as the method: its
+    storages, the simulation through their reconstruction, decoding through the cache (torch references, float64,
+    tiny Llama) with the same NLL."""
+    from kvcal.calib.run import run_calibration
+
+    cls = all_methods()[name]
+    loaded = load_model("tiny-llama", "float64")
+    method = build_method(name, {**cls.test_config, **cls.test_ablations[label]})
+    out = text_file.parent / f"{name}-ablation-{label}.safetensors"
+    run_calibration(loaded, method, out, str(text_file), nsamples=3, seqlen=64)
+    _, storages = storages_for_artifact(load_artifact(out), loaded, out)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    protocol = "tail" if storages.bulk_only else "gptq"
+    kwargs = dict(prompt_len=40, prefix_len=storages.policy.sink) if protocol == "tail" else {}
+    simulated = simulated_nll(loaded, storages, ids, protocol, **kwargs)
+    decoded = decoded_nll(loaded, storages, ids, protocol, batch_size=2, backend="reference", **kwargs)
+    assert decoded.tokens == simulated.tokens > 0
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
 
 
@@ -87,8 +109,8 @@ def test_simulation_equals_decode_through_the_packed_cache(name, family, artifac
 def test_a_left_padded_batch_equals_each_row_alone(name, artifacts):
     """generate() over a batch whose second row is left-padded gives that row what it gives alone (float64)."""
     loaded = load_model("tiny-llama", "float64")
-    _, codec = codec_for_artifact(load_artifact(artifacts(name, "tiny-llama")), loaded)
-    backend = "packed" if codec.lossless or codec.storage(0) is not None else "dequantized"
+    _, codec = storages_for_artifact(load_artifact(artifacts(name, "tiny-llama")), loaded)
+    backend = "packed"
     prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :6] = 0
@@ -118,7 +140,7 @@ def test_bad_input_is_one_line(name, artifacts):
         assert "\n" not in str(err.value)
     other = load_model("tiny-qwen3", "float64")
     with pytest.raises(KvcalError, match="was calibrated for a model with") as err:
-        codec_for_artifact(load_artifact(artifacts(name, "tiny-llama")), other, "a.safetensors")
+        storages_for_artifact(load_artifact(artifacts(name, "tiny-llama")), other, "a.safetensors")
     assert "\n" not in str(err.value)
 
 
@@ -165,10 +187,10 @@ def test_the_bytes_the_cache_holds_equal_the_footprint(name, fp_window, artifact
     path = artifacts(name, "tiny-llama")
     art = load_artifact(path)
     try:
-        method, codec = codec_for_artifact(art, loaded, path, fp_window=fp_window)
+        method, codec = storages_for_artifact(art, loaded, path, fp_window=fp_window)
     except KvcalError:  # a method whose format cannot keep this allowance refuses it (tested where it is defined)
         pytest.skip(f"{name} refuses --fp-window {fp_window}")
-    if not codec.lossless and codec.storage(0) is None:
+    if not codec.lossless and codec[0] is None:
         pytest.skip(f"{name}'s test setting has no packed storage")
     if codec.bulk_only:
         pytest.skip(f"{name}'s test setting compresses prompts in bulk only")

@@ -191,15 +191,15 @@ def test_decode_through_a_map_equals_decode_without(split, calibration_text, tmp
     method = build_method(name, config)
     tensors = (run_calibration(plain, method, tmp_path / "a.safetensors", str(calibration_text), nsamples=3,
                                seqlen=48).tensors if method.learns else {})
-    codec = method.build_codec(tensors, plain.dims)
+    codec = method.build_storages(tensors, plain.dims)
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5))
     want = decoded_nll(plain, codec, ids, batch_size=2)
-    got = decoded_nll(split, method.build_codec(tensors, split.dims), ids, batch_size=2)
+    got = decoded_nll(split, method.build_storages(tensors, split.dims), ids, batch_size=2)
     assert got.tokens == want.tokens and got.nll == want.nll
     assert got.nll == pytest.approx(simulated_nll(split, codec, ids).nll, rel=1e-3)
     outs = []
     for loaded in (plain, split):
-        cache = KvcalCache(method.build_codec(tensors, loaded.dims), loaded.dims.num_layers)
+        cache = KvcalCache(method.build_storages(tensors, loaded.dims), loaded.dims.num_layers)
         outs.append(greedy_decode(loaded, cache, ids[:1, :12], 10))
     assert torch.equal(outs[0]["tokens"], outs[1]["tokens"]) and outs[1]["mode"] == "eager"
 
@@ -212,7 +212,7 @@ def test_each_cache_layer_allocates_on_its_layers_device(split, calibration_text
 
     method = build_method("kvquant", KVQUANT_CONFIG)
     art = run_calibration(split, method, tmp_path / "a.safetensors", str(calibration_text), nsamples=3, seqlen=48)
-    codec = method.build_codec(art.tensors, split.dims)
+    codec = method.build_storages(art.tensors, split.dims)
     cache = KvcalCache(codec, 2)
     inv_freq = split.dims.rope.inv_freq("cpu")
     dims = split.dims
@@ -224,7 +224,7 @@ def test_each_cache_layer_allocates_on_its_layers_device(split, calibration_text
                    layer.rope_sin, layer.storage.key_table, layer.storage.key_scale]
         assert {t.device.type for t in tensors} == {device}
     assert sorted(d.type for d in cache.shared._tables) == ["cpu", "meta"]
-    assert codec.storage(0).key_table.device.type == "cpu"  # layer 0's storage was not moved by layer 1's
+    assert codec[0].key_table.device.type == "cpu"  # layer 0's storage was not moved by layer 1's
 
 
 # ---- two GPUs -----------------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def _split_decode(which, tmp_path):
             torch.testing.assert_close(arts[1].tensors[name], t, rtol=1e-3, atol=1e-3)
         tensors = arts[0].tensors
     prompt = torch.randint(0, 512, (2, 300), device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(0))
-    caches = [KvcalCache(method.build_codec(tensors, m.dims), 4) for m in models]
+    caches = [KvcalCache(method.build_storages(tensors, m.dims), 4) for m in models]
     with torch.inference_mode():
         for m, cache in zip(models, caches):
             forward_with_cache(m.model, prompt, cache)

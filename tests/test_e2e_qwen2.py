@@ -40,7 +40,7 @@ def test_fp16_matches_stock_transformers(qwen, wikitext_dir):
             qwen.dims.head_dim) == ("qwen2", 24, 14, 2, 64)
     assert qwen.model.model.layers[0].self_attn.k_proj.bias is not None
     windows = eval_windows(tokenize(qwen.tokenizer, load_text("wikitext2", "eval", wikitext_dir).text), 512, 2)
-    ours = simulated_nll(qwen, build_method("fp16").build_codec({}, qwen.dims), windows)
+    ours = simulated_nll(qwen, build_method("fp16").build_storages({}, qwen.dims), windows)
     folder = package_gguf_source(ALIASES["qwen2.5-coder-0.5b"])[0]
     stock = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():

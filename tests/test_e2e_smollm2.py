@@ -21,7 +21,7 @@ def test_fp16_matches_stock_transformers(smollm2, wikitext_dir):
     from kvcal.models.gguf import converted_smollm2_dir
 
     windows = eval_windows(tokenize(smollm2.tokenizer, load_text("wikitext2", "eval", wikitext_dir).text), 512, 2)
-    ours = simulated_nll(smollm2, build_method("fp16").build_codec({}, smollm2.dims), windows)
+    ours = simulated_nll(smollm2, build_method("fp16").build_storages({}, smollm2.dims), windows)
     stock = AutoModelForCausalLM.from_pretrained(str(converted_smollm2_dir()[0]), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_xquant_decode_equals_its_simulation_in_float64(tmp_path, wikitext_dir):
     into later layers: docs/xquant.md), which is why this runs in float64."""
     from kvcal.data import eval_windows, load_text, tokenize
     from kvcal.eval.ppl import decoded_nll, simulated_nll
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
     from kvcal.models import load_model
 
     out = tmp_path / "x.safetensors"
@@ -91,7 +91,7 @@ def test_xquant_decode_equals_its_simulation_in_float64(tmp_path, wikitext_dir):
     loaded = load_model("smollm2-135m", "float64")
     from kvcal.artifact import load_artifact
 
-    _, codec = codec_for_artifact(load_artifact(out), loaded, str(out), fp_window=0)
+    _, codec = storages_for_artifact(load_artifact(out), loaded, str(out), fp_window=0)
     ids = eval_windows(tokenize(loaded.tokenizer, load_text("wikitext2", "eval", wikitext_dir).text), 140, 1)
     simulated = simulated_nll(loaded, codec, ids)
     decoded = decoded_nll(loaded, codec, ids, backend="reference")

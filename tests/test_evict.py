@@ -63,14 +63,14 @@ def test_simulation_and_decoding_equal_an_explicit_streaming_mask(tiny, protocol
     with torch.inference_mode(), tiny.adapter.use(StreamingMask(SINK, WINDOW, prompt)):
         logits = tiny.model(ids, use_cache=False).logits
     expected = sequence_nll(logits, ids, first_target(protocol, prompt)).item()
-    codec = _evict().build_codec({}, tiny.dims)
+    codec = _evict().build_storages({}, tiny.dims)
     simulated = simulated_nll(tiny, codec, ids, protocol, prompt)
     assert simulated.nll == pytest.approx(expected, rel=1e-9)
     for backend in ("packed", "dequantized"):
         decoded = decoded_nll(tiny, codec, ids, protocol, prompt, batch_size=2, backend=backend)
         assert decoded.tokens == simulated.tokens
         assert decoded.nll == pytest.approx(expected, rel=1e-9), backend
-    fp16 = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids, protocol, prompt)
+    fp16 = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids, protocol, prompt)
     assert abs(fp16.nll - expected) > 1e-3
 
 
@@ -100,7 +100,7 @@ def test_a_dropped_token_has_no_influence(decode):
     were, and moves those of the queries that keep it in their window (6 <= i < 6 + W); changing a sink (token 1)
     moves every later position."""
     loaded = _one_layer_model()
-    codec = _evict().build_codec({}, loaded.dims)
+    codec = _evict().build_storages({}, loaded.dims)
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(4))
     base = _logits(loaded, codec, ids, decode)
     for token, dropped_from in ((6, 6 + WINDOW), (1, None)):
@@ -177,7 +177,7 @@ def test_dropped_tokens_add_an_empty_split():
     from kvcal.runtime.decode import FullPrecision, fp_partials_reference, merge_reference
     from kvcal.runtime.storage import Packed, Storage
 
-    storage = _evict().build_codec({}, None).storage(0)
+    storage = _evict().build_storages({}, None)[0]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
     fp = FullPrecision(torch.randn(2, 2, 10, 16, generator=gen, dtype=torch.float64),

@@ -13,7 +13,7 @@ from kvcal.calib.capture import capture
 from kvcal.calib.run import run_calibration
 from kvcal.methods import build_method
 from kvcal.methods.kvquant.storage import per_side_outliers
-from kvcal.methods.registry import codec_for_artifact
+from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from tests.test_cli import kvcal
 
@@ -190,13 +190,13 @@ def test_per_token_key_ablation_normalizes_each_token(tiny_store):
     assert weighted_cost(xn, w, table) <= weighted_cost(xn, w, sk.cluster_centers_[:, 0]) * 1.001
     assert weighted_cost(xn, w, table) < 0.99 * weighted_cost(xn, w, per_channel["layers.0.k.encode"].double().numpy())
 
-    codec = build_method("kvquant", {**config, "key_granularity": "per_token"}).build_codec(per_token, loaded.dims)
+    codec = build_method("kvquant", {**config, "key_granularity": "per_token"}).build_storages(per_token, loaded.dims)
     k = torch.randn(1, loaded.dims.num_kv_heads, 5, loaded.dims.head_dim, generator=torch.Generator().manual_seed(1))
     rows = k.transpose(1, 2).flatten(2)  # [1, T, C]: one vector per token over all KV heads
     lo, hi = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
     levels = per_token["layers.0.k.decode"].float()
     expected_levels = (hi + lo) / 2 + (hi - lo) / 2 * levels  # the table mapped onto each token's range
-    got = codec.reconstruct(0, k, k)[0].transpose(1, 2).flatten(2)
+    got = codec[0].reconstruct(k, k)[0].transpose(1, 2).flatten(2)
     distance = (got[..., None] - expected_levels[:, :, None, :]).abs().amin(-1)
     # every key lands on its own token's levels (to the fp16 rounding of the stored scale and zero; levels are
     # a third of the range apart at 2 bits, so another token's range would miss by far more)
@@ -300,12 +300,12 @@ def test_artifact_round_trip_gives_the_same_codec(tmp_path):
     art = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=3, seqlen=64)
     again = load_artifact(tmp_path / "a.safetensors")
     assert again.header["calibration"]["nsamples"] == 3 and again.header["method"] == "kvquant"
-    _, codec = codec_for_artifact(again, loaded)
-    direct = method.build_codec(art.tensors, loaded.dims)
+    _, codec = storages_for_artifact(again, loaded)
+    direct = method.build_storages(art.tensors, loaded.dims)
     k = torch.randn(2, loaded.dims.num_kv_heads, 9, loaded.dims.head_dim)
-    torch.testing.assert_close(codec.reconstruct(1, k, k), direct.reconstruct(1, k, k), rtol=0, atol=0)
-    torch.testing.assert_close(codec.reconstruct(0, k, k), direct.reconstruct(0, k, k), rtol=0, atol=0)
-    assert not torch.equal(codec.reconstruct(1, k, k)[0], k)
+    torch.testing.assert_close(codec[1].reconstruct(k, k), direct[1].reconstruct(k, k), rtol=0, atol=0)
+    torch.testing.assert_close(codec[0].reconstruct(k, k), direct[0].reconstruct(k, k), rtol=0, atol=0)
+    assert not torch.equal(codec[1].reconstruct(k, k)[0], k)
     # deterministic: calibrating again gives a bit-identical file
     run_calibration(loaded, method, tmp_path / "b.safetensors", str(text), nsamples=3, seqlen=64)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
@@ -338,9 +338,9 @@ def test_bad_tables_and_sinks_are_one_line_errors(tiny_store):
     loaded, store = tiny_store
     method = build_method("kvquant", {"bits": 2})
     tensors = dict(method.calibrate(loaded, store)[0])
-    method.build_codec(tensors, loaded.dims)  # the real tables pass
+    method.build_storages(tensors, loaded.dims)  # the real tables pass
     tensors["layers.1.v.decode"] = torch.zeros(3, 3)
     with pytest.raises(KvcalError, match=r"layers.1.v.decode has shape \[3, 3\], expected \[4\]"):
-        method.build_codec(tensors, loaded.dims)
+        method.build_storages(tensors, loaded.dims)
     with pytest.raises(KvcalError, match="sink=48 leaves 0 calibration tokens in total"):
         build_method("kvquant", {"bits": 2, "sink": 48}).calibrate(loaded, store)

@@ -31,12 +31,12 @@ def test_simulation_equals_decode_at_one_bit(tiny, name, fp_window):
     NLL at 1 bit, which is not the 2-bit NLL (the setting ran at 1 bit)."""
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     method = build_method(name, SETTINGS[name]).with_fp_window(fp_window)
-    codec = method.build_codec({}, tiny.dims)
+    codec = method.build_storages({}, tiny.dims)
     simulated = simulated_nll(tiny, codec, ids)
     decoded = decoded_nll(tiny, codec, ids, batch_size=2, backend="packed")
     assert decoded.tokens == simulated.tokens == 2 * 47
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
-    two_bits = build_method(name, {**SETTINGS[name], "bits": 2}).with_fp_window(fp_window).build_codec({}, tiny.dims)
+    two_bits = build_method(name, {**SETTINGS[name], "bits": 2}).with_fp_window(fp_window).build_storages({}, tiny.dims)
     assert abs(simulated_nll(tiny, two_bits, ids).nll - simulated.nll) > 1e-3
 
 
@@ -45,7 +45,7 @@ def test_the_bytes_a_one_bit_cache_holds_equal_the_footprint(tiny, name):
     """After prefills and decode steps of several lengths, the packed buffers' bytes for the compressed tokens (in
     proportion to the slots they fill) plus every full-precision token in fp16 equal the footprint."""
     method = build_method(name, SETTINGS[name])
-    codec = method.build_codec({}, tiny.dims)
+    codec = method.build_storages({}, tiny.dims)
     from tests.test_contract import assert_cache_bytes_equal_footprint
 
     assert_cache_bytes_equal_footprint(tiny, method, codec)

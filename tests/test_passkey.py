@@ -63,7 +63,7 @@ def test_answer_check_and_cells(tiny, monkeypatch):
         calls["n"] += 1
         return list(answer) if calls["n"] % 2 else list(answer[:-1]) + [answer[-1] ^ 1]
 
-    codec = build_method("fp16").build_codec({}, tiny.dims)
+    codec = build_method("fp16").build_storages({}, tiny.dims)
     for mode, fake in (("decode", fake_decode), ("simulate", fake_simulate)):
         monkeypatch.setattr(pk, f"{mode}_trial", fake)
         calls["n"] = 0
@@ -83,7 +83,7 @@ def test_simulate_matches_decode_tiny(tiny):
     p = build_prompt(tiny.tokenizer, 300, 50, "48213")
     for name, config in (("fp16", {}), ("kivi", {"bits": 2, "group_size": 4, "residual": 8})):
         method = build_method(name, config)
-        codec = method.build_codec({}, tiny.dims)
+        codec = method.build_storages({}, tiny.dims)
         greedy = decode_trial(tiny, codec, p["ids"], 3)
         forced = simulate_trial(tiny, codec, p["ids"], greedy[:2])
         assert forced == greedy[:2]
@@ -142,7 +142,7 @@ def test_cli_records_the_full_precision_allowance(tmp_path):
 def test_smollm2_fp16_retrieves_at_1k(smollm2):
     from kvcal.eval.passkey import run_passkey as run
 
-    codec = build_method("fp16").build_codec({}, smollm2.dims)
+    codec = build_method("fp16").build_storages({}, smollm2.dims)
     decoded = run(smollm2, codec, [1024], [50], 1, mode="decode")  # through kvcal's cache, greedy
     simulated = run(smollm2, codec, [1024], [0, 100], 1, mode="simulate")  # one teacher-forced forward per trial
     assert [c["accuracy"] for c in decoded + simulated] == [1.0, 1.0, 1.0]

@@ -48,7 +48,7 @@ def test_simulation_equals_decode_under_a_window(tiny, name):
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
     nll = {}
     for window in (0, 8):
-        codec = method.with_fp_window(window).build_codec({}, tiny.dims)
+        codec = method.with_fp_window(window).build_storages({}, tiny.dims)
         simulated = simulated_nll(tiny, codec, ids)
         decoded = decoded_nll(tiny, codec, ids, batch_size=2, backend="packed")
         assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
@@ -60,12 +60,12 @@ def test_fp_keys_per_query_by_hand(tiny):
     """rtn with the newest 8 tokens in fp16, 48-token windows (gptq): query i sees min(i + 1, 8) keys in fp16, so the
     mean over the 47 scored queries is (1 + ... + 8 + 39 x 8) / 47. KIVI strict with 8-token blocks keeps its
     unfinished block: (i + 1) mod 8. Tail with prefix 4, block 32, window 8: query i sees i + 1 - 24."""
-    rtn = build_method("rtn", {"bits": 2, "fp_window": 8}).build_codec({}, tiny.dims)
+    rtn = build_method("rtn", {"bits": 2, "fp_window": 8}).build_storages({}, tiny.dims)
     assert fp_keys_per_query(rtn, 48) == pytest.approx((36 + 39 * 8) / 47)
-    kivi = build_method("kivi", {"bits": 2, "group_size": 8, "residual": 0}).build_codec({}, tiny.dims)
+    kivi = build_method("kivi", {"bits": 2, "group_size": 8, "residual": 0}).build_storages({}, tiny.dims)
     assert fp_keys_per_query(kivi, 48) == pytest.approx(sum((i + 1) % 8 for i in range(47)) / 47)
     assert fp_keys_per_query(rtn, 48, "tail", 36, 4, 8) == pytest.approx(sum(i + 1 - 24 for i in range(36, 47)) / 11)
-    fp16 = build_method("fp16").build_codec({}, tiny.dims)
+    fp16 = build_method("fp16").build_storages({}, tiny.dims)
     assert fp_keys_per_query(fp16, 48) == pytest.approx(sum(range(1, 48)) / 47)
 
 
@@ -78,7 +78,7 @@ def test_tail_window_equals_an_independent_reference(tiny, setting):
         method, tau = build_method("kivi", {"bits": 2, "group_size": 8, "residual": 0}), None
     else:
         method, tau = build_method("calibquant", {"bits": 2, "tau1": 0.5, "tau2": 2.0}), (0.5, 2.0)
-    codec = method.with_fp_window(window).build_codec({}, tiny.dims)
+    codec = method.with_fp_window(window).build_storages({}, tiny.dims)
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(7))
     end = prefix + block
     expected = step_by_step_nll(tiny, StepByStep(codec, prefix, end - window, tau), ids, end)
@@ -94,7 +94,7 @@ def test_tail_window_decodes_as_it_simulates(tiny):
     the tail through it scores what the tail simulation scores."""
     prefix, block, length, window = 4, 32, 48, 8
     method = build_method("calibquant", {"bits": 2, "tau1": 0.5, "tau2": 2.0, "sink": prefix})
-    codec = method.with_fp_window(window).build_codec({}, tiny.dims)
+    codec = method.with_fp_window(window).build_storages({}, tiny.dims)
     ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(4))
     end = prefix + block
     simulated = simulated_nll(tiny, codec, ids, "tail", end, prefix_len=prefix, fp_window=window)

@@ -75,9 +75,9 @@ def test_groups_along_any_axis_match_a_loop():
 
 def test_kivi_keys_per_channel_values_per_token():
     dims = type("D", (), {"head_dim": 8, "kv_channels": 16})()
-    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 0}).build_codec({}, dims)
+    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 0}).build_storages({}, dims)
     k = torch.randn(1, 2, 8, 8)
-    kq, vq = codec.reconstruct(0, k, k)
+    kq, vq = codec[0].reconstruct(k, k)
     torch.testing.assert_close(kq[0, 1, 4:8, 5], loop_minmax(k[0, 1, 4:8, 5], 2))  # channel 5, tokens 4..7
     torch.testing.assert_close(vq[0, 1, 6, 4:8], loop_minmax(k[0, 1, 6, 4:8], 2))  # token 6, channels 4..7
 
@@ -85,9 +85,9 @@ def test_kivi_keys_per_channel_values_per_token():
 def test_rtn_groups_of_channels_of_one_head():
     dims = type("D", (), {"head_dim": 4, "kv_channels": 8})()
     k = torch.randn(1, 2, 3, 4)
-    grouped = build_method("rtn", {"bits": 2, "group_size": 2}).build_codec({}, dims).reconstruct(0, k, k)[0]
+    grouped = build_method("rtn", {"bits": 2, "group_size": 2}).build_storages({}, dims)[0].reconstruct(k, k)[0]
     torch.testing.assert_close(grouped[0, 1, 1, 2:4], loop_minmax(k[0, 1, 1, 2:4], 2))  # head 1, token 1, group 1
-    per_head = build_method("rtn", {"bits": 2}).build_codec({}, dims).reconstruct(0, k, k)[0]
+    per_head = build_method("rtn", {"bits": 2}).build_storages({}, dims)[0].reconstruct(k, k)[0]
     torch.testing.assert_close(per_head[0, 1, 2], loop_minmax(k[0, 1, 2], 2))
 
 
@@ -95,10 +95,10 @@ def test_one_bit_baselines_match_a_loop():
     """rtn and kivi at 1 bit: every group is reconstructed to its min or its max, as the loop computes."""
     dims = type("D", (), {"head_dim": 8, "kv_channels": 16})()
     k = torch.randn(1, 2, 8, 8)
-    rtn = build_method("rtn", {"bits": 1, "group_size": 4}).build_codec({}, dims).reconstruct(0, k, k)[0]
+    rtn = build_method("rtn", {"bits": 1, "group_size": 4}).build_storages({}, dims)[0].reconstruct(k, k)[0]
     torch.testing.assert_close(rtn[0, 1, 3, 4:8], loop_minmax(k[0, 1, 3, 4:8], 1))  # head 1, token 3, group 1
-    kivi = build_method("kivi", {"bits": 1, "group_size": 4, "residual": 0}).build_codec({}, dims)
-    kq, vq = kivi.reconstruct(0, k, k)
+    kivi = build_method("kivi", {"bits": 1, "group_size": 4, "residual": 0}).build_storages({}, dims)
+    kq, vq = kivi[0].reconstruct(k, k)
     torch.testing.assert_close(kq[0, 0, 4:8, 2], loop_minmax(k[0, 0, 4:8, 2], 1))  # channel 2, tokens 4..7
     torch.testing.assert_close(vq[0, 1, 5, 0:4], loop_minmax(k[0, 1, 5, 0:4], 1))  # token 5, channels 0..3
     assert all(group.unique().numel() <= 2 for group in rtn.reshape(-1, 4))  # two levels per group

@@ -42,12 +42,12 @@ def test_storages_reconstruct_what_the_fake_quantizer_computes(tiny, bits):
     8 tokens and values per token over groups of 8 channels."""
     x = torch.randn(1, 2, 32, 16) * 4
     y = torch.randn(1, 2, 32, 16)
-    rtn = build_method("rtn", {"bits": bits}).build_codec({}, tiny.dims)
-    k_hat, v_hat = rtn.reconstruct(0, x, y)
+    rtn = build_method("rtn", {"bits": bits}).build_storages({}, tiny.dims)
+    k_hat, v_hat = rtn[0].reconstruct(x, y)
     assert torch.equal(k_hat, fake_quant_groups(x, bits, dim=3, group=16))
     assert torch.equal(v_hat, fake_quant_groups(y, bits, dim=3, group=16))
-    kivi = build_method("kivi", {"bits": bits, "group_size": 8, "residual": 0}).build_codec({}, tiny.dims)
-    k_hat, v_hat = kivi.reconstruct(0, x, y)
+    kivi = build_method("kivi", {"bits": bits, "group_size": 8, "residual": 0}).build_storages({}, tiny.dims)
+    k_hat, v_hat = kivi[0].reconstruct(x, y)
     assert torch.equal(k_hat, fake_quant_groups(x, bits, dim=2, group=8))
     assert torch.equal(v_hat, fake_quant_groups(y, bits, dim=3, group=8))
 
@@ -92,7 +92,7 @@ CODECS = [("fp16", {}), ("rtn", {"bits": 2}), ("kivi", {"bits": 3, "group_size":
 @pytest.mark.parametrize("name,config", CODECS)
 def test_decode_mode_equals_simulation(tiny, name, config, protocol, prompt_len):
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
-    codec = build_method(name, config).build_codec({}, tiny.dims)
+    codec = build_method(name, config).build_storages({}, tiny.dims)
     simulated = simulated_nll(tiny, codec, ids, protocol, prompt_len)
     advanced = []
     decoded = decoded_nll(tiny, codec, ids, protocol, prompt_len, batch_size=2, progress=advanced.append)
@@ -119,7 +119,7 @@ def kvquant_artifact(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kvquant_codec(tiny, kvquant_artifact):
-    return build_method("kvquant", KVQUANT_CONFIG).build_codec(kvquant_artifact.tensors, tiny.dims)
+    return build_method("kvquant", KVQUANT_CONFIG).build_storages(kvquant_artifact.tensors, tiny.dims)
 
 
 @pytest.mark.parametrize("name,config", CODECS[1:] + [("kvquant", {}), ("kvquant", {"value_scope": "head"})])
@@ -135,7 +135,7 @@ def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
     for capacity in capacities:
         if name == "kvquant":
             config = {**KVQUANT_CONFIG, **config, "exact_outliers": False, "key_outlier_capacity": capacity}
-        codec = build_method(name, config).build_codec(tensors, tiny64.dims)
+        codec = build_method(name, config).build_storages(tensors, tiny64.dims)
         simulated = simulated_nll(tiny64, codec, ids)
         assert decoded_nll(tiny64, codec, ids, batch_size=2).nll == pytest.approx(simulated.nll, rel=1e-12)
         results.append(simulated.nll)
@@ -145,15 +145,15 @@ def test_decode_mode_is_exact_in_float64(name, config, kvquant_artifact):
 
 def test_runtime_settings_on_an_artifact(kvquant_artifact, tiny):
     from kvcal.errors import KvcalError
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
 
-    method, codec = codec_for_artifact(kvquant_artifact, tiny, "a", ["key_outlier_capacity=7"])
-    assert method.key_outlier_capacity == 7 and codec.storage(0).capacity == 7
+    method, codec = storages_for_artifact(kvquant_artifact, tiny, "a", ["key_outlier_capacity=7"])
+    assert method.key_outlier_capacity == 7 and codec[0].capacity == 7
     # default: twice the nominal count per head, ceil(2 x 5% x 16 channels) = ceil(1.6) = 2
     assert tiny.dims.head_dim == 16
-    assert codec_for_artifact(kvquant_artifact, tiny, "a")[1].storage(0).capacity == 2
+    assert storages_for_artifact(kvquant_artifact, tiny, "a")[1][0].capacity == 2
     with pytest.raises(KvcalError, match="cannot change a calibrated artifact"):
-        codec_for_artifact(kvquant_artifact, tiny, "a", ["bits=2"])
+        storages_for_artifact(kvquant_artifact, tiny, "a", ["bits=2"])
 
 
 def test_kvquant_decode_mode_close_to_simulation(tiny, kvquant_codec):
@@ -170,9 +170,9 @@ def test_left_padded_batch_matches_each_row_alone(kvquant_artifact, which):
     ulp flips a quantization code (a 0.06 logit difference seen on one calibration of this artifact)."""
     tiny64 = load_model("tiny-llama", "float64")
     if which == "kvquant":
-        codec = build_method("kvquant", KVQUANT_CONFIG).build_codec(kvquant_artifact.tensors, tiny64.dims)
+        codec = build_method("kvquant", KVQUANT_CONFIG).build_storages(kvquant_artifact.tensors, tiny64.dims)
     else:
-        codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny64.dims)
+        codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_storages({}, tiny64.dims)
     prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :6] = 0
@@ -189,7 +189,7 @@ def test_cache_memory_follows_bits_per_element(name, config):
     """bf16 model: the bytes the packed cache holds match the accounting within 10%."""
     loaded = load_model("tiny-llama", dtype="bfloat16")
     method = build_method(name, config)
-    codec = method.build_codec({}, loaded.dims)
+    codec = method.build_storages({}, loaded.dims)
     tokens = 300
     cache = KvcalCache(codec, loaded.dims.num_layers, capacity_hint=tokens)
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(4))
@@ -263,7 +263,7 @@ def test_synthetic_fill_is_a_prefill_of_that_length(kvquant_artifact, name, conf
     held match the bit accounting within 10% (a bf16 model: the accounting counts 16-bit full-precision tokens)."""
     tiny = load_model("tiny-llama", dtype="bfloat16")
     method = build_method(name, {**KVQUANT_CONFIG, **config} if name == "kvquant" else config)
-    codec = method.build_codec(kvquant_artifact.tensors if name == "kvquant" else {}, tiny.dims)
+    codec = method.build_storages(kvquant_artifact.tensors if name == "kvquant" else {}, tiny.dims)
     real, synthetic = KvcalCache(codec, tiny.dims.num_layers), KvcalCache(codec, tiny.dims.num_layers)
     with torch.inference_mode():
         forward_with_cache(tiny.model, torch.randint(0, 256, (3, 200)), real)
@@ -299,7 +299,7 @@ def test_rtn_groups_lie_inside_one_head(tiny):
     from kvcal.errors import KvcalError
 
     with pytest.raises(KvcalError, match="rtn group_size 32 does not divide head_dim 16"):
-        build_method("rtn", {"bits": 4, "group_size": 32}).build_codec({}, tiny.dims)
+        build_method("rtn", {"bits": 4, "group_size": 32}).build_storages({}, tiny.dims)
 
 
 @pytest.mark.parametrize("name,config", [("rtn", {"bits": 4}), ("kivi", {"bits": 2, "group_size": 8, "residual": 16})])
@@ -309,7 +309,7 @@ def test_steady_decode_makes_no_host_to_device_copies(tiny, monkeypatch, name, c
     decode steps must reuse the memoized index tensors: torch.tensor is never called by the cache."""
     import kvcal.runtime.cache as cache_module
 
-    codec = build_method(name, config).build_codec({}, tiny.dims)
+    codec = build_method(name, config).build_storages({}, tiny.dims)
     cache = KvcalCache(codec, tiny.dims.num_layers)
     ids = torch.randint(0, 256, (2, 1))
     with torch.inference_mode():
@@ -426,7 +426,7 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
     as the reference does on the host, and its ring positions end where the reference's are."""
     configs = {"rtn": {"bits": 4}, "kivi": {"bits": 2, "group_size": 4, "residual": 8}}
     codec = (kvquant_codec if which == "kvquant"
-             else build_method(which, configs.get(which, {})).build_codec({}, tiny.dims))
+             else build_method(which, configs.get(which, {})).build_storages({}, tiny.dims))
     gen = torch.Generator().manual_seed(7)
     prompt, steps = torch.randint(0, 256, (2, 20), generator=gen), torch.randint(0, 256, (2, 11), generator=gen)
     eager, static, direct = (KvcalCache(codec, tiny.dims.num_layers, capacity_hint=40) for _ in range(3))
@@ -474,17 +474,14 @@ def test_static_steps_equal_eager_steps(tiny, kvquant_codec, which):
         assert eager.layers[0].compressed == [20, 20]  # 12 after the prompt, blocks flushed at 24 and 28 tokens
 
 
-def test_static_steps_are_refused_for_the_dequantized_backend(tiny):
-    """The dequantized reference cache has no static steps: one line naming it, and greedy decoding in 'auto'
-    falls back to eager steps."""
+def test_the_dequantized_backend_is_gone(tiny):
+    """Ablations run through their reconstruction storages (backend reference): the old backend name is refused in
+    one line."""
     from kvcal.errors import KvcalError
 
-    codec = build_method("rtn", {"bits": 4}).build_codec({}, tiny.dims)
-    cache = KvcalCache(codec, tiny.dims.num_layers, backend="dequantized")
-    with torch.inference_mode():
-        forward_with_cache(tiny.model, torch.randint(0, 256, (1, 20)), cache)
-    with pytest.raises(KvcalError, match="layer 0: dequantized reference backend"):
-        cache.begin_static()
+    storages = build_method("rtn", {"bits": 4}).build_storages({}, tiny.dims)
+    with pytest.raises(KvcalError, match="unknown cache backend 'dequantized' \\(packed, reference\\)"):
+        KvcalCache(storages, tiny.dims.num_layers, backend="dequantized")
 
 
 def _small_llama_cuda(dtype, layers: int = 2):
@@ -506,14 +503,14 @@ def _codec_cuda(loaded, which: str, config: dict, tmp_path):
     """The codec of `which` for a CUDA model: KVQuant 4-bit calibrated on CALIBRATION_TEXT (2 windows of 256
     tokens), the other methods built from `config`."""
     if which != "kvquant":
-        return build_method(which, config).build_codec({}, loaded.dims)
+        return build_method(which, config).build_storages({}, loaded.dims)
     from kvcal.calib.run import run_calibration
 
     text = tmp_path / "text.txt"
     text.write_text(CALIBRATION_TEXT)
     method = build_method("kvquant", {"bits": 4})
     artifact = run_calibration(loaded, method, tmp_path / "a.safetensors", str(text), nsamples=2, seqlen=256)
-    return method.build_codec({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
+    return method.build_storages({k: v.cuda() for k, v in artifact.tensors.items()}, loaded.dims)
 
 
 @pytest.mark.gpu
@@ -597,7 +594,7 @@ def test_step_graphs_of_a_cache_reuse_each_others_temporaries_on_gpu():
     pools = {}
     for layers in (1, 4):
         loaded = _small_llama_cuda(torch.bfloat16, layers)
-        codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
+        codec = build_method("rtn", {"bits": 4}).build_storages({}, loaded.dims)
         cache = KvcalCache(codec, layers)
         prompt = torch.randint(0, 512, (8, 1000), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         with torch.inference_mode():
@@ -626,7 +623,7 @@ def test_step_graph_recording_out_of_memory_launches_instead_on_gpu(monkeypatch)
     from kvcal.runtime.cache import PackedLayer
 
     loaded = _small_llama_cuda(torch.bfloat16)
-    codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
+    codec = build_method("rtn", {"bits": 4}).build_storages({}, loaded.dims)
     prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     graphed, launched = (KvcalCache(codec, 2, step_graphs=flag) for flag in (True, False))
     too_much = 2 * torch.cuda.get_device_properties(0).total_memory
@@ -714,7 +711,7 @@ def test_greedy_decode_gives_the_tokens_generate_gives(tiny, kvquant_codec, whic
     from kvcal.runtime.graph import greedy_decode
 
     configs = {"rtn": {"bits": 4}, "kivi": {"bits": 2, "group_size": 4, "residual": 8}}
-    codec = kvquant_codec if which == "kvquant" else build_method(which, configs[which]).build_codec({}, tiny.dims)
+    codec = kvquant_codec if which == "kvquant" else build_method(which, configs[which]).build_storages({}, tiny.dims)
     prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     eos = tiny.model.generation_config.eos_token_id
     with torch.inference_mode():
@@ -753,7 +750,7 @@ def test_greedy_decode_replayed_gives_the_tokens_generate_gives_on_gpu():
     from kvcal.runtime.graph import greedy_decode
 
     loaded = _small_llama_cuda(torch.bfloat16)
-    codec = build_method("rtn", {"bits": 4}).build_codec({}, loaded.dims)
+    codec = build_method("rtn", {"bits": 4}).build_storages({}, loaded.dims)
     prompt = torch.randint(0, 512, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.inference_mode():
         want = loaded.model.generate(prompt, **cache_kwargs(loaded.model, KvcalCache(codec, 2)), max_new_tokens=24, do_sample=False,
@@ -884,7 +881,7 @@ def test_reference_backend_is_never_captured_in_a_cuda_graph():
     from kvcal.runtime.graph import greedy_decode
 
     tiny = load_model("tiny-llama", "float32")
-    codec = build_method("kivi", {"bits": 2, "group_size": 8, "residual": 8}).build_codec({}, tiny.dims)
+    codec = build_method("kivi", {"bits": 2, "group_size": 8, "residual": 8}).build_storages({}, tiny.dims)
     packed, reference = KvcalCache(codec, tiny.dims.num_layers), KvcalCache(codec, tiny.dims.num_layers, "reference")
     off = KvcalCache(codec, tiny.dims.num_layers, kernels=False)
     assert packed.graph_refusal() is None and packed.layers[0].graph_pool is not None
@@ -947,7 +944,7 @@ def test_decode_steps_on_a_cpu_attend_on_one_thread(monkeypatch):
 
     monkeypatch.setattr(cache_module, "decode_attention", spy)
     loaded = load_model("tiny-llama")
-    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 4}).build_codec({}, loaded.dims)
+    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 4}).build_storages({}, loaded.dims)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
 
     def decode():

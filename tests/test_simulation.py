@@ -36,41 +36,34 @@ CASES = [
 @pytest.mark.parametrize("name,config", CASES)
 def test_simulation_equals_token_by_token(tiny, name, config, protocol, prompt_len):
     ids = torch.randint(0, 256, (2, 45), generator=torch.Generator().manual_seed(0))
-    codec = build_method(name, config).build_codec({}, tiny.dims)
+    codec = build_method(name, config).build_storages({}, tiny.dims)
     simulated = simulated_nll(tiny, codec, ids, protocol, prompt_len).nll
     decoded = decode_nll(tiny, codec, ids, protocol, prompt_len)
     assert simulated == pytest.approx(decoded, rel=2e-6)
     # the comparison has teeth: quantization moves the NLL 100x more than the tolerance
-    lossless = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids, protocol, prompt_len).nll
+    lossless = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids, protocol, prompt_len).nll
     assert abs(simulated - lossless) > 100 * 2e-6 * abs(lossless)
 
 
 def test_a_wrong_window_is_detected(tiny):
     """Negative control: simulating KIVI as if it had no fp16 residual disagrees with real decoding."""
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
-    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny.dims)
+    codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_storages({}, tiny.dims)
     decoded = decode_nll(tiny, codec, ids, "gptq", 0)
-    wrong = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_codec({}, tiny.dims)
-    wrong.policy = dataclasses.replace(codec.policy, residual=0)
+    wrong = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 8}).build_storages({}, tiny.dims)
+    wrong[0].policy = dataclasses.replace(codec.policy, residual=0)  # one object serves every layer
     assert simulated_nll(tiny, wrong, ids).nll != pytest.approx(decoded, rel=1e-4)
 
 
 def test_sinks_window_policy_matches_decoding(tiny):
     """Sinks + sliding window (SKVQ/KVQuant-style policies) through the same two paths."""
-    from kvcal.methods.base import Codec
+    from kvcal.methods.base import Storages
     from kvcal.methods.rtn.storage import RtnStorage
 
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
     windowed = RtnStorage(2, tiny.dims.head_dim)
-    windowed.policy = FlushPolicy(sink=3, residual=5, block=1)  # the storage declares it; the codec follows
-
-    class Windowed(Codec):
-        policy = windowed.policy
-
-        def storage(self, layer):
-            return windowed
-
-    codec = Windowed()
+    windowed.policy = FlushPolicy(sink=3, residual=5, block=1)  # the storage declares it; cache and simulation follow
+    codec = Storages([windowed] * tiny.dims.num_layers)
     assert simulated_nll(tiny, codec, ids).nll == pytest.approx(decode_nll(tiny, codec, ids, "gptq", 0), rel=2e-6)
 
 
@@ -79,5 +72,5 @@ def test_fp16_simulation_is_the_plain_model(tiny):
     with torch.inference_mode():
         logits = tiny.model(ids).logits
     reference = sequence_nll(logits, ids, 1).item()
-    codec = build_method("fp16").build_codec({}, tiny.dims)
+    codec = build_method("fp16").build_storages({}, tiny.dims)
     assert simulated_nll(tiny, codec, ids).nll == pytest.approx(reference, rel=1e-6)

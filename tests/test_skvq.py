@@ -216,14 +216,14 @@ def decode_nll(loaded, codec, ids) -> float:
 def test_window_emulation_equals_token_by_token_decoding(tiny):
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     method = SKVQ(k_bits=2, v_bits=1.5, group_size=10, window=6, sink=3)
-    codec = method.build_codec(hand_made_tensors(tiny.dims), tiny.dims)
+    codec = method.build_storages(hand_made_tensors(tiny.dims), tiny.dims)
     simulated = simulated_nll(tiny, codec, ids).nll
     assert simulated == pytest.approx(decode_nll(tiny, codec, ids), rel=2e-6)
     # teeth: quantization moves the NLL far beyond the tolerance, and so does a wrong window
-    lossless = simulated_nll(tiny, build_method("fp16").build_codec({}, tiny.dims), ids).nll
+    lossless = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids).nll
     assert abs(simulated - lossless) > 100 * 2e-6 * lossless
     no_window = SKVQ(k_bits=2, v_bits=1.5, group_size=10, window=0, sink=3)
-    wrong = simulated_nll(tiny, no_window.build_codec(hand_made_tensors(tiny.dims), tiny.dims), ids).nll
+    wrong = simulated_nll(tiny, no_window.build_storages(hand_made_tensors(tiny.dims), tiny.dims), ids).nll
     assert abs(wrong - simulated) > 100 * 2e-6 * simulated
 
 
@@ -236,14 +236,14 @@ def test_packed_storage_round_trip_equals_the_fake_quantizer(tiny, k_bits, v_bit
     written by its torch reference and read back equals ChannelQuantizer bit for bit."""
     method = SKVQ(k_bits=k_bits, v_bits=v_bits, group_size=10, window=0, sink=0, param_dtype=param_dtype,
                   ternary_storage=ternary)
-    codec = method.build_codec(hand_made_tensors(tiny.dims, seed=3), tiny.dims)
+    codec = method.build_storages(hand_made_tensors(tiny.dims, seed=3), tiny.dims)
     heads, dim = tiny.dims.num_kv_heads, tiny.dims.head_dim
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(2, heads, 9, dim, generator=gen) * torch.linspace(0.2, 4.0, dim)
     v = torch.randn(2, heads, 9, dim, generator=gen)
     for layer in range(tiny.dims.num_layers):
-        storage = codec.storage(layer)
-        got_k, got_v = codec.reconstruct(layer, k, v)
+        storage = codec[layer]
+        got_k, got_v = codec[layer].reconstruct(k, v)
         assert torch.equal(got_k, storage.sides["k"](k))
         assert torch.equal(got_v, storage.sides["v"](v))
         assert not torch.equal(got_k, k)  # teeth: the round trip is lossy
@@ -349,20 +349,20 @@ def test_broken_artifact_tensors_are_refused(tiny):
     method = SKVQ(group_size=10)
     del tensors["layers.1.v.clip"]
     with pytest.raises(KvcalError, match="lacks layers.1.v.clip"):
-        method.build_codec(tensors, tiny.dims)
+        method.build_storages(tensors, tiny.dims)
     tensors = hand_made_tensors(tiny.dims)
     tensors["layers.0.k.perm"][0] = tensors["layers.0.k.perm"][1]
     with pytest.raises(KvcalError, match="not a permutation"):
-        method.build_codec(tensors, tiny.dims)
+        method.build_storages(tensors, tiny.dims)
     tensors = hand_made_tensors(tiny.dims)
     tensors["layers.1.k.clip"] = tensors["layers.1.k.clip"][:-1]
     with pytest.raises(KvcalError, match=r"layers.1.k.clip has shape \[\d+\], expected"):
-        method.build_codec(tensors, tiny.dims)
+        method.build_storages(tensors, tiny.dims)
     for bad in (0.0, float("nan")):
         tensors = hand_made_tensors(tiny.dims)
         tensors["layers.0.v.clip"][1] = bad
         with pytest.raises(KvcalError, match="layers.0.v.clip holds a ratio that is not a positive number"):
-            method.build_codec(tensors, tiny.dims)
+            method.build_storages(tensors, tiny.dims)
 
 
 def test_recipes_resolve_and_g128_is_one_group_on_smollm2():
@@ -386,7 +386,7 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     """Calibrate on 2 windows, evaluate on 2 windows: SKVQ K2V2 lands between fp16 and RTN int2."""
     from kvcal.calib.run import run_calibration
     from kvcal.data import eval_windows, load_text, tokenize
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
 
     seqlen = 256
     method = build_method("skvq", {"group_size": 32, "window": 32, "sink": 5, "clip_windows": 2, "clip_queries": 64})
@@ -395,11 +395,11 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     artifact = load_artifact(out)
     assert len(artifact.tensors) == 30 * 2 * 4  # perm, group_offsets, clip, clip_loss per layer and kind
     assert artifact.layer(29, "k")["group_offsets"].numel() == 192 // 32 + 1
-    _, codec = codec_for_artifact(artifact, smollm2, out)
+    _, codec = storages_for_artifact(artifact, smollm2, out)
 
     windows = eval_windows(tokenize(smollm2.tokenizer, load_text("wikitext2", "eval", wikitext_dir).text), seqlen, 2)
     skvq = simulated_nll(smollm2, codec, windows).ppl
-    fp16 = simulated_nll(smollm2, build_method("fp16").build_codec({}, smollm2.dims), windows).ppl
-    rtn2 = simulated_nll(smollm2, build_method("rtn", {"bits": 2}).build_codec({}, smollm2.dims), windows).ppl
+    fp16 = simulated_nll(smollm2, build_method("fp16").build_storages({}, smollm2.dims), windows).ppl
+    rtn2 = simulated_nll(smollm2, build_method("rtn", {"bits": 2}).build_storages({}, smollm2.dims), windows).ppl
     assert fp16 < skvq < rtn2
     assert skvq < 2 * fp16  # measured about 1.2x (256-token windows, W=32); RTN int2 is far worse

@@ -38,7 +38,7 @@ VARIANTS = {
 def codec_of(loaded, **config):
     method = build_method("xquant", {**TINY, **config})
     tensors, _ = method.calibrate(loaded, None)
-    return method.build_codec(tensors, loaded.dims)
+    return method.build_storages(tensors, loaded.dims)
 
 
 def nll(loaded, codec, ids) -> float:
@@ -99,7 +99,7 @@ def test_every_variant_is_lossless_with_the_identity_quantizer(name, family, ids
     computes (U U^T [W_k|W_v] = [W_k|W_v], §3.3.2), through k/v bias (Qwen2) and k_norm (Qwen3). With the real
     quantizer at 2 bits the same run is far off (the check has teeth)."""
     loaded = load_model(family, "float64")
-    exact = nll(loaded, build_method("fp16").build_codec({}, loaded.dims), ids)
+    exact = nll(loaded, build_method("fp16").build_storages({}, loaded.dims), ids)
     quantized = nll(loaded, codec_of(loaded, **VARIANTS[name], bits=2), ids)
     assert abs(quantized - exact) > 1e-4 * exact
     monkeypatch.setattr(xq, "_quantize", lambda t, bits, axis, group: t)
@@ -109,7 +109,7 @@ def test_every_variant_is_lossless_with_the_identity_quantizer(name, family, ids
 def test_fp16_storage_is_within_fp16_rounding_of_the_model(ids):
     """bits=16 (and a 16-bit base) stores the cached tensor in fp16: the digest's 1e-3 lossless check."""
     loaded = load_model("tiny-llama", "float64")
-    exact = nll(loaded, build_method("fp16").build_codec({}, loaded.dims), ids)
+    exact = nll(loaded, build_method("fp16").build_storages({}, loaded.dims), ids)
     for config in VARIANTS.values():
         assert nll(loaded, codec_of(loaded, **config, bits=16, hp_bits=16), ids) == pytest.approx(exact, rel=1e-4)
 
@@ -149,7 +149,7 @@ def _run_chain(codec, xs):
     """Feed the layer inputs xs[i] [1, T, C] to codec layer by layer with a projection that returns X^ itself."""
     state, out = {}, []
     for i, x in enumerate(xs):
-        k, _ = codec.rematerialize(i, x, Identity(), state)
+        k, _ = codec[i].rematerialize(x, Identity(), state)
         out.append(k[:, 0])
     return out
 
@@ -164,8 +164,8 @@ def test_closed_loop_errors_do_not_compound_and_open_loop_ones_do():
     for _ in range(11):  # layer inputs that drift slowly, as post-norm X does (Fig. 3)
         xs.append(xs[-1] + 0.3 * torch.randn(1, 64, 32, generator=gen))
     config = dict(variant="x", cross_layer=True, base_layer=0, bits=2, group_tokens=64, group_channels=32)
-    closed = _run_chain(build_method("xquant", config).build_codec({}, dims), xs)
-    opened = _run_chain(build_method("xquant", {**config, "closed_loop": False}).build_codec({}, dims), xs)
+    closed = _run_chain(build_method("xquant", config).build_storages({}, dims), xs)
+    opened = _run_chain(build_method("xquant", {**config, "closed_loop": False}).build_storages({}, dims), xs)
     for i in range(1, 12):  # by hand: X^_i = X^_{i-1} + Q(X_i - X^_{i-1}), so X_i - X^_i = D - Q(D)
         delta = xs[i] - closed[i - 1]
         own = delta - xq.fake_quant_groups(delta, 2, -1, 32)
@@ -192,7 +192,7 @@ def test_simulation_equals_decode_through_the_packed_storage(name, family, ids):
 
     loaded = load_model(family, "float64")
     codec = codec_of(loaded, **{"bits": 2, **PACKED[name]})
-    assert codec.storage(0) is not None
+    assert codec[0] is not None
     simulated = simulated_nll(loaded, codec, ids)
     decoded = decoded_nll(loaded, codec, ids, batch_size=2, backend="packed")
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
@@ -212,7 +212,7 @@ def test_cross_layer_simulation_equals_decode_through_the_packed_storage(name, f
 
     loaded = load_model(family, "float64")
     codec = codec_of(loaded, **CROSS[name], bits=2)
-    assert type(codec.storage(1)).__name__ == "XQuantChainStorage"
+    assert type(codec[1]).__name__ == "XQuantChainStorage"
     simulated = simulated_nll(loaded, codec, ids)
     decoded = decoded_nll(loaded, codec, ids, batch_size=2, backend="packed")
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
@@ -294,7 +294,7 @@ def test_packed_bytes_per_token_by_hand():
     for config, expected in ((dict(variant="svd"), 608), (dict(variant="svd", outlier_channel=True), 610),
                              (dict(variant="x"), 1280)):
         method = build_method("xquant", {**config, "bits": 2, "group_channels": 64})
-        storage = method.build_codec(method.synthetic_tensors(LLAMA8B), LLAMA8B).storage(0)
+        storage = method.build_storages(method.synthetic_tensors(LLAMA8B), LLAMA8B)[0]
         assert storage.bytes_per_token(8, 128) == pytest.approx(expected)
         per_token = sum(method.footprint(LLAMA8B, 128 * 64).values()) / (128 * 64 * 2)
         assert storage.bytes_per_token(8, 128) == pytest.approx(per_token)
@@ -302,8 +302,8 @@ def test_packed_bytes_per_token_by_hand():
     # (2048 wide) at 2 bits, 2048 x 2 / 8 + 32 x 4 = 640 B
     method = build_method("xquant", {"variant": "svd", "cross_layer": True, "base_layer": 0, "bits": 2,
                                      "group_channels": 64})
-    codec = method.build_codec(method.synthetic_tensors(LLAMA8B), LLAMA8B)
-    got = [codec.storage(i).bytes_per_token(8, 128) for i in range(2)]
+    codec = method.build_storages(method.synthetic_tensors(LLAMA8B), LLAMA8B)
+    got = [codec[i].bytes_per_token(8, 128) for i in range(2)]
     assert got == [2304, 640]
     assert sum(got) == pytest.approx(sum(method.footprint(LLAMA8B, 128 * 64).values()) / (128 * 64))
 
@@ -381,7 +381,7 @@ def test_packed_cache_on_gpu_kernels_graphs_and_references(config):
     128-token block among them), and the torch references' logits within bf16 rounding."""
     loaded = _small_llama_cuda(torch.bfloat16)
     method = build_method("xquant", {**config, "group_channels": 64})
-    codec = method.build_codec(method.calibrate(loaded, None)[0], loaded.dims)
+    codec = method.build_storages(method.calibrate(loaded, None)[0], loaded.dims)
     prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     caches = [KvcalCache(codec, 2, step_graphs=True), KvcalCache(codec, 2, step_graphs=False),
               KvcalCache(codec, 2, backend="reference")]
@@ -446,8 +446,8 @@ def test_model_mismatches_are_one_line_errors():
     with pytest.raises(KvcalError, match="base_layer 40 is past the model's 30 layers"):
         build_method("xquant", {"cross_layer": True, "base_layer": 40, "group_channels": 64}).check_model(SMOL)
     with pytest.raises(KvcalError, match="needs the SVD factors of an artifact"):
-        build_method("xquant", {"group_channels": 64}).build_codec({}, SMOL)
-    build_method("xquant", {"variant": "x", "group_channels": 64}).build_codec({}, SMOL)  # X needs no artifact
+        build_method("xquant", {"group_channels": 64}).build_storages({}, SMOL)
+    build_method("xquant", {"variant": "x", "group_channels": 64}).build_storages({}, SMOL)  # X needs no artifact
 
 
 def test_default_group_channels_is_the_largest_divisor_of_the_widths_and_artifacts_record_it(tmp_path):
@@ -498,7 +498,7 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     KIVI* with the same layers at 4 bits (claim C3; 22.9 against 28.8 on 2 x 2048, fp16 19.2), both far from fp16."""
     from kvcal.calib.run import run_calibration
     from kvcal.data import eval_windows, load_text, tokenize
-    from kvcal.methods.registry import codec_for_artifact
+    from kvcal.methods.registry import storages_for_artifact
 
     out = tmp_path / "xquant.safetensors"
     config = {"variant": "svd", "cross_layer": True, "bits": 2, "hp_layers": 3, "group_channels": 64,
@@ -513,9 +513,9 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
     def ppl(codec):
         return simulated_nll(smollm2, codec, windows).ppl
 
-    fp16 = ppl(build_method("fp16").build_codec({}, smollm2.dims))
-    assert ppl(codec_for_artifact(artifact, smollm2, out, ["bits=16", "hp_bits=16"])[1]) == pytest.approx(fp16,
+    fp16 = ppl(build_method("fp16").build_storages({}, smollm2.dims))
+    assert ppl(storages_for_artifact(artifact, smollm2, out, ["bits=16", "hp_bits=16"])[1]) == pytest.approx(fp16,
                                                                                                          rel=1e-3)
-    cl_svd = ppl(codec_for_artifact(artifact, smollm2, out)[1])
-    kivi = ppl(build_method("xquant", {**config, "variant": "kv", "cross_layer": False}).build_codec({}, smollm2.dims))
+    cl_svd = ppl(storages_for_artifact(artifact, smollm2, out)[1])
+    kivi = ppl(build_method("xquant", {**config, "variant": "kv", "cross_layer": False}).build_storages({}, smollm2.dims))
     assert fp16 * 1.02 < cl_svd < kivi

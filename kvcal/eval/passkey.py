@@ -95,29 +95,29 @@ def _check_grid(lengths, depths, trials, max_new_tokens, mode):
         raise KvcalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
 
 
-def decode_trial(loaded, codec, ids: list[int], max_new_tokens: int, backend: str = "packed") -> list[int]:
+def decode_trial(loaded, storages, ids: list[int], max_new_tokens: int, backend: str = "packed") -> list[int]:
     """Greedy tokens after the prompt `ids`, through kvcal's cache (full-precision prefill, then decode steps)."""
     from kvcal.runtime.cache import KvcalCache
     from kvcal.runtime.graph import greedy_decode
 
     prompt = torch.tensor([ids], device=loaded.device)
-    cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=len(ids) + max_new_tokens)
+    cache = KvcalCache(storages, loaded.dims.num_layers, backend, capacity_hint=len(ids) + max_new_tokens)
     result = greedy_decode(loaded, cache, prompt, max_new_tokens, None, "auto")
     return result["tokens"][0].tolist()
 
 
-def simulate_trial(loaded, codec, ids: list[int], answer: list[int]) -> list[int]:
+def simulate_trial(loaded, storages, ids: list[int], answer: list[int]) -> list[int]:
     """Greedy argmax at each answer position of one teacher-forced forward of prompt + answer under the prefill-decode
     simulation (prompt_len = len(ids))."""
     from kvcal.eval.simulate import SimulatedAttention
 
     window = torch.tensor([ids + answer], device=loaded.device)
-    with torch.inference_mode(), loaded.adapter.use(SimulatedAttention(codec, len(ids))):
+    with torch.inference_mode(), loaded.adapter.use(SimulatedAttention(storages, len(ids))):
         logits = loaded.model(window, use_cache=False).logits[0, len(ids) - 1 : -1]
     return logits.argmax(-1).tolist()
 
 
-def run_passkey(loaded, codec, lengths, depths, trials: int, seed: int = 0, mode: str = "decode",
+def run_passkey(loaded, storages, lengths, depths, trials: int, seed: int = 0, mode: str = "decode",
                 max_new_tokens: int = 8, backend: str = "packed", label: str = "passkey") -> list[dict]:
     """One cell per (length, depth): {'length', 'depth', 'trials', 'correct', 'accuracy', 'results': [{key,
     needle_start, output, correct}]}."""
@@ -140,11 +140,11 @@ def run_passkey(loaded, codec, lengths, depths, trials: int, seed: int = 0, mode
                     key = passkey(rng)
                     prompt = build_prompt(tokenizer, n, d, key)
                     if mode == "decode":
-                        out = decode_trial(loaded, codec, prompt["ids"], max_new_tokens, backend)
+                        out = decode_trial(loaded, storages, prompt["ids"], max_new_tokens, backend)
                         text = tokenizer.decode(out, skip_special_tokens=True)
                         correct = key in text
                     else:
-                        out = simulate_trial(loaded, codec, prompt["ids"], prompt["answer"])
+                        out = simulate_trial(loaded, storages, prompt["ids"], prompt["answer"])
                         text = tokenizer.decode(out, skip_special_tokens=True)
                         correct = out == prompt["answer"]
                     results.append({"key": key, "needle_start": prompt["needle_start"], "output": text,
@@ -156,13 +156,13 @@ def run_passkey(loaded, codec, lengths, depths, trials: int, seed: int = 0, mode
     return cells
 
 
-def passkey_record(loaded, method, codec, setting: str, artifact_record, dtype: str, lengths, depths, trials: int,
+def passkey_record(loaded, method, storages, setting: str, artifact_record, dtype: str, lengths, depths, trials: int,
                    seed: int = 0, mode: str = "decode", max_new_tokens: int = 8, backend: str = "packed",
                    fp_window: int | None = None) -> dict:
     """fp_window: the allowance named (--fp-window; the method already carries it), None for the method's own."""
     from kvcal.runtime.cache import backend_ran
 
-    cells = run_passkey(loaded, codec, lengths, depths, trials, seed, mode, max_new_tokens, backend, setting)
+    cells = run_passkey(loaded, storages, lengths, depths, trials, seed, mode, max_new_tokens, backend, setting)
     bits = bits_per_element(method, loaded.dims)
     from kvcal.eval.run import record_head
 
@@ -194,7 +194,7 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
 
     from kvcal.artifact import load_artifact
     from kvcal.eval.run import protocol_setting
-    from kvcal.methods.registry import artifact_method, codec_for_artifact
+    from kvcal.methods.registry import artifact_method, storages_for_artifact
     from kvcal.models import artifact_model, check_model_args, load_model
     from kvcal.recipes import resolve
     from kvcal.runtime.cache import backend_ran
@@ -219,19 +219,19 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
     check_model_args(model or "smollm2-135m", dtype, device)
     loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     if art is not None:
-        method, codec = codec_for_artifact(art, loaded, artifact_path, sets, fp_window)
+        method, storages = storages_for_artifact(art, loaded, artifact_path, sets, fp_window)
         setting = protocol_setting(Path(artifact_path).stem, fp_window)
         artifact_record = {"path": str(artifact_path), "tensor_hash": art.header["tensor_hash"]}
     else:
         method = method.for_model(loaded.dims)  # model-dependent defaults resolved (the record states them)
         method.check_model(loaded.dims)
         setting = protocol_setting(tag if tag.startswith(method.name) else f"{method.name}-{tag}", fp_window)
-        codec = method.build_codec({}, loaded.dims)
+        storages = method.build_storages({}, loaded.dims)
         artifact_record = None
     if not lengths:  # the defaults, the longest cut to what the model's positions hold with the generated tokens
         limit = getattr(loaded.model.config, "max_position_embeddings", None) or DEFAULT_LENGTHS[-1]
         lengths = sorted({min(n, limit - max_new_tokens) for n in DEFAULT_LENGTHS})
-    return passkey_record(loaded, method, codec, setting, artifact_record, dtype, lengths, depths, trials, seed, mode,
+    return passkey_record(loaded, method, storages, setting, artifact_record, dtype, lengths, depths, trials, seed, mode,
                           max_new_tokens, backend, fp_window)
 
 

@@ -10,7 +10,7 @@ Protocols:
   bulk after the full-precision prefill of the S + P tokens, then a full-precision tail scored teacher-forced
   (kvcal.eval.simulate.TailAttention). `prompt_len` is S + P (the prefill) and `prefix_len` is S; only the tail's
   predictions count (targets S+P+1 .. seqlen-1: target S+P is the exact prefill's prediction). Decode mode runs it
-  through the cache for codecs whose policy compresses the prompt in bulk (FlushPolicy.bulk) with S sinks.
+  through the cache for storages whose policy compresses the prompt in bulk (FlushPolicy.bulk) with S sinks.
 
 The full-precision allowance (`--fp-window W`, docs/conventions.md) is carried by the method setting (its own window
 set to W) under gptq and prefill-decode; under tail it keeps the newest W tokens of the prefill out of the block,
@@ -50,19 +50,19 @@ def effective_fp_window(method, protocol: str, named: int | None) -> int:
     return 0 if protocol == "tail" else method.own_fp_window()
 
 
-def fp_keys_per_query(codec, length: int, protocol: str = "gptq", prompt_len: int = 0, prefix_len: int = 0,
+def fp_keys_per_query(storages, length: int, protocol: str = "gptq", prompt_len: int = 0, prefix_len: int = 0,
                       fp_window: int = 0) -> float:
     """Mean number of keys a scored query sees in full precision (or, for a method that drops tokens, at all) in a
     window of `length`: what the allowance and the method's format (sinks, unfinished blocks) give it, so rows
     of one table can be checked for equal footing."""
     start = first_target(protocol, prompt_len) - 1  # the first scored query
     queries = torch.arange(start, length - 1)
-    if codec.lossless:
+    if storages.lossless:
         return float((queries + 1).double().mean())
     if protocol == "tail":
         compressed = prompt_len - prefix_len - fp_window
         return float((queries + 1 - compressed).double().mean())
-    mask = codec.policy.full_precision_mask(length, prompt_len if protocol == "prefill-decode" else 0)
+    mask = storages.policy.full_precision_mask(length, prompt_len if protocol == "prefill-decode" else 0)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     return float((mask & causal)[queries].sum(1).double().mean())
 
@@ -85,15 +85,15 @@ def sequence_nll(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.T
     return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
-def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
+def simulated_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
                   batch_size: int = 1, progress=None, prefix_len: int = 0, fp_window: int = 0) -> NllSum:
-    """NLL of the windows through the simulation of `codec` under `protocol` (whole-window forwards, no cache);
+    """NLL of the windows through the simulation of `storages` under `protocol` (whole-window forwards, no cache);
     tail: `prompt_len` = S + P, `prefix_len` = S, the newest `fp_window` tokens of the prefill kept out of the block
-    (gptq and prefill-decode: the codec's own policy carries the allowance)."""
+    (gptq and prefill-decode: the storages' own policy carries the allowance)."""
     if protocol == "tail":
-        handler = TailAttention(codec, prefix_len, prompt_len - prefix_len, fp_window)
+        handler = TailAttention(storages, prefix_len, prompt_len - prefix_len, fp_window)
     else:
-        handler = SimulatedAttention(codec, prompt_len if protocol == "prefill-decode" else 0)
+        handler = SimulatedAttention(storages, prompt_len if protocol == "prefill-decode" else 0)
     start = first_target(protocol, prompt_len)
     total = NllSum()
     with torch.inference_mode(), loaded.adapter.use(handler):
@@ -107,7 +107,7 @@ def simulated_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", 
     return total
 
 
-def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
+def decoded_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
                 batch_size: int = 1, backend: str = "packed", progress=None, step_graphs: bool = True,
                 prefix_len: int = 0, fp_window: int = 0) -> NllSum:
     """NLL through the real cache, teacher-forced one token at a time (after a full-precision prefill
@@ -115,27 +115,27 @@ def decoded_nll(loaded, codec, windows: torch.Tensor, protocol: str = "gptq", pr
     called after every step with the tokens it scored (a batch's rows; scored_tokens(...) in all), since one batch
     of long windows can take minutes. `step_graphs=False` launches every packed layer's kernels from Python
     instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits). tail: the cache
-    prefills S + P tokens and compresses [S, S + P) in bulk (the codec's policy must be bulk with S = prefix_len
+    prefills S + P tokens and compresses [S, S + P) in bulk (the storages' policy must be bulk with S = prefix_len
     sinks), then decodes the tail."""
     from kvcal.runtime.cache import KvcalCache
 
-    if protocol == "tail" and not codec.lossless:
-        policy = codec.policy
+    if protocol == "tail" and not storages.lossless:
+        policy = storages.policy
         if not policy.bulk:
-            raise KvcalError("the tail protocol runs in decode mode only for codecs that compress the prompt in bulk "
+            raise KvcalError("the tail protocol runs in decode mode only for storages that compress the prompt in bulk "
                              "(calibquant with group_tokens=0); use --mode simulate")
         if policy.sink != prefix_len:
-            raise KvcalError(f"the tail protocol's prefix of {prefix_len} tokens differs from the codec's {policy.sink} "
+            raise KvcalError(f"the tail protocol's prefix of {prefix_len} tokens differs from the storages' {policy.sink} "
                              f"full-precision sinks: pass --prefix-len {policy.sink} (or --set sink={prefix_len})")
         if policy.residual != fp_window:
             raise KvcalError(f"the tail protocol keeps the newest {fp_window} prefill tokens in full precision but the "
-                             f"codec keeps {policy.residual}: pass --fp-window {policy.residual}")
+                             f"method keeps {policy.residual}: pass --fp-window {policy.residual}")
     start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
     total = NllSum()
     with torch.inference_mode():
         for i in range(0, windows.shape[0], batch_size):
             batch = windows[i : i + batch_size].to(loaded.device)
-            cache = KvcalCache(codec, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1],
+            cache = KvcalCache(storages, loaded.dims.num_layers, backend, capacity_hint=batch.shape[1],
                                step_graphs=step_graphs)
             if start:
                 forward_with_cache(loaded.model, batch[:, :start], cache)

@@ -45,7 +45,7 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                   protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
                   block_len=None, device_map=None, max_memory=None, fp_window=None) -> list[dict]:
-    from kvcal.methods.registry import artifact_method, codec_for_artifact
+    from kvcal.methods.registry import artifact_method, storages_for_artifact
     from kvcal.models import artifact_model, check_model_args, load_model
     from kvcal.recipes import resolve
 
@@ -101,20 +101,20 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     check_text(dataset, "eval", data_dir)  # a missing dataset fails here, before the model loads
     loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     check_context(loaded, seqlen, "--seqlen")
-    targets = []  # (method, codec, setting, artifact record)
+    targets = []  # (method, storages, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
-        m, codec = codec_for_artifact(art, loaded, path, sets, fp_window)
-        targets.append((m, codec, protocol_setting(Path(path).stem, fp_window),
+        m, storages = storages_for_artifact(art, loaded, path, sets, fp_window)
+        targets.append((m, storages, protocol_setting(Path(path).stem, fp_window),
                         {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
     if not artifacts:
         method = method.for_model(loaded.dims)  # model-dependent defaults resolved (the record states them)
         method.check_model(loaded.dims)
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
-        targets.append((method, method.build_codec({}, loaded.dims), protocol_setting(setting, fp_window), None))
+        targets.append((method, method.build_storages({}, loaded.dims), protocol_setting(setting, fp_window), None))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
-    return [ppl_record(loaded, method, codec, setting, artifact_record, text, windows, dtype, protocol, prompt_len,
+    return [ppl_record(loaded, method, storages, setting, artifact_record, text, windows, dtype, protocol, prompt_len,
                        batch_size, mode, backend, prefix_len, fp_window)
-            for method, codec, setting, artifact_record in targets]
+            for method, storages, setting, artifact_record in targets]
 
 
 def protocol_setting(setting: str, fp_window: int | None) -> str:
@@ -124,7 +124,7 @@ def protocol_setting(setting: str, fp_window: int | None) -> str:
 
 def check_protocol(method, protocol: str, mode: str, prefix_len: int, block_len: int, fp_window: int | None) -> None:
     """One-line refusal, before any model loads, of a protocol this setting cannot run: the method's own (a bulk-only
-    codec outside `tail`), and under `tail` an allowance that leaves nothing of the block, or a decode-mode tail
+    storages outside `tail`), and under `tail` an allowance that leaves nothing of the block, or a decode-mode tail
     whose cache would not keep what the simulation keeps."""
     method.check_protocol(protocol)
     if protocol != "tail" or not fp_window:
@@ -140,10 +140,10 @@ def record_head(method, setting: str, artifact_record: dict | None, loaded, dtyp
             "model": loaded.identity, "dtype": dtype, "device": loaded.device_label}
 
 
-def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None, text, windows, dtype: str,
+def ppl_record(loaded, method, storages, setting: str, artifact_record: dict | None, text, windows, dtype: str,
                protocol: str = "gptq", prompt_len: int = 0, batch_size: int = 1, mode: str = "simulate",
                backend: str = "packed", prefix_len: int = 0, fp_window: int | None = None) -> dict:
-    """Evaluate one codec on the windows and return `kvcal eval ppl`'s JSON record (without its command). Under the
+    """Evaluate one setting on the windows and return `kvcal eval ppl`'s JSON record (without its command). Under the
     tail protocol prompt_len is the full-precision prefill S + P and prefix_len is S. fp_window: the allowance named
     (--fp-window; the method already carries it), None for each method's own window."""
     allowance = effective_fp_window(method, protocol, fp_window)
@@ -152,10 +152,10 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
                    else (windows.shape[0], "windows"))
     with progress_bar(f"ppl {setting} ({protocol}, {mode}; {unit})", total) as advance:
         if mode == "decode":
-            result = decoded_nll(loaded, codec, windows, protocol, prompt_len, batch_size, backend, advance,
+            result = decoded_nll(loaded, storages, windows, protocol, prompt_len, batch_size, backend, advance,
                                  prefix_len=prefix_len, fp_window=allowance)
         else:
-            result = simulated_nll(loaded, codec, windows, protocol, prompt_len, batch_size, advance, prefix_len,
+            result = simulated_nll(loaded, storages, windows, protocol, prompt_len, batch_size, advance, prefix_len,
                                    fp_window=allowance)
     bits = bits_per_element(method, loaded.dims)
     return {
@@ -169,7 +169,7 @@ def ppl_record(loaded, method, codec, setting: str, artifact_record: dict | None
            if protocol == "tail" else {}),
         "fp_window": allowance,
         "fp_window_named": fp_window is not None,
-        "fp_keys_per_query": round(fp_keys_per_query(codec, int(windows.shape[1]), protocol, prompt_len, prefix_len,
+        "fp_keys_per_query": round(fp_keys_per_query(storages, int(windows.shape[1]), protocol, prompt_len, prefix_len,
                                                      allowance), 3),
         "mode": mode,
         "backend": backend_ran(backend, loaded.device) if mode == "decode" else "simulation",
@@ -197,6 +197,6 @@ def compare_with_fp16(loaded, artifact, path, dataset, data_dir, seqlen, nsample
     fp16 = build_method("fp16")
     method = build_method(artifact.method, artifact.config)
     record = {"path": str(path), "tensor_hash": artifact.header["tensor_hash"]}
-    return [ppl_record(loaded, fp16, fp16.build_codec({}, loaded.dims), "fp16", None, text, windows, dtype),
-            ppl_record(loaded, method, method.build_codec(artifact.tensors, loaded.dims), Path(path).stem, record, text,
+    return [ppl_record(loaded, fp16, fp16.build_storages({}, loaded.dims), "fp16", None, text, windows, dtype),
+            ppl_record(loaded, method, method.build_storages(artifact.tensors, loaded.dims), Path(path).stem, record, text,
                        windows, dtype)]

@@ -3,14 +3,13 @@
 
 Compression in every method is either per token or per aligned block of tokens, so the reconstructed
 value of token j does not depend on when it is compressed. We therefore reconstruct all tokens once,
-and let the codec's FlushPolicy decide, per (query, key) pair, whether the full-precision or the
+and let the storages' FlushPolicy decide, per (query, key) pair, whether the full-precision or the
 reconstructed value is seen (sinks, recent window, KIVI's unflushed residual). A test checks this
 against a cache fed one token at a time (kvcal.runtime.cache).
 """
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -20,24 +19,25 @@ from kvcal.models.attention import NEG, additive_mask, attention, mixed_attentio
 from kvcal.quant.rope import apply_rope
 
 
-def reconstruct(codec, inp: AttentionInputs, k_fp: torch.Tensor, state: dict, span: tuple[int, int] | None = None):
+def reconstruct(storages, inp: AttentionInputs, k_fp: torch.Tensor, state: dict,
+                span: tuple[int, int] | None = None):
     """Reconstructed K (after RoPE, as attention sees it) and V for every token compressed at some point of a window
     of this length (or of the tokens [start, end) of `span`, compressed together). The others (sinks, the final
-    residual) are returned unchanged: no query in the window sees them compressed. Keys are compressed in the codec's
-    key space (before RoPE for keys_pre_rope, then rotated); codecs of source "x" rebuild K and V from the layer
-    input.
+    residual) are returned unchanged: no query in the window sees them compressed. Keys are compressed in the
+    storage's key space (before RoPE for keys_pre_rope, then rotated); storages of source "x" rebuild K and V from the
+    layer input.
     """
-    k_src = inp.k_pre if codec.keys_pre_rope else k_fp
-    start, end = codec.policy.compressed_span(k_src.shape[2]) if span is None else span
+    storage = storages[inp.layer_idx]
+    k_src = inp.k_pre if storage.keys_pre_rope else k_fp
+    start, end = storage.policy.compressed_span(k_src.shape[2]) if span is None else span
     k_hat, v_hat = k_src.clone(), inp.v.clone()
     if end > start:
         span = slice(start, end)
-        if codec.source == "x":
-            k_hat[:, :, span], v_hat[:, :, span] = codec.rematerialize(inp.layer_idx, inp.x[:, span], inp, state)
+        if storage.source == "x":
+            k_hat[:, :, span], v_hat[:, :, span] = storage.rematerialize(inp.x[:, span], inp, state)
         else:
-            k_hat[:, :, span], v_hat[:, :, span] = codec.reconstruct(inp.layer_idx, k_src[:, :, span],
-                                                                     inp.v[:, :, span])
-    if codec.keys_pre_rope:
+            k_hat[:, :, span], v_hat[:, :, span] = storage.reconstruct(k_src[:, :, span], inp.v[:, :, span])
+    if storage.keys_pre_rope:
         k_hat = apply_rope(k_hat, inp.cos, inp.sin)
     return k_hat, v_hat
 
@@ -45,29 +45,29 @@ def reconstruct(codec, inp: AttentionInputs, k_fp: torch.Tensor, state: dict, sp
 class SimulatedAttention:
     """Adapter handler for whole-window forwards (no cache) under the gptq or prefill-decode protocol."""
 
-    def __init__(self, codec, prompt_len: int = 0):
-        self.codec = codec
+    def __init__(self, storages, prompt_len: int = 0):
+        self.storages = storages
         self.prompt_len = prompt_len
-        self.state: dict = {}  # what a cross-layer codec passes from layer to layer within one forward
+        self.state: dict = {}  # what a cross-layer method passes from layer to layer within one forward
 
     def attend(self, inp: AttentionInputs) -> torch.Tensor:
         if inp.cache is not None:
             raise RuntimeError("the gptq simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
-        if self.codec.lossless:
+        if self.storages.lossless:
             return attention(q, k_fp, inp.v, inp.mask, inp.scale)
-        if self.codec.bulk_only:
-            raise KvcalError(self.codec.bulk_only)
+        if self.storages.bulk_only:
+            raise KvcalError(self.storages.bulk_only)
         length = inp.k_pre.shape[2]
-        k_hat, v_hat = reconstruct(self.codec, inp, k_fp, self.state)
-        full_precision = self.codec.policy.full_precision_mask(length, self.prompt_len, q.device)
-        if self.codec.remaps_scores:  # one softmax over [k_fp; k_hat], exactly one copy of each key allowed
+        k_hat, v_hat = reconstruct(self.storages, inp, k_fp, self.state)
+        full_precision = self.storages.policy.full_precision_mask(length, self.prompt_len, q.device)
+        if self.storages.remaps_scores:  # one softmax over [k_fp; k_hat], exactly one copy of each key allowed
             bias = additive_mask(inp.mask, q.shape[2], length, q.device)
             fp = full_precision[None, None]
             both = torch.cat([torch.where(fp, bias, NEG), torch.where(fp, NEG, bias)], dim=-1)
             compressed = torch.cat([torch.zeros_like(fp), ~fp], dim=-1)
             return remapped_attention(q, torch.cat([k_fp, k_hat], 2), torch.cat([inp.v, v_hat], 2), both, compressed,
-                                      inp.scale, functools.partial(self.codec.remap_scores, inp.layer_idx))
+                                      inp.scale, self.storages[inp.layer_idx].remap_scores)
         if not full_precision.any():
             return attention(q, k_hat, v_hat, inp.mask, inp.scale)
         return mixed_attention(q, k_fp, inp.v, k_hat, v_hat, full_precision, inp.mask, inp.scale)
@@ -90,28 +90,28 @@ class TailAttention:
     """Adapter handler for whole-window forwards under the `tail` protocol (any method).
 
     Tokens [0, S+P) are the full-precision prefill: their queries attend exactly. Then the block [S, S+P) is
-    compressed in bulk, the codec's `reconstruct` (or `rematerialize`) taking the whole block as one span (a
+    compressed in bulk, the storages' `reconstruct` (or `rematerialize`) taking the whole block as one span (a
     whole-block statistic, such as CalibQuant's per-channel ranges, spans all P tokens), and the tail queries
     [S+P, T) see [full-precision prefix | the reconstructed block | the causal full-precision tail], with the
-    codec's score remap on the block. The codec's own flush policy (sinks, residual window) does not apply: the
+    storages' score remap on the block. The storages' own flush policy (sinks, residual window) does not apply: the
     protocol's prefix and tail are its full-precision tokens. The full-precision allowance `fp_window` W keeps the
     newest W tokens of the prefill out of the block: [S, S+P-W) is compressed. P - W must be a multiple of the
     policy's block."""
 
-    def __init__(self, codec, prefix: int, block: int, fp_window: int = 0):
+    def __init__(self, storages, prefix: int, block: int, fp_window: int = 0):
         if not 0 <= fp_window < block:
             raise KvcalError(f"--fp-window {fp_window} must leave some of the tail protocol's {block}-token block")
-        if not codec.lossless and (block - fp_window) % codec.policy.block:
+        if not storages.lossless and (block - fp_window) % storages.policy.block:
             raise KvcalError(f"the tail protocol's compressed block of {block - fp_window} tokens is not a multiple "
-                             f"of the method's {codec.policy.block}-token blocks: choose --block-len accordingly")
-        self.codec, self.prefix, self.block, self.fp_window = codec, prefix, block, fp_window
+                             f"of the method's {storages.policy.block}-token blocks: choose --block-len accordingly")
+        self.storages, self.prefix, self.block, self.fp_window = storages, prefix, block, fp_window
         self.state: dict = {}
 
     def attend(self, inp: AttentionInputs) -> torch.Tensor:
         if inp.cache is not None:
             raise RuntimeError("the tail simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
-        if self.codec.lossless:
+        if self.storages.lossless:
             return attention(q, k_fp, inp.v, inp.mask, inp.scale)
         length = k_fp.shape[2]
         start, end = self.prefix, self.prefix + self.block - self.fp_window  # the compressed span
@@ -121,16 +121,16 @@ class TailAttention:
         mask = inp.mask
         head_mask = None if mask is None else mask[..., :prefill, :prefill]
         head = attention(q[:, :, :prefill], k_fp[:, :, :prefill], inp.v[:, :, :prefill], head_mask, inp.scale)
-        k_hat, v_hat = reconstruct(self.codec, inp, k_fp, self.state, (start, end))
+        k_hat, v_hat = reconstruct(self.storages, inp, k_fp, self.state, (start, end))
         k_mix, v_mix = k_fp.clone(), inp.v.clone()  # each key in one version for every tail query
         k_mix[:, :, start:end], v_mix[:, :, start:end] = k_hat[:, :, start:end], v_hat[:, :, start:end]
         q_tail = q[:, :, prefill:]
-        if self.codec.remaps_scores:
+        if self.storages.remaps_scores:
             bias = additive_mask(mask, q_tail.shape[2], length, q.device)
             compressed = torch.zeros(length, dtype=torch.bool, device=q.device)
             compressed[start:end] = True
             tail = remapped_attention(q_tail, k_mix, v_mix, bias, compressed, inp.scale,
-                                      functools.partial(self.codec.remap_scores, inp.layer_idx))
+                                      self.storages[inp.layer_idx].remap_scores)
         else:
             tail = attention(q_tail, k_mix, v_mix, mask, inp.scale)
         return torch.cat([head, tail], dim=2)

@@ -1,6 +1,6 @@
-"""KV-cache compression methods: one file each, registered by name."""
+"""KV-cache compression methods: one folder each (kvcal/methods/<name>/), registered by name."""
 
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method, Storage, Storages
 from kvcal.methods.registry import all_methods, build_method, method_class
 
-__all__ = ["Codec", "FlushPolicy", "Method", "all_methods", "build_method", "method_class"]
+__all__ = ["FlushPolicy", "Method", "Storage", "Storages", "all_methods", "build_method", "method_class"]

@@ -1,13 +1,13 @@
-"""What every method is: a config dataclass with the paper's defaults, `calibrate()`, and a codec.
+"""What every method is: a config dataclass with the paper's defaults, `calibrate()`, and its storages.
 
 - `Method` (one dataclass per method, registered by name): validates its config, says what calibration
-  needs captured, turns captured activations into learned tensors, counts its cache bytes, and builds
-  its `Codec` from an artifact's tensors.
-- `Codec`: what the method does to the cache: its flush policy, its packed `Storage` per layer (the runtime
-  protocol, kvcal/runtime/storage.py), and the simulation's reconstruction (by default through that storage).
+  needs captured, turns captured activations into learned tensors, counts its cache bytes, and builds one
+  `Storage` per layer from an artifact's tensors (`build_storages`).
+- `Storage` (kvcal/runtime/storage.py): the only per-layer interface: the packed buffers, write, attend, read, and
+  the simulation's reconstruction (by default a round trip through that storage).
 
-A method lives in its own files: `kvcal/methods/<name>.py` (config, calibration, codec, storage) and
-`kvcal/methods/<name>_kernels.py` (its Triton kernels, beside the storage's torch references).
+A method lives in its own folder, `kvcal/methods/<name>/`: method.py (the config), calibrate.py, storage.py (its
+storages, with their torch references), kernels.py (its Triton kernels), cases.py (its kernel test cases).
 """
 
 from __future__ import annotations
@@ -21,89 +21,9 @@ from typing import ClassVar
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.runtime.storage import FlushPolicy, Storage
+from kvcal.runtime.storage import FlushPolicy, Storage, Storages
 
-__all__ = ["Codec", "FlushPolicy", "Method", "Storage", "check_bits", "round_trip"]
-
-
-class Codec:
-    """What a method applies to one model's cache, built from an artifact's tensors (or from nothing).
-
-    - `policy`, `keys_pre_rope`: which tokens stay in full precision as decoding proceeds (sinks, recent window,
-      unflushed residual groups), and whether compressed keys live before RoPE.
-    - `storage(layer)`: the packed runtime's storage of that layer (kvcal.runtime.storage.Storage), or None for a
-      method with no packed runtime (the simulation and the dequantized reference cache still run).
-    - `reconstruct(layer, k, v)`: the gptq simulation's view of a block of tokens: what dequantization gives back.
-      By default a round trip through the storage's own torch quantizer (write, then read): one numerics path for the
-      simulation and the packed cache. Methods whose published math the storage cannot hold exactly override it.
-    - `source`: what the cache compresses of each token: "kv" (its keys and values: `reconstruct`) or "x" (the
-      layer's attention input, from which the codec rebuilds keys and values: `rematerialize`).
-    - `remap_scores(layer, scores, compressed)`: what the method does to the pre-softmax scores (q.k * scale) of the
-      keys attention sees compressed, before the softmax that they share with the full-precision keys: the identity
-      unless `remaps_scores` (a logit remap is not a K-hat and a V-hat). The simulation and the dequantized
-      reference cache then compute attention with explicit scores and call it; the packed storages do it in
-      `attend`.
-    - `bulk_only`: non-empty for a codec that compresses a span of tokens only as a whole (its statistics span the
-      block it is given), so it has no token-by-token flush rule: it runs under the `tail` protocol only; the string
-      says why, as the one-line refusal of the other protocols and of the cache.
-    """
-
-    policy: FlushPolicy = FlushPolicy()
-    keys_pre_rope: bool = False  # compress keys before RoPE and rotate after reconstruction
-    lossless: bool = False  # nothing is compressed (fp16 baseline)
-    source: str = "kv"
-    remaps_scores: bool = False  # remap_scores is not the identity
-    bulk_only: str = ""
-
-    def storage(self, layer: int) -> Storage | None:
-        return None
-
-    def storage_refusal(self) -> str:
-        """Why `storage` is None (the packed cache's one-line error)."""
-        return f"{type(self).__name__} has no packed runtime"
-
-    def reconstruct(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k (in the key space: before RoPE for keys_pre_rope) and v [B, Hkv, T, D], T a multiple of policy.block ->
-        the reconstructed k and v, same shapes and dtypes."""
-        storage = self.storage(layer)
-        if storage is None:
-            raise KvcalError(self.storage_refusal())
-        return round_trip(storage, k, v)
-
-    def remap_scores(self, layer: int, scores: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
-        """scores [B, Hq, Tq, Tk] (float, after the 1/sqrt(d) scale, before the mask), compressed bool broadcastable
-        to them: True where the query sees that key compressed (and the mask allows it) -> the scores the softmax
-        takes (entries where compressed is False must come back unchanged). Default: the identity."""
-        return scores
-
-    def rematerialize(self, layer: int, x: torch.Tensor, proj, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """For source "x" codecs: x [B, T, hidden], the attention inputs of a span of tokens compressed together (T
-        a multiple of policy.block) -> the keys (before RoPE) and values [B, Hkv, T, D] that attention sees of them.
-        `proj` is the layer's AttentionInputs: `proj.project(xk, xv)` its own K and V projections of attention inputs,
-        `proj.finish(k_lin, v_lin)` the same from bias-free linear outputs. `state` is one dict per batch row passed
-        to every layer in order for the same span (a method working across layers keeps what it needs there)."""
-        raise NotImplementedError(f"{type(self).__name__} compresses keys and values, not X")
-
-
-def round_trip(storage: Storage, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write k, v [B, H, T, D] into fresh buffers of `storage` through its torch reference, read them back (keys in
-    the storage's key space, not rotated)."""
-    from kvcal.runtime.storage import Packed
-
-    batch, heads, length, dim = k.shape
-    storage.check(heads, dim)
-    storage = storage.to(k.device)
-    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device=k.device)
-               for name, spec in storage.buffers(batch, length, heads, dim).items()}
-    lengths = torch.full((batch,), length, dtype=torch.int32, device=k.device)
-    packed = Packed(buffers, lengths, heads, dim, length)
-    rows = torch.arange(batch, device=k.device).repeat_interleave(length)
-    slots = torch.arange(length, device=k.device).repeat(batch)
-    storage.write_reference(packed, k.transpose(1, 2).reshape(-1, heads, dim),
-                            v.transpose(1, 2).reshape(-1, heads, dim), rows, slots)
-    compute = torch.promote_types(k.dtype, torch.float32)
-    read = [storage.read(packed, b, compute, rotate=False) for b in range(batch)]
-    return (torch.stack([r[0] for r in read]).to(k.dtype), torch.stack([r[1] for r in read]).to(v.dtype))
+__all__ = ["FlushPolicy", "Method", "Storage", "Storages", "check_bits"]
 
 
 def check_bits(bits: int, allowed=(1, 2, 3, 4, 8)) -> None:
@@ -146,6 +66,9 @@ class Method:
     # small settings for tiny test models (2 KV heads of 16 channels, a few calibration windows): the contract test
     # (tests/test_contract.py) runs every registered method with them
     test_config: ClassVar[dict] = {}
+    # every ablation and variant the method offers whose storage differs from test_config's, as label -> config keys
+    # over test_config: the contract test decodes each through its storages as it simulates them
+    test_ablations: ClassVar[dict[str, dict]] = {}
     # what each learned tensor is (short name "k.theta" -> kind, kvcal/compare.py KINDS): written into the artifact's
     # header, so `kvcal compare` compares codebooks up to permutation, SVD factors up to sign, datatypes as sets
     tensor_kinds: ClassVar[dict[str, str]] = {}
@@ -229,7 +152,9 @@ class Method:
         layers.{i}.{k|v|x}.{name}) and a JSON-able dict of calibration diagnostics."""
         return {}, {}
 
-    def build_codec(self, tensors: dict[str, torch.Tensor], dims) -> Codec:
+    def build_storages(self, tensors: dict[str, torch.Tensor], dims) -> Storages:
+        """One Storage per decoder layer of a model of these dims, from an artifact's tensors (none for a method that
+        learns nothing)."""
         raise NotImplementedError
 
     def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:

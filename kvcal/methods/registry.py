@@ -98,7 +98,7 @@ def check_artifact(artifact, path="artifact") -> None:
     method = build_method(artifact.method, artifact.config)
     method.check_model(dims)
     try:
-        method.build_codec(artifact.tensors, dims)
+        method.build_storages(artifact.tensors, dims)
     except KvcalError as exc:
         raise KvcalError(f"{path}: {exc}") from None
     except Exception as exc:  # a shape or key the config does not expect
@@ -118,11 +118,12 @@ def artifact_method(artifact, sets: list[str] | None = None, fp_window: int | No
     return method if fp_window is None else method.with_fp_window(fp_window)
 
 
-def codec_for_artifact(artifact, loaded, path="artifact", sets: list[str] | None = None,
-                       fp_window: int | None = None):
-    """The codec an artifact describes, after checking it was made for this model (artifact_method's settings)."""
+def storages_for_artifact(artifact, loaded, path="artifact", sets: list[str] | None = None,
+                          fp_window: int | None = None):
+    """(method, its Storages) an artifact describes, after checking it was made for this model (artifact_method's
+    settings)."""
     from kvcal.artifact import check_model
 
     check_model(artifact, loaded, path)
     method = artifact_method(artifact, sets, fp_window)
-    return method, method.build_codec(artifact.tensors, loaded.dims)
+    return method, method.build_storages(artifact.tensors, loaded.dims)

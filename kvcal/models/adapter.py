@@ -53,33 +53,19 @@ class AttentionInputs:
         return apply_rope(self.q, self.cos, self.sin), apply_rope(self.k_pre, self.cos, self.sin)
 
     def project(self, xk: torch.Tensor, xv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (before RoPE) and values [B, Hkv, T, D] that this layer's projections make of attention inputs
-        xk (for the keys) and xv (for the values; default xk), [B, T, hidden]: exactly how k_pre and v came from x
-        (bias, Qwen3's k_norm). Methods that cache X or a latent of it rebuild K and V with it."""
-        adapter = self.module._kvcal_binding[0]
-        xv = xk if xv is None else xv
-        return project_kv(self.module, adapter, xk.to(self.x.dtype), xv.to(self.x.dtype))
+        """KVProjection.project of this layer."""
+        return self.kv_projection().project(xk, xv)
 
     def finish(self, k_lin: torch.Tensor, v_lin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (before RoPE) and values [B, Hkv, T, D] from the bias-free outputs of the K and V projections
-        [B, T, Hkv * D] (x W^T, however it was computed): the bias added, Qwen3's k_norm applied."""
-        adapter = self.module._kvcal_binding[0]
-        batch, length, _ = k_lin.shape
-        out = []
-        for lin, proj in ((k_lin, self.module.k_proj), (v_lin, self.module.v_proj)):
-            lin = lin.to(self.x.dtype)
-            out.append((lin if proj.bias is None else lin + proj.bias).view(batch, length, -1, adapter.dims.head_dim))
-        k, v = out
-        if adapter.qk_norm:
-            k = self.module.k_norm(k)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        """KVProjection.finish of this layer."""
+        return self.kv_projection().finish(k_lin, v_lin)
 
     def kv_projection(self) -> KVProjection:
         """This layer's K and V projections as tensors (for storages that rebuild keys and values themselves)."""
         adapter = self.module._kvcal_binding[0]
         k, v = self.module.k_proj, self.module.v_proj
         return KVProjection(k.weight.detach(), None if k.bias is None else k.bias.detach(), v.weight.detach(),
-                            None if v.bias is None else v.bias.detach(), adapter.qk_norm)
+                            None if v.bias is None else v.bias.detach(), adapter.qk_norm, self.module, self.x.dtype)
 
 
 @dataclass(frozen=True)
@@ -92,6 +78,30 @@ class KVProjection:
     w_v: torch.Tensor
     b_v: torch.Tensor | None
     k_norm: bool
+    module: torch.nn.Module | None = None  # the attention module (project and finish run its own layers)
+    dtype: torch.dtype | None = None  # the model's activations
+
+    def project(self, xk: torch.Tensor, xv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values [B, Hkv, T, D] that this layer's projections make of attention inputs
+        xk (for the keys) and xv (for the values; default xk), [B, T, hidden]: exactly how k_pre and v came from x
+        (bias, Qwen3's k_norm). Methods that cache X or a latent of it rebuild K and V with it."""
+        adapter = self.module._kvcal_binding[0]
+        xv = xk if xv is None else xv
+        return project_kv(self.module, adapter, xk.to(self.dtype), xv.to(self.dtype))
+
+    def finish(self, k_lin: torch.Tensor, v_lin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values [B, Hkv, T, D] from the bias-free outputs of the K and V projections
+        [B, T, Hkv * D] (x W^T, however it was computed): the bias added, Qwen3's k_norm applied."""
+        adapter = self.module._kvcal_binding[0]
+        batch, length, _ = k_lin.shape
+        out = []
+        for lin, proj in ((k_lin, self.module.k_proj), (v_lin, self.module.v_proj)):
+            lin = lin.to(self.dtype)
+            out.append((lin if proj.bias is None else lin + proj.bias).view(batch, length, -1, adapter.dims.head_dim))
+        k, v = out
+        if adapter.qk_norm:
+            k = self.module.k_norm(k)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 class StandardAttention:

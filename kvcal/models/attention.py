@@ -90,7 +90,7 @@ def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: fl
 
 
 def remapped_attention(q, k, v, bias: torch.Tensor, compressed: torch.Tensor, scale: float, remap) -> torch.Tensor:
-    """Attention with explicit scores, for codecs that remap the scores of compressed keys (Codec.remap_scores).
+    """Attention with explicit scores, for storages that remap the scores of compressed keys (Storage.remap_scores).
 
     q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], bias an additive float mask broadcastable to [B, 1, Tq, Tk] (NEG where
     masked), compressed bool broadcastable to [B, 1, Tq, Tk]: the keys the query sees compressed. The scores

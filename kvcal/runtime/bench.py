@@ -191,7 +191,7 @@ def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torc
 def run_decode_bench(cases, contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), dims=None,
                      window: int = 128, dtype=torch.bfloat16, device="cuda", warmup: int = 25, rep: int = 100,
                      options: dict | None = None, log=print, graph: bool = True, flush: str = "write") -> dict:
-    """Benchmark grid over `cases`, a list of (name, codec, bits per element); dims: the model's ModelDims (default
+    """Benchmark grid over `cases`, a list of (name, storages, bits per element); dims: the model's ModelDims (default
     Llama-3.1-8B's). Returns a JSON-ready dict (device, versions, copy bandwidth, one row per (context, batch,
     case)). options: {case name: tuning knobs of its storage kernel}."""
     import triton
@@ -223,10 +223,10 @@ def run_decode_bench(cases, contexts=(4096, 16384, 32768, 131072), batches=(1, 8
                              gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy, speedup=1.0))
             log(f"ctx {tokens:6d} batch {batch:2d} sdpa ({backend}) {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s")
             torch.cuda.empty_cache()
-            for name, codec, bits in cases:
+            for name, storages, bits in cases:
                 opts = options.get(name, {})
                 t0 = time.time()
-                kus, kbytes = time_storage(codec.storage(0), batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
+                kus, kbytes = time_storage(storages[0], batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
                                            device=device, warmup=warmup, rep=rep, graph=graph, flush=flush,
                                            inv_freq=inv_freq, **opts)
                 gbps = kbytes / kus / 1e3

@@ -5,8 +5,8 @@ the buffers a prefill would leave; the weights are random too, so values do not 
 then `steps` greedy decode steps run through the real model, cache and kernels: eagerly (a Python
 forward per step, as generate() runs it; each packed layer replays its own step from a CUDA graph,
 runtime.graph.StepGraph), eagerly with every kernel launched from Python ('eager-launch'), or replayed
-from one captured CUDA graph of the whole step (no host work per step; codecs whose steps are static).
-Reported per codec, mode and batch: decode tokens/s, the cache's bytes
+from one captured CUDA graph of the whole step (no host work per step; settings whose steps are static).
+Reported per setting, mode and batch: decode tokens/s, the cache's bytes
 against what bits per element predicts, the process's peak GPU memory beyond the weights, and the largest
 batch that fits.
 """
@@ -59,13 +59,13 @@ def _decode_steps_graph(loaded, cache, batch: int, steps: int, generator) -> flo
 MODES = {"eager": "eager", "eager-launch": "eager-launch", "graph": "cuda-graph"}  # option -> record's mode
 
 
-def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: int, mode: str = "eager") -> dict:
-    """One timed case in `mode` (a MODES key). 'graph' replays a captured decode step (codecs whose steps can be
+def run_case(loaded, name: str, method, storages, batch: int, context: int, steps: int, mode: str = "eager") -> dict:
+    """One timed case in `mode` (a MODES key). 'graph' replays a captured decode step (settings whose steps can be
     static; the caller checks capture_refusal first)."""
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     graph = mode == "graph"
-    cache = KvcalCache(codec, loaded.dims.num_layers, step_graphs=mode == "eager")
+    cache = KvcalCache(storages, loaded.dims.num_layers, step_graphs=mode == "eager")
     cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 8)
     generator = torch.Generator(device=loaded.device).manual_seed(1)
     if graph:
@@ -86,10 +86,10 @@ def run_case(loaded, name: str, method, codec, batch: int, context: int, steps: 
     return record
 
 
-def capture_refusal(loaded, codec) -> str | None:
-    """Why decode steps of `codec` cannot be captured in a CUDA graph (None when they can): a tiny synthetic
-    cache is asked, so the answer is the codec's, not a batch size's."""
-    cache = KvcalCache(codec, loaded.dims.num_layers)
+def capture_refusal(loaded, storages) -> str | None:
+    """Why decode steps of `storages` cannot be captured in a CUDA graph (None when they can): a tiny synthetic
+    cache is asked, so the answer is the storages', not a batch size's."""
+    cache = KvcalCache(storages, loaded.dims.num_layers)
     cache.fill_synthetic(1, 256, loaded.dims, loaded.dtype, loaded.device, headroom=1)
     try:
         cache.begin_static()
@@ -117,7 +117,7 @@ def run_case_or_oom(*args, **kwargs) -> tuple[dict | None, str | None]:
     return None, message
 
 
-def largest_batch(loaded, name: str, method, codec, context: int, candidates: list[int],
+def largest_batch(loaded, name: str, method, storages, context: int, candidates: list[int],
                   tried: list[tuple[int, bool, str | None]] | None = None, steps: int = 1,
                   modes: tuple[str, ...] = ("eager",)) -> tuple[int, list[dict]]:
     """Largest batch at which every mode in `modes` fills its cache and decodes `steps` timed steps (run_case:
@@ -133,7 +133,7 @@ def largest_batch(loaded, name: str, method, codec, context: int, candidates: li
     def fits(batch: int) -> bool:
         records, failure = [], None
         for mode in modes:
-            record, error = run_case_or_oom(loaded, name, method, codec, batch, context, steps, mode=mode)
+            record, error = run_case_or_oom(loaded, name, method, storages, batch, context, steps, mode=mode)
             if record is None:
                 failure = f"{MODES[mode]}: {error}"
                 break

@@ -1,23 +1,21 @@
-"""KvcalCache: a transformers `Cache` whose layers hold K/V compressed the way a codec says, whatever the method.
+"""KvcalCache: a transformers `Cache` whose layers hold K/V compressed the way a method's storages say, whatever the
+method.
 
 Pass it to a model loaded by kvcal (as `cache=` or `past_key_values=`, whichever the installed transformers takes:
-kvcal.models.adapter.cache_kwargs); the attention adapter routes every layer's attention here. Backends:
+kvcal.models.adapter.cache_kwargs); the attention adapter routes every layer's attention here. Each layer's tokens
+live in its `Storage` (runtime/storage.py): the method's own buffers, written and read by its Triton kernels on CUDA
+(a storage whose kernel cannot take a call raises one line: no silent fallback) and by their torch references
+elsewhere. Backends: "packed" (the runtime) and "reference" (the torch references everywhere, CUDA included: for
+checks, for inputs a kernel does not take, and for the ablations' reconstruction storages). Left padding is never
+stored: each row holds its own tokens, so a padded batch computes what each sequence computes alone.
 
-- "packed" (the runtime): each layer's tokens live in its codec's `Storage` (runtime/storage.py): the method's own
-  buffers, written and read by its own Triton kernels on CUDA (a storage whose kernel cannot take a call raises one
-  line: no silent fallback) and by their torch references elsewhere. Left padding is never stored: each row holds its
-  own tokens, so a padded batch computes what each sequence computes alone.
-- "reference": the same storages through their torch references everywhere (CUDA included): for checks, and for
-  inputs a kernel does not take.
-- "dequantized" (a reference for tests and methods without a storage): keeps the reconstructed values in plain
-  tensors.
-
-All follow the same protocol. Prefill (the first call, several tokens): attention over the full-precision prompt,
-then the prompt is compressed in bulk as far as the storage's FlushPolicy allows. Decode (one token per call): the
-token is appended, the oldest tokens are flushed one block at a time while the policy allows, then attention runs.
-Sinks and the recent residual stay in full precision, here, in the generic part of the cache. A `bulk` policy
-(FlushPolicy.bulk) compresses each row's prompt tokens after its sinks once, in one write, after the prefill, and
-keeps every later token in full precision (the full-precision part then grows as decoding proceeds).
+Prefill (the first call, several tokens): attention over the full-precision prompt, then the prompt is compressed in
+bulk as far as the storage's FlushPolicy allows. Decode (one token per call): the token is appended, the oldest tokens
+are flushed one block at a time while the policy allows, then attention runs. Sinks and the recent residual stay in
+full precision, here, in the generic part of the cache. A `bulk` policy (FlushPolicy.bulk) compresses each row's
+prompt tokens after its sinks once, in one write, after the prefill, and keeps every later token in full precision
+(the full-precision part then grows as decoding proceeds). Two layer classes share `CacheLayer`: `PackedLayer` (a
+storage plus the full-precision part) and `LosslessLayer` (the fp16 baseline's plain K/V).
 """
 
 from __future__ import annotations
@@ -34,25 +32,23 @@ from kvcal.runtime.decode import FullPrecision, decode_attention, one_cpu_thread
 from kvcal.runtime.graph import GraphPool, StepGraph
 from kvcal.runtime.storage import Packed, SharedState
 
-BACKENDS = ("packed", "reference", "dequantized")
+BACKENDS = ("packed", "reference")
 
 
 def backend_ran(backend: str, device) -> str:
     """What a decode through `backend` on `device` runs, as records state it: the storages' Triton kernels (packed on
-    CUDA), their torch references (packed elsewhere, or reference) or the dequantized reference cache."""
+    CUDA) or their torch references (packed elsewhere, or reference)."""
     if backend not in BACKENDS:
         raise KvcalError(f"unknown cache backend '{backend}' ({', '.join(BACKENDS)})")
-    if backend == "dequantized":
-        return "dequantized"
     return "packed-triton" if backend == "packed" and torch.device(device).type == "cuda" else "packed-reference"
 
 
-class _LayerBase(DynamicLayer):
-    """transformers' Cache API (the mask builder and generate() ask for lengths)."""
+class CacheLayer(DynamicLayer):
+    """One layer of a KvcalCache: transformers' Cache API (the mask builder and generate() ask for lengths) and what
+    the cache asks of its layers: `attend`, static decode steps (CUDA graphs) and memory accounting."""
 
-    def __init__(self, codec, layer_idx: int):
+    def __init__(self, layer_idx: int):
         super().__init__()
-        self.codec = codec
         self.layer_idx = layer_idx
         self.length = 0  # tokens per row, padding included (what transformers' mask expects)
 
@@ -70,93 +66,33 @@ class _LayerBase(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError("KvcalCache layers are driven by kvcal's attention adapter, not Cache.update")
 
-
-class DequantizedLayer(_LayerBase):
-    """Reference backend: what the codec's reconstruction gives, kept in plain tensors [B, H, T, D] (left padding
-    included, as transformers' mask expects). Each row's own tokens (after its padding) are compressed as that row
-    alone would be: its flushes and aligned blocks count from its first token. Codecs of source "x" get the rows'
-    attention inputs and rebuild keys and values (state across layers in the cache's SharedState, per row)."""
-
-    def __init__(self, codec, layer_idx: int, shared: SharedState | None = None):
-        super().__init__(codec, layer_idx)
-        self.shared = shared or SharedState()
-        self.pads: list[int] = []
-        self.compressed: list[int] = []  # tokens compressed per row (after its sinks)
-        self.src: tuple[torch.Tensor, ...] = ()  # what the codec compresses: (k_src, v) [B, H, T, D], or (x,) [B, T, C]
-        self.cos = self.sin = self.k_seen = self.v_seen = None
-
-    def _sources(self, inp, k_rot) -> tuple[torch.Tensor, ...]:
-        if self.codec.source == "x":
-            return (inp.x,)
-        return (inp.k_pre if self.codec.keys_pre_rope else k_rot, inp.v)
-
-    def append(self, inp) -> None:
-        k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
-        src = self._sources(inp, k_rot)
-        if self.k_seen is None:
-            batch, length = inp.k_pre.shape[0], inp.k_pre.shape[2]
-            self.pads = _left_padding(inp.mask, batch, length) if length > 1 else [0] * batch
-            self.compressed = [0] * batch
-            self.src, self.cos, self.sin = src, inp.cos, inp.sin
-            self.k_seen, self.v_seen = k_rot, inp.v.clone()
-        else:
-            # x [B, T, C] and cos/sin [B, T, D] hold tokens on axis 1, k/v [B, H, T, D] on axis 2
-            self.src = tuple(torch.cat([a, b], dim=a.dim() - 2) for a, b in zip(self.src, src))
-            self.cos, self.sin = torch.cat([self.cos, inp.cos], 1), torch.cat([self.sin, inp.sin], 1)
-            self.k_seen = torch.cat([self.k_seen, k_rot], 2)
-            self.v_seen = torch.cat([self.v_seen, inp.v], 2)
-        self.length += inp.k_pre.shape[2]
-        self.is_initialized = True
-
-    def flush(self, inp, prefill: bool = False) -> None:
-        """Compress, row by row, every block the policy lets go (all pending blocks of a row in one call; a bulk
-        policy: the prompt's span after the sinks, at the prefill only)."""
-        policy = self.codec.policy
-        if policy.bulk and not prefill:
-            return
-        for b, pad in enumerate(self.pads):
-            done, target = self.compressed[b], policy.compressed_count(self.length - pad)
-            if target == done:
-                continue
-            span = slice(pad + policy.sink + done, pad + policy.sink + target)
-            rows = slice(b, b + 1)
-            if self.codec.source == "x":
-                state = self.shared.store.setdefault(("rematerialize", b), {})
-                k_hat, v_hat = self.codec.rematerialize(self.layer_idx, self.src[0][rows, span], inp, state)
-            else:
-                k_hat, v_hat = self.codec.reconstruct(self.layer_idx, self.src[0][rows, :, span],
-                                                      self.src[1][rows, :, span])
-            if self.codec.keys_pre_rope:
-                k_hat = apply_rope(k_hat, self.cos[rows, span], self.sin[rows, span])
-            self.k_seen[rows, :, span] = k_hat.to(self.k_seen.dtype)
-            self.v_seen[rows, :, span] = v_hat.to(self.v_seen.dtype)
-            self.compressed[b] = target
-
     def attend(self, inp) -> torch.Tensor:
-        q = apply_rope(inp.q, inp.cos, inp.sin)
-        prefill = self.length == 0 and inp.q.shape[2] > 1
-        self.append(inp)
-        if prefill:  # full-precision prompt attention, then bulk compression
-            out = attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
-            self.flush(inp, prefill=True)
-            return out
-        self.flush(inp)
-        if self.codec.remaps_scores:
-            return self._remapped(q, inp)
-        return attention(q, self.k_seen, self.v_seen, inp.mask, inp.scale)
+        raise NotImplementedError
 
-    def _remapped(self, q, inp) -> torch.Tensor:
-        """Attention with the codec's remap of the compressed keys' scores (Codec.remap_scores): row b sees its
-        tokens [pad + sink, pad + sink + compressed[b]) compressed."""
-        batch, length = q.shape[0], self.k_seen.shape[2]
-        positions = torch.arange(length, device=q.device)
-        compressed = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=q.device)
-        for b, pad in enumerate(self.pads):
-            start = pad + self.codec.policy.sink
-            compressed[b, 0, 0] = (positions >= start) & (positions < start + self.compressed[b])
-        bias = additive_mask(inp.mask, q.shape[2], length, q.device)
-        return remapped_attention(q, self.k_seen, self.v_seen, bias, compressed, inp.scale,
-                                  functools.partial(self.codec.remap_scores, self.layer_idx))
+    def static_refusal(self) -> str | None:
+        raise NotImplementedError
+
+    def begin_static(self) -> None:
+        raise NotImplementedError
+
+    def advance_static(self) -> None:
+        raise NotImplementedError
+
+    def static_room(self) -> int:
+        raise NotImplementedError
+
+    def reserve_static(self, steps: int) -> None:
+        raise NotImplementedError
+
+    def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None,
+                       hidden=0) -> None:
+        raise NotImplementedError
+
+    def nbytes(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def held(self) -> dict[str, int]:
+        raise NotImplementedError
 
 
 def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
@@ -174,16 +110,16 @@ def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[in
     return pads
 
 
-class PackedLayer(_LayerBase):
+class PackedLayer(CacheLayer):
     """One layer: the storage's packed tokens plus the full-precision part. Row b holds its sinks, `compressed[b]`
     packed tokens, and a residual ring of the most recent ones."""
 
     GROWTH = 1.125  # buffers grow by 1/8 (bounded over-allocation, so memory tracks bits per element)
     static_steps_on_cpu = False  # eager one-token steps as static steps on a CPU too (tests run CUDA's path there)
 
-    def __init__(self, codec, layer_idx: int, storage, kernels: bool | None, capacity_hint: int = 0,
+    def __init__(self, layer_idx: int, storage, kernels: bool | None, capacity_hint: int = 0,
                  shared: SharedState | None = None):
-        super().__init__(codec, layer_idx)
+        super().__init__(layer_idx)
         self.storage = storage
         self.policy = storage.policy
         self.keys_pre_rope = storage.keys_pre_rope
@@ -306,7 +242,8 @@ class PackedLayer(_LayerBase):
         rows[m], slot slots[m] (device int64 tensors; runs of the policy's block of consecutive slots of one row
         each)."""
         try:
-            self.storage.write(self.packed(), *sources, rows, slots, self.kernels)
+            keys, values = sources if len(sources) == 2 else (sources[0], None)  # source "x": X alone
+            self.storage.write(self.packed(), keys, values, rows, slots, self.kernels)
         except ValueError as err:  # a write kernel that cannot take these shapes
             raise KvcalError(f"{type(self.storage).__name__}: {err}; run the torch reference on purpose with "
                              "backend='reference' (--backend reference)") from err
@@ -627,12 +564,12 @@ class PackedLayer(_LayerBase):
                 "fp_tokens": fp_tokens, "fp_bytes": fp_slot * fp_tokens}
 
 
-class LosslessLayer(_LayerBase):
-    """fp16 'codec': full-precision K/V in preallocated buffers that grow by 1/8 (no copy of the whole
+class LosslessLayer(CacheLayer):
+    """The fp16 baseline: full-precision K/V in preallocated buffers that grow by 1/8 (no copy of the whole
     cache at every step, unlike concatenation)."""
 
-    def __init__(self, codec, layer_idx: int, capacity_hint: int = 0):
-        super().__init__(codec, layer_idx)
+    def __init__(self, layer_idx: int, capacity_hint: int = 0):
+        super().__init__(layer_idx)
         self.capacity_hint = capacity_hint
         self.k_buf = self.v_buf = None
         self.static = False
@@ -698,6 +635,11 @@ class LosslessLayer(_LayerBase):
     def advance_static(self) -> None:
         self.length += 1
 
+    def held(self) -> dict[str, int]:
+        rows = 0 if self.k_buf is None else self.k_buf.shape[0]
+        return {"compressed_tokens": 0, "compressed_bytes": 0, "fp_tokens": self.length * rows,
+                "fp_bytes": self.nbytes()[1]}
+
     def nbytes(self) -> tuple[int, int]:
         if self.k_buf is None:
             return 0, 0
@@ -715,41 +657,37 @@ class LosslessLayer(_LayerBase):
 
 
 class KvcalCache(Cache):
-    """Pass to a model loaded by kvcal (its adapter routes attention here).
+    """Pass to a model loaded by kvcal (its adapter routes attention here), built from a method's `Storages` (one
+    per layer).
 
-    backend: "packed" (each layer's storage; its Triton kernels on CUDA, torch references elsewhere), "reference"
-    (the storages' torch references everywhere) or "dequantized" (reconstructed values in plain tensors).
-    step_graphs (packed backend, CUDA): each layer's eager one-token decode step is replayed from a CUDA graph
-    (runtime.graph.StepGraph), which removes most of the host cost of its launches; the results are those of the
-    same launches run eagerly. False launches them from Python every step. kernels (packed backend): None runs the
-    Triton kernels on CUDA and the torch references elsewhere; True forces the kernels (the CPU under
+    backend: "packed" (each layer's storage; its Triton kernels on CUDA, torch references elsewhere) or "reference"
+    (the storages' torch references everywhere). step_graphs (CUDA): each layer's eager one-token decode step is
+    replayed from a CUDA graph (runtime.graph.StepGraph), which removes most of the host cost of its launches; the
+    results are those of the same launches run eagerly. False launches them from Python every step. kernels: None
+    runs the Triton kernels on CUDA and the torch references elsewhere; True forces the kernels (the CPU under
     TRITON_INTERPRET=1, for tests)."""
 
-    def __init__(self, codec, num_layers: int, backend: str = "packed", capacity_hint: int = 0,
+    def __init__(self, storages, num_layers: int, backend: str = "packed", capacity_hint: int = 0,
                  step_graphs: bool = True, kernels: bool | None = None):
         if backend not in BACKENDS:
             raise KvcalError(f"unknown cache backend '{backend}' ({', '.join(BACKENDS)})")
+        if len(storages) != num_layers:
+            raise KvcalError(f"{len(storages)} storages for a model of {num_layers} layers")
         self.shared = SharedState()
-        if codec.bulk_only and not codec.lossless and not codec.policy.bulk:
-            raise KvcalError(codec.bulk_only)
-        if codec.lossless:
-            layers = [LosslessLayer(codec, i, capacity_hint) for i in range(num_layers)]
-        elif backend == "dequantized":
-            layers = [DequantizedLayer(codec, i, self.shared) for i in range(num_layers)]
+        if storages.bulk_only and not storages.policy.bulk:
+            raise KvcalError(storages.bulk_only)
+        if storages.lossless:
+            layers = [LosslessLayer(i, capacity_hint) for i in range(num_layers)]
         else:
-            storages = [codec.storage(i) for i in range(num_layers)]
-            if any(s is None for s in storages):
-                raise KvcalError(f"{codec.storage_refusal()}: use the dequantized reference cache (--backend "
-                                 "dequantized) or the simulation (--mode simulate)")
             kernels = False if backend == "reference" else kernels
-            layers = [PackedLayer(codec, i, s, kernels, capacity_hint, self.shared) for i, s in enumerate(storages)]
+            layers = [PackedLayer(i, s, kernels, capacity_hint, self.shared) for i, s in enumerate(storages)]
             # step graphs replay the Triton kernels only: the torch references synchronize with the host (lengths
             # read per row), which a capture forbids
             pool = GraphPool() if step_graphs and kernels is not False else None
             for layer in layers:
                 layer.graph_pool = pool
         super().__init__(layers=layers)
-        self.codec = codec
+        self.storages = storages
         self.backend = backend
 
     def kvcal_attend(self, inp) -> torch.Tensor:
@@ -762,7 +700,7 @@ class KvcalCache(Cache):
     def graph_refusal(self) -> str | None:
         """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each
         row's length on the host every step, which a capture forbids (they still run static steps eagerly)."""
-        if any(isinstance(layer, PackedLayer) and layer.kernels_asked is False for layer in self.layers):
+        if not self.storages.lossless and self.layers[0].kernels_asked is False:
             return "the torch references (backend reference) synchronize with the host at every step"
         return None
 
@@ -782,10 +720,10 @@ class KvcalCache(Cache):
         replays correctly at every later length. The caller moves the host-side counters with
         advance_static() after each step (a replayed graph runs no Python) and checks static_room()."""
         for i, layer in enumerate(self.layers):
-            reason = layer.static_refusal() if hasattr(layer, "static_refusal") else "dequantized reference backend"
+            reason = layer.static_refusal()
             if reason:
-                raise KvcalError(f"no static decode steps (CUDA graphs) for {type(self.codec).__name__}: layer {i}: "
-                                 f"{reason}")
+                raise KvcalError(f"no static decode steps (CUDA graphs) for {type(self.storages[i]).__name__}: layer "
+                                 f"{i}: {reason}")
         for layer in self.layers:
             layer.begin_static()
 
@@ -803,8 +741,7 @@ class KvcalCache(Cache):
     def reserve_static(self, steps: int) -> None:
         """Grow every layer's buffers now so that `steps` static steps fit (a graph cannot grow them)."""
         for layer in self.layers:
-            if hasattr(layer, "reserve_static"):  # the others are refused by begin_static
-                layer.reserve_static(steps)
+            layer.reserve_static(steps)
 
     def fill_synthetic(self, batch: int, tokens: int, dims, dtype, device, headroom: int = 0, seed: int = 0):
         """Every layer holds `tokens` random tokens per row (see PackedLayer.fill_synthetic)."""
@@ -816,7 +753,7 @@ class KvcalCache(Cache):
 
     def nbytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of the per-token cache over all layers."""
-        sizes = [layer.nbytes() for layer in self.layers if hasattr(layer, "nbytes")]
+        sizes = [layer.nbytes() for layer in self.layers]
         return sum(s[0] for s in sizes), sum(s[1] for s in sizes)
 
     def held(self) -> dict[str, int]:
@@ -824,16 +761,9 @@ class KvcalCache(Cache):
         (in the cache's dtype), with their tokens per layer (all rows). A lossless cache is all full precision."""
         parts = {"compressed_tokens": 0, "compressed_bytes": 0, "fp_tokens": 0, "fp_bytes": 0}
         for layer in self.layers:
-            if isinstance(layer, PackedLayer):
-                held = layer.held()
-            elif isinstance(layer, LosslessLayer):
-                rows = 0 if layer.k_buf is None else layer.k_buf.shape[0]
-                held = {"fp_tokens": layer.length * rows, "fp_bytes": layer.nbytes()[1]}
-            else:
-                continue
-            for key, value in held.items():
+            for key, value in layer.held().items():
                 parts[key] += value
-        layers = max(1, sum(isinstance(layer, (PackedLayer, LosslessLayer)) for layer in self.layers))
+        layers = max(1, len(self.layers))
         parts["compressed_tokens"] //= layers
         parts["fp_tokens"] //= layers
         return parts

@@ -27,9 +27,10 @@ LOG2E = 1.4426950408889634
 # ---- torch references ------------------------------------------------------------------------------------------
 
 
-def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int) -> Partials:
+def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int, remap=None) -> Partials:
     """Partials (one split) of q [B, Hq, D] over each row's keys and values: rows[b] = (k, v) [Hkv, T_b, D] in the
-    compute dtype, or None for a row with no tokens (m = -inf, l = 0, acc = 0)."""
+    compute dtype, or None for a row with no tokens (m = -inf, l = 0, acc = 0). remap: a storage's remap_scores,
+    applied to the scores q.k x scale [1, Hq, 1, T_b] of these (compressed) keys before the softmax."""
     batch, hq, d = q.shape
     group = hq // heads
     parts = Partials.empty(batch * heads, 1, group, d, q.dtype, q.device)
@@ -42,7 +43,11 @@ def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int) ->
             continue
         k, v = kv
         qg = q[b].to(compute).reshape(heads, group, d)
-        s = qg @ k.to(compute).transpose(1, 2) * (scale * LOG2E)  # [Hkv, G, T]
+        if remap is None:
+            s = qg @ k.to(compute).transpose(1, 2) * (scale * LOG2E)  # [Hkv, G, T]
+        else:
+            s = (qg @ k.to(compute).transpose(1, 2) * scale).reshape(1, hq, 1, -1)
+            s = remap(s, torch.ones((), dtype=torch.bool, device=q.device)).reshape(heads, group, -1) * LOG2E
         m = s.amax(-1)
         p = torch.exp2(s - m[..., None])
         at = slice(b * heads, (b + 1) * heads)

@@ -30,7 +30,7 @@ def first_compressed_length(policy) -> int:
     return policy.sink + policy.residual + (1 if policy.bulk else policy.block)
 
 
-def size_summary(name: str, codec, loaded, cache, tokens: int, predicted: float) -> str:
+def size_summary(name: str, storages, loaded, cache, tokens: int, predicted: float) -> str:
     """The cache's size line: the compressed part and the full-precision part (held in the model's dtype, float32 on a
     CPU: more than fp16 would take) apart, so a short sequence that sits wholly in the window is not read as a ratio."""
     dims = loaded.dims
@@ -46,10 +46,10 @@ def size_summary(name: str, codec, loaded, cache, tokens: int, predicted: float)
         r = reference / max(nbytes, 1)
         return f"{r:.1f}x smaller" if r >= 1 else f"{1 / r:.1f}x larger"
 
-    if codec.lossless:
+    if storages.lossless:
         return f"{name}: no compression: {tokens} tokens in {mib(used)} ({dtype} K/V; fp16 would take {mib(fp16)})"
     if held["compressed_tokens"] == 0:
-        policy = codec.policy
+        policy = storages.policy
         if policy.bulk:
             when = (f"compresses a prompt's tokens past its {policy.sink} sinks and newest {policy.residual} (a prompt "
                     f"of {first_compressed_length(policy)} tokens or more)")

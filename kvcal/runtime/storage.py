@@ -1,4 +1,7 @@
-"""The storage protocol: what a method's codec provides for the part of the KV cache it compresses.
+"""The storage protocol: the one per-layer interface of a method, for the part of the KV cache it compresses.
+
+A method builds one `Storage` per decoder layer (`Method.build_storages`, a `Storages` tuple); the packed cache
+(runtime/cache.py), the simulation (eval/simulate.py) and the benchmarks all go through these objects.
 
 The generic cache (runtime/cache.py) owns everything methods share: the layers, batch rows and left padding,
 growth, the full-precision parts (sinks and the recent window, left by the rule the storage's FlushPolicy
@@ -15,6 +18,14 @@ declares), CUDA step graphs, and one `SharedState` per cache. A `Storage` owns t
   against a codebook, a rematerialization) happens here.
 - `read(packed, row)`: the dequantized keys (after RoPE) and values of one row (the reference attention, tests and
   debugging).
+
+- `reconstruct(k, v)` (or `rematerialize(x, proj, state)` for storages of source "x"): the simulation's view of a
+  block of tokens, by default a round trip through `write` and `read` (one numerics path for both).
+- `remap_scores(scores, compressed)`: what the method does to the scores of compressed keys (the identity unless
+  `remaps_scores`: CalibQuant's logit remap, eviction's dropped keys).
+
+An ablation whose format the packed kernels do not hold gets a `ReconstructionStorage`: its reconstruction kept in
+plain buffers, torch only (the reference backend).
 
 Shapes and dtypes of the buffers, and what a token costs, are the storage's business; the runtime never looks
 inside them. Tokens reach `write` in the storage's key space: after RoPE, or before it for `keys_pre_rope`
@@ -100,11 +111,19 @@ class BufferSpec:
 @dataclass
 class SharedState:
     """One per cache, handed to every layer's storage: RoPE tables that all layers share (one table of the longest
-    length asked for, not one per layer: 32 copies of 32K x 128 x 2 floats would be 1 GiB on an 8B model) and a dict
-    that a method may use across layers (XQuant's cross-layer deltas)."""
+    length asked for, not one per layer: 32 copies of 32K x 128 x 2 floats would be 1 GiB on an 8B model) and the
+    objects a method keeps across layers (`state(cls)`: XQuant's cross-layer chain)."""
 
-    store: dict = field(default_factory=dict)
+    _states: dict = field(default_factory=dict)  # class -> its one instance in this cache
     _tables: dict = field(default_factory=dict)  # device -> (cos, sin): one table per device of a split model
+
+    def state(self, cls):
+        """This cache's one instance of `cls` (made with cls() on first use): what a method's storages share across
+        layers, typed by the class that holds it."""
+        found = self._states.get(cls)
+        if found is None:
+            found = self._states[cls] = cls()
+        return found
 
     def rope_tables(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [positions >= length, D] in float32 (rope_cos_sin's: cos/sin(position * inv_freq), the two
@@ -152,7 +171,7 @@ class Packed:
 
 
 class Storage:
-    """Packed storage of the tokens one layer's codec compresses (see the module docstring).
+    """Packed storage of the tokens one layer's method compresses (see the module docstring).
 
     Subclasses declare `policy` and `keys_pre_rope`, and implement `buffers`, `write_reference`, `read`, and
     where they have kernels `write_triton` / `attend_triton` (same signatures as the references). `attend_reference`
@@ -161,11 +180,35 @@ class Storage:
     """
 
     policy: FlushPolicy = FlushPolicy()
-    keys_pre_rope: bool = False
+    keys_pre_rope: bool = False  # compressed keys live before RoPE (rotated at attention time)
     # what `write` takes of each token: "kv", its keys (in the storage's key space) and values [M, H, D]; "x", the
-    # layer's attention inputs [M, 1, hidden] (a storage that rebuilds keys and values from them: write(packed, x,
-    # rows, slots, kernel))
+    # layer's attention inputs [M, 1, hidden] (a storage that rebuilds keys and values from them)
     source: str = "kv"
+    lossless: bool = False  # nothing is compressed (the fp16 baseline: the cache keeps plain K/V)
+    remaps_scores: bool = False  # remap_scores is not the identity
+    # non-empty for a storage that compresses a span only as a whole (its statistics span the block it is given):
+    # no token-by-token flush rule, so the tail protocol only; the string says why, as the one-line refusal
+    bulk_only: str = ""
+
+    # ---- the simulation's view ------------------------------------------------------------------------------------
+    def reconstruct(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (in the key space: before RoPE for keys_pre_rope) and v [B, Hkv, T, D], T a multiple of policy.block ->
+        the reconstructed k and v, same shapes and dtypes. Default: a round trip through this storage's torch
+        reference (write, then read); a storage whose published math the buffers cannot hold exactly overrides it."""
+        return round_trip(self, k, v)
+
+    def rematerialize(self, x: torch.Tensor, proj, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storages of source "x": x [B, T, hidden], the attention inputs of a span compressed together -> the keys
+        (before RoPE) and values [B, Hkv, T, D] attention sees of them. `proj` is the layer's AttentionInputs
+        (`proj.project(xk, xv)`, `proj.finish(k_lin, v_lin)`); `state` is one dict per batch row passed to every
+        layer in order for the same span (a method working across layers keeps what it needs there)."""
+        raise NotImplementedError(f"{type(self).__name__} compresses keys and values, not X")
+
+    def remap_scores(self, scores: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
+        """scores [B, Hq, Tq, Tk] (q.k x scale, before the mask), compressed bool broadcastable to them: True where
+        the query sees that key compressed -> the scores the softmax takes (entries where compressed is False come
+        back unchanged). Default: the identity."""
+        return scores
 
     def bind(self, projection) -> None:
         """Called once per cache layer, before the first write, with the layer's K and V projections
@@ -191,7 +234,8 @@ class Storage:
     # ---- write ----------------------------------------------------------------------------------------------------
     def write(self, packed: Packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
               slots: torch.Tensor, kernel: bool) -> None:
-        """Compress tokens keys/values [M, H, D] into slot slots[m] of row rows[m] (int64 device tensors [M]). The M
+        """Compress tokens keys/values [M, H, D] into slot slots[m] of row rows[m] (int64 device tensors [M]); a
+        storage of source "x" gets the attention inputs [M, 1, hidden] as `keys` and None as `values`. The M
         tokens are runs of `policy.block` consecutive slots of one row each (a `bulk` policy: one run, a row's whole
         prompt span after its sinks, from slot 0). `kernel`: the Triton kernel (CUDA)
         rather than the torch reference; kernels read rows and slots as plain int64 arrays, so they are made
@@ -253,3 +297,126 @@ class Storage:
                 t.uniform_(0.01, 0.05, generator=generator)
             else:
                 t.random_(generator=generator)
+
+
+def round_trip(storage: Storage, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v [B, H, T, D] into fresh buffers of `storage` through its torch reference, read them back (keys in
+    the storage's key space, not rotated)."""
+    batch, heads, length, dim = k.shape
+    storage.check(heads, dim)
+    storage = storage.to(k.device)
+    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device=k.device)
+               for name, spec in storage.buffers(batch, length, heads, dim).items()}
+    lengths = torch.full((batch,), length, dtype=torch.int32, device=k.device)
+    packed = Packed(buffers, lengths, heads, dim, length)
+    rows = torch.arange(batch, device=k.device).repeat_interleave(length)
+    slots = torch.arange(length, device=k.device).repeat(batch)
+    storage.write_reference(packed, k.transpose(1, 2).reshape(-1, heads, dim),
+                            v.transpose(1, 2).reshape(-1, heads, dim), rows, slots)
+    compute = torch.promote_types(k.dtype, torch.float32)
+    read = [storage.read(packed, b, compute, rotate=False) for b in range(batch)]
+    return (torch.stack([r[0] for r in read]).to(k.dtype), torch.stack([r[1] for r in read]).to(v.dtype))
+
+
+def runs(rows: torch.Tensor, slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The runs of consecutive slots of one row in a write's (rows, slots): (row, first slot, [start, end) of the
+    tokens) each, read on the host."""
+    r, s = rows.tolist(), slots.tolist()
+    found, start = [], 0
+    for m in range(1, len(r) + 1):
+        if m == len(r) or r[m] != r[m - 1] or s[m] != s[m - 1] + 1:
+            found.append((r[start], s[start], start, m))
+            start = m
+    return [(row, slot, a, b) for row, slot, a, b in found]
+
+
+class ReconstructionStorage(Storage):
+    """A storage that keeps what `reconstruct` (or, for source "x", `rematerialize`) gives back, in plain float64
+    buffers [B, Hkv, T, D]: the torch-only storage of an ablation whose format the packed kernels do not hold. Its
+    buffers are not the format's bytes (`kvcal bench` refuses it; bits per element come from the method's
+    footprint), and it has no Triton kernels (backend reference). Subclasses set the class attributes and implement
+    reconstruct (or rematerialize). Each run of a write is one span compressed together, as in the simulation."""
+
+    refusal = "an ablation kept as its reconstruction (torch only)"
+
+    def __init__(self):
+        self.proj = None
+        self.state_rows: dict[int, dict] = {}  # source "x" outside a cache: one rematerialize state per row
+
+    def bind(self, projection) -> None:
+        self.proj = projection
+
+    def buffers(self, batch, capacity, heads, dim):
+        spec = BufferSpec((batch, heads, capacity, dim), torch.float64, 2)
+        return {"k": spec, "v": spec}
+
+    def kernel_refusal(self) -> str | None:
+        return f"{type(self).__name__} is {self.refusal}"
+
+    def _row_state(self, packed: Packed, row: int) -> dict:
+        rows = packed.shared.state(RematerializeRows) if packed.shared is not None else self.state_rows
+        return rows.setdefault(row, {})
+
+    def write_reference(self, packed, keys, values, rows, slots):
+        for row, slot, a, b in runs(rows, slots):
+            if self.source == "x":
+                if self.proj is None:
+                    raise RuntimeError(f"{type(self).__name__}: bind() was not called before the first write")
+                k_hat, v_hat = self.rematerialize(keys[a:b, 0][None], self.proj, self._row_state(packed, row))
+            else:
+                k_hat, v_hat = self.reconstruct(keys[a:b].transpose(0, 1)[None], values[a:b].transpose(0, 1)[None])
+            packed["k"][row, :, slot:slot + b - a] = k_hat[0].to(torch.float64)
+            packed["v"][row, :, slot:slot + b - a] = v_hat[0].to(torch.float64)
+
+    def read(self, packed, row, dtype=torch.float32, rotate=True):
+        t = int(packed.lengths[row])
+        k, v = packed["k"][row, :, :t], packed["v"][row, :, :t]
+        if rotate and self.keys_pre_rope:
+            k = packed.rotate_keys(k, torch.float64)
+        return k.to(dtype), v.to(dtype)
+
+    def attend_reference(self, q, packed, scale, fp):
+        from kvcal.runtime.decode import partials_from_rows, with_fp_reference
+
+        compute = torch.promote_types(q.dtype, torch.float32)
+        rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
+        remap = self.remap_scores if self.remaps_scores else None
+        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads, remap), q, fp, scale)
+
+
+class RematerializeRows(dict):
+    """Row -> the rematerialize state of that row (ReconstructionStorage of source "x"), one per cache."""
+
+
+class Storages(tuple):
+    """One Storage per decoder layer, what `Method.build_storages` returns and the cache and the simulation take.
+    The layers share what the cache schedules by: the flush policy, the key space, the source, losslessness and the
+    bulk-only refusal (checked here)."""
+
+    def __new__(cls, storages):
+        storages = tuple(storages)
+        if not storages:
+            raise ValueError("Storages needs one storage per layer")
+        first = storages[0]
+        for s in storages[1:]:
+            if (s.policy, s.keys_pre_rope, s.source, s.lossless, s.bulk_only, s.remaps_scores) != (
+                    first.policy, first.keys_pre_rope, first.source, first.lossless, first.bulk_only,
+                    first.remaps_scores):
+                raise ValueError(f"layers of one model need one flush policy and key space: {type(s).__name__} "
+                                 f"differs from {type(first).__name__}")
+        return super().__new__(cls, storages)
+
+    policy = property(lambda self: self[0].policy)
+    keys_pre_rope = property(lambda self: self[0].keys_pre_rope)
+    source = property(lambda self: self[0].source)
+    lossless = property(lambda self: self[0].lossless)
+    remaps_scores = property(lambda self: self[0].remaps_scores)
+    bulk_only = property(lambda self: self[0].bulk_only)
+
+    def kernel_refusal(self) -> str | None:
+        """Why some layer has no Triton kernels (None: all have)."""
+        for storage in self:
+            refusal = storage.kernel_refusal()
+            if refusal:
+                return refusal
+        return None

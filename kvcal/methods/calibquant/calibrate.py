@@ -10,8 +10,9 @@ from collections.abc import Callable
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec
-from kvcal.methods.fp16.method import LosslessCodec
+from kvcal.methods.base import Storages
+from kvcal.methods.calibquant.storage import remap_counts
+from kvcal.methods.fp16.method import LosslessStorage
 from kvcal.progress import progress_bar
 
 
@@ -29,18 +30,18 @@ def layout(seqlen: int, group_tokens: int) -> tuple[int, int]:
     return prefix, block
 
 
-def tail_nll(loaded, codec: Codec, windows: torch.Tensor, prefix: int, block: int) -> float:
+def tail_nll(loaded, storages: Storages, windows: torch.Tensor, prefix: int, block: int) -> float:
     """Mean NLL per scored target of the windows under the tail protocol."""
     from kvcal.eval.ppl import simulated_nll
 
-    total = simulated_nll(loaded, codec, windows, "tail", prefix + block, prefix_len=prefix)
+    total = simulated_nll(loaded, storages, windows, "tail", prefix + block, prefix_len=prefix)
     return total.nll / total.tokens
 
 
 def search_tau(loaded, windows: torch.Tensor, grid: list[float], prefix: int, block: int,
-               codec_with_tau: Callable[[float, float], Codec], uncalibrated: Codec) -> dict:
-    """Every (tau1, tau2) of grid x grid through `codec_with_tau` (a codec whose `slope_clamps` and `rows` count the
-    remap's clamped and remapped query rows), then the codec `uncalibrated` (no remap) and fp16, each the tail
+               storages_with_tau: Callable[[float, float], Storages], uncalibrated: Storages) -> dict:
+    """Every (tau1, tau2) of grid x grid through `storages_with_tau` (storages that count the remap's remapped and
+    clamped query rows: remap_counts), then `uncalibrated` (no remap) and fp16, each the tail
     protocol's mean NLL on the windows. -> {"table": [len(grid), len(grid)] float64 (rows tau1, columns tau2),
     "clamped": the fraction of remapped rows whose slope was clamped, same shape, "uncalibrated_nll", "fp16_nll"}."""
     table = torch.zeros(len(grid), len(grid), dtype=torch.float64)
@@ -48,13 +49,14 @@ def search_tau(loaded, windows: torch.Tensor, grid: list[float], prefix: int, bl
     with progress_bar(f"calibquant tau grid ({len(grid)}x{len(grid)})", len(grid) ** 2 + 2) as advance:
         for i, t1 in enumerate(grid):
             for j, t2 in enumerate(grid):
-                codec = codec_with_tau(t1, t2)
-                table[i, j] = tail_nll(loaded, codec, windows, prefix, block)
-                clamped[i, j] = codec.slope_clamps / max(codec.rows, 1)
+                storages = storages_with_tau(t1, t2)
+                table[i, j] = tail_nll(loaded, storages, windows, prefix, block)
+                rows, clamps = remap_counts(storages)
+                clamped[i, j] = clamps / max(rows, 1)
                 advance(1)
         uncalibrated_nll = tail_nll(loaded, uncalibrated, windows, prefix, block)
         advance(1)
-        exact = tail_nll(loaded, LosslessCodec(), windows, prefix, block)
+        exact = tail_nll(loaded, Storages([LosslessStorage()] * loaded.dims.num_layers), windows, prefix, block)
         advance(1)
     return {"table": table, "clamped": clamped, "uncalibrated_nll": uncalibrated_nll, "fp16_nll": exact}
 

@@ -21,8 +21,8 @@ recommendation where both are silent (its §7 item N as "§7.N").
   shape allows a per-layer/head extension; the search fills one value).
 - Which tokens: the paper compresses the visual block of a prompt once after prefill and keeps the rest in full
   precision. kvcal's `tail` protocol is that regime (§7.7): with `group_tokens` 0 (the default, [P]: one group over
-  the whole block) the codec compresses whatever block it is given as one group; the simulation runs it under the
-  tail protocol only (Codec.bulk_only refuses the gptq one), and the cache runs the paper's regime
+  the whole block) a storage compresses whatever block it is given as one group; the simulation runs it under the
+  tail protocol only (Storage.bulk_only refuses the gptq one), and the cache runs the paper's regime
   (FlushPolicy.bulk: the prompt after `sink` tokens compressed once, generated tokens kept in full precision; the
   decode-mode tail protocol). `group_tokens` G > 0 takes the ranges over aligned groups of G tokens after `sink`
   full-precision tokens instead (a deviation that gives a token-by-token flush rule: the gptq protocol).
@@ -30,7 +30,7 @@ recommendation where both are silent (its §7 item N as "§7.N").
   per head over the block), `calibration` false, `k_range_scale`/`v_range_scale` 1.0 (pure paper), a fixed tau.
 
 Files: method.py (this: the config, its checks and footprint), calibrate.py (the tau grid search), storage.py (the
-codec, the packed storage and the numerics: ranges, quantize, post-scaling, remap), kernels.py (the packed storage's
+storages and the numerics: ranges, quantize, post-scaling, remap), kernels.py (the packed storage's
 Triton kernels).
 """
 
@@ -43,12 +43,13 @@ import torch
 
 from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method, Storages
 from kvcal.methods.calibquant.calibrate import choose_tau, layout, search_tau
 from kvcal.methods.calibquant.storage import (
     BULK_ONLY,
     STAT_BYTES,
-    CalibQuantCodec,
+    CalibQuantReconstruction,
+    CalibQuantStorage,
 )
 from kvcal.methods.registry import register
 from kvcal.quant.packing import words_per_vector
@@ -81,6 +82,8 @@ class CalibQuant(Method):
     # tiny models: 16-token groups after 2 sinks (the gptq protocol runs it; the decode kernel's tiles of >= 16 tokens
     # lie inside one group), a 2x2 tau grid (4 forwards per window)
     test_config = {"bits": 1, "group_tokens": 16, "sink": 2, "tau_grid": "0,3"}
+    test_ablations = {"token-v-ranges": {"v_ranges": "token"}, "global-v-ranges": {"v_ranges": "global"},
+                      "no-remap": {"calibration": False}, "bulk": {"group_tokens": 0}}
     tensor_kinds = {"k.tau1": "range", "k.tau2": "range"}  # the searched remap per query head
     runtime_fields = ("fp_window",)
     fp_window_field = "fp_window"
@@ -155,17 +158,27 @@ class CalibQuant(Method):
             parts.append("c{:g}-{:g}".format(*self.range_scales()))
         return "-".join(parts)
 
-    # ---- codec ----------------------------------------------------------------------------------------------------
-    def codec_with_tau(self, dims, tau1: float, tau2: float) -> CalibQuantCodec:
-        one = (torch.full((dims.num_heads,), float(tau1)), torch.full((dims.num_heads,), float(tau2)))
-        return CalibQuantCodec(self, [one] * dims.num_layers)
+    # ---- storages -------------------------------------------------------------------------------------------------
+    def storages_with_taus(self, dims, taus: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Storages:
+        """One storage per layer with that layer's (tau1, tau2) [Hq] (None: no remap): the packed storage, or the
+        reconstruction of a v_ranges ablation."""
+        k_scale, v_scale = self.range_scales()
+        args = (self.bits, self.group_tokens, self.sink, k_scale, v_scale)
+        layers = taus if taus is not None else [None] * dims.num_layers
+        if self.v_ranges != "channel":
+            return Storages(CalibQuantReconstruction(*args, t, self.fp_window, self.v_ranges) for t in layers)
+        return Storages(CalibQuantStorage(*args, t, self.fp_window) for t in layers)
 
-    def build_codec(self, tensors, dims) -> Codec:
+    def storages_with_tau(self, dims, tau1: float, tau2: float) -> Storages:
+        one = (torch.full((dims.num_heads,), float(tau1)), torch.full((dims.num_heads,), float(tau2)))
+        return self.storages_with_taus(dims, [one] * dims.num_layers)
+
+    def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)
         if not self.remap_on():
-            return CalibQuantCodec(self, None)
+            return self.storages_with_taus(dims, None)
         if self.tau1 is not None and not tensors:
-            return self.codec_with_tau(dims, self.tau1, self.tau2)
+            return self.storages_with_tau(dims, self.tau1, self.tau2)
         names = [(f"layers.{i}.k.tau1", f"layers.{i}.k.tau2") for i in range(dims.num_layers)]
         missing = [n for pair in names for n in pair if n not in tensors]
         if missing:
@@ -174,7 +187,7 @@ class CalibQuant(Method):
         taus = [(tensors[a].to(torch.float32), tensors[b].to(torch.float32)) for a, b in names]
         if any(t.shape != (dims.num_heads,) for pair in taus for t in pair):
             raise KvcalError(f"calibquant tau tensors must have one value per query head ({dims.num_heads})")
-        return CalibQuantCodec(self, taus)
+        return self.storages_with_taus(dims, taus)
 
     # ---- calibration: the tau grid search (calibrate.py) ---------------------------------------------------------
     def calibrate(self, loaded, store):
@@ -188,7 +201,7 @@ class CalibQuant(Method):
         if not self.remap_on():
             return {}, info
         if not self.searches():
-            codec = self.codec_with_tau(dims, self.tau1, self.tau2)
+            chosen = (self.tau1, self.tau2)
             info["tau"] = {"tau1": self.tau1, "tau2": self.tau2, "source": "config (no search)"}
         else:
             windows = getattr(store, "windows", None)
@@ -196,11 +209,12 @@ class CalibQuant(Method):
                 raise KvcalError("calibquant's tau search needs calibration windows (kvcal calibrate passes them)")
             prefix, block = layout(windows.shape[1], self.group_tokens)
             grid = parse_grid(self.tau_grid)
-            uncalibrated = CalibQuantCodec(dataclasses.replace(self, calibration=False, tau1=None, tau2=None), None)
+            plain = dataclasses.replace(self, calibration=False, tau1=None, tau2=None)
             search = search_tau(loaded, windows, grid, prefix, block,
-                                lambda t1, t2: self.codec_with_tau(dims, t1, t2), uncalibrated)
+                                lambda t1, t2: self.storages_with_tau(dims, t1, t2),
+                                plain.storages_with_taus(dims, None))
             i, j = choose_tau(search["table"], grid)
-            codec = self.codec_with_tau(dims, grid[i], grid[j])
+            chosen = (grid[i], grid[j])
             info["tau"] = {"tau1": grid[i], "tau2": grid[j], "source": "grid search"}
             info["tau_search"] = {
                 "objective": "mean NLL per scored target, tail protocol, calibration windows",
@@ -213,9 +227,9 @@ class CalibQuant(Method):
                 "tie_break": "smaller tau2 - tau1, then smaller tau1",
             }
         tensors = {}
-        for layer, (tau1, tau2) in enumerate(codec.taus):
-            tensors[f"layers.{layer}.k.tau1"] = tau1.clone()
-            tensors[f"layers.{layer}.k.tau2"] = tau2.clone()
+        for layer in range(dims.num_layers):  # one value per query head (the shape allows a per-head search)
+            tensors[f"layers.{layer}.k.tau1"] = torch.full((dims.num_heads,), float(chosen[0]))
+            tensors[f"layers.{layer}.k.tau2"] = torch.full((dims.num_heads,), float(chosen[1]))
         return tensors, info
 
     def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:

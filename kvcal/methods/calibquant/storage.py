@@ -1,4 +1,4 @@
-"""CalibQuant's codec and packed storage (the method: kvcal/methods/calibquant/method.py), and the numerics both use:
+"""CalibQuant's storages (the method: kvcal/methods/calibquant/method.py), and the numerics both use:
 channel-wise min/max ranges shrunk by c, uniform codes with float32 step and minimum, post-scaled scores and
 outputs ([P] Eq. 6), the score remap ([P] Eq. 7). Sources as in method.py: [P] the paper, [C] the authors' code, [D]
 the digest (papers/calibquant.md), its §7 item N as "§7.N".
@@ -8,8 +8,8 @@ Packed runtime (§5; `CalibQuantStorage`, kernels in kvcal/methods/calibquant/ke
 V; decode attention post-scaled and remapped in two passes (pass 1 the score min/max per query head, pass 2 the
 remapped split-K partials and the full-precision part). With group_tokens 0 the cache runs the paper's regime
 (FlushPolicy.bulk): prefill in full precision, the prompt's tokens after `sink` compressed once as one range group,
-every generated token kept in full precision. The v_ranges ablations have no packed storage (the simulation runs
-them).
+every generated token kept in full precision. The v_ranges ablations keep their reconstruction
+(`CalibQuantReconstruction`, torch only).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import math
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy
 from kvcal.methods.calibquant import kernels as calibquant_kernels
 from kvcal.quant.packing import pack_codes, unpack_codes, words_per_vector
 from kvcal.runtime.decode import LOG2E, Partials, with_fp_reference
-from kvcal.runtime.storage import BufferSpec, Storage
+from kvcal.runtime.storage import BufferSpec, ReconstructionStorage, Storage
 
 STAT_BYTES = 4  # fp32 step and minimum per range (§7.14)
 SCORE_EPS = 1e-8  # [C] in g's denominator
@@ -93,8 +93,53 @@ def remap(scores: torch.Tensor, compressed: torch.Tensor, tau1: torch.Tensor, ta
     return torch.where(compressed, g, scores), int(has.sum()), int(clamped.sum())
 
 
+# ---- what every CalibQuant storage shares: its settings, the simulation's reconstruction and the remap ------------
+class CalibQuantMath:
+    """Range groups of `group` tokens (0: one group over the whole span, the bulk regime), per-channel K ranges and
+    `v_ranges` V ranges shrunk by k_scale / v_scale, and the score remap with this layer's taus (tau1, tau2 [Hq];
+    None: no remap). `sim_rows` / `sim_clamps` count the simulation's remapped query rows and clamped slopes."""
+
+    def setup(self, bits, group, sink, k_scale, v_scale, taus, fp_window, v_ranges="channel"):
+        self.bits, self.group, self.v_ranges = bits, group, v_ranges
+        self.k_scale, self.v_scale = k_scale, v_scale
+        # group_tokens 0 (the paper's regime): the prompt's tokens after the sinks are compressed once, as one range
+        # group, after the prefill; later tokens stay full precision (FlushPolicy.bulk)
+        self.policy = (FlushPolicy(sink=sink, residual=fp_window, block=group) if group
+                       else FlushPolicy(sink=sink, residual=fp_window, bulk=True))
+        self.bulk_only = "" if group else BULK_ONLY
+        self.taus = None if taus is None else tuple(t.to(torch.float32).contiguous() for t in taus)
+        self.remaps_scores = self.taus is not None
+        self.counts = torch.zeros(2, dtype=torch.int64)
+        self.sim_rows = self.sim_clamps = 0
+
+    @property
+    def remaps(self) -> bool:
+        return self.taus is not None
+
+    def reconstruct(self, k, v):
+        b, h, t, d = k.shape
+        group = self.group or t
+        if t % group:
+            raise KvcalError(f"calibquant: {t} tokens are not a whole number of {group}-token groups")
+
+        def per_group(x, axis, scale):
+            y = fake_quantize(x.reshape(b, h, t // group, group, d), self.bits, axis, scale)
+            return y.reshape(b, h, t, d).to(x.dtype)
+
+        return per_group(k, "channel", self.k_scale), per_group(v, self.v_ranges, self.v_scale)
+
+    def remap_scores(self, scores, compressed):
+        if self.taus is None:
+            return scores
+        tau1, tau2 = (t.to(scores.device, scores.dtype)[None, :, None, None] for t in self.taus)
+        out, rows, clamps = remap(scores, compressed, tau1, tau2)
+        self.sim_rows += rows
+        self.sim_clamps += clamps
+        return out
+
+
 # ---- packed storage ---------------------------------------------------------------------------------------------
-class CalibQuantStorage(Storage):
+class CalibQuantStorage(CalibQuantMath, Storage):
     """Key and value codes packed at their width, [B, Hkv, T, W] int32 (kvcal/quant/packing.py), with a float32 step
     and minimum per (row, KV head, range group, channel) for K and for V, [B, Hkv, NG, D]: one range group over a
     row's whole compressed span in the bulk regime (group_tokens 0: the paper's; NG = 1), else groups of G tokens
@@ -105,16 +150,7 @@ class CalibQuantStorage(Storage):
 
     def __init__(self, bits: int, group: int, sink: int, k_scale: float, v_scale: float,
                  taus: tuple[torch.Tensor, torch.Tensor] | None, fp_window: int = 0):
-        self.bits, self.group = bits, group
-        self.k_scale, self.v_scale = k_scale, v_scale
-        self.policy = (FlushPolicy(sink=sink, residual=fp_window, block=group) if group
-                       else FlushPolicy(sink=sink, residual=fp_window, bulk=True))
-        self.taus = None if taus is None else tuple(t.to(torch.float32).contiguous() for t in taus)
-        self.counts = torch.zeros(2, dtype=torch.int64)
-
-    @property
-    def remaps(self) -> bool:
-        return self.taus is not None
+        self.setup(bits, group, sink, k_scale, v_scale, taus, fp_window)
 
     def to(self, device):
         if self.counts.device != torch.device(device):
@@ -240,64 +276,28 @@ class CalibQuantStorage(Storage):
                 t.uniform_(-0.05, -0.01, generator=generator)
 
 
-# ---- codec ------------------------------------------------------------------------------------------------------
-class CalibQuantCodec(Codec):
-    """Reconstructs K (after RoPE) and V of each group of tokens; remaps the compressed keys' scores."""
+# ---- ablation ---------------------------------------------------------------------------------------------------
+class CalibQuantReconstruction(CalibQuantMath, ReconstructionStorage):
+    """A v_ranges ablation (token-wise or global V ranges), which the packed storage does not hold: its
+    reconstruction kept as is, the remap applied to its scores."""
 
-    def __init__(self, method: Method, taus: list[tuple[torch.Tensor, torch.Tensor]] | None):
-        self.method = method
-        self.bits = method.bits
-        self.group = method.group_tokens
-        self.k_scale, self.v_scale = method.range_scales()
-        # group_tokens 0 (the paper's regime): the prompt's tokens after the sinks are compressed once, as one range
-        # group, after the prefill; later tokens stay full precision (FlushPolicy.bulk)
-        self.policy = (FlushPolicy(sink=method.sink, residual=method.fp_window, block=self.group) if self.group
-                       else FlushPolicy(sink=method.sink, residual=method.fp_window, bulk=True))
-        self.remaps_scores = method.remap_on()
-        self.taus = taus  # per layer (tau1 [Hq], tau2 [Hq])
-        if self.group == 0:
-            self.bulk_only = BULK_ONLY
-        self.rows = 0  # query rows remapped (the simulation; the packed cache counts in its storages)
-        self.slope_clamps = 0  # of them, rows whose slope was clamped at 0 (§7.10)
-        self._storages: dict[int, CalibQuantStorage] = {}
+    refusal = ("a calibquant v_ranges ablation (the packed storage keeps channel-wise V ranges only) kept as its "
+               "reconstruction (torch only)")
 
-    def storage(self, layer: int):
-        if self.method.v_ranges != "channel":
-            return None
-        if layer not in self._storages:
-            taus = self.taus[layer] if self.remaps_scores else None
-            self._storages[layer] = CalibQuantStorage(self.bits, self.group, self.method.sink, self.k_scale,
-                                                      self.v_scale, taus, self.method.fp_window)
-        return self._storages[layer]
+    def __init__(self, bits: int, group: int, sink: int, k_scale: float, v_scale: float,
+                 taus: tuple[torch.Tensor, torch.Tensor] | None, fp_window: int, v_ranges: str):
+        ReconstructionStorage.__init__(self)
+        self.setup(bits, group, sink, k_scale, v_scale, taus, fp_window, v_ranges)
 
-    def storage_refusal(self) -> str:
-        return (f"calibquant v_ranges={self.method.v_ranges} (an ablation) has no packed storage: the packed cache "
-                "keeps channel-wise V ranges only (use --mode simulate)")
 
-    def cache_counts(self) -> tuple[int, int]:
-        """(query rows remapped, rows whose slope was clamped at 0) by the packed storages' attention."""
-        totals = [0, 0]
-        for storage in self._storages.values():
-            totals = [a + int(b) for a, b in zip(totals, storage.counts.tolist())]
-        return totals[0], totals[1]
+def remap_counts(storages) -> tuple[int, int]:
+    """(query rows remapped, rows whose slope was clamped at 0) by the simulation's remaps of these storages."""
+    return sum(s.sim_rows for s in set(storages)), sum(s.sim_clamps for s in set(storages))
 
-    def reconstruct(self, layer, k, v):
-        b, h, t, d = k.shape
-        group = self.group or t
-        if t % group:
-            raise KvcalError(f"calibquant: {t} tokens are not a whole number of {group}-token groups")
 
-        def per_group(x, axis, scale):
-            y = fake_quantize(x.reshape(b, h, t // group, group, d), self.bits, axis, scale)
-            return y.reshape(b, h, t, d).to(x.dtype)
-
-        return per_group(k, "channel", self.k_scale), per_group(v, self.method.v_ranges, self.v_scale)
-
-    def remap_scores(self, layer, scores, compressed):
-        if not self.remaps_scores:
-            return scores
-        tau1, tau2 = (t.to(scores.device, scores.dtype)[None, :, None, None] for t in self.taus[layer])
-        out, rows, clamps = remap(scores, compressed, tau1, tau2)
-        self.rows += rows
-        self.slope_clamps += clamps
-        return out
+def cache_counts(storages) -> tuple[int, int]:
+    """(query rows remapped, rows whose slope was clamped at 0) by the packed storages' attention."""
+    totals = [0, 0]
+    for storage in set(storages):
+        totals = [a + int(b) for a, b in zip(totals, storage.counts.tolist())]
+    return totals[0], totals[1]

@@ -19,7 +19,7 @@ def random_storage(bits: int, heads: int, dim: int, *, stages: int = 3, codes: i
     dims = SimpleNamespace(num_layers=1, num_heads=4 * heads, num_kv_heads=heads, head_dim=dim,
                            kv_channels=heads * dim)
     method = CommVQ(bits=bits, key_codes=codes, key_stages=stages, key_group_pairs=group_pairs)
-    return method.build_codec(method.synthetic_tensors(dims, seed), dims).storage(0)
+    return method.build_storages(method.synthetic_tensors(dims, seed), dims)[0]
 
 
 ATTENTION = [

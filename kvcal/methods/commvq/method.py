@@ -15,11 +15,11 @@ What calibration learns, per layer (digest: ../shared/papers/commvq.md, cited as
   1/2 MSE(v_hat, v) + MSE of the attention output after o_proj (§8 item 4); argmax encoding at inference
   (§8 item 5; the released code samples).
 
-The codec reconstructs every token (the strict all-quantized setting, §9 (a)) unless `fp_window` keeps the
+CommVQ reconstructs every token (the strict all-quantized setting, §9 (a)) unless `fp_window` keeps the
 most recent tokens in full precision.
 
 The folder: method.py (this file) the config, its checks, derived settings and footprint; calibrate.py the fits
-(key EM, value encoder training); storage.py the codec and packed storage with their torch numerics (encode/decode,
+(key EM, value encoder training); storage.py the codebooks and storages with their torch numerics (encode/decode,
 `fused_key_scores` Eq. 19 and `fused_value_attention` Eq. 22, the attention over codes without reconstructing keys or
 values); packing.py the bit streams; kernels.py the Triton kernels.
 
@@ -37,7 +37,7 @@ import torch
 
 from kvcal.accounting import FP16_BYTES, fp16_token_bytes
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method, Storages
 from kvcal.methods.commvq.calibrate import (
     KeyFit,
     ValueFit,
@@ -45,7 +45,13 @@ from kvcal.methods.commvq.calibrate import (
     generator,
     held_out_windows,
 )
-from kvcal.methods.commvq.storage import VALUE_PARAMS, CommVQCodec, pair_channels
+from kvcal.methods.commvq.storage import (
+    VALUE_PARAMS,
+    CommVQReconstruction,
+    CommVQStorage,
+    CommVQTables,
+    pair_channels,
+)
 from kvcal.methods.registry import register
 
 QUANTIZE = ("kv", "k", "v")
@@ -70,6 +76,7 @@ class CommVQ(Method):
     test_config = {"bits": 2, "key_codes": 8, "key_stages": 3, "key_em_steps": 3, "key_train_vectors": 256,
                    "value_steps": 8, "value_batch_tokens": 64, "value_attn_tokens": 32, "value_warmup": 2,
                    "fp_window": 4}
+    test_ablations = {"keys-only": {"quantize": "k"}, "values-only": {"quantize": "v"}}
     # kvcal compare: key codewords up to their order per (group, stage), the pair layout exactly, the value encoder
     # and codebook as trained weights (the value codebook's rows are tied to code bits: no permutation)
     tensor_kinds = {"k.theta": "codebook:2", "k.pair_channels": "index", "k.stage_mse": "diagnostic",
@@ -277,7 +284,7 @@ class CommVQ(Method):
                  "v.fc2_weight": uniform((4 * n_e, hidden), hidden), "v.fc2_bias": uniform((4 * n_e,), hidden)}
         return {f"layers.{i}.{name}": t for i in range(dims.num_layers) for name, t in layer.items()}
 
-    def build_codec(self, tensors, dims) -> Codec:
+    def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)
         groups, stages, g = self.num_groups(dims), self.stages(dims), self.group_pairs(dims)
         n_e, hidden, channels = self.value_groups(dims), self.hidden(dims), dims.kv_channels
@@ -304,7 +311,10 @@ class CommVQ(Method):
                 raise KvcalError(f"layers.{i}.k.pair_channels is not the rotate_half pairing this kvcal implements")
             keys.append({"theta": layer["k.theta"].float(), "pair_channels": layer["k.pair_channels"].long()})
             values.append({n: layer[f"v.{n}"].float() for n in VALUE_PARAMS})
-        return CommVQCodec(self, keys, values, dims)
+        book = CommVQTables(self, keys, values, dims)
+        # the K-only and V-only ablations keep the other side in full precision: the packed storage holds both
+        layer = CommVQStorage if self.keys_quantized and self.values_quantized else CommVQReconstruction
+        return Storages(layer(book, i) for i in range(dims.num_layers))
 
     def footprint(self, dims, tokens):
         """Bytes of the cache as the storage holds them: each token's codes (keys 2 ceil(log2 N') bits per group and

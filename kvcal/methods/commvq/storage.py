@@ -1,5 +1,5 @@
 """CommVQ's storage numerics (torch references): the layouts, the key and value encoders and decoders, the fused
-attention over codes, the codec and the packed storage. kernels.py holds their Triton versions.
+attention over codes, the codebooks (CommVQTables) and the storages. kernels.py holds their Triton versions.
 
 - Keys: each token's pre-RoPE key over all KV heads of the layer is divided by its L2 norm kappa (stored per token in
   fp16) [C]; the unit vector is cut into the model's RoPE pairs (rotate_half: channel i of a head pairs with
@@ -10,7 +10,7 @@ attention over codes, the codec and the packed storage. kernels.py holds their T
   3 -> 00), decode u = s C_V, v_hat = scale * rho * u with the per-token ratio rho = (rho0 + eps) / (|u| + eps) stored
   in fp16 (§8 item 3).
 
-The codec's encode/decode functions are the storage numerics a packed runtime reuses; `fused_key_scores` (Eq. 19) and
+CommVQTables' encode/decode functions are the storage numerics a packed runtime reuses; `fused_key_scores` (Eq. 19) and
 `fused_value_attention` (Eq. 22) are the torch references of the attention over codes, without reconstructing keys or
 values. Citations as in method.py (digest §N, [P] paper, [C] official code, [D] digest).
 """
@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, Method
+from kvcal.methods.base import Method
 from kvcal.methods.commvq import kernels
 from kvcal.methods.commvq.packing import FP16_MAX, pack_stream, unpack_stream
 from kvcal.quant import vq
 from kvcal.runtime.decode import LOG2E, Partials, with_fp_reference
-from kvcal.runtime.storage import BufferSpec, Packed, Storage
+from kvcal.runtime.storage import BufferSpec, Packed, ReconstructionStorage, Storage
 
 VALUE_EPS = 1e-6  # [C] eps of the value scale and norms
 LN_EPS = 1e-5  # torch LayerNorm default, as the official encoder
@@ -206,11 +206,13 @@ def fused_value_attention(probs: torch.Tensor, bits: torch.Tensor, rho: torch.Te
     return out.reshape(b, hq, tq, d)
 
 
-# -- codec ----------------------------------------------------------------------------------------------
+# -- the model's codebooks ------------------------------------------------------------------------------
 
 
-class CommVQCodec(Codec):
-    keys_pre_rope = True  # [P] Eq. 12 and [C]: pre-RoPE keys; the commutative codebooks need it
+class CommVQTables:
+    """Every layer's codebooks and value encoders, with the encode/decode numerics of one layer that its storages
+    (packed or an ablation's reconstruction) share. Keys before RoPE ([P] Eq. 12 and [C]: the commutative codebooks
+    need them)."""
 
     def __init__(self, method: Method, keys: list[dict], values: list[dict], dims):
         self.method = method
@@ -220,7 +222,6 @@ class CommVQCodec(Codec):
         self.quantize_k = method.keys_quantized
         self.quantize_v = method.values_quantized
         self._device = None
-        self._storages: dict[int, CommVQStorage] = {}
 
     def _on(self, device):
         if self._device != device:
@@ -258,22 +259,9 @@ class CommVQCodec(Codec):
         rows = decode_values(bits, rho, self._value_params(layer, bits.device, math_dtype(dtype)))
         return from_rows(rows, self.dims.num_kv_heads)
 
-    def storage(self, layer: int):
-        """The packed storage of a layer (codes and norms), for the strict setting and windows; the K-only and V-only
-        ablations keep the other side in full precision, which only the simulation and the reference cache hold."""
-        if not (self.quantize_k and self.quantize_v):
-            return None
-        if layer not in self._storages:
-            self._storages[layer] = CommVQStorage(self, layer)
-        return self._storages[layer]
-
-    def storage_refusal(self) -> str:
-        return (f"commvq quantize={self.method.quantize} (an ablation) has no packed storage: use --backend dequantized "
-                "(the reference cache) or the simulation")
-
     def reconstruct(self, layer, k, v):
-        """The simulation's view (and the dequantized reference cache's): encode, then decode, the same functions a
-        packed storage would store and read."""
+        """The simulation's view: encode, then decode, the same functions a packed storage stores and reads (the K-only
+        and V-only ablations leave the other side as it is)."""
         return self.quantize_keys(layer, k), self.quantize_values(layer, v)
 
     def quantize_keys(self, layer, k):
@@ -318,22 +306,22 @@ class CommVQStorage(Storage):
 
     Per-layer constants (on the storage): theta and the pair channels (reference encoders), the value encoder and
     codebook, and for the kernels theta re-laid out per KV head [Hkv, R, N, P, 2] (the codeword of pair p of head h
-    whatever group holds it) and the codebook [N_c, C]. write_* encode with the codec's functions; attend_reference
+    whatever group holds it) and the codebook [N_c, C]. write_* encode with CommVQTables' functions; attend_reference
     is the fused references (Eq. 19 scores from a table of q against the codebooks, Eq. 22 values by probability mass
     per code), never a rebuilt key or value."""
 
     keys_pre_rope = True
 
-    def __init__(self, codec: CommVQCodec, layer: int):
-        self.codec, self.layer, self.dims = codec, layer, codec.dims
-        self.policy = codec.policy
-        method = codec.method
+    def __init__(self, book: CommVQTables, layer: int):
+        self.book, self.layer, self.dims = book, layer, book.dims
+        self.policy = book.policy
+        method = book.method
         self.index_bits = method.index_bits
         self.codes = method.key_codes
-        keys = codec.keys[layer]
+        keys = book.keys[layer]
         self.theta, self.channels = keys["theta"], keys["pair_channels"].long()
         self.groups, self.stages, _, self.group_pairs = self.theta.shape[:4]
-        self.values = codec.values[layer]
+        self.values = book.values[layer]
         self.num_value_bits = self.values["codebook"].shape[0]
         self._by_dtype: dict = {}
 
@@ -475,6 +463,9 @@ class CommVQStorage(Storage):
             parts.acc[at, 0] = acc.view(hkv, group, d)
         return with_fp_reference(parts, q, fp, scale)
 
+    def reconstruct(self, k, v):
+        return self.book.reconstruct(self.layer, k, v)
+
     def supports_triton(self, q, packed):
         return kernels.unsupported(q, packed, self)
 
@@ -494,3 +485,18 @@ class CommVQStorage(Storage):
         packed["v_codes"].random_(generator=generator)
         packed["k_norm"].uniform_(8.0, 16.0, generator=generator)
         packed["v_rho"].uniform_(0.5, 2.0, generator=generator)
+
+
+class CommVQReconstruction(ReconstructionStorage):
+    """The K-only and V-only ablations (the other side stays in full precision), which the packed storage does not
+    hold: the reconstruction kept as is."""
+
+    keys_pre_rope = True
+    refusal = "a commvq K-only or V-only ablation kept as its reconstruction (torch only)"
+
+    def __init__(self, book: CommVQTables, layer: int):
+        super().__init__()
+        self.book, self.layer, self.policy = book, layer, book.policy
+
+    def reconstruct(self, k, v):
+        return self.book.reconstruct(self.layer, k, v)

@@ -5,7 +5,7 @@ It is the generic cache's flush rule with nothing stored: FlushPolicy(sink=S, re
 the window in the cache's full-precision part, and what that policy hands to the storage is dropped. The storage's
 buffer holds zero bytes per token, its write stores nothing, its attention returns the full-precision part's softmax
 partials alone (no token to add), and the simulation gives every dropped key the score NEG (weight exactly 0).
-Codec and storage: storage.py.
+Storage: storage.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, Method
-from kvcal.methods.evict.storage import EvictCodec
+from kvcal.methods.base import Method, Storages
+from kvcal.methods.evict.storage import EvictStorage
 from kvcal.methods.registry import register
 
 
@@ -55,8 +55,8 @@ class Evict(Method):
     def tag(self) -> str:
         return f"s{self.sink}-w{self.window}"
 
-    def build_codec(self, tensors, dims) -> Codec:
-        return EvictCodec(self.sink, self.window)
+    def build_storages(self, tensors, dims) -> Storages:
+        return Storages([EvictStorage(self.sink, self.window)] * dims.num_layers)
 
     def footprint(self, dims, tokens):
         return {"fp16_kept": fp16_token_bytes(dims, min(tokens, self.sink + self.window))}

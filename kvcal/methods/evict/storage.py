@@ -1,11 +1,10 @@
-"""Evict's codec and storage: the dropped tokens, kept as nothing (a buffer of zero bytes per token), their attention
+"""Evict's storage: the dropped tokens, kept as nothing (a buffer of zero bytes per token), their attention
 the full-precision part's softmax partials alone, and in the simulation the score NEG (weight exactly 0)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvcal.methods.base import Codec
 from kvcal.models.attention import NEG
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import fp_partials_reference, partials_from_rows
@@ -16,8 +15,17 @@ class EvictStorage(Storage):
     """The dropped tokens: one uint8 buffer [B, T, 0] (no byte per token; the cache still counts each row's dropped
     tokens in `lengths`, grows it and counts its bytes like any other buffer)."""
 
+    remaps_scores = True  # a dropped key is not a K-hat: its score is NEG, so its weight is exactly 0
+
     def __init__(self, sink: int, window: int):
         self.policy = FlushPolicy(sink=sink, residual=window, block=1)
+
+    def reconstruct(self, k, v):
+        """What is left of dropped tokens: zeros (their scores are NEG, remap_scores)."""
+        return torch.zeros_like(k), torch.zeros_like(v)
+
+    def remap_scores(self, scores, compressed):
+        return torch.where(compressed, torch.full_like(scores, NEG), scores)
 
     def buffers(self, batch, capacity, heads, dim):
         return {"dropped": BufferSpec((batch, capacity, 0), torch.uint8, 1)}
@@ -45,21 +53,3 @@ class EvictStorage(Storage):
         if fp is None:
             return partials_from_rows(q, [None] * q.shape[0], scale, packed.heads)
         return K.fp_partials_triton(q, fp, scale)
-
-
-class EvictCodec(Codec):
-    remaps_scores = True  # a dropped key is not a K-hat: its score is NEG, so its weight is exactly 0
-
-    def __init__(self, sink: int, window: int):
-        self._storage = EvictStorage(sink, window)
-        self.policy = self._storage.policy
-
-    def storage(self, layer: int) -> Storage:
-        return self._storage
-
-    def reconstruct(self, layer, k, v):
-        """What is left of dropped tokens: zeros (their scores are NEG, remap_scores)."""
-        return torch.zeros_like(k), torch.zeros_like(v)
-
-    def remap_scores(self, layer, scores, compressed):
-        return torch.where(compressed, torch.full_like(scores, NEG), scores)

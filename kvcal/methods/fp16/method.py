@@ -5,15 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcal.accounting import fp16_token_bytes
-from kvcal.methods.base import Codec, Method
+from kvcal.methods.base import Method, Storage, Storages
 from kvcal.methods.registry import register
 
 
-class LosslessCodec(Codec):
+class LosslessStorage(Storage):
+    """Nothing compressed: the cache keeps plain K and V (its lossless layer), the simulation the inputs."""
+
     lossless = True
 
-    def reconstruct(self, layer, k, v):
+    def reconstruct(self, k, v):
         return k, v
+
+    def kernel_refusal(self) -> str | None:
+        return None  # nothing to pack: the lossless layer attends with SDPA
 
 
 @register
@@ -31,8 +36,8 @@ class FP16(Method):
             return super().with_fp_window(window)
         return self
 
-    def build_codec(self, tensors, dims) -> Codec:
-        return LosslessCodec()
+    def build_storages(self, tensors, dims) -> Storages:
+        return Storages(LosslessStorage() for _ in range(dims.num_layers))
 
     def footprint(self, dims, tokens: int) -> dict[str, float]:
         return {"fp16": fp16_token_bytes(dims, tokens)}

@@ -1,6 +1,6 @@
 """KIVI (Liu et al., 2024): keys per channel over blocks of G tokens, values per token over groups of G channels, and
-a full-precision residual of the R most recent tokens, flushed one block of G at a time. Nothing to learn. Codec and
-storage: storage.py; kernels: kernels.py."""
+a full-precision residual of the R most recent tokens, flushed one block of G at a time. Nothing to learn. Storage:
+storage.py; kernels: kernels.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from kvcal.accounting import fp16_token_bytes, kv_elements
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, Method, check_bits
-from kvcal.methods.kivi.storage import KIVICodec
+from kvcal.methods.base import Method, Storages, check_bits
+from kvcal.methods.kivi.storage import KiviStorage
 from kvcal.methods.registry import register
 from kvcal.quant.packing import words_per_vector
 from kvcal.runtime.storage import FlushPolicy
@@ -43,9 +43,10 @@ class KIVI(Method):
     def tag(self) -> str:
         return f"{self.bits}bit-g{self.group_size}-r{self.residual}"
 
-    def build_codec(self, tensors, dims) -> Codec:
+    def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)
-        return KIVICodec(self.bits, self.group_size, self.residual)
+        storage = KiviStorage(self.bits, self.group_size, self.residual)  # stateless: one object for every layer
+        return Storages([storage] * dims.num_layers)
 
     def footprint(self, dims, tokens):
         policy = FlushPolicy(residual=self.residual, block=self.group_size)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec
 from kvcal.methods.kivi import kernels as kivi_kernels
 from kvcal.quant.packing import words_per_vector
 from kvcal.quant.uniform import (
@@ -74,12 +73,3 @@ class KiviStorage(Storage):
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
         return kivi_kernels.attend_triton(q, packed, scale, fp, self.bits, self.group, **knobs)
-
-
-class KIVICodec(Codec):
-    def __init__(self, bits: int, group: int, residual: int):
-        self._storage = KiviStorage(bits, group, residual)
-        self.policy = self._storage.policy
-
-    def storage(self, layer: int) -> Storage:
-        return self._storage

@@ -30,10 +30,13 @@ import torch
 
 from kvcal.accounting import FP16_BYTES, fp16_token_bytes
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method, Storages
 from kvcal.methods.kvquant.calibrate import fit_tables
 from kvcal.methods.kvquant.storage import (
-    KVQuantCodec,
+    KVQuantReconstruction,
+    KVQuantStorage,
+    RoundTrip,
+    layer_tables,
     per_side_outliers,
 )
 from kvcal.methods.registry import register
@@ -60,6 +63,8 @@ class KVQuant(Method):
     fp_window_field = "fp_window"
     # the contract compares decoding with the simulation of what the cache stores (exact_outliers=false)
     test_config = {"bits": 3, "outliers": 0.05, "exact_outliers": False}
+    test_ablations = {"post-rope-keys": {"pre_rope": False, "weighting": "none"}, "per-token-keys": {"key_granularity": "per_token"},
+                      "per-head-values": {"value_scope": "head"}}
     tensor_kinds = {f"{side}.{name}": "datatype" for side in "kv" for name in ("encode", "decode")} | {
         "k.lo": "range", "k.hi": "range"}
 
@@ -164,7 +169,7 @@ class KVQuant(Method):
                           kmeans_iters=self.kmeans_iters, seed=self.seed)
 
     # ---- runtime -------------------------------------------------------------------------------------
-    def build_codec(self, tensors, dims) -> Codec:
+    def build_storages(self, tensors, dims) -> Storages:
         expected = {f"layers.{i}.{kind}.{name}" for i in range(dims.num_layers) for kind in "kv"
                     for name in ("encode", "decode")}
         missing = expected - set(tensors)
@@ -176,7 +181,14 @@ class KVQuant(Method):
             if want and tuple(t.shape) != want:
                 raise KvcalError(f"kvquant table {name} has shape {list(t.shape)}, expected {list(want)} "
                                  f"({self.bits} bits, {channels} channels)")
-        return KVQuantCodec(self, tensors, dims)
+        capacity, per_head = self.key_capacity(dims.head_dim), self.value_scope == "head"
+        tables = layer_tables(tensors, dims.num_layers)
+        if not self.packs():  # post-RoPE or per-token keys: an ablation the packed storage does not hold
+            how = RoundTrip(self.bits, self.key_granularity, self.outliers, self.exact_outliers, capacity,
+                            self.value_per_side(dims), per_head)
+            return Storages(KVQuantReconstruction(t, how, self.pre_rope, self.sink, self.fp_window) for t in tables)
+        return Storages(KVQuantStorage(self.bits, t, capacity, self.value_per_side(dims), per_head, self.sink,
+                                       self.fp_window, self.exact_outliers, self.outliers) for t in tables)
 
     def synthetic_tensors(self, dims, seed: int = 0):
         """Random sorted tables in [-1, 1] and key ranges of about unit width per layer (speed benchmarks)."""

@@ -1,12 +1,14 @@
-"""KVQuant's packed storage and codec: nuq codes against sorted per-layer tables (keys per channel before RoPE with
+"""KVQuant's storages: nuq codes against sorted per-layer tables (keys per channel before RoPE with
 calibrated ranges, values per token or per token and KV head with ranges computed online), dense-and-sparse outliers
 in fp16 slots, and the torch round trips the simulation uses (kvcal/quant/nonuniform.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy
 from kvcal.methods.kvquant import kernels as kvquant_kernels
 from kvcal.quant.nonuniform import (
     dequantize_lut_dynamic,
@@ -19,7 +21,7 @@ from kvcal.quant.nonuniform import (
 )
 from kvcal.quant.nonuniform_kernels import quantize_lut_dynamic_into_triton, quantize_lut_static_into_triton
 from kvcal.quant.packing import words_per_vector
-from kvcal.runtime.storage import BufferSpec, Packed, Storage
+from kvcal.runtime.storage import BufferSpec, Packed, ReconstructionStorage, Storage
 
 
 def per_side_outliers(fraction: float, channels: int) -> int:
@@ -65,8 +67,10 @@ class KVQuantStorage(Storage):
     keys_pre_rope = True
 
     def __init__(self, bits: int, tables: dict, capacity: int, value_per_side: int, per_head: bool, sink: int,
-                 fp_window: int = 0):
+                 fp_window: int = 0, exact_outliers: bool = False, outliers: float = 0.0):
         self.bits, self.capacity, self.value_per_side, self.per_head = bits, capacity, value_per_side, per_head
+        # the simulation's view: exact outliers (the paper's), or as this storage keeps them
+        self.how = RoundTrip(bits, "per_channel", outliers, exact_outliers, capacity, value_per_side, per_head)
         self.policy = FlushPolicy(sink=sink, residual=fp_window)
         self.tables = tables
         self.key_zero, self.key_scale = range_params(tables["k_lo"], tables["k_hi"])  # as the quantizer uses them
@@ -125,6 +129,12 @@ class KVQuantStorage(Storage):
         k, v = k.transpose(0, 1), v.transpose(0, 1).to(dtype)  # [H, n, D]
         return (packed.rotate_keys(k, dtype) if rotate else k.to(dtype)), v
 
+    def reconstruct(self, k, v):
+        """exact_outliers: the same quantizers with every outlier kept and its residual exact (the paper's simulation,
+        digest #7); otherwise the storage itself (fp16 residuals, `capacity` slots per token and head)."""
+        self.to(k.device)
+        return kv_round_trip(k, v, self.tables, self.how)
+
     def supports_triton(self, q, packed):
         return kvquant_kernels.unsupported(q, self.bits)
 
@@ -152,59 +162,59 @@ class KVQuantStorage(Storage):
                 t.uniform_(0.01, 0.05, generator=generator)
 
 
-class KVQuantCodec(Codec):
-    """The layers' tables and their storages for a KVQuant config (`method`: the KVQuant dataclass)."""
+@dataclass(frozen=True)
+class RoundTrip:
+    """How the simulation reads a KVQuant setting back (`kv_round_trip`): the packed storage's quantizers, with
+    every outlier kept and its residual exact (`exact`, the paper's simulation, digest #7) or as the storage keeps
+    them (fp16 residuals, `capacity` key outlier slots per token and head: what decode mode gives)."""
 
-    def __init__(self, method: Method, tensors: dict[str, torch.Tensor], dims):
-        self.method = method
-        self.head_dim = dims.head_dim
-        self.keys_pre_rope = method.pre_rope
-        self.policy = FlushPolicy(sink=method.sink, residual=method.fp_window)
-        self.value_per_side = method.value_per_side(dims)
-        self.tables = []
-        for i in range(dims.num_layers):
-            layer = {}
-            for kind in ("k", "v"):
-                for name in ("encode", "decode", "lo", "hi"):
-                    key = f"layers.{i}.{kind}.{name}"
-                    if key in tensors:
-                        layer[f"{kind}_{name}"] = tensors[key].to(torch.float32)
-            self.tables.append(layer)
-        self.storages: dict[int, KVQuantStorage] = {}
+    bits: int
+    key_granularity: str
+    outliers: float
+    exact: bool
+    capacity: int
+    value_per_side: int
+    per_head: bool
 
-    def _on(self, layer: int, device) -> dict:
-        t = self.tables[layer]
-        if next(iter(t.values())).device != torch.device(device):
-            t = self.tables[layer] = {k: x.to(device) for k, x in t.items()}
-        return t
 
-    def key_capacity(self) -> int:
-        """Key outlier slots per token and KV head in the packed runtime (KVQuant.key_capacity)."""
-        return self.method.key_capacity(self.head_dim)
+def kv_round_trip(k: torch.Tensor, v: torch.Tensor, tables: dict, how: RoundTrip):
+    """k, v [B, H, T, D] -> what the simulation sees of them (same shapes and dtypes)."""
+    b, h, n, d = k.shape
+    k_hat = key_round_trip(k.transpose(1, 2).reshape(-1, h, d), tables, how.bits, how.key_granularity, how.outliers,
+                           how.exact, how.capacity)
+    v_hat = value_round_trip(v.transpose(1, 2).reshape(-1, h, d), tables, how.bits, how.value_per_side,
+                             how.per_head, how.exact)
+    return (k_hat.reshape(b, n, h, d).transpose(1, 2).to(k.dtype),
+            v_hat.reshape(b, n, h, d).transpose(1, 2).to(v.dtype))
 
-    def storage_refusal(self) -> str:
-        return "the packed runtime runs KVQuant with pre-RoPE per-channel keys only"
 
-    def storage(self, layer: int) -> KVQuantStorage | None:
-        if not self.method.packs():
-            return None
-        if layer not in self.storages:
-            self.storages[layer] = KVQuantStorage(self.method.bits, self.tables[layer], self.key_capacity(),
-                                                  self.value_per_side, self.method.value_scope == "head",
-                                                  self.method.sink, self.method.fp_window)
-        return self.storages[layer]
+def layer_tables(tensors: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
+    """Each layer's tables from an artifact's tensors: {"k_encode", "k_decode", "k_lo", "k_hi", "v_encode",
+    "v_decode"} (those present), float32."""
+    tables = []
+    for i in range(num_layers):
+        layer = {}
+        for kind in ("k", "v"):
+            for name in ("encode", "decode", "lo", "hi"):
+                key = f"layers.{i}.{kind}.{name}"
+                if key in tensors:
+                    layer[f"{kind}_{name}"] = tensors[key].to(torch.float32)
+        tables.append(layer)
+    return tables
 
-    def reconstruct(self, layer, k, v):
-        """exact_outliers (the paper's simulation, digest #7): the same quantizers as the packed storage, with every
-        outlier kept and its residual exact; false: the storage itself (fp16 residuals, key_outlier_capacity slots
-        per token and head), what decode mode gives."""
-        t = self._on(layer, k.device)
-        m, exact = self.method, self.method.exact_outliers
-        b, h, n, d = k.shape
-        k_hat = key_round_trip(k.transpose(1, 2).reshape(-1, h, d), t, m.bits, m.key_granularity, m.outliers, exact,
-                               self.key_capacity())
-        v_hat = value_round_trip(v.transpose(1, 2).reshape(-1, h, d), t, m.bits, self.value_per_side,
-                                 m.value_scope == "head", exact)
-        return (k_hat.reshape(b, n, h, d).transpose(1, 2).to(k.dtype),
-                v_hat.reshape(b, n, h, d).transpose(1, 2).to(v.dtype))
 
+class KVQuantReconstruction(ReconstructionStorage):
+    """An ablation the packed storage does not hold (post-RoPE keys, per-token keys): its round trip kept as is."""
+
+    refusal = "a KVQuant ablation (the packed runtime holds pre-RoPE per-channel keys only) kept as its " \
+              "reconstruction (torch only)"
+
+    def __init__(self, tables: dict, how: RoundTrip, keys_pre_rope: bool, sink: int, fp_window: int):
+        super().__init__()
+        self.tables, self.how = tables, how
+        self.keys_pre_rope = keys_pre_rope
+        self.policy = FlushPolicy(sink=sink, residual=fp_window)
+
+    def reconstruct(self, k, v):
+        self.tables = {name: t.to(k.device) for name, t in self.tables.items()}
+        return kv_round_trip(k, v, self.tables, self.how)

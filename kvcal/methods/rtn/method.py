@@ -1,6 +1,6 @@
 """RTN int-N: round-to-nearest per token (keys after RoPE), one fp16 scale and zero per token, KV head and group of
 channels; the newest `fp_window` tokens stay in fp16 (0: every token is quantized as it enters the cache). Nothing to
-learn. Codec and storage: storage.py; kernels: kernels.py."""
+learn. Storage: storage.py; kernels: kernels.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from kvcal.accounting import fp16_token_bytes, kv_elements
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, Method, check_bits
+from kvcal.methods.base import Method, Storages, check_bits
 from kvcal.methods.registry import register
-from kvcal.methods.rtn.storage import RTNCodec
+from kvcal.methods.rtn.storage import RtnStorage
 from kvcal.quant.packing import words_per_vector
 from kvcal.runtime.storage import FlushPolicy
 
@@ -49,9 +49,10 @@ class RTN(Method):
         return (f"int{self.bits}" + (f"-g{self.group_size}" if self.group_size else "")
                 + (f"-w{self.fp_window}" if self.fp_window else ""))
 
-    def build_codec(self, tensors, dims) -> Codec:
+    def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)
-        return RTNCodec(self.bits, self.group(dims), self.fp_window)
+        storage = RtnStorage(self.bits, self.group(dims), self.fp_window)  # stateless: one object for every layer
+        return Storages([storage] * dims.num_layers)
 
     def footprint(self, dims, tokens):
         quantized = FlushPolicy(residual=self.fp_window).compressed_count(tokens)

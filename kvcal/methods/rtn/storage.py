@@ -1,4 +1,4 @@
-"""RTN's codec and storage: codes [B, Hkv, T, W] int32 per token, one fp16 scale and zero per token, KV head and group
+"""RTN's storage: codes [B, Hkv, T, W] int32 per token, one fp16 scale and zero per token, KV head and group
 of channels (torch reference: kvcal/quant/uniform.py; Triton: kvcal/quant/uniform_kernels.py and kernels.py here)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec
 from kvcal.methods.rtn import kernels as rtn_kernels
 from kvcal.quant.packing import words_per_vector
 from kvcal.quant.uniform import dequantize_per_token, quantize_per_token_into
@@ -52,12 +51,3 @@ class RtnStorage(Storage):
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
         return rtn_kernels.attend_triton(q, packed, scale, fp, self.bits, **knobs)
-
-
-class RTNCodec(Codec):
-    def __init__(self, bits: int, group: int, fp_window: int = 0):
-        self._storage = RtnStorage(bits, group, fp_window)
-        self.policy = self._storage.policy
-
-    def storage(self, layer: int) -> Storage:
-        return self._storage

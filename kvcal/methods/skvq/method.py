@@ -24,7 +24,7 @@ import torch
 
 from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method, Storages
 from kvcal.methods.registry import register
 from kvcal.methods.skvq.calibrate import (
     fit_layouts_and_clips,
@@ -34,7 +34,7 @@ from kvcal.methods.skvq.storage import (
     PARAM_DTYPES,
     ChannelQuantizer,
     GroupLayout,
-    SKVQCodec,
+    SKVQStorage,
     code_bytes_per_token,
 )
 from kvcal.progress import stderr_console
@@ -145,7 +145,7 @@ class SKVQ(Method):
                                      seed=self.seed, warning=spans)
 
     # -- runtime --
-    def build_codec(self, tensors, dims) -> Codec:
+    def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)
         quantizers: dict[str, list[ChannelQuantizer]] = {"k": [], "v": []}
         for i in range(dims.num_layers):
@@ -165,7 +165,8 @@ class SKVQ(Method):
                     raise KvcalError(f"{prefix}clip holds a ratio that is not a positive number: "
                                      f"{alpha.flatten().tolist()[:8]}")
                 quantizers[kind].append(ChannelQuantizer(layout, alpha, bits, self.param_dtype))
-        return SKVQCodec(quantizers["k"], quantizers["v"], self.sink, self.window, self.ternary_storage)
+        return Storages(SKVQStorage(k, v, self.sink, self.window, self.ternary_storage)
+                        for k, v in zip(quantizers["k"], quantizers["v"]))
 
     def synthetic_tensors(self, dims, seed: int = 0):
         """A random channel permutation cut into C // group_size groups of equal size, clip ratios 0.96 (speed

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy
+from kvcal.methods.base import FlushPolicy
 from kvcal.methods.skvq import kernels as skvq_kernels
 from kvcal.methods.skvq.kernels import FP8_MIN_SCALE, SCALE_FLOOR
 from kvcal.quant.packing import (
@@ -263,15 +263,3 @@ class SKVQStorage(Storage):
             else:
                 small = torch.empty(t.shape, device=t.device).uniform_(0.01, 0.05, generator=generator)
                 t.copy_(small.to(t.dtype))
-
-
-class SKVQCodec(Codec):
-    keys_pre_rope = True  # [code] pre_rope=True in every config: quantize pre-RoPE keys, rotate after
-
-    def __init__(self, keys: list[ChannelQuantizer], values: list[ChannelQuantizer], sink: int, window: int,
-                 ternary_storage: str):
-        self.storages = [SKVQStorage(k, v, sink, window, ternary_storage) for k, v in zip(keys, values)]
-        self.policy = self.storages[0].policy
-
-    def storage(self, layer: int) -> SKVQStorage:
-        return self.storages[layer]

@@ -26,8 +26,8 @@ one comparison see the same full-precision tokens.
 The calibration is data-free (§2.7): SVDs of the projection weights in float64, signs normalized (the largest-|.|
 entry of each column of U positive), R recomputed from the stored float32 U, the reconstruction error recorded.
 
-Files: method.py (this: the config, its checks and footprint), calibrate.py (the SVDs), storage.py (the codec and the
-packed storages), kernels.py (XQuantStorage's Triton kernels).
+Files: method.py (this: the config, its checks and footprint), calibrate.py (the SVDs), storage.py (the
+storages and the rematerialization), kernels.py (XQuantStorage's Triton kernels).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch
 
 from kvcal.accounting import fp16_token_bytes
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method, Storages
 from kvcal.methods.registry import register
 from kvcal.methods.xquant.calibrate import svd_factors
-from kvcal.methods.xquant.storage import BASE, DELTA, PLAIN, XQuantCodec
+from kvcal.methods.xquant.storage import BASE, DELTA, PLAIN, XQuantMath
 from kvcal.quant.packing import words_per_vector
 
 VARIANTS = ("kv", "x", "svd")
@@ -65,10 +65,14 @@ class XQuant(Method):
                       "delta_axis", "closed_loop", "residual")
     fp_window_field = "residual"  # the newest R tokens, plus the unfinished token block (per-channel groups)
     # tiny models (hidden 64, 2 KV heads x 16, 2 layers): the packed storage's svd latents, layer 0 at 4 bits and
-    # layer 1 at 2, latent channel 0 in fp16 (the cross-layer variants have no packed storage: tests/test_xquant.py
-    # runs them through the simulation and the dequantized cache)
+    # layer 1 at 2, latent channel 0 in fp16 (tests/test_xquant.py runs the cross-layer variants and the ablations)
     test_config = {"variant": "svd", "bits": 2, "hp_layers": 1, "outlier_channel": True, "group_tokens": 8,
                    "group_channels": 16}
+    test_ablations = {"x": {"variant": "x", "outlier_channel": False},
+                      "kivi-star": {"variant": "kv", "outlier_channel": False},
+                      "cross-layer": {"cross_layer": True, "base_layer": 0},
+                      "cross-layer-open-channel": {"variant": "x", "outlier_channel": False, "cross_layer": True,
+                                                   "base_layer": 0, "closed_loop": False, "delta_axis": "channel"}}
     # kvcal compare: the SVD factors up to each singular vector's sign, the predicted outlier channels exactly
     tensor_kinds = {f"{side}.{name}": kind for side in "kv" for name, kind in (
         ("U", "svd_left"), ("R", "svd_right"), ("S", "spectrum"))} | {
@@ -184,14 +188,14 @@ class XQuant(Method):
         roles = [role for role, _ in self.layer_plan(loaded.dims.num_layers)]
         return svd_factors(kv_projection_weights(loaded.model), roles, self.base_repr)
 
-    def build_codec(self, tensors, dims) -> Codec:
+    def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)
         factored = any(role == PLAIN or role == DELTA or self.base_repr == "latent"
                        for role, _ in self.layer_plan(dims.num_layers))  # a lone base layer caches full X
         if self.needs_artifact() and factored and not tensors:
             raise KvcalError("xquant variant svd needs the SVD factors of an artifact: run `kvcal calibrate --method "
                              "xquant` (seconds, no data) and pass it with --artifact")
-        return XQuantCodec(self.for_model(dims), tensors, dims)
+        return XQuantMath(self.for_model(dims), tensors, dims).storages(dims.num_layers)
 
     def synthetic_tensors(self, dims, seed: int = 0) -> dict[str, torch.Tensor]:
         """Random factors of an artifact's shapes (speed benchmarks at shapes no artifact exists for): U [hidden,

@@ -1,7 +1,7 @@
-"""XQuant's codec and packed storages (the method: kvcal/methods/xquant/method.py): the simulation's
-rematerialization of K and V from fake-quantized X or SVD latents of it (XQuantCodec), the packed cache's latents of
-one layer (XQuantStorage, Triton kernels in kvcal/methods/xquant/kernels.py) and the cross-layer chain of XQuant-CL
-(XQuantChainStorage, torch only). "rec §7.N" cites the digest's section 7 choices (papers/xquant.md)."""
+"""XQuant's storages (the method: kvcal/methods/xquant/method.py): the simulation's rematerialization of K and V
+from fake-quantized X or SVD latents of it (XQuantMath, which every storage answers `rematerialize` with), the packed
+cache's latents of one layer (XQuantStorage, Triton kernels in kvcal/methods/xquant/kernels.py), the cross-layer
+chain of XQuant-CL (XQuantChainStorage, torch only) and the ablations' reconstructions (XQuantReconstruction). "rec §7.N" cites the digest's section 7 choices (papers/xquant.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods.base import Codec, FlushPolicy, Method
+from kvcal.methods.base import FlushPolicy, Method
 from kvcal.methods.kivi.storage import KiviStorage
 from kvcal.methods.xquant import kernels as xquant_kernels
 from kvcal.quant.packing import words_per_vector
@@ -21,7 +21,7 @@ from kvcal.quant.uniform import (
     quantize_per_token_into,
 )
 from kvcal.quant.uniform_kernels import quantize_per_token_into_triton
-from kvcal.runtime.storage import BufferSpec, Storage
+from kvcal.runtime.storage import BufferSpec, ReconstructionStorage, Storage, Storages
 
 PLAIN, BASE, DELTA = "plain", "base", "delta"  # a layer's role in XQuant.layer_plan
 
@@ -39,7 +39,17 @@ RAW_DTYPE = torch.float16  # what bits=16 stores (fp16, as the simulation's _qua
 STORAGE_BITS = (2, 3, 4, 8, 16)
 
 
-class XQuantStorage(Storage):
+class Rematerialized:
+    """The simulation's view of an XQuant storage: its layer's rematerialization (XQuantMath)."""
+
+    math: XQuantMath | None = None
+    layer: int = 0
+
+    def rematerialize(self, x, proj, state):
+        return self.math.rematerialize(self.layer, x, proj, state)
+
+
+class XQuantStorage(Rematerialized, Storage):
     """One layer's cached X or latents of it, keys and values rematerialized at attention time (source "x").
 
     - "svd": Z_k = X U_k in KIVI's per-channel key format (blocks of `group_tokens` tokens) and Z_v = X U_v in its
@@ -79,7 +89,7 @@ class XQuantStorage(Storage):
     def bind(self, projection) -> None:
         if projection.k_norm:
             raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
-                             "--backend dequantized or --mode simulate")
+                             "--mode simulate")
         # kept in the model's dtype (float32 copies of float64 weights would move a float64 run by ~1e-9)
         if self.variant == "x":  # K = X W_k^T: the latent is X, R its projection
             self.r_k, self.r_v = projection.w_k.T.contiguous(), projection.w_v.T.contiguous()
@@ -128,13 +138,6 @@ class XQuantStorage(Storage):
         return specs
 
     # ---- write --------------------------------------------------------------------------------------------------
-    def write(self, packed, x, rows, slots, kernel) -> None:
-        """x [M, 1, hidden], the layer's attention inputs, into slots[m] of rows[m]."""
-        if kernel:
-            self.write_triton(packed, x, rows.contiguous(), slots.contiguous())
-        else:
-            self.write_reference(packed, x, rows, slots)
-
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, 1, hidden] -> (Z_k, Z_v) [M, 1, width] in x's dtype promoted to float32 at least (for x: X twice)."""
         compute = torch.promote_types(x.dtype, torch.float32)
@@ -157,11 +160,12 @@ class XQuantStorage(Storage):
         if self.outlier:
             packed["k_outlier"][rows, :, slots] = z_k[:, :, 0].to(torch.float16)
 
-    def write_reference(self, packed, x, rows, slots):
+    def write_reference(self, packed, x, values, rows, slots):
+        """x [M, 1, hidden], the layer's attention inputs (`values` is None: source "x"), into slots[m] of rows[m]."""
         self._write(packed, x, rows, slots, quantize_per_token_into,
                     None if self.kivi is None else self.kivi.write_reference)
 
-    def write_triton(self, packed, x, rows, slots):
+    def write_triton(self, packed, x, values, rows, slots):
         self._write(packed, x, rows, slots, quantize_per_token_into_triton,
                     None if self.kivi is None else self.kivi.write_triton)
 
@@ -223,11 +227,16 @@ class XQuantStorage(Storage):
                 packed[name].normal_(generator=generator)
 
 
-CHAIN = "xquant_chain"  # SharedState.store key: {layer: (storage, packed)} of the cross-layer layers
-ACC = "xquant_acc"  # SharedState.store key: {row: (layer, tokens, dtype, X^ of that layer)}, the last read
+class XQuantChain:
+    """What XQuant-CL's layers share in one cache (SharedState.state(XQuantChain)): each cross-layer layer's storage
+    and packed buffers, and per row the last reconstruction read (layer, tokens, dtype, X^ of that layer)."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple] = {}
+        self.last: dict[int, tuple] = {}
 
 
-class XQuantChainStorage(Storage):
+class XQuantChainStorage(Rematerialized, Storage):
     """One cross-layer (XQuant-CL) layer: the base layer's X (or its latent X U_kv) per token at hp bits, or a delta
     layer's closed-loop delta Q((X_i - X^_{i-1}) U_kv) (svd) or Q(X_i - X^_{i-1}) (x) per token, in KIVI's per-token
     format (bits 16: RAW_DTYPE). The reconstruction X^_i = X^_b + sum_j DQ(Z_j) U_j^T at given tokens walks the layers
@@ -259,7 +268,7 @@ class XQuantChainStorage(Storage):
     def bind(self, projection) -> None:
         if projection.k_norm:
             raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
-                             "--backend dequantized or --mode simulate")
+                             "--mode simulate")
         self.w_k, self.w_v, self.b_k, self.b_v = projection.w_k, projection.w_v, projection.b_k, projection.b_v
         self._cast.clear()
 
@@ -295,9 +304,9 @@ class XQuantChainStorage(Storage):
     def _register(self, packed) -> dict:
         if packed.shared is None:
             raise KvcalError("xquant cross-layer storage needs the cache's shared state (a KvcalCache)")
-        chain = packed.shared.store.setdefault(CHAIN, {})
-        chain[self.layer] = (self, packed)
-        return chain
+        chain = packed.shared.state(XQuantChain)
+        chain.layers[self.layer] = (self, packed)
+        return chain.layers
 
     def _entries(self, packed, rows, slots, dtype) -> torch.Tensor:
         """This layer's reconstructed term at the tokens (rows[m], slots[m]): DQ(Z) U^T, [M, hidden] in dtype."""
@@ -310,7 +319,7 @@ class XQuantChainStorage(Storage):
         z = z.to(dtype)
         return z if self.u is None else z @ self._u(dtype).T
 
-    def reconstruct(self, chain: dict, upto: int, rows, slots, dtype) -> torch.Tensor:
+    def chain_sum(self, chain: dict, upto: int, rows, slots, dtype) -> torch.Tensor:
         """X^_upto at the tokens (rows[m], slots[m]): the base's term plus every delta up to layer `upto`, summed in
         layer order (the simulation's order)."""
         acc = None
@@ -324,17 +333,15 @@ class XQuantChainStorage(Storage):
         return acc
 
     # ---- write ------------------------------------------------------------------------------------------------------
-    def write(self, packed, x, rows, slots, kernel) -> None:
-        if kernel:
-            raise KvcalError("xquant cross-layer storage has no Triton kernels: run it with backend='reference'")
-        self.write_reference(packed, x, rows, slots)
+    def kernel_refusal(self) -> str | None:
+        return "xquant cross-layer storage has no Triton kernels"
 
-    def write_reference(self, packed, x, rows, slots):
+    def write_reference(self, packed, x, values, rows, slots):
         chain = self._register(packed)
         compute = torch.promote_types(x.dtype, torch.float32)
         x = x[:, 0].to(compute)
         if self.layer > self.base:  # closed loop: against the previous layer's reconstruction of these tokens
-            x = x - self.reconstruct(chain, self.layer - 1, rows, slots, compute)
+            x = x - self.chain_sum(chain, self.layer - 1, rows, slots, compute)
         z = x if self.u is None else x @ self._u(compute)
         if self.bits == 16:
             packed["v_raw"][rows, :, slots] = z[:, None].to(RAW_DTYPE)
@@ -350,14 +357,14 @@ class XQuantChainStorage(Storage):
         # the previous layer's reconstruction of this row, when it read the same tokens (slots below a row's length
         # never change, so the entry stays valid across steps until the row flushes): one term to add, not a walk
         # from the base (O(layers) per step instead of O(layers^2))
-        last = packed.shared.store.setdefault(ACC, {})
+        last = packed.shared.state(XQuantChain).last
         found = last.get(row)
         if self.layer > self.base and found is not None and found[:3] == (self.layer - 1, t, dtype):
             rows = torch.full((t,), row, dtype=torch.int64, device=device)
             acc = found[3].to(device) + self._entries(packed, rows, torch.arange(t, device=device), dtype)
         else:
             rows = torch.full((t,), row, dtype=torch.int64, device=device)
-            acc = self.reconstruct(chain, self.layer, rows, torch.arange(t, device=device), dtype)
+            acc = self.chain_sum(chain, self.layer, rows, torch.arange(t, device=device), dtype)
         last[row] = (self.layer, t, dtype, acc)
         k = acc @ self.w_k.to(dtype).T
         v = acc @ self.w_v.to(dtype).T
@@ -372,11 +379,10 @@ class XQuantChainStorage(Storage):
         raise KvcalError("xquant cross-layer storage has no kernels to benchmark")
 
 
-class XQuantCodec(Codec):
-    """Rebuilds each compressed span's keys and values from its layer inputs X (Codec.source "x")."""
-
-    keys_pre_rope = True
-    source = "x"
+class XQuantMath:
+    """The model's XQuant setting, factors and layer plan: the simulation's rematerialization of each layer's K and V
+    from fake-quantized X or SVD latents of it, which every XQuant storage of that layer answers with
+    (`rematerialize`), and the storages themselves (`storages`)."""
 
     def __init__(self, method: Method, tensors: dict[str, torch.Tensor], dims):
         self.method = method
@@ -384,31 +390,30 @@ class XQuantCodec(Codec):
         self.plan = method.layer_plan(dims.num_layers)
         self.factors = {name: t.to(torch.float32) for name, t in tensors.items() if t.is_floating_point()}
         self.family, self.hidden = dims.family, dims.hidden_size
-        self._storages: dict[int, XQuantStorage] = {}
 
-    def _refused(self) -> bool:
-        m = self.method
-        return (m.variant == "kv" or self.family == "qwen3"
-                or (m.cross_layer and (m.delta_axis != "token" or not m.closed_loop)))
-
-    def storage_refusal(self) -> str:
+    def ablation(self) -> str | None:
+        """Why this setting has no packed storage (an ablation kept as its reconstruction), or None."""
         m = self.method
         if m.cross_layer and m.delta_axis != "token":
-            return "xquant cross-layer deltas per channel (an ablation) have no packed storage"
+            return "xquant cross-layer deltas per channel (an ablation)"
         if m.cross_layer and not m.closed_loop:
-            return "xquant open-loop cross-layer deltas (an ablation) have no packed storage"
+            return "xquant open-loop cross-layer deltas (an ablation)"
         if m.variant == "kv":
-            return "xquant variant kv (the KIVI* baseline) has no packed storage (kvcal's kivi method has one)"
+            return "xquant variant kv (the KIVI* baseline; kvcal's kivi method has a packed storage)"
         if self.family == "qwen3":
-            return "xquant packed storage cannot rebuild keys through Qwen3's per-head k_norm"
-        return "xquant has no packed storage for this setting"
+            return "xquant on Qwen3 (the packed storage cannot rebuild keys through its per-head k_norm)"
+        return None
 
-    def storage(self, layer: int) -> Storage | None:
+    def storages(self, num_layers: int) -> Storages:
+        why = self.ablation()
+        if why:
+            return Storages(XQuantReconstruction(self, layer, why) for layer in range(num_layers))
+        return Storages(self._storage(layer) for layer in range(num_layers))
+
+    def _storage(self, layer: int) -> Storage:
         m = self.method
-        if self._refused():
-            return None
         role, bits = self.plan[layer]
-        if layer not in self._storages and role != PLAIN:
+        if role != PLAIN:
             latent = m.variant == "svd" and (role == DELTA or m.base_repr == "latent")
             u = None
             if latent:
@@ -417,9 +422,9 @@ class XQuantCodec(Codec):
                     raise KvcalError(f"xquant artifact has no tensor {key}: recalibrate (kvcal calibrate --method "
                                      "xquant)")
                 u = self.factors[key].float()
-            self._storages[layer] = XQuantChainStorage(layer, m.base_layer, bits, m.group_tokens, m.group_channels,
-                                                       m.residual, self.hidden, u)
-        if layer not in self._storages:
+            storage = XQuantChainStorage(layer, m.base_layer, bits, m.group_tokens, m.group_channels, m.residual,
+                                         self.hidden, u)
+        else:
             factors = {}
             if m.variant == "svd":
                 for name in ("k.U", "k.R", "v.U", "v.R"):
@@ -428,9 +433,10 @@ class XQuantCodec(Codec):
                         raise KvcalError(f"xquant artifact has no tensor {key}: recalibrate (kvcal calibrate "
                                          "--method xquant)")
                     factors[name] = self.factors[key].float()
-            self._storages[layer] = XQuantStorage(m.variant, bits, m.group_tokens, m.group_channels, m.residual,
-                                                  factors, m.outlier_channel, self.hidden)
-        return self._storages[layer]
+            storage = XQuantStorage(m.variant, bits, m.group_tokens, m.group_channels, m.residual, factors,
+                                    m.outlier_channel, self.hidden)
+        storage.math, storage.layer = self, layer
+        return storage
 
     def _factor(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
         key = f"layers.{layer}.{name}"
@@ -500,3 +506,16 @@ class XQuantCodec(Codec):
             acc = state["acc"].to(x.device) + self._delta(layer, x - reference, bits)
         state.update(layer=layer, acc=acc, exact=x)
         return proj.project(acc)
+
+
+class XQuantReconstruction(Rematerialized, ReconstructionStorage):
+    """An XQuant ablation the packed storages do not hold (the KIVI* baseline, open-loop or per-channel deltas, Qwen3):
+    each span's rematerialized keys and values kept as they are."""
+
+    keys_pre_rope = True
+    source = "x"
+
+    def __init__(self, math: XQuantMath, layer: int, why: str):
+        super().__init__()
+        self.math, self.layer, self.policy = math, layer, math.policy
+        self.refusal = f"{why} kept as its reconstruction (torch only)"

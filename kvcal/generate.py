@@ -85,5 +85,5 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     predicted = bits_per_element(method, loaded.dims, tokens).bits_per_element
     text = loaded.tokenizer.decode(new_tokens, skip_special_tokens=True)
     summary = f"{size_summary(method.name, storages, loaded, cache, tokens, predicted)}; {speed}"
-    return {"text": text, "summary": summary, "cache_bytes": used, "fp16_bytes": fp16, "tokens": tokens,
-            "mode": result["mode"], **cache.held()}
+    return {"text": text, "new_tokens": [int(t) for t in new_tokens], "summary": summary, "cache_bytes": used,
+            "fp16_bytes": fp16, "tokens": tokens, "mode": result["mode"], **cache.held()}

@@ -137,13 +137,13 @@ def test_slope_guard():
 
 
 def test_the_remap_runs_in_the_simulation_and_the_cache(tiny):
-    """The codec counts remapped rows in the gptq simulation; the remap moves the NLL (the contract test's simulate ==
-    decode through the dequantized cache then has teeth for the remap)."""
+    """The storages count remapped rows in the gptq simulation; the remap moves the NLL (the contract test's simulate
+    == decode through the cache then has teeth for the remap)."""
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
     on = codec(tiny.dims, bits=1, group_tokens=8, sink=2, tau1=0.0, tau2=3.0)
     off = codec(tiny.dims, bits=1, group_tokens=8, sink=2, calibration=False)
     with_remap, without = simulated_nll(tiny, on, ids).nll, simulated_nll(tiny, off, ids).nll
-    assert on.rows > 0 and abs(with_remap - without) > 1e-3
+    assert cq.remap_counts(on)[0] > 0 and abs(with_remap - without) > 1e-3
 
 
 # -- the tau search -------------------------------------------------------------------------------------------------
@@ -331,9 +331,9 @@ def test_whole_block_codec_refuses_token_by_token_protocols(tiny):
     with pytest.raises(KvcalError, match="evaluate it with --protocol tail") as err:
         simulated_nll(tiny, c, ids)
     assert "\n" not in str(err.value)
-    assert KvcalCache(c, 2, "dequantized").codec is c and KvcalCache(c, 2).codec is c
+    assert KvcalCache(c, 2, "reference").storages is c and KvcalCache(c, 2).storages is c
     kivi = build_method("kivi", {"group_size": 8}).build_storages({}, tiny.dims)
-    for other, needle in ((kivi, "compress the prompt in bulk"), (c, "differs from the codec's 32")):
+    for other, needle in ((kivi, "compress the prompt in bulk"), (c, "differs from the storages' 32")):
         with pytest.raises(KvcalError, match=needle) as err:
             decoded_nll(tiny, other, ids, "tail", 14, prefix_len=2)
         assert "\n" not in str(err.value)
@@ -516,7 +516,7 @@ def test_remap_by_hand_through_the_storage():
 @pytest.mark.parametrize("config", [{"bits": 1, "tau1": 0.5, "tau2": 2.0}, {"bits": 2, "calibration": False}])
 def test_decode_mode_tail_protocol_equals_the_simulation(config):
     """The cache's bulk regime: prefill S + P tokens in full precision, [S, S + P) compressed once (the packed
-    storage's torch references and the dequantized cache), the tail decoded token by token: the same NLL as the tail
+    storage's torch references, through both backends), the tail decoded token by token: the same NLL as the tail
     simulation (float64), padded batch rows included."""
     from kvcal.eval.ppl import decoded_nll
     from kvcal.models import load_model
@@ -527,12 +527,13 @@ def test_decode_mode_tail_protocol_equals_the_simulation(config):
     simulated = simulated_nll(tiny, c, ids, "tail", 27, prefix_len=3)
     exact = simulated_nll(tiny, build_method("fp16").build_storages({}, tiny.dims), ids, "tail", 27, prefix_len=3)
     assert abs(simulated.nll - exact.nll) > 1e-3  # the block was compressed
-    for backend in ("packed", "dequantized"):
+    for backend in ("packed", "reference"):
         decoded = decoded_nll(tiny, c, ids, "tail", 27, batch_size=2, backend=backend, prefix_len=3)
         assert decoded.tokens == simulated.tokens == 2 * 12
         assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
-    rows, _ = c.cache_counts()
-    assert rows == (2 * 4 * 12 * 2 if config.get("tau1") is not None else 0)  # layers x Hq x steps x rows
+    rows, _ = cq.cache_counts(c)
+    # layers x Hq x steps x rows, once per backend (both run the storages' attention)
+    assert rows == (2 * 4 * 12 * 2 * 2 if config.get("tau1") is not None else 0)
 
 
 def test_generated_tokens_stay_in_full_precision():

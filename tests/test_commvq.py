@@ -343,18 +343,18 @@ def test_fused_value_attention_equals_explicit_reconstruction(tiny):
     codec = method.build_storages(random_tensors(tiny.dims, method), tiny.dims)
     gen = torch.Generator().manual_seed(4)
     v = torch.randn(2, 2, 11, 16, generator=gen, dtype=torch.float64)
-    bits, rho = codec.encode_values(1, v)
+    bits, rho = codec[0].book.encode_values(1, v)
     assert bits.dtype == torch.uint8 and bits.shape == (2, 11, 2 * 32) and set(bits.unique().tolist()) <= {0, 1}
     assert rho.dtype == torch.float16 and rho.shape == (2, 11)
     probs = torch.softmax(torch.randn(2, 4, 3, 11, generator=gen, dtype=torch.float64), -1)
-    explicit = probs @ codec.decode_values(1, bits, rho, torch.float64).repeat_interleave(2, dim=1)
-    p = codec.values[1]
+    explicit = probs @ codec[0].book.decode_values(1, bits, rho, torch.float64).repeat_interleave(2, dim=1)
+    p = codec[0].book.values[1]
     fused = fused_value_attention(probs, bits, rho, p["codebook"], p["channel_scale"], num_kv_heads=2)
     torch.testing.assert_close(fused, explicit, rtol=1e-10, atol=1e-12)
-    assert torch.equal(codec.value_attention(1, probs, bits, rho), fused)
+    assert torch.equal(codec[0].book.value_attention(1, probs, bits, rho), fused)
     # the decode is scale * rho * (s C_V), written out for one token and KV head 1
     row = p["channel_scale"].double() * float(rho[0, 3]) * (bits[0, 3].double() @ p["codebook"].double())
-    torch.testing.assert_close(codec.decode_values(1, bits, rho, torch.float64)[0, 1, 3], row[16:])
+    torch.testing.assert_close(codec[0].book.decode_values(1, bits, rho, torch.float64)[0, 1, 3], row[16:])
     # the stored ratio restores each token's norm in the scaled domain: |v / scale| = rho |s C_V| (to fp16)
     x = v[0].transpose(0, 1).reshape(11, 32) / p["channel_scale"].double()
     u = bits[0].double() @ p["codebook"].double()
@@ -366,14 +366,14 @@ def test_codec_round_trip_shapes_and_determinism(tiny):
     tensors = random_tensors(tiny.dims, method)
     codec = method.build_storages(tensors, tiny.dims)
     k = torch.randn(2, 2, 7, 16, generator=torch.Generator().manual_seed(5))
-    codes, norms = codec.encode_keys(0, k)
+    codes, norms = codec[0].book.encode_keys(0, k)
     assert codes.dtype == torch.int16 and codes.shape == (2, 7, 2, 3, 2) and int(codes.max()) < 8
     assert norms.dtype == torch.float16 and norms.shape == (2, 7)
     torch.testing.assert_close(norms.float(), k.transpose(1, 2).reshape(2, 7, 32).norm(dim=-1), rtol=1e-3, atol=0)
-    decoded = codec.decode_keys(0, codes, norms)
+    decoded = codec[0].book.decode_keys(0, codes, norms)
     assert decoded.shape == k.shape
-    assert torch.equal(codec.quantize_keys(0, k), decoded)
-    again = codec.encode_keys(0, k.clone())
+    assert torch.equal(codec[0].book.quantize_keys(0, k), decoded)
+    again = codec[0].book.encode_keys(0, k.clone())
     assert torch.equal(again[0], codes) and torch.equal(again[1], norms)
     # greedy codes against a brute force over all (a, b) of stage 0 of group 1 (KV head 1)
     unit = (k / k.transpose(1, 2).reshape(2, 7, 32).norm(dim=-1)[:, None, :, None])[0, 1]  # [T, D]
@@ -385,10 +385,11 @@ def test_codec_round_trip_shapes_and_determinism(tiny):
     assert codes[0, :, 1, 0, 0].tolist() == (best // 8).tolist() and codes[0, :, 1, 0, 1].tolist() == (best % 8).tolist()
     # value side: quantize = decode(encode)
     v = torch.randn(1, 2, 5, 16)
-    bits, rho = codec.encode_values(1, v)
-    assert torch.equal(codec.quantize_values(1, v), codec.decode_values(1, bits, rho))
+    bits, rho = codec[0].book.encode_values(1, v)
+    assert torch.equal(codec[0].book.quantize_values(1, v), codec[0].book.decode_values(1, bits, rho))
     # K-only / V-only leave the other tensor untouched
     k_only = CommVQ(bits=1, key_codes=8, key_stages=3, quantize="k").build_storages(tensors, tiny.dims)
+    k_only = k_only[0].book
     assert torch.equal(k_only.quantize_values(1, v), v) and not torch.equal(k_only.quantize_keys(0, k), k)
 
 
@@ -405,7 +406,7 @@ def test_simulation_equals_token_by_token_decoding(tiny, window):
     codec = method.build_storages(random_tensors(tiny.dims, method), tiny.dims)
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
     simulated = simulated_nll(tiny, codec, ids).nll
-    cache = KvcalCache(codec, tiny.dims.num_layers, backend="dequantized")
+    cache = KvcalCache(codec, tiny.dims.num_layers, backend="reference")
     with torch.inference_mode():
         logits = [forward_with_cache(tiny.model, ids[:, t : t + 1], cache).logits for t in range(ids.shape[1])]
     assert simulated == pytest.approx(sequence_nll(torch.cat(logits, 1), ids, 1).item(), rel=2e-6)
@@ -449,8 +450,8 @@ def test_storage_bytes_at_llama_shapes_by_hand():
     packed = _random_packed(storage, LLAMA8B_DIMS, [100], 0, torch.Generator().manual_seed(0))
     constants = 4 * (8 * 21 * 64 * 64 * 2 + 2048 * 1024 + 1024)
     assert packed_bytes(storage, packed) == 100 * per_token + 4 + constants
-    assert build_method("commvq", {"quantize": "k"}).build_storages(
-        method.synthetic_tensors(one_layer), one_layer)[0] is None  # ablations: reference cache only
+    ablation = build_method("commvq", {"quantize": "k"}).build_storages(method.synthetic_tensors(one_layer), one_layer)
+    assert "torch only" in ablation.kernel_refusal()  # ablations: their reconstruction, the reference backend
 
 
 def _random_packed(storage, dims, lengths, pos_offset, gen, dtype=torch.float64):
@@ -527,12 +528,12 @@ def test_storage_writes_what_the_codec_encodes(tiny):
     packed = Packed(buffers, torch.tensor([0, 5], dtype=torch.int32), 2, 16, 8)
     storage.write_reference(packed, k[0].transpose(0, 1), v[0].transpose(0, 1), torch.ones(5, dtype=torch.long),
                             torch.arange(5))
-    codes, norms = codec.encode_keys(0, k)
+    codes, norms = codec[0].book.encode_keys(0, k)
     assert torch.equal(unpack_stream(buffers["k_codes"][1, :5], 4, 8).view(5, 2, 2, 2), codes[0].long())
     assert torch.equal(buffers["k_norm"][1, :5], norms[0]) and not buffers["k_codes"][0].any()
     keys, values = storage.read(packed, 1, rotate=False)
-    assert torch.equal(keys, codec.decode_keys(0, codes, norms)[0])
-    assert torch.equal(values, codec.quantize_values(0, v)[0])
+    assert torch.equal(keys, codec[0].book.decode_keys(0, codes, norms)[0])
+    assert torch.equal(values, codec[0].book.quantize_values(0, v)[0])
     synthetic = _random_packed(storage, dims, [64, 64], 0, gen)
     drawn = unpack_stream(synthetic["k_codes"], 4, 8)
     assert int(drawn.max()) == 11 and int(drawn.min()) == 0

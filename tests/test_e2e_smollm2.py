@@ -49,18 +49,28 @@ def test_calibrate_baseline_then_eval_two_windows(tmp_path, wikitext_dir, smollm
     assert base["bits_per_element"] == 16 and 3 < kivi["bits_per_element"] < 4
 
 
-def test_generate_packed_matches_reference_cache_and_is_smaller(smollm2):
-    """`kvcal generate`: greedy text through the packed cache equals the text through the dequantized
-    reference cache (same codec, same numbers), and the packed cache is smaller than fp16 by what bits per
-    element predicts; the CLI prints the text and the size line."""
+def test_generate_packed_matches_the_simulation_and_is_smaller():
+    """`kvcal generate`: greedy tokens through the packed cache are the argmax of the prefill-decode simulation's
+    logits over the prompt and those tokens (teacher forcing: the same decisions, float64, an independent path), and
+    the packed cache is smaller than fp16 by what bits per element predicts; the CLI prints the text and the size
+    line."""
+    from kvcal.eval.simulate import SimulatedAttention
     from kvcal.generate import generate_text
+    from kvcal.methods.registry import build_method
+    from kvcal.models import load_model
 
-    args = ("The Eiffel tower is", "smollm2-135m", None, "kivi", ["bits=4", "group_size=32", "residual=0"], 40,
-            "float32", "cpu")
-    packed = generate_text(*args, backend="packed")
-    reference = generate_text(*args, backend="dequantized")
-    assert packed["text"] == reference["text"] and len(packed["text"]) > 20
-    assert reference["cache_bytes"] is None
+    prompt, sets = "The Eiffel tower is", ["bits=4", "group_size=32", "residual=0"]
+    exact = generate_text(prompt, "smollm2-135m", None, "kivi", sets, 40, "float64", "cpu")
+    loaded = load_model("smollm2-135m", "float64")
+    prompt_ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
+    full = torch.cat([prompt_ids, torch.tensor([exact["new_tokens"]])], 1)
+    storages = build_method("kivi", {"bits": 4, "group_size": 32, "residual": 0}).build_storages({}, loaded.dims)
+    with torch.inference_mode(), loaded.adapter.use(SimulatedAttention(storages, prompt_ids.shape[1])):
+        logits = loaded.model(full, use_cache=False).logits
+    assert logits[0, prompt_ids.shape[1] - 1:-1].argmax(-1).tolist() == exact["new_tokens"]
+    assert exact["tokens"] > 32  # past a flushed block
+    packed = generate_text(prompt, "smollm2-135m", None, "kivi", sets, 40, "float32", "cpu")
+    assert len(packed["text"]) > 20
     # kivi-4 G32 R0 stores 4-bit codes plus an fp16 scale and zero per 32 elements (5 bits/element) for every
     # whole block of 32 tokens; the unflushed rest (< 32 tokens) sits in float32 slots. At 32+ tokens that is
     # well under half of an fp16 cache (measured here: 32 tokens, 5.00 bits/element, 3.2x smaller).

@@ -57,7 +57,7 @@ class StreamingMask:
 
 @pytest.mark.parametrize("protocol,prompt", [("gptq", 0), ("prefill-decode", 20)])
 def test_simulation_and_decoding_equal_an_explicit_streaming_mask(tiny, protocol, prompt):
-    """float64: the simulation, the packed cache (torch references) and the dequantized reference cache score the NLL
+    """float64: the simulation, the cache (torch references, through both backends) score the NLL
     of attention under the explicit mask; with 48-token windows, S 2 and W 8, tokens are dropped (fp16 differs)."""
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), tiny.adapter.use(StreamingMask(SINK, WINDOW, prompt)):
@@ -66,7 +66,7 @@ def test_simulation_and_decoding_equal_an_explicit_streaming_mask(tiny, protocol
     codec = _evict().build_storages({}, tiny.dims)
     simulated = simulated_nll(tiny, codec, ids, protocol, prompt)
     assert simulated.nll == pytest.approx(expected, rel=1e-9)
-    for backend in ("packed", "dequantized"):
+    for backend in ("packed", "reference"):
         decoded = decoded_nll(tiny, codec, ids, protocol, prompt, batch_size=2, backend=backend)
         assert decoded.tokens == simulated.tokens
         assert decoded.nll == pytest.approx(expected, rel=1e-9), backend
@@ -177,7 +177,7 @@ def test_dropped_tokens_add_an_empty_split():
     from kvcal.runtime.decode import FullPrecision, fp_partials_reference, merge_reference
     from kvcal.runtime.storage import Packed, Storage
 
-    storage = _evict().build_storages({}, None)[0]
+    storage = _evict().build_storages({}, type("D", (), {"num_layers": 1})())[0]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
     fp = FullPrecision(torch.randn(2, 2, 10, 16, generator=gen, dtype=torch.float64),

@@ -74,7 +74,7 @@ def test_groups_along_any_axis_match_a_loop():
 
 
 def test_kivi_keys_per_channel_values_per_token():
-    dims = type("D", (), {"head_dim": 8, "kv_channels": 16})()
+    dims = type("D", (), {"head_dim": 8, "kv_channels": 16, "num_layers": 1})()
     codec = build_method("kivi", {"bits": 2, "group_size": 4, "residual": 0}).build_storages({}, dims)
     k = torch.randn(1, 2, 8, 8)
     kq, vq = codec[0].reconstruct(k, k)
@@ -83,7 +83,7 @@ def test_kivi_keys_per_channel_values_per_token():
 
 
 def test_rtn_groups_of_channels_of_one_head():
-    dims = type("D", (), {"head_dim": 4, "kv_channels": 8})()
+    dims = type("D", (), {"head_dim": 4, "kv_channels": 8, "num_layers": 1})()
     k = torch.randn(1, 2, 3, 4)
     grouped = build_method("rtn", {"bits": 2, "group_size": 2}).build_storages({}, dims)[0].reconstruct(k, k)[0]
     torch.testing.assert_close(grouped[0, 1, 1, 2:4], loop_minmax(k[0, 1, 1, 2:4], 2))  # head 1, token 1, group 1
@@ -93,7 +93,7 @@ def test_rtn_groups_of_channels_of_one_head():
 
 def test_one_bit_baselines_match_a_loop():
     """rtn and kivi at 1 bit: every group is reconstructed to its min or its max, as the loop computes."""
-    dims = type("D", (), {"head_dim": 8, "kv_channels": 16})()
+    dims = type("D", (), {"head_dim": 8, "kv_channels": 16, "num_layers": 1})()
     k = torch.randn(1, 2, 8, 8)
     rtn = build_method("rtn", {"bits": 1, "group_size": 4}).build_storages({}, dims)[0].reconstruct(k, k)[0]
     torch.testing.assert_close(rtn[0, 1, 3, 4:8], loop_minmax(k[0, 1, 3, 4:8], 1))  # head 1, token 3, group 1

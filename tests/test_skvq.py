@@ -206,7 +206,7 @@ def hand_made_tensors(dims, seed: int = 0) -> dict[str, torch.Tensor]:
 def decode_nll(loaded, codec, ids) -> float:
     """Token-by-token decoding through the runtime cache (sinks, window flushed one token per step), each flushed
     token reconstructed through the storage (the packed cache itself is checked by the contract and kernel tests)."""
-    cache = KvcalCache(codec, loaded.dims.num_layers, backend="dequantized")
+    cache = KvcalCache(codec, loaded.dims.num_layers, backend="reference")
     with torch.inference_mode():
         logits = [forward_with_cache(loaded.model, ids[:, t : t + 1], cache).logits
                   for t in range(ids.shape[1])]

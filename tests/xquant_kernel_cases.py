@@ -66,7 +66,7 @@ def make_case(variant, bits, dtype, *, hidden=96, hkv=2, d=32, hq=None, lengths=
                     inv_freq)  # slot 0 at position 3 (as after 3 sinks)
     for b, n in enumerate(lengths):
         if n:
-            storage.write_reference(packed, _inputs(gen, n, hidden, "cpu").to(device),
+            storage.write_reference(packed, _inputs(gen, n, hidden, "cpu").to(device), None,
                                     torch.full((n,), b, dtype=torch.int64, device=device),
                                     torch.arange(n, device=device))
     hq = hq or 2 * hkv

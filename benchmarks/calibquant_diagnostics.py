@@ -32,8 +32,8 @@ from kvcal.models.attention import additive_mask, attention
 class AttentionError:
     """Adapter handler: exact attention, plus the per-layer errors of the tail queries' probabilities."""
 
-    def __init__(self, codec, prefix: int, block: int, num_layers: int):
-        self.codec, self.start, self.end = codec, prefix, prefix + block
+    def __init__(self, storages, prefix: int, block: int, num_layers: int):
+        self.storages, self.start, self.end = storages, prefix, prefix + block
         self.sums = {name: [0.0] * num_layers for name in ("mse_quant", "mse_calib", "kl_quant", "kl_calib",
                                                              "block_mass_exact", "block_mass_quant",
                                                              "block_mass_calib")}
@@ -43,7 +43,7 @@ class AttentionError:
         q, k = inp.rotated()
         out = attention(q, k, inp.v, inp.mask, inp.scale)
         layer, start, end = inp.layer_idx, self.start, self.end
-        k_hat, _ = self.codec[layer].reconstruct(k[:, :, start:end], inp.v[:, :, start:end])
+        k_hat, _ = self.storages[layer].reconstruct(k[:, :, start:end], inp.v[:, :, start:end])
         k_mix = k.clone()
         k_mix[:, :, start:end] = k_hat
         groups = q.shape[1] // k.shape[1]
@@ -54,7 +54,7 @@ class AttentionError:
         compressed = torch.zeros(k.shape[2], dtype=torch.bool, device=q.device)
         compressed[start:end] = True
         quant = torch.softmax(scores + bias, -1)
-        calib = torch.softmax(self.codec.remap_scores(layer, scores, compressed) + bias, -1)
+        calib = torch.softmax(self.storages[layer].remap_scores(scores, compressed) + bias, -1)
         tiny = torch.finfo(torch.float64).tiny
         for name, p in (("quant", quant), ("calib", calib)):
             self.sums[f"mse_{name}"][layer] += float(((p - exact) ** 2).mean())
@@ -76,13 +76,13 @@ def main() -> None:
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     art = load_artifact(args.artifact)
     loaded = load_model(art.header["model"]["name"], "float32", "cpu")
-    _, codec = storages_for_artifact(art, loaded, args.artifact)
-    if not codec.remaps_scores:
+    _, storages = storages_for_artifact(art, loaded, args.artifact)
+    if not storages.remaps_scores:
         raise SystemExit("the artifact's setting has no score remap: nothing to compare")
     _, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), args.seqlen,
                                    args.nsamples)
     prefix, block = tail_layout(args.seqlen)
-    handler = AttentionError(codec, prefix, block, loaded.dims.num_layers)
+    handler = AttentionError(storages, prefix, block, loaded.dims.num_layers)
     with torch.inference_mode(), loaded.adapter.use(handler):
         for window in windows:
             loaded.model(window[None], use_cache=False)

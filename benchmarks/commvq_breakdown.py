@@ -97,8 +97,8 @@ def sm90_compile(recipes) -> list[dict]:
     pointer = {"q_ptr": "*bf16", "len_ptr": "*i32", "kc_ptr": "*i32", "kn_ptr": "*fp16", "s_ptr": "*fp32"}
     rows = []
     for recipe in recipes:
-        (_, _, codec), = cases.bench_cases([recipe], [], dims)
-        st = codec[0]
+        (_, _, storages), = cases.bench_cases([recipe], [], dims)
+        st = storages[0]
         hkv, d, group = 8, 128, 4
         wk = st.buffers(1, 1, hkv, d)["k_codes"].shape[-1]
         for sd, n in SCORE_DOTS:

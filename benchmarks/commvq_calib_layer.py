@@ -57,7 +57,8 @@ def main():
     held = held_out_windows(len(windows), method.holdout, method.seed)
     train_rows, held_rows = rows_of(windows, held, False), rows_of(windows, held, True)
     inv_freq = 1.0 / rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    loaded = SimpleNamespace(dims=dims, adapter=SimpleNamespace(inv_freq=inv_freq))
+    loaded = SimpleNamespace(dims=dims, adapter=SimpleNamespace(inv_freq=inv_freq,
+                                                                inv_freq_on=lambda device: inv_freq.to(device)))
     o_proj = torch.nn.Linear(hq * d, hidden, bias=False)
     with torch.no_grad():
         o_proj.weight.copy_(torch.randn(hidden, hq * d, generator=gen) * (hq * d) ** -0.5)  # seeded: runs repeat

@@ -1,4 +1,4 @@
-"""Decode-mode perplexity against the simulation for every packed codec (docs/runtime.md, parity tables).
+"""Decode-mode perplexity against the simulation for every packed storage (docs/runtime.md, parity tables).
 
 Decode-mode perplexity (token by token through the packed cache) against the gptq simulation, for
 every method the packed runtime runs (issue 5): smollm2-135m, WikiText-2 test. One model load for all
@@ -38,15 +38,15 @@ KVQUANT = ("kvquant-nuq4-1pct", "kvquant-nuq3-1pct", "kvquant-nuq2-1pct")
 
 
 def targets(loaded, recipes, kvquant, artifact_dir, big_capacity=64, default_capacity=True, calibrated=()):
-    """Rows (name, codec to simulate, codec to decode, codec of the exact-outlier simulation or None)."""
-    for name in calibrated:  # any other method's artifact: its own codec both ways
+    """Rows (name, storages to simulate, storages to decode, storages of the exact-outlier simulation or None)."""
+    for name in calibrated:  # any other method's artifact: its own storages both ways
         path = os.path.join(artifact_dir, f"{name}.safetensors")
-        codec = storages_for_artifact(load_artifact(path), loaded, path)[1]
-        yield name, codec, codec, None
+        storages = storages_for_artifact(load_artifact(path), loaded, path)[1]
+        yield name, storages, storages, None
     for name in recipes:
         method, _, _ = resolve(None, name, None)
-        codec = method.build_storages({}, loaded.dims)
-        yield name, codec, codec, None
+        storages = method.build_storages({}, loaded.dims)
+        yield name, storages, storages, None
     for name in kvquant:
         path = os.path.join(artifact_dir, f"{name}.safetensors")
         art = load_artifact(path)
@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
     ap.add_argument("--kvquant", nargs="*", default=list(KVQUANT))
     ap.add_argument("--calibrated", nargs="*", default=[], help="other artifacts of --artifact-dir (by recipe name), "
-                    "each simulated and decoded with its own codec")
+                    "each simulated and decoded with its own storages")
     ap.add_argument("--backend", default="packed", help="decode backend: packed (Triton kernels on CUDA) or reference "
                     "(the storages' torch references on any device: float64 on a GPU)")
     ap.add_argument("--artifact-dir", default="artifacts/smollm2-135m")
@@ -114,20 +114,20 @@ def run(a):
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
     rows = []
     exact = {}
-    for name, sim_codec, dec_codec, exact_codec in targets(loaded, a.recipes, a.kvquant, a.artifact_dir,
-                                                           a.big_capacity, not a.no_default_capacity,
-                                                           a.calibrated):
+    for name, sim_storages, dec_storages, exact_storages in targets(loaded, a.recipes, a.kvquant, a.artifact_dir,
+                                                                    a.big_capacity, not a.no_default_capacity,
+                                                                    a.calibrated):
         base = name.split(" ")[0]  # the capacity rows share their artifact's exact-outlier simulation
         row = {"codec": name}
         t = time.time()
-        sim = simulated_nll(loaded, sim_codec, windows, batch_size=a.nsamples).ppl
+        sim = simulated_nll(loaded, sim_storages, windows, batch_size=a.nsamples).ppl
         row["simulate_s"] = time.time() - t
-        if exact_codec is not None:
+        if exact_storages is not None:
             if base not in exact:
-                exact[base] = simulated_nll(loaded, exact_codec, windows, batch_size=a.nsamples).ppl
+                exact[base] = simulated_nll(loaded, exact_storages, windows, batch_size=a.nsamples).ppl
             row["simulate_exact_outliers"] = exact[base]
         t = time.time()
-        dec = decoded_nll(loaded, dec_codec, windows, batch_size=a.nsamples, backend=a.backend,
+        dec = decoded_nll(loaded, dec_storages, windows, batch_size=a.nsamples, backend=a.backend,
                           step_graphs=not a.no_step_graphs).ppl
         row.update(simulate=sim, decode=dec, difference=abs(dec - sim) / sim, decode_s=time.time() - t)
         rows.append(row)

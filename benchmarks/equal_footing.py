@@ -83,7 +83,7 @@ def run_one(args, loaded, text, windows, protocol: str, name: str, window: int) 
             art = load_artifact(path)
             method = artifact_method(art, None, window)
             check_protocol(method, protocol, "simulate", prefix_len, prompt_len - prefix_len, window)
-            method, codec = storages_for_artifact(art, loaded, str(path), None, window)
+            method, storages = storages_for_artifact(art, loaded, str(path), None, window)
             setting, source = protocol_setting(path.stem, window), ["--artifact", str(path)]
             artifact = {"path": str(path), "tensor_hash": art.header["tensor_hash"]}
         else:
@@ -93,13 +93,13 @@ def run_one(args, loaded, text, windows, protocol: str, name: str, window: int) 
             method = method.with_fp_window(window)
             check_protocol(method, protocol, "simulate", prefix_len, prompt_len - prefix_len, window)
             method.check_model(loaded.dims)
-            codec = method.build_storages({}, loaded.dims)
+            storages = method.build_storages({}, loaded.dims)
             setting, source, artifact = protocol_setting(name, window), ["--recipe", name], None
     except KvcalError as exc:
         return str(exc)
     out = args.out / f"{protocol}-{setting}.json"
     start = time.perf_counter()
-    record = ppl_record(loaded, method, codec, setting, artifact, text, windows, args.dtype, protocol, prompt_len,
+    record = ppl_record(loaded, method, storages, setting, artifact, text, windows, args.dtype, protocol, prompt_len,
                         args.batch_size, "simulate", "packed", prefix_len, window)
     record["deterministic"] = True
     command = ["kvcal", "eval", "ppl", *source, "--model", args.model, "--nsamples", str(args.nsamples),

@@ -48,9 +48,12 @@ def _per_call_costs(layer, loaded, batch: int) -> None:
     attend_us = per_call_us(lambda: layer._decode(q, 0.088))
     print(f"decode attention (storage kernel + merge): {attend_us:.1f} us/call host")
     x = torch.randn(batch, hkv, d, device="cuda", dtype=loaded.dtype)
+    hidden = torch.randn(batch, 1, loaded.dims.hidden_size, device="cuda", dtype=loaded.dtype)  # X of one token
     rows = layer._index(range(batch))
     slots = layer.lengths.clone().long()
-    write_us = per_call_us(lambda: layer.storage.write(layer.packed(), x, x, rows, slots, True))
+    # one write signature: keys and values [M, H, D], or X [M, 1, hidden] and None for storages of source "x"
+    keys, values = (hidden, None) if layer.storage.source == "x" else (x, x)
+    write_us = per_call_us(lambda: layer.storage.write(layer.packed(), keys, values, rows, slots, True))
     print(f"storage write (one token per row): {write_us:.1f} us/call host")
     print(f"lengths += 1: {per_call_us(lambda: slots.add_(1)):.1f} us/call host")
     # the whole one-token step of the layer (RoPE, quantize + pack, attention; each call appends a token), with its
@@ -58,7 +61,7 @@ def _per_call_costs(layer, loaded, batch: int) -> None:
     positions = torch.full((batch, 1), layer.length, device="cuda")
     cos, sin = rope_cos_sin(loaded.dims.rope.inv_freq("cuda"), positions, loaded.dtype)
     inp = AttentionInputs(layer_idx=0, module=None, q=q[:, :, None], k_pre=x[:, :, None], v=x[:, :, None].clone(),
-                          x=None, positions=positions, cos=cos, sin=sin, mask=None, cache=None, scale=0.088)
+                          x=hidden, positions=positions, cos=cos, sin=sin, mask=None, cache=None, scale=0.088)
     pool = layer.graph_pool
     for name, graphs in (("launched", None), ("step graph", pool)):
         layer.graph_pool = graphs
@@ -74,7 +77,8 @@ def main():
     ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # the profiled steps' input
     for name in recipes:
         method, _, _ = resolve(None, name, None)
-        cache = KvcalCache(method.build_storages(method.synthetic_tensors(loaded.dims), loaded.dims), loaded.dims.num_layers)
+        storages = method.build_storages(method.synthetic_tensors(loaded.dims), loaded.dims)
+        cache = KvcalCache(storages, loaded.dims.num_layers)
         # headroom: the per-call timings below append a token per call
         cache.fill_synthetic(batch, context, loaded.dims, loaded.dtype, loaded.device, headroom=steps + 1024)
         seconds = eager_decode_seconds(loaded, cache, batch, steps, torch.Generator(device="cuda").manual_seed(0))

@@ -55,12 +55,14 @@ def main():
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
         art = load_artifact(path)
         t = time.time()
-        method, exact_codec = storages_for_artifact(art, loaded, path)
-        exact = simulated_nll(loaded, exact_codec, windows, batch_size=a.batch_size).ppl
-        rows = {"exact_outliers": exact, "default_capacity": exact_codec.key_capacity(), "capacities": {}}
+        method, exact_storages = storages_for_artifact(art, loaded, path)
+        exact = simulated_nll(loaded, exact_storages, windows, batch_size=a.batch_size).ppl
+        rows = {"exact_outliers": exact, "default_capacity": method.key_capacity(loaded.dims.head_dim),
+                "capacities": {}}
         for capacity in a.capacities:
-            codec = storages_for_artifact(art, loaded, path, ["exact_outliers=false", f"key_outlier_capacity={capacity}"])[1]
-            ppl = simulated_nll(loaded, codec, windows, batch_size=a.batch_size).ppl
+            sets = ["exact_outliers=false", f"key_outlier_capacity={capacity}"]
+            storages = storages_for_artifact(art, loaded, path, sets)[1]
+            ppl = simulated_nll(loaded, storages, windows, batch_size=a.batch_size).ppl
             rows["capacities"][str(capacity)] = {"ppl": ppl, "vs_exact": ppl / exact - 1,
                                                  "key_slot_bits_per_element": min(capacity, loaded.dims.head_dim)
                                                  * loaded.dims.num_kv_heads * result["slot_bits_per_element"]}

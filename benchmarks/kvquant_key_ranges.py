@@ -32,6 +32,7 @@ from kvcal.quant.nonuniform import (
     range_params,
 )
 from kvcal.recipes import resolve
+from kvcal.runtime.storage import Storage, Storages
 
 
 def from_rows(rows, heads):
@@ -60,23 +61,30 @@ bits = sys.argv[2] if len(sys.argv) > 2 else "4"
 loaded = load_model("smollm2-135m", "float32", "cpu")
 text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), 2048, ns)
 path = f"artifacts/smollm2-135m/kvquant-nuq{bits}-1pct.safetensors"
-codec = storages_for_artifact(load_artifact(path), loaded, path)[1]
+storages = storages_for_artifact(load_artifact(path), loaded, path)[1]
 kivi = resolve(None, f"kivi-{bits}bit-g64-r0", None)[0].build_storages({}, loaded.dims)
 H = loaded.dims.num_kv_heads
 
 
-class V:
-    def __init__(s, fk=None, fv=None, base=None):
-        s.fk, s.fv = fk, fv
-        base = base or codec
-        s.policy, s.keys_pre_rope, s.lossless = base.policy, base.keys_pre_rope, False
+class Variant(Storage):
+    """One layer of a variant: keys through fk(layer, k), values through fv(layer, v) (each left as is when None),
+    in the key space and under the flush policy of `base` (that layer's storage of the artifact, or of KIVI)."""
 
-    def reconstruct(s, layer, k, v):
-        return (s.fk(layer, k) if s.fk else k), (s.fv(layer, v) if s.fv else v)
+    def __init__(s, layer, fk, fv, base):
+        s.layer, s.fk, s.fv = layer, fk, fv
+        s.policy, s.keys_pre_rope = base.policy, base.keys_pre_rope
+
+    def reconstruct(s, k, v):
+        return (s.fk(s.layer, k) if s.fk else k), (s.fv(s.layer, v) if s.fv else v)
+
+
+def V(fk=None, fv=None, base=None):
+    base = base or storages
+    return Storages(Variant(i, fk, fv, b) for i, b in enumerate(base))
 
 
 def oracle_keys(layer, k):
-    t = codec.tables[layer]
+    t = storages[layer].tables
     rows = to_rows(k)[0]
     lo = quantile(rows[1:], 0.005, 0)
     hi = quantile(rows[1:], 0.995, 0)
@@ -84,7 +92,7 @@ def oracle_keys(layer, k):
 
 
 def group_keys(layer, k, g=64):
-    t = codec.tables[layer]
+    t = storages[layer].tables
     rows = to_rows(k)[0]
     T = rows.shape[0]
     out = rows.clone()
@@ -96,14 +104,14 @@ def group_keys(layer, k, g=64):
 
 
 def int_keys(layer, k):
-    t = codec.tables[layer]
+    t = storages[layer].tables
     rows = to_rows(k)
     lv = torch.linspace(-1, 1, 2 ** int(bits))
     return from_rows(quantize_static(rows, t["k_lo"], t["k_hi"], lv, lv, True), H)
 
 
 def perhead_values(layer, v):
-    t = codec.tables[layer]
+    t = storages[layer].tables
     b, h, T, d = v.shape
     x = v.transpose(1, 2).reshape(b, T * h, d)
     out = quantize_dynamic(x, t["v_encode"], t["v_decode"], 1)
@@ -112,12 +120,12 @@ def perhead_values(layer, v):
 
 variants = {
     "fp": V(),
-    "k nuq-1% (artifact)": V(fk=lambda i, k: codec[i].reconstruct(k, k)[0]),
+    "k nuq-1% (artifact)": V(fk=lambda i, k: storages[i].reconstruct(k, k)[0]),
     "k kivi g64": V(fk=lambda i, k: kivi[i].reconstruct(k, k)[0], base=kivi),
     "k oracle per-window ranges": V(fk=oracle_keys),
     "k int-1% calibrated ranges": V(fk=int_keys),
     "k nuq table, per-64-token minmax": V(fk=group_keys),
-    "v nuq-1% (artifact)": V(fv=lambda i, v: codec[i].reconstruct(v, v)[1]),
+    "v nuq-1% (artifact)": V(fv=lambda i, v: storages[i].reconstruct(v, v)[1]),
     "v kivi g64": V(fv=lambda i, v: kivi[i].reconstruct(v, v)[1], base=kivi),
     "v nuq per-head 1/side": V(fv=perhead_values),
 }

@@ -11,6 +11,7 @@ capacity (slots per token and KV head) must hold.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -37,24 +38,24 @@ def main():
     result = {"model": loaded.identity, "seqlen": a.seqlen, "nsamples": int(windows.shape[0]), "artifacts": {}}
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
-        method, codec = storages_for_artifact(load_artifact(path), loaded, path)
+        method, storages = storages_for_artifact(load_artifact(path), loaded, path)
         counts, head_counts = [], []
-        quantize_keys = codec.quantize_keys
 
-        def counting(layer, k, codec=codec, counts=counts, head_counts=head_counts, quantize_keys=quantize_keys,
+        def counting(k, v, storage, reconstruct, counts=counts, head_counts=head_counts,
                      heads=loaded.dims.num_kv_heads):
-            t = codec.tables[layer]
+            t = storage.tables
             rows = to_rows(k)
             outlier = (rows > t["k_hi"]) | (rows < t["k_lo"])
             counts.append(outlier.sum(-1).flatten())
             head_counts.append(outlier.unflatten(-1, (heads, -1)).sum(-1).flatten())
-            return quantize_keys(layer, k)
+            return reconstruct(k, v)
 
-        codec.quantize_keys = counting
-        simulated_nll(loaded, codec, windows)
+        for storage in storages:  # each layer's reconstruction counts its keys' outliers first
+            storage.reconstruct = functools.partial(counting, storage=storage, reconstruct=storage.reconstruct)
+        simulated_nll(loaded, storages, windows)
         c = torch.cat(counts).float()
         ch = torch.cat(head_counts).float()
-        capacity = codec[0].capacity
+        capacity = storages[0].capacity
         stats = {"channels": loaded.dims.kv_channels, "nominal": method.outliers * loaded.dims.kv_channels,
                  "mean": c.mean().item(), "max": c.max().item(),
                  "quantiles": {str(q): float(torch.quantile(c, q)) for q in (0.5, 0.9, 0.99, 0.999)},

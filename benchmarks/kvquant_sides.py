@@ -19,20 +19,27 @@ from kvcal.eval.ppl import simulated_nll
 from kvcal.methods.registry import storages_for_artifact
 from kvcal.models import load_model
 from kvcal.recipes import resolve
+from kvcal.runtime.storage import Storage, Storages
 
 
-class OneSide:
-    """A codec that compresses only the keys ("k"), only the values ("v") or nothing ("none")."""
+class OneSideLayer(Storage):
+    """One layer of `base`'s storages that keeps only the keys' ("k") or only the values' ("v") reconstruction, or
+    neither ("none"): the other side stays in full precision (each side's round trip is independent of the other's)."""
 
-    def __init__(self, codec, side: str):
-        self.codec, self.side = codec, side
-        self.policy, self.keys_pre_rope, self.lossless = codec.policy, codec.keys_pre_rope, False
+    def __init__(self, base, side: str):
+        self.base, self.side = base, side
+        self.policy, self.keys_pre_rope = base.policy, base.keys_pre_rope
 
-    def quantize_keys(self, layer, k):
-        return self.codec.quantize_keys(layer, k) if self.side == "k" else k
+    def reconstruct(self, k, v):
+        if self.side == "none":
+            return k, v
+        k_hat, v_hat = self.base.reconstruct(k, v)
+        return (k_hat, v) if self.side == "k" else (k, v_hat)
 
-    def quantize_values(self, layer, v):
-        return self.codec.quantize_values(layer, v) if self.side == "v" else v
+
+def one_side(storages, side: str) -> Storages:
+    """Storages that compress only the keys ("k"), only the values ("v") or nothing ("none")."""
+    return Storages(OneSideLayer(s, side) for s in storages)
 
 
 def main():
@@ -46,17 +53,17 @@ def main():
     a = ap.parse_args()
     loaded = load_model("smollm2-135m", "float32", a.device)
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen, a.nsamples)
-    codecs = {}
+    storages = {}
     for name in a.artifacts:
         path = os.path.join(a.artifact_dir, f"{name}.safetensors")
-        codecs[name] = storages_for_artifact(load_artifact(path), loaded, path)[1]
+        storages[name] = storages_for_artifact(load_artifact(path), loaded, path)[1]
     for recipe in ("kivi-4bit-g64-r0", "kivi-3bit-g64-r0"):
         method, _, _ = resolve(None, recipe, None)
-        codecs[recipe] = method.build_storages({}, loaded.dims)
-    ppl = {"fp16": simulated_nll(loaded, OneSide(codecs["kivi-4bit-g64-r0"], "none"), windows).ppl}
-    for name, codec in codecs.items():
+        storages[recipe] = method.build_storages({}, loaded.dims)
+    ppl = {"fp16": simulated_nll(loaded, one_side(storages["kivi-4bit-g64-r0"], "none"), windows).ppl}
+    for name, setting in storages.items():
         for side in ("k", "v"):
-            ppl[f"{name}, {side} only"] = simulated_nll(loaded, OneSide(codec, side), windows).ppl
+            ppl[f"{name}, {side} only"] = simulated_nll(loaded, one_side(setting, side), windows).ppl
             print(f"{name:20s} {side} only: {ppl[f'{name}, {side} only']:.4f}", flush=True)
     with open(a.json, "w") as f:
         json.dump({"model": loaded.identity, "dataset": text.provenance, "seqlen": a.seqlen,

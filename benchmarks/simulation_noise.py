@@ -15,6 +15,7 @@ Each row: the simulated PPL with the keys multiplied by (1 + eps * N(0, 1)) befo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -38,7 +39,7 @@ def main():
     parser.add_argument("--recipe", action="append", default=None)
     parser.add_argument("--artifact", action="append", default=[], help="a calibrated artifact (e.g. KVQuant)")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE override for the "
-                        "artifacts' codecs (e.g. exact_outliers=false: the runtime's stored outliers)")
+                        "artifacts' settings (e.g. exact_outliers=false: the runtime's stored outliers)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seqlen", type=int, default=512)
@@ -57,19 +58,20 @@ def main():
                         storages_for_artifact(load_artifact(path), loaded, path, args.sets)[1]))
     if not targets:
         targets = [(r, resolve(None, r, None)[0].build_storages({}, loaded.dims)) for r in ("rtn-int4", "kivi-4bit")]
-    for recipe, codec in targets:
-        quantize_keys = codec.quantize_keys
+    for recipe, storages in targets:
+        reconstructs = [storage.reconstruct for storage in storages]
         ppls = {}
         for eps in [0.0] + (args.eps or [1e-7, 1e-6]):
             for seed in range(args.seeds if eps else 1):
                 generator = torch.Generator().manual_seed(seed)
 
-                def perturbed(layer, k, eps=eps, generator=generator, quantize_keys=quantize_keys):
+                def perturbed(k, v, reconstruct, eps=eps, generator=generator):
                     noise = torch.randn(k.shape, generator=generator).to(k.device, k.dtype)
-                    return quantize_keys(layer, k * (1 + eps * noise))
+                    return reconstruct(k * (1 + eps * noise), v)
 
-                codec.quantize_keys = perturbed if eps else quantize_keys
-                total = simulated_nll(loaded, codec, windows)
+                for storage, reconstruct in zip(storages, reconstructs):  # each layer's keys, before quantization
+                    storage.reconstruct = functools.partial(perturbed, reconstruct=reconstruct) if eps else reconstruct
+                total = simulated_nll(loaded, storages, windows)
                 ppls[f"eps={eps:g} seed={seed}"] = math.exp(total.nll / total.tokens)
         base = ppls["eps=0 seed=0"]
         spread = max(abs(p - base) / base for p in ppls.values())

@@ -5,7 +5,7 @@ default: 32 query heads, 8 KV heads, d 128), each configuration also checked aga
         --grid '[{}, {"block_t": 64, "num_warps": 4}]' --json results/bench/sweep.json
 
 A grid entry is a dict of the storage's attend_triton keyword arguments; the key "kernel": "before" runs the kernel
-module given by --before (an earlier version of the method's *_kernels.py, for before/after timings on one card).
+module given by --before (an earlier version of the method's kernels.py, for before/after timings on one card).
 Times: CUDA-graph replays, median, L2 flushed (kvcal.runtime.bench.time_device); GB/s counts the bytes a step must
 read (packed buffers, the full-precision window, the query and output).
 
@@ -15,7 +15,7 @@ the benchmark's shapes (1-bit by default, --bits) and prints, per grid entry (bl
 loops: whole tiles, then the partial one) with the main classes:
 
     python benchmarks/sweep_decode.py --sass --grid '[{}, {"fp_kernel": false}]' \
-        --before <earlier calibquant_kernels.py> --json results/bench/calibquant-decode-sass-sm90-1bit.json
+        --before <earlier kvcal/methods/calibquant/kernels.py> --json results/bench/calibquant-decode-sass-sm90-1bit.json
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--flush", default="write")
-    ap.add_argument("--before", default=None, help="path of an earlier *_kernels.py for grid entries 'kernel: before'")
+    ap.add_argument("--before", default=None, help="path of an earlier kernels.py for grid entries 'kernel: before'")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 and count instructions (no GPU needed)")
@@ -180,7 +180,8 @@ def main() -> None:
             ref = None
             if not args.no_check:
                 ref = merge_reference(storage.attend_reference(q, packed, scale, fp), batch, q.dtype)
-            module = importlib.import_module(type(storage).__module__ + "_kernels")
+            # the method's kernels module (kvcal/methods/<name>/kernels.py), beside its storage.py
+            module = importlib.import_module(type(storage).__module__.rsplit(".", 1)[0] + ".kernels")
             for knobs in grid:
                 knobs = dict(knobs)
                 which = knobs.pop("kernel", "after")

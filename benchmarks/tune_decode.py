@@ -2,7 +2,7 @@
 
 The default shape is 32K context x batch 8, Llama-3.1-8B attention; options (block_t, num_warps, num_stages,
 num_splits, programs_per_sm, max_registers, ...) go to `kvcal.runtime.bench.time_storage`. Without --variants every
-codec runs at its defaults; a set name below reproduces a record that docs/runtime.md quotes:
+method runs at its defaults; a set name below reproduces a record that docs/runtime.md quotes:
 
     python benchmarks/tune_decode.py --variants frag-occupancy --repeat 3 --out results/bench/tune-frag-occupancy-h100.json
     python benchmarks/tune_decode.py --variants '[["int", 4, {"num_stages": 3}]]' --out /tmp/tune.json
@@ -26,7 +26,7 @@ from kvcal.bench import storage_for  # noqa: E402
 from kvcal.runtime.bench import copy_bandwidth, time_sdpa, time_storage  # noqa: E402
 
 RECIPES = {"int": "rtn-int{bits}", "kivi": "kivi-{bits}bit", "nuq": "kvquant-nuq{bits}-1pct"}  # the variants' names
-# Every codec at its launch defaults (no --variants).
+# Every method at its launch defaults (no --variants).
 DEFAULT_VARIANTS = [
     ("int", 4, {}), ("int", 3, {}), ("int", 2, {}), ("kivi", 4, {}), ("kivi", 3, {}), ("kivi", 2, {}),
     ("nuq", 4, {}), ("nuq", 3, {}), ("nuq", 2, {}),
@@ -62,7 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--variants", default=None, help="JSON list of [codec, bits, options], or a set name")
+    ap.add_argument("--variants", default=None, help="JSON list of [method, bits, options], or a set name")
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeat", type=int, default=1,
                     help="time the whole list (and SDPA) this many times, interleaved; report the median per variant")
@@ -84,24 +84,24 @@ def main(argv=None):
         sdpa_runs.append(sdpa_us)
         print(f"{name} (pass {rep + 1}/{args.repeat}): copy {copy:.0f} GB/s; sdpa ({backend}) {sdpa_us:.1f} us "
               f"{sdpa_bytes / sdpa_us / 1e3:.0f} GB/s; SM clock {sm_clock()}", flush=True)
-        for i, (codec, bits, opts) in enumerate(variants):
+        for i, (method, bits, opts) in enumerate(variants):
             t0 = time.time()
             try:
-                storage, inv_freq = storage_for(RECIPES[codec].format(bits=bits))
+                storage, inv_freq = storage_for(RECIPES[method].format(bits=bits))
                 us, nbytes = time_storage(storage, args.batch, 32, 8, 128, args.context, graph=not args.eager,
                                           flush=args.flush, inv_freq=inv_freq, **opts)
             except Exception as e:  # keep going: one failing variant must not lose the others
-                print(f"{codec}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{method}{bits} {opts}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             runs[i].append((us, nbytes))
-            print(f"{codec}{bits:<2d} {json.dumps(opts):45s} {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+            print(f"{method}{bits:<2d} {json.dumps(opts):45s} {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
                   f"{100 * nbytes / us / 1e3 / copy:5.1f}% copy  x{sdpa_us / us:5.2f}  ({time.time() - t0:.0f} s, "
                   f"SM clock {sm_clock()})", flush=True)
     sdpa_us = statistics.median(sdpa_runs)
     rows = [dict(method="sdpa", bits=16, options={"backend": backend}, us=sdpa_us, bytes=sdpa_bytes, runs=sdpa_runs)]
-    for (codec, bits, opts), r in zip(variants, runs):
+    for (method, bits, opts), r in zip(variants, runs):
         if r:
-            rows.append(dict(method=codec, bits=bits, options=opts, us=statistics.median(u for u, _ in r),
+            rows.append(dict(method=method, bits=bits, options=opts, us=statistics.median(u for u, _ in r),
                              bytes=r[0][1], runs=[u for u, _ in r]))
     for r in rows:
         r["gbps"] = r["bytes"] / r["us"] / 1e3

@@ -79,8 +79,8 @@ def main():
             continue
         start = time.time()
         if recipe == "fp16":
-            method, codec, artifact, cli = build_method("fp16"), None, None, f"kvcal eval ppl --method fp16 {common}"
-            codec = method.build_storages({}, loaded.dims)
+            method, artifact, cli = build_method("fp16"), None, f"kvcal eval ppl --method fp16 {common}"
+            storages = method.build_storages({}, loaded.dims)
         else:
             method, _, _ = resolve(None, recipe_path(recipe), sets)
             artifact = None
@@ -93,14 +93,14 @@ def main():
                     artifacts[recipe] = str(out)
                 path = artifacts[recipe]
                 art = load_artifact(path)
-                method, codec = storages_for_artifact(art, loaded, path, sets)
+                method, storages = storages_for_artifact(art, loaded, path, sets)
                 artifact = {"path": path, "tensor_hash": art.header["tensor_hash"]}
                 cli = (f"kvcal calibrate --recipe {recipe} --model smollm2-135m --out {path} && "
                        f"kvcal eval ppl --artifact {path} {sets_cli} {common}")
             else:
-                codec = method.build_storages({}, loaded.dims)
+                storages = method.build_storages({}, loaded.dims)
                 cli = f"kvcal eval ppl --recipe {recipe} {sets_cli} {common}"
-        record = ppl_record(loaded, method, codec, row, artifact, text, windows, a.dtype)
+        record = ppl_record(loaded, method, storages, row, artifact, text, windows, a.dtype)
         record["command"] = " ".join(cli.split())
         record["seconds"] = round(time.time() - start, 1)
         records.append(record)

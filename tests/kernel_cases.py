@@ -546,8 +546,8 @@ def run_cache_checks(dtype=torch.float16) -> dict:
         elif method.needs_artifact():  # learned from the weights alone (XQuant's SVD factors)
             tensors = method.calibrate(loaded, None)[0]
         codec = method.build_storages(tensors, loaded.dims)
-        if codec[0] is None:
-            out[name] = None  # no packed storage (yet): nothing to run through kernels
+        if codec.kernel_refusal():
+            out[name] = None  # no Triton kernels (a reconstruction storage): nothing to run through kernels
             continue
         ref = _decode_logits(loaded, codec, ids, 30, kernels=False)
         fast = _decode_logits(loaded, codec, ids, 30, kernels=True)

@@ -68,7 +68,7 @@ def test_generate_packed_matches_the_simulation_and_is_smaller():
     with torch.inference_mode(), loaded.adapter.use(SimulatedAttention(storages, prompt_ids.shape[1])):
         logits = loaded.model(full, use_cache=False).logits
     assert logits[0, prompt_ids.shape[1] - 1:-1].argmax(-1).tolist() == exact["new_tokens"]
-    assert exact["tokens"] > 32  # past a flushed block
+    assert exact["tokens"] >= 32  # a block of 32 flushed (decoding may stop at the end-of-text token)
     packed = generate_text(prompt, "smollm2-135m", None, "kivi", sets, 40, "float32", "cpu")
     assert len(packed["text"]) > 20
     # kivi-4 G32 R0 stores 4-bit codes plus an fp16 scale and zero per 32 elements (5 bits/element) for every

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvcal.eval.ppl import TailObjective
 from kvcal.models.adapter import AttentionInputs, StandardAttention
 
 CAPTURABLE = ("k", "v", "q", "x", "fisher")
@@ -46,6 +47,9 @@ class CaptureStore:
         self._spill_dir: Path | None = None
         self.positions: list[torch.Tensor] = []  # position of each token within its window
         self.windows: torch.Tensor | None = None  # the calibration windows [N, T] (capture and run_calibrations set it)
+        # what a method scoring settings by perplexity runs on the windows (run_calibrations sets it:
+        # kvcal.eval.ppl.TailObjective, CalibQuant's tau search)
+        self.objective = None
 
     def add(self, per_layer: list[dict[str, torch.Tensor]], positions: torch.Tensor) -> None:
         nbytes = sum(t.numel() * 4 for layer in per_layer for t in layer.values())
@@ -184,6 +188,7 @@ def capture(loaded, windows: torch.Tensor, needs, budget_bytes: int = 4 << 30, b
     model = loaded.model
     store = CaptureStore(loaded.dims.num_layers, budget_bytes)
     store.windows = windows
+    store.objective = TailObjective(loaded)
     fisher = "fisher" in needs
     saved_grad = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():  # gradients flow to activations only, never accumulate on weights

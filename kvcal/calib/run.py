@@ -16,6 +16,7 @@ from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
 from kvcal.data import calibration_windows, load_text, tokenize
+from kvcal.eval.ppl import TailObjective
 from kvcal.progress import progress_bar, stderr_console
 
 
@@ -97,6 +98,7 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
         store = (cached_capture(loaded, windows, needs, budget_bytes, batch_size, capture_cache) if needs
                  else CaptureStore(loaded.dims.num_layers))
         store.windows = windows
+        store.objective = TailObjective(loaded)
         calibration = {
             **text.provenance,
             "nsamples": nsamples,

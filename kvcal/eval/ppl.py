@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.errors import KvcalError
-from kvcal.eval.simulate import SimulatedAttention, TailAttention
+from kvcal.eval.simulate import SimulatedAttention, TailAttention, tail_layout
 from kvcal.models.adapter import forward_with_cache
 
 PROTOCOLS = ("gptq", "prefill-decode", "tail")
@@ -152,3 +152,19 @@ def decoded_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq",
             cache.check_holds(batch.shape[1] - 1)  # every token but the last was fed
             total.nll += nll.item()
     return total
+
+
+class TailObjective:
+    """What a calibration that scores its candidate settings by perplexity runs (CalibQuant's tau search), on the
+    model being calibrated: the tail protocol's default layout and the mean NLL per scored target of windows through
+    the simulation of given storages under it."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+
+    def layout(self, seqlen: int) -> tuple[int, int]:
+        return tail_layout(seqlen)
+
+    def nll(self, storages, windows: torch.Tensor, prefix: int, block: int) -> float:
+        total = simulated_nll(self.loaded, storages, windows, "tail", prefix + block, prefix_len=prefix)
+        return total.nll / total.tokens

@@ -10,7 +10,6 @@ against a cache fed one token at a time (kvcal.runtime.cache).
 
 from __future__ import annotations
 
-
 import torch
 
 from kvcal.errors import KvcalError

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
-from kvcal.models.attention import additive_mask, attention, decode_attention_masked, remapped_attention
+from kvcal.models.attention import attention, decode_attention_masked
 from kvcal.quant.rope import apply_rope
 from kvcal.runtime.decode import FullPrecision, decode_attention, one_cpu_thread
 from kvcal.runtime.graph import GraphPool, StepGraph

@@ -327,7 +327,7 @@ def runs(rows: torch.Tensor, slots: torch.Tensor) -> list[tuple[int, int, int]]:
         if m == len(r) or r[m] != r[m - 1] or s[m] != s[m - 1] + 1:
             found.append((r[start], s[start], start, m))
             start = m
-    return [(row, slot, a, b) for row, slot, a, b in found]
+    return found
 
 
 class ReconstructionStorage(Storage):

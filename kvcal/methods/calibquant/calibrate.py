@@ -16,12 +16,10 @@ from kvcal.methods.fp16.method import LosslessStorage
 from kvcal.progress import progress_bar
 
 
-def layout(seqlen: int, group_tokens: int) -> tuple[int, int]:
-    """The tail protocol's (prefix, block) on calibration windows of `seqlen` (its defaults; the block rounded down
-    to whole groups of `group_tokens`, 0: one group)."""
-    from kvcal.eval.simulate import tail_layout
-
-    prefix, block = tail_layout(seqlen)
+def layout(objective, seqlen: int, group_tokens: int) -> tuple[int, int]:
+    """The tail protocol's (prefix, block) on calibration windows of `seqlen` (its defaults, objective.layout; the
+    block rounded down to whole groups of `group_tokens`, 0: one group)."""
+    prefix, block = objective.layout(seqlen)
     if group_tokens:
         block -= block % group_tokens
         if block == 0:
@@ -30,19 +28,12 @@ def layout(seqlen: int, group_tokens: int) -> tuple[int, int]:
     return prefix, block
 
 
-def tail_nll(loaded, storages: Storages, windows: torch.Tensor, prefix: int, block: int) -> float:
-    """Mean NLL per scored target of the windows under the tail protocol."""
-    from kvcal.eval.ppl import simulated_nll
-
-    total = simulated_nll(loaded, storages, windows, "tail", prefix + block, prefix_len=prefix)
-    return total.nll / total.tokens
-
-
-def search_tau(loaded, windows: torch.Tensor, grid: list[float], prefix: int, block: int,
+def search_tau(objective, windows: torch.Tensor, grid: list[float], prefix: int, block: int,
                storages_with_tau: Callable[[float, float], Storages], uncalibrated: Storages) -> dict:
     """Every (tau1, tau2) of grid x grid through `storages_with_tau` (storages that count the remap's remapped and
-    clamped query rows: remap_counts), then `uncalibrated` (no remap) and fp16, each the tail
-    protocol's mean NLL on the windows. -> {"table": [len(grid), len(grid)] float64 (rows tau1, columns tau2),
+    clamped query rows: remap_counts), then `uncalibrated` (no remap) and fp16, each the tail protocol's mean NLL on
+    the windows (`objective`: the calibration store's, kvcal.eval.ppl.TailObjective). -> {"table": [len(grid),
+    len(grid)] float64 (rows tau1, columns tau2),
     "clamped": the fraction of remapped rows whose slope was clamped, same shape, "uncalibrated_nll", "fp16_nll"}."""
     table = torch.zeros(len(grid), len(grid), dtype=torch.float64)
     clamped = torch.zeros_like(table)
@@ -50,13 +41,14 @@ def search_tau(loaded, windows: torch.Tensor, grid: list[float], prefix: int, bl
         for i, t1 in enumerate(grid):
             for j, t2 in enumerate(grid):
                 storages = storages_with_tau(t1, t2)
-                table[i, j] = tail_nll(loaded, storages, windows, prefix, block)
+                table[i, j] = objective.nll(storages, windows, prefix, block)
                 rows, clamps = remap_counts(storages)
                 clamped[i, j] = clamps / max(rows, 1)
                 advance(1)
-        uncalibrated_nll = tail_nll(loaded, uncalibrated, windows, prefix, block)
+        uncalibrated_nll = objective.nll(uncalibrated, windows, prefix, block)
         advance(1)
-        exact = tail_nll(loaded, Storages([LosslessStorage()] * loaded.dims.num_layers), windows, prefix, block)
+        fp16 = Storages([LosslessStorage()] * objective.loaded.dims.num_layers)
+        exact = objective.nll(fp16, windows, prefix, block)
         advance(1)
     return {"table": table, "clamped": clamped, "uncalibrated_nll": uncalibrated_nll, "fp16_nll": exact}
 

@@ -204,13 +204,14 @@ class CalibQuant(Method):
             chosen = (self.tau1, self.tau2)
             info["tau"] = {"tau1": self.tau1, "tau2": self.tau2, "source": "config (no search)"}
         else:
-            windows = getattr(store, "windows", None)
-            if windows is None:
-                raise KvcalError("calibquant's tau search needs calibration windows (kvcal calibrate passes them)")
-            prefix, block = layout(windows.shape[1], self.group_tokens)
+            windows, objective = getattr(store, "windows", None), getattr(store, "objective", None)
+            if windows is None or objective is None:
+                raise KvcalError("calibquant's tau search needs calibration windows and their objective (kvcal "
+                                 "calibrate passes them)")
+            prefix, block = layout(objective, windows.shape[1], self.group_tokens)
             grid = parse_grid(self.tau_grid)
             plain = dataclasses.replace(self, calibration=False, tau1=None, tau2=None)
-            search = search_tau(loaded, windows, grid, prefix, block,
+            search = search_tau(objective, windows, grid, prefix, block,
                                 lambda t1, t2: self.storages_with_tau(dims, t1, t2),
                                 plain.storages_with_taus(dims, None))
             i, j = choose_tau(search["table"], grid)

@@ -584,7 +584,8 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
                    consts, *, gpk: int, block_t: int, opts: dict, prec: int, block_f: int | None = None,
                    fp_in_kernel: bool = True, merge_warps: int | None = None) -> Partials:
     """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
-    FINISH), its argument tuple `args` and constants `consts`, over `nsplit` splits of each row's packed tokens
+    FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
+    readers see the names), over `nsplit` splits of each row's packed tokens
     (`lengths` [B]) and the full-precision part `fp` (runtime.decode.FullPrecision or None): as the kernel's last
     split (fp_in_kernel) or by the generic full-precision kernel into splits of their own (fp_partials_into)."""
     batch, hq, d = q.shape
@@ -606,7 +607,7 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
             q, q.stride(0), q.stride(1), lengths, tuple(args),
             (fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0),
             parts.m, parts.l, parts.acc, heads, qk_hi, qk_lo, nsplit, splits,
-            C=tuple(consts), PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, D=d, G=group, GPK=gpk,
+            C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, D=d, G=group, GPK=gpk,
             GPF=max(pow2(group), 16), HAS_FP=int(has_fp), BLOCK_T=block_t, BLOCK_F=block_f or 16,
             INTERP=INTERPRET, PREC=prec, **opts,
         )

@@ -12,9 +12,12 @@ Values: the per-token format of quant/uniform_kernels (token_group_values).
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import pow2
+from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS
 from kvcal.runtime import kernels as K
 
 try:
@@ -30,11 +33,17 @@ UNPACK_BITS = (1, 2, 3, 4, 8)
 DEFAULTS = {"tile": (32, 1, 3, None), "generic": (32, 4, 2, None)}
 # tiles ahead whose code rows are prefetched into L2: none on the fast path, where it gained nothing for kivi4 (32K x 8)
 PREFETCH = {"tile": 0, "generic": 1}
+Consts = namedtuple("Consts", (*TOKEN_GROUP_CONSTS, "KEY_BLOCK", "GENERIC_K"))  # the tile functions' C
 
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, unpack_mma, unpack_tile
-    from kvcal.quant.uniform_kernels import token_group_output, token_group_values, token_params
-    from kvcal.runtime.kernels import dot, mma_operand, operand, prefetch_tiles, regroup
+    from kvcal.quant.uniform_kernels import (
+        token_group_state,
+        token_group_tile_finish,
+        token_group_tile_values,
+        token_params,
+    )
+    from kvcal.runtime.kernels import dot, mma_operand, operand, prefetch_tiles
 
     @triton.jit
     def _block_params(ks_base, kz_base, t0, end, skst, KEY_BLOCK: tl.constexpr, D: tl.constexpr,
@@ -56,35 +65,22 @@ if triton is not None:
         z = tl.load(kz_base + off, mask=tm[:, None], other=0.0).to(tl.float32)
         return c.to(tl.float32) * s + z
 
-    # ---- tile functions of runtime/kernels.split_k_kernel. args: (key codes, their (row, head, token) strides, key
-    # scales, zeros, their strides, the same for values); C: (D, G, GPK, GPV, GV, KALIGN, VALIGN, KBITS, KEY_BLOCK,
-    # GENERIC_K, VBITS, BLOCK_T, INTERP, PREC, PREFETCH, KROW, VROW)
+    # ---- tile functions of runtime/kernels.split_k_kernel, values by quant/uniform_kernels' token_group_tile_values
+    # / _finish (args, C and the state in their layout; C ends with KEY_BLOCK, GENERIC_K)
 
     @triton.jit
     def _prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
-        """The query as the key dot's operand (halves on the generic path; in mma_channels order with the first
-        tile's block scale and zero on the fast path), the first tile's value scales and zeros, the rows' bases."""
+        """The query as the key dot's operand: halves on the generic path; in mma_channels order with the first
+        tile's block scale and zero on the fast path."""
         D: tl.constexpr = C[0]
         G: tl.constexpr = C[1]
         GPK: tl.constexpr = C[2]
-        GPV: tl.constexpr = C[3]
-        GV: tl.constexpr = C[4]
         KBITS: tl.constexpr = C[7]
-        KEY_BLOCK: tl.constexpr = C[8]
-        GENERIC_K: tl.constexpr = C[9]
-        BLOCK_T: tl.constexpr = C[11]
-        PREC: tl.constexpr = C[13]
+        PREC: tl.constexpr = C[11]
         ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, \
-            svst = args
         HD: tl.constexpr = D // 2
-        MV: tl.constexpr = GPV * GV
         rk = tl.arange(0, GPK)
-        ks_base = ks_ptr + b * sksb + h * sksh
-        kz_base = kz_ptr + b * sksb + h * sksh
-        vs_base = vs_ptr + b * svsb + h * svsh
-        vz_base = vz_ptr + b * svsb + h * svsh
-        if GENERIC_K:
+        if C[16]:  # GENERIC_K
             hh = tl.arange(0, HD)
             q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
             q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
@@ -95,86 +91,42 @@ if triton is not None:
             kch = mma_channels(0, D, KBITS)
             qf = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
             qk = (qf, 1.0 / mma_code_scale(D, KBITS).to(ACC))  # code columns hold code * f (unpack_mma)
-            kp_s, kp_z = _block_params(ks_base, kz_base, start, end, skst, KEY_BLOCK, D, KBITS)
-        vp_s, vp_z = token_params(vs_base, vz_base, start, end, svst, GV, BLOCK_T)
-        krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
-        vrow0 = vc_ptr + b * svb + h * svh
-        st = (qk, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, b * svb + h * svh)
-        return st, (tl.zeros((D, MV), ACC), tl.zeros((MV,), ACC))
+            kp_s, kp_z = _block_params(args[4] + b * args[6] + h * args[7], args[5] + b * args[6] + h * args[7], start,
+                                       end, args[8], C[15], D, KBITS)
+        return token_group_state(args, C, qk, kp_s, kp_z, b, h, start, end)
 
     @triton.jit
     def _scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
         """Scores [BLOCK_T, GPK] of a key tile; the next tile's parameters are loaded here (a tile ahead)."""
         D: tl.constexpr = C[0]
-        GV: tl.constexpr = C[4]
         KALIGN: tl.constexpr = C[5]
         KBITS: tl.constexpr = C[7]
-        KEY_BLOCK: tl.constexpr = C[8]
-        GENERIC_K: tl.constexpr = C[9]
-        BLOCK_T: tl.constexpr = C[11]
-        INTERP: tl.constexpr = C[12]
-        PREC: tl.constexpr = C[13]
+        BLOCK_T: tl.constexpr = C[9]
+        INTERP: tl.constexpr = C[10]
+        PREC: tl.constexpr = C[11]
+        KEY_BLOCK: tl.constexpr = C[15]
         ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
         HD: tl.constexpr = D // 2
         skt = args[3]
         skst = args[8]
-        svt = args[12]
-        svst = args[17]
         qk, ks_cur, kz_cur, vs_cur, vz_cur, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff = st
-        # rows start on KALIGN-word boundaries (the host checked the strides)
-        kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
-        prefetch_tiles(krow0, vrow0, t0, end, skt, svt, C[14], BLOCK_T, C[15], C[16], INTERP)
-        if not GENERIC_K:
-            kp_s, kp_z = _block_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, KEY_BLOCK, D, KBITS)
-        else:
-            kp_s = ks_cur
-            kp_z = kz_cur
-        vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, GV, BLOCK_T)
-        if GENERIC_K:
-            # dequantized in float32 as the reference does
+        kptr = krow0 + tl.multiple_of(t * skt, KALIGN)  # rows start on KALIGN-word boundaries (the host checked)
+        prefetch_tiles(krow0, vrow0, t0, end, skt, args[12], C[12], BLOCK_T, C[13], C[14], INTERP)
+        vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, args[17], C[4], BLOCK_T)
+        if C[16]:  # GENERIC_K: dequantized in float32 as the reference does
             k1 = _key_half(kptr, tm, t, 0, HD, KBITS, BLOCK_T, ks_base, kz_base, skst, KEY_BLOCK).to(ACC)
             k2 = _key_half(kptr, tm, t, HD, HD, KBITS, BLOCK_T, ks_base, kz_base, skst, KEY_BLOCK).to(ACC)
             s = (dot(operand(k1, PREC), qk[0], INTERP) + dot(operand(k2, PREC), qk[1], INTERP)) * qk_scale
+            kp_s = ks_cur
+            kp_z = kz_cur
         else:  # the tile inside one block (the host sizes it): q.k = (q * s_blk) . c + q . z_blk
+            kp_s, kp_z = _block_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, KEY_BLOCK, D, KBITS)
             qf = qk[0]
             qs = operand(qf * (ks_cur.to(ACC) * qk[1])[:, None], PREC)  # [D, GPK]
             zq = tl.sum(qf * kz_cur.to(ACC)[:, None], 0)  # [GPK]
             kcodes = mma_operand(unpack_mma(kptr, tm, 0, D, D, KBITS, BLOCK_T), PREC, INTERP)
             s = (dot(kcodes, qs, INTERP) * 16777216.0 + zq[None, :]) * qk_scale
-        st = (qk, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff)
-        return s, (vs_cur, vz_cur), st
-
-    @triton.jit
-    def _values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
-        """The per-token value format of quant/uniform_kernels (token_group_values)."""
-        D: tl.constexpr = C[0]
-        GPK: tl.constexpr = C[2]
-        GPV: tl.constexpr = C[3]
-        GV: tl.constexpr = C[4]
-        VALIGN: tl.constexpr = C[6]
-        VBITS: tl.constexpr = C[10]
-        BLOCK_T: tl.constexpr = C[11]
-        INTERP: tl.constexpr = C[12]
-        PREC: tl.constexpr = C[13]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        vc_ptr = args[9]
-        svt = args[12]
-        pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
-        ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
-        vptr = vc_ptr + tl.multiple_of(st[11] + t * svt, VALIGN)
-        return token_group_values(acc[0], acc[1], pr, ar, tile[0], tile[1], vptr, tm, D, VBITS, GPV, GV, BLOCK_T,
-                                  PREC, INTERP, ACC)
-
-    @triton.jit
-    def _finish(args, C: tl.constexpr, st, acc):
-        D: tl.constexpr = C[0]
-        GPV: tl.constexpr = C[3]
-        GV: tl.constexpr = C[4]
-        VBITS: tl.constexpr = C[10]
-        PREC: tl.constexpr = C[13]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        out = token_group_output(acc[0], acc[1], D, VBITS, GPV, GV, ACC)
-        return out, mma_channels(0, D, VBITS), tl.arange(0, GPV)
+        return s, (vs_cur, vz_cur), (qk, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff)
 
 
 def unsupported(q: torch.Tensor, packed, bits: int, block: int) -> str | None:
@@ -243,8 +195,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
     prefetch_tiles = (PREFETCH[path] if prefetch is None else int(prefetch)) if can else 0
     prec = PREC.get(q.dtype, 16)
     args = (kc, *kc.stride()[:3], ks, kz, *ks.stride()[:3], vc, *vc.stride()[:3], vs, vz, *vs.stride()[:3])
-    consts = (d, group, gpk, gpv, gv, kalign, valign, bits, block, int(generic), bits, bt, K.INTERPRET, prec,
-              prefetch_tiles, krow, vrow)
-    return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
-                            consts, gpk=gpk, block_t=bt, block_f=block_f, prec=prec,
-                            opts=K.launch_options(q, warps, num_stages, max_registers))
+    consts = Consts(d, group, gpk, gpv, gv, kalign, valign, bits, bits, bt, K.INTERPRET, prec, prefetch_tiles, krow,
+                    vrow, block, int(generic))
+    tiles = (_prepare, _scores, token_group_tile_values, token_group_tile_finish)
+    return K.launch_split_k(tiles, q, packed.lengths, scale, fp, nsplit, hkv, args, consts, gpk=gpk, block_t=bt,
+                            block_f=block_f, prec=prec, opts=K.launch_options(q, warps, num_stages, max_registers))

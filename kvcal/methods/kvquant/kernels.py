@@ -39,6 +39,8 @@ batch 8, docs/runtime.md). Each pass has a torch reference with the same signatu
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
@@ -576,6 +578,9 @@ if triton is not None:
 # (and computing the angles beats reading cos/sin table rows); the value pass takes about the same time at every
 # setting but (32, 2).
 KEY_PASS_TOKENS, KEY_PASS_WARPS = 32, 1
+# the tile functions' C
+Consts = namedtuple("Consts", "D G GPK GPV GPQ KALIGN VALIGN KBITS KCAP ROPE VBITS VCAP BLOCK_T INTERP PREC PREFETCH "
+                              "KROW VROW LUT_MMA LUT_AHEAD KCORR SAVE_S")
 VALUE_PASS_TOKENS, VALUE_PASS_WARPS = 32, 4
 
 # Fixed-point value sums (an int64 out; torch's deterministic mode): terms rounded to multiples of 2^-FIXED_BITS, far
@@ -731,9 +736,9 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
         args = (kc, *kc.stride()[:3], ks, kz, ktab, koi, kov, *ko_strides,
                 vc, *vc.stride()[:3], vs, vz, *vs_strides, vtab, voi, vov, *vo_strides,
                 cos, sin, packed.pos_offset, cos.shape[0], scores, scores.stride(0))
-        consts = (d, group, gpk, gpv, gp, kalign, valign, kbits, kcap, rope, vbits, vcap, bt, K.INTERPRET, prec,
-                  prefetch_tiles, krow, vrow, int(use_lut), int(use_lut and lut_ahead is not False),
-                  int(pass_kcap > 0), int(pass_vcap > 0))
+        consts = Consts(d, group, gpk, gpv, gp, kalign, valign, kbits, kcap, rope, vbits, vcap, bt, K.INTERPRET, prec,
+                        prefetch_tiles, krow, vrow, int(use_lut), int(use_lut and lut_ahead is not False),
+                        int(pass_kcap > 0), int(pass_vcap > 0))
         # block_f small: the fp tiles' buffers count against every program
         parts = K.launch_split_k((_prepare, _scores, _values, _finish), q, lengths, scale, fp, nsplit, hkv, args,
                                  consts, gpk=gpk, block_t=bt, block_f=block_f, prec=prec, merge_warps=MERGE_WARPS,

@@ -49,9 +49,12 @@ scale. Scores and softmax are float32; the query and P are fp16 operands, as in 
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
+from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import Partials
 
@@ -88,6 +91,9 @@ FRAG_BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 
+TileConsts = namedtuple("TileConsts", (*TOKEN_GROUP_CONSTS, "GK"))
+
+
 def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
     """Shapes the fragment kernel handles: D = 64 or 128; keys and values of 2 or 4 bits with at least 32 bits of a
     value row per lane (D b >= 256)."""
@@ -96,12 +102,12 @@ def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
 
 
 if triton is not None:
-    from kvcal.quant.packing import mma_channels
     from kvcal.quant.uniform_kernels import (
-        token_group_output,
         token_group_query,
         token_group_scores,
-        token_group_values,
+        token_group_state,
+        token_group_tile_finish,
+        token_group_tile_values,
         token_params,
     )
     from kvcal.runtime.kernels import (
@@ -112,105 +118,43 @@ if triton is not None:
         mma16816,
         pack_half2,
         prefetch_tiles,
-        regroup,
         shfl_idx,
         shfl_xor,
         split_share_tl,
         transpose8,
     )
 
-    # ---- the tile kernel: tile functions of runtime/kernels.split_k_kernel. args: (key codes, their (row, head,
-    # token) strides, key scales, zeros, their strides, the same for values); C: (D, G, GPK, GK, GPV, GV, KALIGN,
-    # VALIGN, KBITS, VBITS, BLOCK_T, INTERP, PREC, PREFETCH, KROW, VROW)
+    # ---- the tile kernel: tile functions of runtime/kernels.split_k_kernel, values by quant/uniform_kernels'
+    # token_group_tile_values / _finish (args, C and the state in their layout; C ends with GK)
 
     @triton.jit
     def _tile_prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
-        """The group's query as the key dot's operand, the first tile's scales and zeros, the code rows' bases."""
-        D: tl.constexpr = C[0]
-        G: tl.constexpr = C[1]
-        GPK: tl.constexpr = C[2]
-        GK: tl.constexpr = C[3]
-        GPV: tl.constexpr = C[4]
-        GV: tl.constexpr = C[5]
-        KBITS: tl.constexpr = C[8]
-        BLOCK_T: tl.constexpr = C[10]
-        PREC: tl.constexpr = C[12]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, \
-            svst = args
-        MV: tl.constexpr = GPV * GV
-        ks_base = ks_ptr + b * sksb + h * sksh
-        kz_base = kz_ptr + b * sksb + h * sksh
-        vs_base = vs_ptr + b * svsb + h * svsh
-        vz_base = vz_ptr + b * svsb + h * svsh
-        qg, sq = token_group_query(q_row, sqh, G, GPK, GK, D, KBITS, PREC, ACC)
-        kp_s, kp_z = token_params(ks_base, kz_base, start, end, skst, GK, BLOCK_T)
-        vp_s, vp_z = token_params(vs_base, vz_base, start, end, svst, GV, BLOCK_T)
-        krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
-        vrow0 = vc_ptr + b * svb + h * svh
-        st = (qg, sq, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, b * svb + h * svh)
-        return st, (tl.zeros((D, MV), ACC), tl.zeros((MV,), ACC))
+        """The group's query as the key dot's operand and the first tile's key scales and zeros."""
+        GK: tl.constexpr = C[15]
+        ACC: tl.constexpr = tl.float64 if C[11] == 64 else tl.float32
+        qg, sq = token_group_query(q_row, sqh, C[1], C[2], GK, C[0], C[7], C[11], ACC)
+        kp_s, kp_z = token_params(args[4] + b * args[6] + h * args[7], args[5] + b * args[6] + h * args[7], start, end,
+                                  args[8], GK, C[9])
+        return token_group_state(args, C, (qg, sq), kp_s, kp_z, b, h, start, end)
 
     @triton.jit
     def _tile_scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
         """Token-major scores [BLOCK_T, heads] = codes [BLOCK_T, D] x q^T [D, heads]: the big operand is the M side
         of the tensor-core dot. The next tile's scales and zeros are loaded here (a tile ahead)."""
-        D: tl.constexpr = C[0]
-        GPK: tl.constexpr = C[2]
-        GK: tl.constexpr = C[3]
-        GV: tl.constexpr = C[5]
-        KALIGN: tl.constexpr = C[6]
-        KBITS: tl.constexpr = C[8]
-        BLOCK_T: tl.constexpr = C[10]
-        INTERP: tl.constexpr = C[11]
-        PREC: tl.constexpr = C[12]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        KALIGN: tl.constexpr = C[5]
+        BLOCK_T: tl.constexpr = C[9]
+        GK: tl.constexpr = C[15]
         skt = args[3]
-        skst = args[8]
-        svt = args[12]
-        svst = args[17]
-        qg, sq, ks_cur, kz_cur, vs_cur, vz_cur, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff = st
+        qk, ks_cur, kz_cur, vs_cur, vz_cur, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff = st
         # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton assumes
         # 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
         kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
-        prefetch_tiles(krow0, vrow0, t0, end, skt, svt, C[13], BLOCK_T, C[14], C[15], INTERP)
-        kp_s, kp_z = token_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, GK, BLOCK_T)
-        vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, GV, BLOCK_T)
-        s = token_group_scores(kptr, tm, qg, sq, ks_cur, kz_cur, qk_scale, GPK, GK, D, KBITS, BLOCK_T, PREC,
-                               INTERP, ACC)
-        st = (qg, sq, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff)
-        return s, (vs_cur, vz_cur), st
-
-    @triton.jit
-    def _tile_values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
-        D: tl.constexpr = C[0]
-        GPK: tl.constexpr = C[2]
-        GPV: tl.constexpr = C[4]
-        GV: tl.constexpr = C[5]
-        VALIGN: tl.constexpr = C[7]
-        VBITS: tl.constexpr = C[9]
-        BLOCK_T: tl.constexpr = C[10]
-        INTERP: tl.constexpr = C[11]
-        PREC: tl.constexpr = C[12]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        vc_ptr = args[9]
-        svt = args[12]
-        pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
-        ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
-        vptr = vc_ptr + tl.multiple_of(st[12] + t * svt, VALIGN)
-        return token_group_values(acc[0], acc[1], pr, ar, tile[0], tile[1], vptr, tm, D, VBITS, GPV, GV, BLOCK_T,
-                                  PREC, INTERP, ACC)
-
-    @triton.jit
-    def _tile_finish(args, C: tl.constexpr, st, acc):
-        D: tl.constexpr = C[0]
-        GPV: tl.constexpr = C[4]
-        GV: tl.constexpr = C[5]
-        VBITS: tl.constexpr = C[9]
-        PREC: tl.constexpr = C[12]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        out = token_group_output(acc[0], acc[1], D, VBITS, GPV, GV, ACC)
-        return out, mma_channels(0, D, VBITS), tl.arange(0, GPV)
+        prefetch_tiles(krow0, vrow0, t0, end, skt, args[12], C[12], BLOCK_T, C[13], C[14], C[10])
+        kp_s, kp_z = token_params(ks_base, kz_base, t0 + BLOCK_T, end, args[8], GK, BLOCK_T)
+        vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, args[17], C[4], BLOCK_T)
+        s = token_group_scores(kptr, tm, qk[0], qk[1], ks_cur, kz_cur, qk_scale, C[2], GK, C[0], C[7], BLOCK_T, C[11],
+                               C[10], tl.float64 if C[11] == 64 else tl.float32)
+        return s, (vs_cur, vz_cur), (qk, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff)
 
     # ---- the fragment kernel: channel order of the fragments, loads, one tile
 
@@ -620,9 +564,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     kalign, valign, krow, vrow, can = K.code_rows(kc, vc, dev)  # 16-byte rows: 4 words
     prefetch_tiles = (PREFETCH_DEFAULT if prefetch is None else int(prefetch)) if can else 0
     args = (kc, *kc.stride()[:3], ks, kz, *ks.stride()[:3], vc, *vc.stride()[:3], vs, vz, *vs.stride()[:3])
-    consts = (d, group, gpk, gk, gpv, gv, kalign, valign, bits, bits, bt, K.INTERPRET, PREC.get(q.dtype, 16),
-              prefetch_tiles, krow, vrow)
-    return K.launch_split_k((_tile_prepare, _tile_scores, _tile_values, _tile_finish), q, packed.lengths, scale, fp,
+    consts = TileConsts(d, group, gpk, gpv, gv, kalign, valign, bits, bits, bt, K.INTERPRET, PREC.get(q.dtype, 16),
+                        prefetch_tiles, krow, vrow, gk)
+    tiles = (_tile_prepare, _tile_scores, token_group_tile_values, token_group_tile_finish)
+    return K.launch_split_k(tiles, q, packed.lengths, scale, fp,
                             nsplit, hkv, args, consts, gpk=gpk, block_t=bt, block_f=block_f,
                             opts=K.launch_options(q, warps, num_stages, max_registers), prec=PREC.get(q.dtype, 16),
                             merge_warps=TILE_MERGE_WARPS)

@@ -14,6 +14,8 @@ Values are dequantized the same way and accumulated by one dot. fp8 (e4m3) param
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
@@ -32,6 +34,7 @@ SLOT_BITS = (0, 2, 3, 4, 8)  # 0: base-3 bytes
 DEFAULTS = (16, 2)
 # The clipped scale's lower bounds, shared with the torch quantizer (storage.clipped_group_params):
 SCALE_FLOOR = 1e-5  # [code]: scale = max((M - m) / qmax, 1e-5)
+Consts = namedtuple("Consts", "D G GP KBITS VBITS KNG KNGP VNG VNGP FP8 BLOCK_T INTERP PREC ROPE")  # tiles' C
 FP8_MIN_SCALE = 2.0**-9  # smallest e4m3 subnormal: a smaller scale would round to 0 (rec #10)
 
 if triton is not None:
@@ -323,7 +326,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     args = (kc, *kc.stride()[:3], ks, kz, ks.stride(0), ks.stride(1), storage.group_maps["k"],
             vc, *vc.stride()[:3], vs, vz, vs.stride(0), vs.stride(1), storage.group_maps["v"],
             cos, sin, packed.pos_offset, cos.shape[0])
-    consts = (d, group, gp, storage.slot_bits("k"), storage.slot_bits("v"), kng, pow2(kng), vng, pow2(vng), int(fp8),
-              bt, K.INTERPRET, prec, 1 if rope_mode == "angle" else 2)
+    consts = Consts(d, group, gp, storage.slot_bits("k"), storage.slot_bits("v"), kng, pow2(kng), vng, pow2(vng),
+                    int(fp8), bt, K.INTERPRET, prec, 1 if rope_mode == "angle" else 2)
     return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
                             consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=K.launch_options(q, warps))

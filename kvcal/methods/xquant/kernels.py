@@ -24,6 +24,8 @@ that is a multiple of 32 for 3 bits, 16 for the others), bits 16 reads the raw l
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
@@ -44,6 +46,7 @@ BITS = (2, 3, 4, 8, 16)
 DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4, "programs_per_sm": 4}
 # float64 dots are broadcast products ([M, K, N] in registers, runtime/kernels.dot): small blocks
 DEFAULTS_FP64 = {**DEFAULTS, "block_t": 16, "chunk": 16, "value_chunk": 16}
+Consts = namedtuple("Consts", "D G GP RW C BITS TDIV CDIV OUTLIER HAS_BIAS BLOCK_T INTERP PREC")  # the scores pass's C
 
 if triton is not None:
     from kvcal.runtime.kernels import dot, operand, split_bounds
@@ -278,8 +281,8 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     args = (kc, kc.stride(0), kc.stride(2), ks, kz, *ks_strides, ko, ko.stride(0) if storage.outlier else 0, r_k,
             b_k if b_k is not None else dummy, packed.rope_cos, packed.rope_sin, packed.pos_offset, scores,
             scores.stride(0), scores.stride(1), hkv)
-    consts = (d, group, gp, width, c, bits, tdiv, cdiv_k, int(storage.outlier), int(b_k is not None), bt, K.INTERPRET,
-              prec)
+    consts = Consts(d, group, gp, width, c, bits, tdiv, cdiv_k, int(storage.outlier), int(b_k is not None), bt,
+                    K.INTERPRET, prec)
     # the full-precision part by the generic kernel into the last splits
     parts = K.launch_split_k((_prepare, _scores, _no_values, None), q, packed.lengths, scale, fp, nsplit, hkv, args,
                              consts, gpk=gp, block_t=bt, prec=prec, opts=opts, fp_in_kernel=False)

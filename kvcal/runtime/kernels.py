@@ -543,6 +543,15 @@ def fp_args(fp_k, fp_v, fp_valid, has_fp: bool, dev):
     return fk, fv, fval, fk.stride()[:3], fval.stride(0)
 
 
+def decode_dims(q: torch.Tensor, heads: int):
+    """(q with unit channel stride, batch, KV heads, query heads per KV head, head_dim, device) of a decode step's
+    queries q [B, Hq, D] over `heads` KV heads."""
+    batch, hq, d = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return q, batch, heads, hq // heads, d, q.device
+
+
 def split_count(num_splits: int | None, programs_per_sm: int | None, dev, rows: int, tokens: int, block_t: int,
                 default_programs: int = 16) -> int:
     """Token splits per (row, KV head) of a split-K kernel: num_splits if given, else enough programs for

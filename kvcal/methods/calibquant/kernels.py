@@ -471,23 +471,13 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     thread at one warp, sm_90 ptxas: 8 against 11 one-warp programs per SM); default from FP_KERNEL_MIN_ROWS (row,
     KV head) pairs), range_registers (pass 1's register cap a thread, 0 none; default RANGE_REGISTERS for one-warp
     programs on the unpack_mma path)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group_q = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group_q, d, dev = K.decode_dims(q, packed.heads)
     kc, vc = packed["k_codes"], packed["v_codes"]
     ks, km, vs, vm = packed["k_step"], packed["k_min"], packed["v_step"], packed["v_min"]
     bt = block_tokens(group, block_t)
     if q.dtype == torch.float64 and block_t is None:
         bt = min(bt, 16)  # the float64 dot is a broadcast product: keep its block small
-    tcap = kc.shape[2]
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or 16) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, kc.shape[2], bt)
     gp = max(pow2(group_q), 16)
     prec = PREC.get(q.dtype, 16)
     separate = fp is not None and prec == 16 and (

@@ -150,12 +150,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
     block_t (tokens per tile: at most 32, inside one key block), num_splits (default from programs_per_sm, 16, x SMs),
     num_warps, num_stages, max_registers, block_f (full-precision tile), prefetch (tiles ahead prefetched into L2 on
     sm_90+), generic_keys (the float32 dequantizing key path, for tests)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     kc, vc = packed["k_codes"], packed["v_codes"]
     ks, kz = K.same_layout(packed["k_scale"], packed["k_zero"])
     vs, vz = K.same_layout(packed["v_scale"], packed["v_zero"])

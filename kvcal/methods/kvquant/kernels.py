@@ -675,12 +675,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     (run-dependent order: repeated decodes can differ in their last bits) or, while
     torch.use_deterministic_algorithms(True) is on, int64 fixed-point ones (the same bits every run; slower); float32
     and float64 queries add them to the dequantized tiles as the reference does (slower, and without atomics)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     kbits = vbits = storage.bits
     kc, vc = packed["k_codes"], packed["v_codes"]
     lengths = packed.lengths

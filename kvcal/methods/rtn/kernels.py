@@ -530,12 +530,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     rows are prefetched into L2 on sm_90+; 0 = off), frag (the fragment kernel: default on where it applies, from
     FRAG_MIN_ROWS (row, KV head) pairs and when no tile-kernel knob is given; False: the tile kernel), frag_vector
     (the fragment kernel loads each lane's code words with one vector load; default where the rows are aligned)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     tile_knobs = any(x is not None for x in (block_t, num_warps, num_stages, prefetch))
     want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
     if want_frag and _frag_applies(q, packed, bits, group):

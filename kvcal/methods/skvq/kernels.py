@@ -297,12 +297,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, block_f, rope_mode ('angle': angle
     addition, the default for fp16/bf16; 'table': each token's table row, the default for float32 and float64, whose
     results then follow the reference's rotation to their own rounding)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     gp = pow2(group)
     bt = block_t or DEFAULTS[0]
     warps = num_warps or DEFAULTS[1]

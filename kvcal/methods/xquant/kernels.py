@@ -238,12 +238,7 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
     (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
     program)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     prec = PREC.get(q.dtype, 16)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     operand_dtype = {16: torch.float16, 32: torch.float32, 64: torch.float64}[prec]

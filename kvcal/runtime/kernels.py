@@ -1,6 +1,9 @@
 """Shared Triton building blocks of the decode kernels, with no method names in them.
 
 - dot operands and products (`dot`, `operand`, `mma_operand`), RoPE by angle addition (`rotate_query`), L2 prefetch;
+- the split-K decode skeleton (`split_k_kernel`, launched by `launch_split_k`): program ids, split bounds, online
+  softmax, the full-precision split and the partial stores around a method's own `@triton.jit` tile functions, and
+  the host pieces around it (`decode_dims`, `split_count`, `launch_options`, `code_rows`);
 - the split of a row's packed tokens among its split programs (`split_share`, `split_share_tl`);
 - the full-precision part of a decode step (`fp_segment` inside a storage's own kernel, or the generic kernel
   through `fp_partials_into` / `fp_partials_triton`) and the split-K merge of the partials (`merge_triton`), the

@@ -2,7 +2,8 @@
 channel and block of `block` tokens) and per-token value codes (groups of channels), the torch reference being
 KiviStorage.attend_reference (kvcal/methods/kivi/storage.py).
 
-Grid (B * Hkv, S), one program per (row, KV head, split) over all G query heads of the KV head; splits s < NSPLIT take
+The split-K skeleton (runtime/kernels.split_k_kernel) with this module's tile functions: grid (B * Hkv, S), one
+program per (row, KV head, split) over all G query heads of the KV head; splits s < NSPLIT take
 an equal BLOCK_T-aligned share of the row's packed tokens, split NSPLIT the full-precision part (the residual window;
 runtime/kernels.fp_segment). Keys: a tile lies inside one key block (the host sizes it), so the block's scale folds
 into the query once per tile: q.k = (q * s_blk) . c + q . z_blk, one tensor-core dot. Where the block is not a

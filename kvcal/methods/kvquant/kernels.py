@@ -3,7 +3,8 @@ with sparse fp16 outliers: keys per channel before RoPE with calibrated ranges, 
 head) with ranges of their own. The torch reference is KVQuantStorage.attend_reference
 (kvcal/methods/kvquant/storage.py).
 
-The tile kernel (`_tile_kernel`, grid (B * Hkv, S)): program (row, KV head, split) over all G query heads of the KV
+The tile kernel (the split-K skeleton runtime/kernels.split_k_kernel with this module's tile functions `_prepare`,
+`_scores`, `_values`, `_finish`; grid (B * Hkv, S)): program (row, KV head, split) over all G query heads of the KV
 head, an online softmax over BLOCK_T-token tiles; split NSPLIT takes the full-precision part (the sink tokens).
 Keys are rotated at attention time. RoPE by angle addition (default): q.R(p0 + j)k = (R(-p0) q).(R(j) k) with R(j)
 from table rows 0..BLOCK_T-1 kept in registers and R(-p0) applied to q once per tile; this needs cos/sin tables that

@@ -4,12 +4,11 @@ token, KV head and group of channels), the torch reference being RtnStorage.atte
 
 Two kernels, both writing softmax partials that runtime/kernels.merge_triton combines:
 
-- the tile kernel (`_tile_kernel`), grid (B * Hkv, S): program (row b, KV head h, split s) handles all G = Hq/Hkv
-  query heads of that KV head (GQA in-kernel, K/V read once per group). Splits s < NSPLIT take an equal, BLOCK_T-
-  aligned share of that row's own length (no host sync, rows differ in length; a share past the row's end writes a
-  neutral partial); split s == NSPLIT takes the full-precision part (runtime/kernels.fp_segment). Each program runs an
-  online softmax in fp32 over BLOCK_T-token tiles, scales and zeros folded around tensor-core dots (quant/
-  uniform_kernels: token_group_scores, token_group_values).
+- the tile kernel: the split-K skeleton (runtime/kernels.split_k_kernel: program ids, split bounds, online
+  softmax, the full-precision split, partial stores) with this module's `_tile_prepare` / `_tile_scores` and quant/
+  uniform_kernels' token_group_tile_values / _finish; grid (B * Hkv, S): program (row b, KV head h, split s) handles
+  all G = Hq/Hkv query heads of that KV head (GQA in-kernel, K/V read once per group), scales and zeros folded around
+  tensor-core dots (token_group_scores, token_group_values).
 - the fragment kernel (`_frag_decode_kernel`), for one group per head of 2 or 4 bits and fp16/bf16 queries, from
   FRAG_MIN_ROWS (row, KV head) pairs: codes unpacked straight into tensor-core fragments, no shared memory (below).
 

@@ -2,7 +2,8 @@
 head), whose (scale, zero) come from the token's clipped groups (k-means clusters across heads); the torch reference
 is SKVQStorage.attend_reference (kvcal/methods/skvq/storage.py).
 
-Grid (B * Hkv, S): program (row, KV head, split) over all G query heads of the KV head, an online softmax over
+The split-K skeleton (runtime/kernels.split_k_kernel) with this module's tile functions: grid (B * Hkv, S), program
+(row, KV head, split) over all G query heads of the KV head, an online softmax over
 BLOCK_T-token tiles; split NSPLIT takes the full-precision part (sinks and the recent window; runtime/kernels
 fp_segment). Per tile, the key codes of the head's two halves (packing.unpack_tile, or base-3 bytes) are dequantized
 in float32 with each channel's group parameters, gathered in registers from the token's [n_groups] row (the static

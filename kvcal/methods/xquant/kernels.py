@@ -5,7 +5,8 @@ xquant/storage.py), with the same signature as `attend_triton` below.
 
 Two launches and one product, the split-K partials of runtime/decode.py:
 
-- `_scores_kernel`, grid (B * Hkv, NSPLIT): program (row, KV head, split) walks its share of the row's tokens in
+- the scores pass (the split-K skeleton runtime/kernels.split_k_kernel with `_prepare`, `_scores` and no value
+  step), grid (B * Hkv, NSPLIT): program (row, KV head, split) walks its share of the row's tokens in
   tiles of BLOCK_T; per tile it dequantizes the key latent chunk by chunk (C latent channels at a time: per-channel
   parameters for the svd variant, per-token groups for x; latent channel 0 from its fp16 copy with the outlier
   channel), multiplies each chunk by the head's columns of R_k (two tl.dot, one per RoPE half), adds b_k, rotates

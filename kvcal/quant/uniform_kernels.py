@@ -237,9 +237,9 @@ if triton is not None:
                                   C[11], C[10], tl.float64 if C[11] == 64 else tl.float32)
 
     @triton.jit
-    def token_group_tile_finish(args, C: tl.constexpr, st, acc):
+    def token_group_tile_finish(args, C: tl.constexpr, st, acc, m_i, l_i):
         out = token_group_output(acc[0], acc[1], C[0], C[8], C[3], C[4], tl.float64 if C[11] == 64 else tl.float32)
-        return out, mma_channels(0, C[0], C[8]), tl.arange(0, C[3])
+        return out, mma_channels(0, C[0], C[8]), tl.arange(0, C[3]), m_i, l_i
 
 
 def pow2_sizes(*sizes: int) -> bool:

@@ -151,7 +151,8 @@ if triton is not None:
     @triton.jit
     def split_k_kernel(q_ptr, sqb, sqh, len_ptr, args, fp, m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo,
                        NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
-                       VALUES: tl.constexpr, FINISH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                       VALUES: tl.constexpr, FINISH: tl.constexpr, SOFTMAX: tl.constexpr, TAIL: tl.constexpr,
+                       D: tl.constexpr, G: tl.constexpr,
                        GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
         """The split-K decode skeleton: program (row b and KV head h, split) over all G query heads of the KV head.
@@ -168,8 +169,12 @@ if triton is not None:
           valid ones), log2 domain (the scale folded in), masked here afterwards; `tile`: what VALUES needs of it;
         - VALUES(args, C, st, tile, acc, p, alpha, t, tm) -> acc: acc rescaled by alpha [GPK] plus p [BLOCK_T, GPK]
           times the tile's values (p and alpha are 0 on padding heads);
-        - FINISH(args, C, st, acc) -> (out, channels, cols): the weighted value sum [D, GPV] with its rows' channels
-          and its columns' heads; FINISH None: the method writes the sums elsewhere, only m and l are stored.
+        - FINISH(args, C, st, acc, m, l) -> (out, channels, cols, m, l): the weighted value sum [D, GPV] with its
+          rows' channels and its columns' heads, and the softmax state to store; FINISH None: the method writes the
+          sums elsewhere, only m and l are stored;
+        - SOFTMAX(C, st, s, m, l, ok) -> (p, alpha, m, l), or None for the online softmax (softmax_tile): a method's
+          own weights of a tile (CalibQuant's fixed reference).
+        TAIL: a split's whole tiles run without masks (tm a constant true), its last, partial tile after them.
         A tile function reads its constants as `X: tl.constexpr = C[i]` (Triton 3.6 drops constexpr-ness when a
         tuple is unpacked), and no assignment unpacks a nested tuple (3.6's dependency finder fails on one)."""
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
@@ -192,24 +197,47 @@ if triton is not None:
             st, acc = PREPARE(args, C, q_row, sqh, b, h, pid, start, end, qk_scale)
             m_i = tl.full((GPK,), float("-inf"), ACC)
             l_i = tl.zeros((GPK,), ACC)
-            for t0 in range(start, end, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                tm = t < end
-                s, tile, st = SCORES(args, C, st, t0, t, tm, end, qk_scale)
-                s = tl.where(tm[:, None], s, float("-inf"))
-                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-                acc = VALUES(args, C, st, tile, acc, p, alpha, t, tm)
+            if TAIL:  # whole tiles without masks, then the split's last, partial tile (splits start on tile bounds)
+                full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+                st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, full, end, qk_scale, rk, SCORES,
+                                                   VALUES, SOFTMAX, G, BLOCK_T, False)
+                st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, full, end, end, qk_scale, rk, SCORES,
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True)
+            else:
+                st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, end, end, qk_scale, rk, SCORES,
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True)
             if FINISH is None:
                 tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
                 tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
             else:
-                out, channels, cols = FINISH(args, C, st, acc)
+                out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
                 store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk)
         if HAS_FP:
             if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
                 fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F = fp
                 fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
                            acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+
+    @triton.jit
+    def _split_k_tiles(args, C: tl.constexpr, st, acc, m_i, l_i, lo, hi, end, qk_scale, rk, SCORES: tl.constexpr,
+                       VALUES: tl.constexpr, SOFTMAX: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
+                       MASKED: tl.constexpr):
+        """split_k_kernel's tiles t0 in [lo, hi) of a split ending at `end` (MASKED False: whole tiles, no masks)."""
+        for t0 in range(lo, hi, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            if MASKED:
+                tm = t < end
+            else:
+                tm = tl.full((BLOCK_T,), 1, tl.int1)
+            s, tile, st = SCORES(args, C, st, t0, t, tm, end, qk_scale)
+            if MASKED:
+                s = tl.where(tm[:, None], s, float("-inf"))
+            if SOFTMAX is None:
+                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
+            else:
+                p, alpha, m_i, l_i = SOFTMAX(C, st, s, m_i, l_i, rk < G)
+            acc = VALUES(args, C, st, tile, acc, p, alpha, t, tm)
+        return st, acc, m_i, l_i
 
     @triton.jit
     def prefetch_tiles(krow0, vrow0, t0, end, skt, svt, AHEAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -594,12 +622,14 @@ def code_rows(kc: torch.Tensor, vc: torch.Tensor, dev):
 
 def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, fp, nsplit: int, heads: int, args,
                    consts, *, gpk: int, block_t: int, opts: dict, prec: int, block_f: int | None = None,
-                   fp_in_kernel: bool = True, merge_warps: int | None = None) -> Partials:
+                   fp_in_kernel: bool = True, merge_warps: int | None = None, softmax=None,
+                   whole_tiles: bool = False) -> Partials:
     """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
     FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
     readers see the names), over `nsplit` splits of each row's packed tokens
     (`lengths` [B]) and the full-precision part `fp` (runtime.decode.FullPrecision or None): as the kernel's last
-    split (fp_in_kernel) or by the generic full-precision kernel into splits of their own (fp_partials_into)."""
+    split (fp_in_kernel) or by the generic full-precision kernel into splits of their own (fp_partials_into).
+    softmax: the method's SOFTMAX tile function (None: the online softmax); whole_tiles: TAIL."""
     batch, hq, d = q.shape
     dev = q.device
     group = hq // heads
@@ -619,12 +649,13 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
             q, q.stride(0), q.stride(1), lengths, tuple(args),
             (fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0),
             parts.m, parts.l, parts.acc, heads, qk_hi, qk_lo, nsplit, splits,
-            C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, D=d, G=group, GPK=gpk,
+            C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, SOFTMAX=softmax,
+            TAIL=int(whole_tiles), D=d, G=group, GPK=gpk,
             GPF=max(pow2(group), 16), HAS_FP=int(has_fp), BLOCK_T=block_t, BLOCK_F=block_f or 16,
             INTERP=INTERPRET, PREC=prec, **opts,
         )
     if fp is not None and not fp_in_kernel:
-        fp_partials_into(q, fp, scale, parts, nsplit)
+        fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16)
     return parts
 
 

@@ -565,14 +565,14 @@ if triton is not None:
         return acc, corr
 
     @triton.jit
-    def _finish(args, C: tl.constexpr, st, acc):
+    def _finish(args, C: tl.constexpr, st, acc, m_i, l_i):
         D: tl.constexpr = C[0]
         VBITS: tl.constexpr = C[10]
         if C[18]:  # LUT_MMA: value rows in mma_channels order
             vch = mma_channels(0, D, VBITS)
         else:
             vch = tl.arange(0, D)
-        return acc[0] + acc[1][None, :], vch, tl.arange(0, C[3])
+        return acc[0] + acc[1][None, :], vch, tl.arange(0, C[3]), m_i, l_i
 
 
 # Tokens and warps per program, chosen by measurement (nuq4 at 32K x batch 8): the key pass is fastest at (32, 1)

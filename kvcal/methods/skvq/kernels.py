@@ -251,8 +251,8 @@ if triton is not None:
         return acc * alpha[None, :] + dot(tl.trans(operand(v.to(ACC), PREC)), operand(p, PREC), INTERP)
 
     @triton.jit
-    def _finish(args, C: tl.constexpr, st, acc):
-        return acc, tl.arange(0, C[0]), tl.arange(0, C[2])
+    def _finish(args, C: tl.constexpr, st, acc, m_i, l_i):
+        return acc, tl.arange(0, C[0]), tl.arange(0, C[2]), m_i, l_i
 
 
 def write_triton(storage, packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,

@@ -242,6 +242,16 @@ if triton is not None:
         return out, mma_channels(0, C[0], C[8]), tl.arange(0, C[3]), m_i, l_i
 
 
+def token_groups_unsupported(d: int, bits: int, groups: int, unpack_bits, what: str = "groups") -> str | None:
+    """Why a decode kernel with per-token groups cannot take b-bit codes in `groups` groups of a d-channel head
+    (None: it can): the bits must be ones it unpacks, the groups a power of two that divides d."""
+    if bits not in unpack_bits:
+        return f"{bits}-bit codes (the kernels unpack {', '.join(map(str, unpack_bits))} bits)"
+    if groups & (groups - 1) or d % groups:
+        return f"{groups} {what} per head of {d} channels (a power of two that divides head_dim)"
+    return None
+
+
 def pow2_sizes(*sizes: int) -> bool:
     return all(s >= 1 and s & (s - 1) == 0 for s in sizes)
 

@@ -18,7 +18,7 @@ from collections import namedtuple
 import torch
 
 from kvcal.quant.packing import pow2
-from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS
+from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS, token_groups_unsupported
 from kvcal.runtime import kernels as K
 
 try:
@@ -133,11 +133,9 @@ if triton is not None:
 def unsupported(q: torch.Tensor, packed, bits: int, block: int) -> str | None:
     """Why attend_triton cannot take this call (None: it can)."""
     d = q.shape[-1]
-    if bits not in UNPACK_BITS:
-        return f"{bits}-bit codes (the kernels unpack {', '.join(map(str, UNPACK_BITS))} bits)"
-    groups = packed["v_scale"].shape[-1]
-    if groups & (groups - 1) or d % groups:
-        return f"{groups} value groups per head of {d} channels (a power of two that divides head_dim)"
+    reason = token_groups_unsupported(d, bits, packed["v_scale"].shape[-1], UNPACK_BITS, "value groups")
+    if reason:
+        return reason
     if block % 16 and d < 64:
         return f"key blocks of {block} tokens (not a multiple of 16: the generic key path) need head_dim >= 64"
     return None

@@ -53,7 +53,7 @@ from collections import namedtuple
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
-from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS
+from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS, token_groups_unsupported
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import Partials
 
@@ -509,13 +509,7 @@ UNPACK_BITS = (1, 2, 3, 4, 8)
 
 def unsupported(q: torch.Tensor, packed, bits: int) -> str | None:
     """Why attend_triton cannot take this call (None: it can)."""
-    d = q.shape[-1]
-    if bits not in UNPACK_BITS:
-        return f"{bits}-bit codes (the kernels unpack {', '.join(map(str, UNPACK_BITS))} bits)"
-    groups = packed["k_scale"].shape[-1]
-    if groups & (groups - 1) or d % groups:
-        return f"{groups} groups per head of {d} channels (a power of two that divides head_dim)"
-    return None
+    return token_groups_unsupported(q.shape[-1], bits, packed["k_scale"].shape[-1], UNPACK_BITS)
 
 
 def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block_t: int | None = None,

@@ -152,9 +152,8 @@ if triton is not None:
     def split_k_kernel(q_ptr, sqb, sqh, len_ptr, args, fp, m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo,
                        NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
                        VALUES: tl.constexpr, FINISH: tl.constexpr, SOFTMAX: tl.constexpr, TAIL: tl.constexpr,
-                       D: tl.constexpr, G: tl.constexpr,
-                       GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                       D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
         """The split-K decode skeleton: program (row b and KV head h, split) over all G query heads of the KV head.
         Splits < NSPLIT walk an equal BLOCK_T-aligned share of row b's packed tokens (split_bounds: no host sync, a
         share past the row's end writes a neutral partial) with an online softmax (softmax_tile) in float32 (float64
@@ -162,7 +161,7 @@ if triton is not None:
         full-precision part `fp` (fp_args' tuple and the slot count; fp_segment). S: partials per (row, KV head).
 
         A method brings its own tile functions (`@triton.jit`, passed as constexprs) and `args`, a tuple of its
-        pointers and strides; C is a tuple of its compile-time constants:
+        pointers and strides; C is a namedtuple of its compile-time constants:
         - PREPARE(args, C, q_row, sqh, b, h, pid, start, end, qk_scale) -> (st, acc): per-(row, head) state (a tuple
           carried through the loop: query operands, parameters loaded a tile ahead) and its accumulator (any tuple);
         - SCORES(args, C, st, t0, t, tm, end, qk_scale) -> (s, tile, st): scores [BLOCK_T, GPK] of tokens t (tm: the
@@ -626,15 +625,11 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
                    whole_tiles: bool = False) -> Partials:
     """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
     FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
-    readers see the names), over `nsplit` splits of each row's packed tokens
-    (`lengths` [B]) and the full-precision part `fp` (runtime.decode.FullPrecision or None): as the kernel's last
-    split (fp_in_kernel) or by the generic full-precision kernel into splits of their own (fp_partials_into).
-    softmax: the method's SOFTMAX tile function (None: the online softmax); whole_tiles: TAIL."""
-    batch, hq, d = q.shape
-    dev = q.device
-    group = hq // heads
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    readers see the names), over `nsplit` splits of each row's packed tokens (`lengths` [B]) and the full-precision
+    part `fp` (runtime.decode.FullPrecision or None): as the kernel's last split (fp_in_kernel) or by the generic
+    full-precision kernel into splits of their own (fp_partials_into). softmax: the method's SOFTMAX tile function
+    (None: the online softmax); whole_tiles: TAIL."""
+    q, batch, heads, group, d, dev = decode_dims(q, heads)
     has_fp = fp is not None and fp_in_kernel
     splits = nsplit + (1 if has_fp else fp_splits(fp))
     parts = Partials.empty(batch * heads, splits, group, d, q.dtype, dev)

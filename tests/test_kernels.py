@@ -101,16 +101,20 @@ class _StandIn:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            raise _Launched(self.name, kwargs)
+            consts = kwargs.get("C")  # the split-K skeleton's launch: the method's constants by name
+            raise _Launched(self.name, {**kwargs, **(consts._asdict() if consts is not None else {})})
 
         return launch
 
 
 def _launched(monkeypatch, module, storage, q, packed, fp, **kw):
-    """Name and constexpr arguments of the kernel a storage's attend_triton launches (kernels stubbed)."""
-    for name in ("_frag_decode_kernel", "_tile_kernel"):
-        if hasattr(module, name):
-            monkeypatch.setattr(module, name, _StandIn("frag" if "frag" in name else "tile"))
+    """Name and constexpr arguments of the kernel a storage's attend_triton launches (kernels stubbed): "tile" for the
+    split-K skeleton (runtime.kernels.split_k_kernel), "frag" for a fragment kernel."""
+    from kvcal.runtime import kernels as K
+
+    monkeypatch.setattr(K, "split_k_kernel", _StandIn("tile"))
+    if hasattr(module, "_frag_decode_kernel"):
+        monkeypatch.setattr(module, "_frag_decode_kernel", _StandIn("frag"))
     with pytest.raises(_Launched) as info:
         storage.attend_triton(q, packed, 0.125, fp, **kw)
     return info.value.args
@@ -142,10 +146,11 @@ def test_value_pass_sums_in_fixed_point_in_deterministic_mode(monkeypatch):
     atomics: the same sums in any order) under torch.use_deterministic_algorithms(True); the partials carry that
     buffer and its unit to the merge."""
     import kvcal.methods.kvquant.kernels as KQ
+    from kvcal.runtime import kernels as K
 
     calls = []
     monkeypatch.setattr(KQ, "key_outlier_scores_triton", lambda *args: None)
-    monkeypatch.setattr(KQ, "_tile_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+    monkeypatch.setattr(K, "split_k_kernel", type("K", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
     monkeypatch.setattr(KQ, "value_outlier_sums_triton", lambda *args: calls.append((args[7].dtype, args[8])))
     storage, packed = _kvquant([40, 33], 48)
     was = torch.are_deterministic_algorithms_enabled()

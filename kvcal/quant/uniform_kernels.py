@@ -28,9 +28,13 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+# The constants C of the per-token-group tile functions below (RTN and KIVI add their own after these)
+TOKEN_GROUP_CONSTS = ("D", "G", "GPK", "GPV", "GV", "KALIGN", "VALIGN", "KBITS", "VBITS", "BLOCK_T", "INTERP", "PREC",
+                      "PREFETCH", "KROW", "VROW")
+
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, pack_tile, unpack_mma
-    from kvcal.runtime.kernels import dot, mma_operand, operand
+    from kvcal.runtime.kernels import dot, mma_operand, operand, regroup
 
 if triton is not None:
 
@@ -195,6 +199,57 @@ if triton is not None:
             sel = (vch // (D // GV))[:, None, None] == gv[None, None, :]
             out = tl.sum(tl.where(sel, tl.reshape(out, (D, GPV, GV)), 0.0), 2)
         return out
+
+
+    # ---- tile functions of runtime/kernels.split_k_kernel for per-token value groups (RTN, KIVI). Their args
+    # start with (key codes, (row, head, token) strides, key scales, zeros, strides, value codes, strides, value
+    # scales, zeros, strides); C with TOKEN_GROUP_CONSTS; the state st with (key operands, next key scale, zero, next value scale, zero, key rows,
+    # value rows, key scale, zero, value scale, zero bases, the value rows' offset)
+
+    @triton.jit
+    def token_group_state(args, C: tl.constexpr, qk, kp_s, kp_z, b, h, start, end):
+        """The state st of a (row, KV head) from its key operands qk and first key parameters, and the accumulator
+        (acc [D, GPV GV], corr [GPV GV])."""
+        D: tl.constexpr = C[0]
+        MV: tl.constexpr = C[3] * C[4]
+        ACC: tl.constexpr = tl.float64 if C[11] == 64 else tl.float32
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst, vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, \
+            svst = args
+        vs_base = vs_ptr + b * svsb + h * svsh
+        vz_base = vz_ptr + b * svsb + h * svsh
+        vp_s, vp_z = token_params(vs_base, vz_base, start, end, svst, C[4], C[9])
+        st = (qk, kp_s, kp_z, vp_s, vp_z, kc_ptr + b * skb + h * skh, vc_ptr + b * svb + h * svh,
+              ks_ptr + b * sksb + h * sksh, kz_ptr + b * sksb + h * sksh, vs_base, vz_base, b * svb + h * svh)
+        return st, (tl.zeros((D, MV), ACC), tl.zeros((MV,), ACC))
+
+    @triton.jit
+    def token_group_tile_values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
+        """token_group_values over a tile (tile: its value scales and zeros, loaded a tile ahead)."""
+        GPK: tl.constexpr = C[2]
+        GPV: tl.constexpr = C[3]
+        VALIGN: tl.constexpr = C[6]
+        BLOCK_T: tl.constexpr = C[9]
+        pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
+        ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
+        # rows start on VALIGN-word boundaries (the host checked the strides)
+        vptr = args[9] + tl.multiple_of(st[11] + t * args[12], VALIGN)
+        return token_group_values(acc[0], acc[1], pr, ar, tile[0], tile[1], vptr, tm, C[0], C[8], GPV, C[4], BLOCK_T,
+                                  C[11], C[10], tl.float64 if C[11] == 64 else tl.float32)
+
+    @triton.jit
+    def token_group_tile_finish(args, C: tl.constexpr, st, acc, m_i, l_i):
+        out = token_group_output(acc[0], acc[1], C[0], C[8], C[3], C[4], tl.float64 if C[11] == 64 else tl.float32)
+        return out, mma_channels(0, C[0], C[8]), tl.arange(0, C[3]), m_i, l_i
+
+
+def token_groups_unsupported(d: int, bits: int, groups: int, unpack_bits, what: str = "groups") -> str | None:
+    """Why a decode kernel with per-token groups cannot take b-bit codes in `groups` groups of a d-channel head
+    (None: it can): the bits must be ones it unpacks, the groups a power of two that divides d."""
+    if bits not in unpack_bits:
+        return f"{bits}-bit codes (the kernels unpack {', '.join(map(str, unpack_bits))} bits)"
+    if groups & (groups - 1) or d % groups:
+        return f"{groups} {what} per head of {d} channels (a power of two that divides head_dim)"
+    return None
 
 
 def pow2_sizes(*sizes: int) -> bool:

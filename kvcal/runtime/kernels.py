@@ -1,6 +1,9 @@
 """Shared Triton building blocks of the decode kernels, with no method names in them.
 
 - dot operands and products (`dot`, `operand`, `mma_operand`), RoPE by angle addition (`rotate_query`), L2 prefetch;
+- the split-K decode skeleton (`split_k_kernel`, launched by `launch_split_k`): program ids, split bounds, online
+  softmax, the full-precision split and the partial stores around a method's own `@triton.jit` tile functions, and
+  the host pieces around it (`decode_dims`, `split_count`, `launch_options`, `code_rows`);
 - the split of a row's packed tokens among its split programs (`split_share`, `split_share_tl`);
 - the full-precision part of a decode step (`fp_segment` inside a storage's own kernel, or the generic kernel
   through `fp_partials_into` / `fp_partials_triton`) and the split-K merge of the partials (`merge_triton`), the
@@ -144,6 +147,107 @@ if triton is not None:
         tl.store(acc_ptr + (part * G + rv)[None, :] * D + channels[:, None], out, mask=(rv < G)[None, :])
         tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
         tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
+
+    @triton.jit
+    def split_k_kernel(q_ptr, sqb, sqh, len_ptr, args, fp, m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo,
+                       NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
+                       VALUES: tl.constexpr, FINISH: tl.constexpr, SOFTMAX: tl.constexpr, TAIL: tl.constexpr,
+                       D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+        """The split-K decode skeleton: program (row b and KV head h, split) over all G query heads of the KV head.
+        Splits < NSPLIT walk an equal BLOCK_T-aligned share of row b's packed tokens (split_bounds: no host sync, a
+        share past the row's end writes a neutral partial) with an online softmax (softmax_tile) in float32 (float64
+        for float64 queries) and store partial pid S + split (store_partial); with HAS_FP, split NSPLIT takes the
+        full-precision part `fp` (fp_args' tuple and the slot count; fp_segment). S: partials per (row, KV head).
+
+        A method brings its own tile functions (`@triton.jit`, passed as constexprs) and `args`, a tuple of its
+        pointers and strides; C is a namedtuple of its compile-time constants:
+        - PREPARE(args, C, q_row, sqh, b, h, pid, start, end, qk_scale) -> (st, acc): per-(row, head) state (a tuple
+          carried through the loop: query operands, parameters loaded a tile ahead) and its accumulator (any tuple);
+        - SCORES(args, C, st, t0, t, tm, end, qk_scale) -> (s, tile, st): scores [BLOCK_T, GPK] of tokens t (tm: the
+          valid ones), log2 domain (the scale folded in), masked here afterwards; `tile`: what VALUES needs of it;
+        - VALUES(args, C, st, tile, acc, p, alpha, t, tm) -> acc: acc rescaled by alpha [GPK] plus p [BLOCK_T, GPK]
+          times the tile's values (p and alpha are 0 on padding heads);
+        - FINISH(args, C, st, acc, m, l) -> (out, channels, cols, m, l): the weighted value sum [D, GPV] with its
+          rows' channels and its columns' heads, and the softmax state to store; FINISH None: the method writes the
+          sums elsewhere, only m and l are stored;
+        - SOFTMAX(C, st, s, m, l, ok) -> (p, alpha, m, l), or None for the online softmax (softmax_tile): a method's
+          own weights of a tile (CalibQuant's fixed reference).
+        TAIL: a split's whole tiles run without masks (tm a constant true), its last, partial tile after them.
+        A tile function reads its constants as `X: tl.constexpr = C[i]` (Triton 3.6 drops constexpr-ness when a
+        tuple is unpacked), and no assignment unpacks a nested tuple (3.6's dependency finder fails on one)."""
+        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
+        # (not a tl.dtype launch argument: one, and a torch scalar built per call, made int4 measurably slower at
+        # 32K x 8, small shapes more so)
+        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
+        if PREC == 64:
+            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
+        else:
+            qk_scale = qk_scale_hi
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        q_row = q_ptr + b * sqb + h * G * sqh
+        part = pid * S + split
+        if split < NSPLIT:
+            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+            rk = tl.arange(0, GPK)
+            st, acc = PREPARE(args, C, q_row, sqh, b, h, pid, start, end, qk_scale)
+            m_i = tl.full((GPK,), float("-inf"), ACC)
+            l_i = tl.zeros((GPK,), ACC)
+            if TAIL:  # whole tiles without masks, then the split's last, partial tile (splits start on tile bounds)
+                full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+                st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, full, end, qk_scale, rk, SCORES,
+                                                   VALUES, SOFTMAX, G, BLOCK_T, False)
+                st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, full, end, end, qk_scale, rk, SCORES,
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True)
+            else:
+                st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, end, end, qk_scale, rk, SCORES,
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True)
+            if FINISH is None:
+                tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
+                tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
+            else:
+                out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
+                store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk)
+        if HAS_FP:
+            if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
+                fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F = fp
+                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
+                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+
+    @triton.jit
+    def _split_k_tiles(args, C: tl.constexpr, st, acc, m_i, l_i, lo, hi, end, qk_scale, rk, SCORES: tl.constexpr,
+                       VALUES: tl.constexpr, SOFTMAX: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
+                       MASKED: tl.constexpr):
+        """split_k_kernel's tiles t0 in [lo, hi) of a split ending at `end` (MASKED False: whole tiles, no masks)."""
+        for t0 in range(lo, hi, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            if MASKED:
+                tm = t < end
+            else:
+                tm = tl.full((BLOCK_T,), 1, tl.int1)
+            s, tile, st = SCORES(args, C, st, t0, t, tm, end, qk_scale)
+            if MASKED:
+                s = tl.where(tm[:, None], s, float("-inf"))
+            if SOFTMAX is None:
+                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
+            else:
+                p, alpha, m_i, l_i = SOFTMAX(C, st, s, m_i, l_i, rk < G)
+            acc = VALUES(args, C, st, tile, acc, p, alpha, t, tm)
+        return st, acc, m_i, l_i
+
+    @triton.jit
+    def prefetch_tiles(krow0, vrow0, t0, end, skt, svt, AHEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       KROW: tl.constexpr, VROW: tl.constexpr, INTERP: tl.constexpr):
+        """The key and value code rows of the tile AHEAD tiles past t0 into L2 (nothing for AHEAD 0 or under the
+        interpreter); the rows of a tile are contiguous, KROW / VROW bytes each (code_rows checked it)."""
+        if AHEAD > 0 and not INTERP:
+            tp = t0 + AHEAD * BLOCK_T
+            nrow = tl.minimum(end - tp, BLOCK_T)
+            prefetch_l2(krow0 + tp * skt, nrow * KROW)
+            prefetch_l2(vrow0 + tp * svt, nrow * VROW)
 
     @triton.jit
     def dot(a, b, INTERP: tl.constexpr):
@@ -467,6 +571,87 @@ def fp_args(fp_k, fp_v, fp_valid, has_fp: bool, dev):
         fk, fv = fk.contiguous(), fv.contiguous()
     fval = fp_valid.to(torch.bool).contiguous().view(torch.uint8)
     return fk, fv, fval, fk.stride()[:3], fval.stride(0)
+
+
+def decode_dims(q: torch.Tensor, heads: int):
+    """(q with unit channel stride, batch, KV heads, query heads per KV head, head_dim, device) of a decode step's
+    queries q [B, Hq, D] over `heads` KV heads."""
+    batch, hq, d = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return q, batch, heads, hq // heads, d, q.device
+
+
+def split_count(num_splits: int | None, programs_per_sm: int | None, dev, rows: int, tokens: int, block_t: int,
+                default_programs: int = 16) -> int:
+    """Token splits per (row, KV head) of a split-K kernel: num_splits if given, else enough programs for
+    programs_per_sm (default_programs) per SM over the `rows` (row, KV head) pairs, at most one per 4 tiles of the
+    `tokens`-slot buffer."""
+    if num_splits:
+        return int(num_splits)
+    target = (programs_per_sm or default_programs) * sm_count(dev)
+    return max(1, min(triton.cdiv(target, rows), triton.cdiv(tokens, 4 * block_t)))
+
+
+def launch_options(q: torch.Tensor, num_warps: int, num_stages: int | None = None,
+                   max_registers: int | None = None) -> dict:
+    """Launch options of a decode kernel: warps, pipeline stages and a register cap where given, and no FMA
+    contraction for float64 queries (their float32 dequantization rounds as the reference's)."""
+    opts = {"num_warps": num_warps}
+    if max_registers:
+        opts["maxnreg"] = int(max_registers)
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    if q.dtype == torch.float64:
+        opts["enable_fp_fusion"] = False
+    return opts
+
+
+def code_rows(kc: torch.Tensor, vc: torch.Tensor, dev):
+    """(key and value row alignment in words (word_alignment), key and value row bytes, whether the tiles' rows can be
+    prefetched into L2) of code buffers [B, H, T, words]: bulk prefetch needs sm_90+, a tile's rows contiguous, 16-byte
+    aligned and a multiple of 16 bytes each."""
+    ks, vs = kc.stride()[:3], vc.stride()[:3]
+    kalign, valign = word_alignment(kc, ks), word_alignment(vc, vs)
+    krow, vrow = 4 * kc.shape[-1], 4 * vc.shape[-1]
+    can = (sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0 and ks[2] == kc.shape[-1]
+           and vs[2] == vc.shape[-1] and kalign == 4 and valign == 4)
+    return kalign, valign, krow, vrow, can
+
+
+def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, fp, nsplit: int, heads: int, args,
+                   consts, *, gpk: int, block_t: int, opts: dict, prec: int, block_f: int | None = None,
+                   fp_in_kernel: bool = True, merge_warps: int | None = None, softmax=None,
+                   whole_tiles: bool = False) -> Partials:
+    """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
+    FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
+    readers see the names), over `nsplit` splits of each row's packed tokens (`lengths` [B]) and the full-precision
+    part `fp` (runtime.decode.FullPrecision or None): as the kernel's last split (fp_in_kernel) or by the generic
+    full-precision kernel into splits of their own (fp_partials_into). softmax: the method's SOFTMAX tile function
+    (None: the online softmax); whole_tiles: TAIL."""
+    q, batch, heads, group, d, dev = decode_dims(q, heads)
+    has_fp = fp is not None and fp_in_kernel
+    splits = nsplit + (1 if has_fp else fp_splits(fp))
+    parts = Partials.empty(batch * heads, splits, group, d, q.dtype, dev)
+    if merge_warps is not None:
+        parts.merge_warps = merge_warps
+    fk, fv, fval, f_strides, sfvb = fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
+                                            fp.valid if has_fp else None, has_fp, dev)
+    qk_hi, qk_lo = qk_scale_parts(scale)
+    prepare, scores, values, finish = tiles
+    with launch_device(q):
+        split_k_kernel[(batch * heads, nsplit + int(has_fp))](
+            q, q.stride(0), q.stride(1), lengths, tuple(args),
+            (fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0),
+            parts.m, parts.l, parts.acc, heads, qk_hi, qk_lo, nsplit, splits,
+            C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, SOFTMAX=softmax,
+            TAIL=int(whole_tiles), D=d, G=group, GPK=gpk,
+            GPF=max(pow2(group), 16), HAS_FP=int(has_fp), BLOCK_T=block_t, BLOCK_F=block_f or 16,
+            INTERP=INTERPRET, PREC=prec, **opts,
+        )
+    if fp is not None and not fp_in_kernel:
+        fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16)
+    return parts
 
 
 def fp_partials_into(q: torch.Tensor, fp, scale: float, parts, first: int, pdl: bool = False,

@@ -20,7 +20,8 @@ of the row's little-endian stream), per (row, head, range group, channel) float3
     pass 1 (`_range_kernel`, only with the remap on): grid (row and KV head, split): the raw dots of the split's
       tiles (scores with groups of tokens), their min and max kept per (token slot, head) and reduced once after
       the loop -> [R, S, G] each (reads the key codes once);
-    pass 2 (`_attend_kernel`): grid (row and KV head, split [+ 1]): every split program reduces pass 1's S minima and
+    pass 2 (the split-K skeleton runtime/kernels.split_k_kernel with `_prepare`, `_scores`, `_remap_softmax`,
+      `_values`, `_finish`; TAIL): grid (row and KV head, split [+ 1]): every split program reduces pass 1's S minima and
       maxima of its (row, KV head) itself (2 S floats per head), computes the slope (clamped at 0; split 0 counts the
       rows and the clamped rows into a device counter), recomputes its tiles' scores as (raw - min raw) times one
       factor plus one shift per head (scale, remap and log2(e) folded; the difference first, so a row whose scores
@@ -37,12 +38,12 @@ of the row's little-endian stream), per (row, head, range group, channel) float3
 from __future__ import annotations
 
 import struct
+from collections import namedtuple
 
 import torch
 
 from kvcal.quant.packing import launch_device, pow2, words_per_vector
 from kvcal.runtime import kernels as K
-from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -59,12 +60,14 @@ DEFAULT_BLOCK_T = 32  # tokens per tile (1 warp): a tile lies inside one range g
 # pass 1's register cap for one-warp programs on the unpack_mma path: 128 a thread lets 16 programs share an SM (the
 # default split count's 16 per SM in one wave); uncapped, sm_90 ptxas gives it 129 (15 per SM), capped no spills
 RANGE_REGISTERS = 128
-FP_KERNEL_MIN_ROWS = 64  # (row, KV head) pairs from which the full-precision part is a launch of its own (fp_kernel)
+FP_KERNEL_MIN_ROWS = 64
+# pass 2's constants C (runtime/kernels.split_k_kernel's tile functions)
+Consts = namedtuple("Consts", "D G GP SP BITS GROUP REMAP BLOCK_T PREC MMA ALIGN INTERP")  # (row, KV head) pairs from which the full-precision part is a launch of its own (fp_kernel)
 
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, pack_tile, unpack_mma, unpack_tile
     from kvcal.quant.uniform_kernels import rint
-    from kvcal.runtime.kernels import dot, fp_segment, mma_operand, operand, softmax_tile, split_bounds
+    from kvcal.runtime.kernels import dot, mma_operand, operand, split_bounds
 
     @triton.jit
     def _div(a, b, ACC: tl.constexpr):
@@ -237,28 +240,125 @@ if triton is not None:
         for t0 in range(full, end, BLOCK_T):
             lo, hi = _range_tile(kc_base, t0, end, skt, q_row, sqh, s_base, m_base, ssg, rk, qs, qc, lo, hi, scale,
                                  UNIT, G, D, BITS, GROUP, BLOCK_T, PREC, MMA, ALIGN, True, INTERP, ACC)
-        # GROUP 0: the raw dots' (pass 2 needs raw - min raw exactly: see _attend_tile); groups: the scores
+        # GROUP 0: the raw dots' (pass 2 needs raw - min raw exactly: see the notes above _prepare); groups: the scores
         lo = tl.min(lo, 0)
         hi = tl.max(hi, 0)
         part = pid * NSPLIT + split
         tl.store(mn_ptr + part * G + rk, lo, mask=rk < G)
         tl.store(mx_ptr + part * G + rk, hi, mask=rk < G)
 
+    # ---- pass 2: tile functions of runtime/kernels.split_k_kernel (whole tiles, then the tail: TAIL). args: (key
+    # codes, their (row, head, token) strides, the same for values, key step, minimum, value step, minimum, their
+    # (row, head, group) strides, pass 1's minima and maxima, tau1, tau2, the counters, the score scale's float32
+    # parts, the row lengths, pass 1's splits); C: Consts. Scores s in log2 units: raw * sa + sb without the remap;
+    # under it (x - gamma) * sa + sb with x - gamma taken before the slope multiplies it: the slope is huge where a
+    # row's scores span nothing (one compressed token, tau1 > tau2: (tau1 - tau2) / 1e-8), and g(x) = slope (x -
+    # gamma) + gamma - tau1 stays exact only when x - gamma is (0 at the minimum's token, whose raw dot pass 1
+    # computed the same way). GROUP 0: x - gamma = (raw - min raw) * scale * UNIT (ref: min raw); groups: x as pass 1
+    # computes it, minus ref = gamma. The state st: (code bases, parameter bases, the value columns' channels and
+    # unit, q * step and q . min, sa, sb, ref, scale, m_fix, the query row and its head stride).
+
     @triton.jit
-    def _attend_tile(kc_base, vc_base, t0, end, skt, svt, q_row, sqh, ks_base, km_base, vs_base, vm_base, ssg, rk, vch,
-                     vunit, qs, qc, sa, sb, ref, scale, m_fix, v_step, v_min, acc, l_t, m_i, l_i,
-                     UNIT: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     REMAP: tl.constexpr,
-                     BLOCK_T: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr, ALIGN: tl.constexpr,
-                     MASKED: tl.constexpr, INTERP: tl.constexpr, ACC: tl.constexpr):
-        """Pass 2 over one tile: scores (remapped), P, and the value codes' contribution to acc; the softmax state
-        (l_t under the remap, m_i and l_i without it) updated. Scores s in log2 units: raw * sa + sb without the
-        remap; under it (x - gamma) * sa + sb with x - gamma taken before the slope multiplies it: the slope is
-        huge where a row's scores span nothing (one compressed token, tau1 > tau2: (tau1 - tau2) / 1e-8), and
-        g(x) = slope (x - gamma) + gamma - tau1 stays exact only when x - gamma is (0 at the minimum's token, whose
-        raw dot pass 1 computed the same way). GROUP 0: x - gamma = (raw - min raw) * scale * UNIT (ref: min raw);
-        groups: x as pass 1 computes it, minus ref = gamma."""
-        t, tm = _tile_mask(t0, end, BLOCK_T, MASKED)
+    def _prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
+        """Per (row, KV head): the query terms and, under the remap, gamma and delta of each query head over all of
+        the row's compressed tokens (pass 1's splits), the slope and the fixed softmax reference m_fix."""
+        D: tl.constexpr = C[0]
+        G: tl.constexpr = C[1]
+        GP: tl.constexpr = C[2]
+        SP: tl.constexpr = C[3]
+        BITS: tl.constexpr = C[4]
+        GROUP: tl.constexpr = C[5]
+        REMAP: tl.constexpr = C[6]
+        BLOCK_T: tl.constexpr = C[7]
+        PREC: tl.constexpr = C[8]
+        MMA: tl.constexpr = C[9]
+        ALIGN: tl.constexpr = C[10]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        kc_ptr, skb, skh, skt, vc_ptr, svb, svh, svt, ks_ptr, km_ptr, vs_ptr, vm_ptr, ssb, ssh, ssg, mn_ptr, mx_ptr, \
+            tau1_ptr, tau2_ptr, count_ptr, scale_hi, scale_lo, len_ptr, NSPLIT = args
+        if PREC == 64:
+            scale = tl.cast(scale_hi, ACC) + tl.cast(scale_lo, ACC)
+        else:
+            scale = scale_hi
+        UNIT: tl.constexpr = 16777216.0 if MMA else 1.0  # unpack_mma's codes are code * f * 2^-24
+        rk = tl.arange(0, GP)
+        kc_base = kc_ptr + tl.multiple_of(b * skb + h * skh, ALIGN)
+        vc_base = vc_ptr + tl.multiple_of(b * svb + h * svh, ALIGN)
+        ks_base = ks_ptr + b * ssb + h * ssh
+        km_base = km_ptr + b * ssb + h * ssh
+        vs_base = vs_ptr + b * ssb + h * ssh
+        vm_base = vm_ptr + b * ssb + h * ssh
+        vch = _channels(D, BITS, MMA)  # the channel of each value code column (and of acc's columns)
+        if MMA:
+            vunit = 16777216.0 / mma_code_scale(D, BITS).to(ACC)
+        else:
+            vunit = tl.full((D,), 1.0, ACC)
+        # s = x' log2(e) with x' the (remapped) score, per head: raw * sa + sb, or (x - ref) * sa + sb under the remap
+        sa = tl.full((GP,), scale * UNIT * 1.4426950408889634, ACC)
+        qs, qc = _query_terms(q_row, sqh, ks_base, km_base, rk, G, D, BITS, PREC, MMA, ACC)
+        sb = qc * scale * 1.4426950408889634  # GROUP 0 without the remap (groups: per tile)
+        ref = sa  # not read without the remap
+        m_fix = sa  # not read without the remap
+        if REMAP:
+            sp = tl.arange(0, SP)
+            at = (pid * NSPLIT + sp)[:, None] * G + rk[None, :]
+            ok = (sp < NSPLIT)[:, None] & (rk < G)[None, :]
+            has = tl.load(len_ptr + b) > 0
+            live = (rk < G) & has  # padding heads and empty rows: 0, as the reference (no nan in padding)
+            lo = tl.where(live, tl.min(tl.load(mn_ptr + at, mask=ok, other=float("inf")), 0), 0.0)
+            hi = tl.where(live, tl.max(tl.load(mx_ptr + at, mask=ok, other=float("-inf")), 0), 0.0)
+            if GROUP == 0:  # raw dots -> scores, increasing (scale > 0); span from the raw difference
+                gamma = (lo * UNIT + qc) * scale
+                span = (hi - lo) * UNIT * scale
+                ref = lo
+            else:
+                gamma = lo
+                span = hi - lo
+                ref = lo
+            tau1 = tl.load(tau1_ptr + h * G + rk, mask=rk < G, other=0.0).to(ACC)
+            tau2 = tl.load(tau2_ptr + h * G + rk, mask=rk < G, other=0.0).to(ACC)
+            slope = (span + tau1 - tau2) / (span + 1e-8)  # SCORE_EPS
+            clamped = (slope < 0) & live
+            slope = tl.maximum(slope, 0.0)
+            # Eq. 7 with the slope clamp: g(x) = slope (x - gamma) + gamma - tau1
+            if GROUP == 0:
+                sa = sa * slope
+            else:
+                sa = slope * 1.4426950408889634
+            sb = (gamma - tau1) * 1.4426950408889634
+            # g is nondecreasing, so g(delta) is each head's largest remapped score over the row's compressed tokens:
+            # a fixed softmax reference instead of a running max (no rescaling of acc per tile). The recomputed
+            # scores may exceed it by a rounding: clamped to it (exp2 <= 1, no overflow).
+            m_fix = (hi - lo) * sa + sb
+            if tl.program_id(1) == 0:
+                tl.atomic_add(count_ptr, tl.where(has, G, 0).to(tl.int64))
+                tl.atomic_add(count_ptr + 1, tl.sum(clamped.to(tl.int64), 0))
+        st = (kc_base, vc_base, ks_base, km_base, vs_base, vm_base, vch, vunit, qs, qc, sa, sb, ref, scale, m_fix,
+              q_row, sqh)
+        # REMAP: sum P per (token slot, head), reduced after the loop
+        return st, (tl.zeros((GP, D), ACC), tl.zeros((BLOCK_T, GP), ACC))
+
+    @triton.jit
+    def _scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
+        """A tile's (remapped) scores; with range groups, the group's query terms and value parameters per tile."""
+        D: tl.constexpr = C[0]
+        G: tl.constexpr = C[1]
+        GP: tl.constexpr = C[2]
+        BITS: tl.constexpr = C[4]
+        GROUP: tl.constexpr = C[5]
+        REMAP: tl.constexpr = C[6]
+        BLOCK_T: tl.constexpr = C[7]
+        PREC: tl.constexpr = C[8]
+        MMA: tl.constexpr = C[9]
+        ALIGN: tl.constexpr = C[10]
+        INTERP: tl.constexpr = C[11]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        UNIT: tl.constexpr = 16777216.0 if MMA else 1.0
+        skt = args[3]
+        ssg = args[14]
+        kc_base, vc_base, ks_base, km_base, vs_base, vm_base, vch, vunit, qs, qc, sa, sb, ref, scale, m_fix, q_row, \
+            sqh = st
+        rk = tl.arange(0, GP)
         if GROUP != 0:
             g = t0 // GROUP
             qs, qc = _query_terms(q_row, sqh, ks_base + g * ssg, km_base + g * ssg, rk, G, D, BITS, PREC, MMA, ACC)
@@ -266,6 +366,9 @@ if triton is not None:
                 sb = qc * scale * 1.4426950408889634
             v_step = tl.load(vs_base + g * ssg + vch).to(ACC) * vunit
             v_min = tl.load(vm_base + g * ssg + vch).to(ACC)
+        else:
+            v_step = vunit  # not read: step and minimum are applied after the loop (_finish)
+            v_min = vunit
         raw = _raw_scores(kc_base, t, tm, skt, qs, ALIGN, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
         if REMAP:
             if GROUP == 0:
@@ -274,20 +377,36 @@ if triton is not None:
                 s = ((raw * UNIT + qc[None, :]) * scale - ref[None, :]) * sa[None, :] + sb[None, :]
         else:
             s = raw * sa[None, :] + sb[None, :]
-        if REMAP:
-            keep = (rk < G)[None, :]
-            if MASKED:
-                keep = keep & tm[:, None]
-            p = tl.where(keep, tl.exp2(tl.minimum(s, m_fix[None, :]) - m_fix[None, :]), 0.0)
-            l_t += p
-        else:
-            if MASKED:
-                s = tl.where(tm[:, None], s, float("-inf"))
-            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-        vcodes = _codes(vc_base + tl.multiple_of(t * svt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
+        return s, (v_step, v_min), st
+
+    @triton.jit
+    def _remap_softmax(C: tl.constexpr, st, s, m_i, l_i, ok):
+        """Under the remap the softmax reference is fixed (m_fix): P = exp2(min(s, m) - m), nothing to rescale."""
+        m_fix = st[14]
+        p = tl.where(ok[None, :], tl.exp2(tl.minimum(s, m_fix[None, :]) - m_fix[None, :]), 0.0)
+        return p, m_fix, m_i, l_i
+
+    @triton.jit
+    def _values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
+        """The value codes' contribution to acc [GP, D] (columns in vch order); under the remap also sum P per slot."""
+        D: tl.constexpr = C[0]
+        BITS: tl.constexpr = C[4]
+        GROUP: tl.constexpr = C[5]
+        REMAP: tl.constexpr = C[6]
+        BLOCK_T: tl.constexpr = C[7]
+        PREC: tl.constexpr = C[8]
+        MMA: tl.constexpr = C[9]
+        ALIGN: tl.constexpr = C[10]
+        INTERP: tl.constexpr = C[11]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        svt = args[7]
+        v_step, v_min = tile
+        acc, l_t = acc
+        vcodes = _codes(st[1] + tl.multiple_of(t * svt, ALIGN), tm, D, BITS, BLOCK_T, PREC, MMA, INTERP, ACC)
         pv = dot(operand(tl.trans(p), PREC), vcodes, INTERP).to(ACC)  # [GP, D], columns in vch order
         if REMAP:  # fixed reference: nothing to rescale
-            if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l_i)
+            l_t += p
+            if GROUP == 0:  # one range group: step and minimum applied once, after the loop (sum P is l)
                 acc = acc + pv
             else:
                 acc = acc + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
@@ -296,125 +415,25 @@ if triton is not None:
                 acc = acc * alpha[:, None] + pv
             else:
                 acc = acc * alpha[:, None] + pv * v_step[None, :] + tl.sum(p, 0)[:, None] * v_min[None, :]
-        return acc, l_t, m_i, l_i
+        return acc, l_t
 
     @triton.jit
-    def _attend_kernel(q_ptr, sqb, sqh, len_ptr,
-                       kc_ptr, skb, skh, skt, vc_ptr, svb, svh, svt,
-                       ks_ptr, km_ptr, vs_ptr, vm_ptr, ssb, ssh, ssg,
-                       mn_ptr, mx_ptr, tau1_ptr, tau2_ptr, count_ptr,
-                       fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-                       m_ptr, l_ptr, acc_ptr, HKV, scale_hi, scale_lo, NSPLIT, NPART,
-                       D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPF: tl.constexpr, SP: tl.constexpr,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, REMAP: tl.constexpr, HAS_FP: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
-                       ALIGN: tl.constexpr, INTERP: tl.constexpr):
-        """Pass 2: the remapped split-K softmax partials of the packed tokens, then the full-precision part."""
-        ACC: tl.constexpr = m_ptr.dtype.element_ty
-        if PREC == 64:
-            scale = tl.cast(scale_hi, ACC) + tl.cast(scale_lo, ACC)
-        else:
-            scale = scale_hi
-        UNIT: tl.constexpr = 16777216.0 if MMA else 1.0  # unpack_mma's codes are code * f * 2^-24
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
-        S = NPART  # partials per (row, KV head): NSPLIT, the full-precision part's
-        q_row = q_ptr + b * sqb + h * G * sqh
-        part = pid * S + split
-        rk = tl.arange(0, GP)
-        if split < NSPLIT:
-            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-            kc_base = kc_ptr + tl.multiple_of(b * skb + h * skh, ALIGN)
-            vc_base = vc_ptr + tl.multiple_of(b * svb + h * svh, ALIGN)
-            ks_base = ks_ptr + b * ssb + h * ssh
-            km_base = km_ptr + b * ssb + h * ssh
-            vs_base = vs_ptr + b * ssb + h * ssh
-            vm_base = vm_ptr + b * ssb + h * ssh
-            vch = _channels(D, BITS, MMA)  # the channel of each value code column (and of acc's columns)
-            if MMA:
-                vunit = 16777216.0 / mma_code_scale(D, BITS).to(ACC)
-            else:
-                vunit = tl.full((D,), 1.0, ACC)
-            # s = x' log2(e) with x' the (remapped) score, per head: raw * sa + sb, or (x - ref) * sa + sb under the
-            # remap (_attend_tile)
-            sa = tl.full((GP,), scale * UNIT * 1.4426950408889634, ACC)
-            qs, qc = _query_terms(q_row, sqh, ks_base, km_base, rk, G, D, BITS, PREC, MMA, ACC)
-            sb = qc * scale * 1.4426950408889634  # GROUP 0 without the remap (groups: per tile)
-            ref = sa  # not read without the remap
-            m_fix = sa  # not read without the remap
-            if REMAP:
-                # gamma and delta of each query head over all of the row's compressed tokens (pass 1's splits)
-                sp = tl.arange(0, SP)
-                at = (pid * NSPLIT + sp)[:, None] * G + rk[None, :]
-                ok = (sp < NSPLIT)[:, None] & (rk < G)[None, :]
-                has = tl.load(len_ptr + b) > 0
-                live = (rk < G) & has  # padding heads and empty rows: 0, as the reference (no nan in padding)
-                lo = tl.where(live, tl.min(tl.load(mn_ptr + at, mask=ok, other=float("inf")), 0), 0.0)
-                hi = tl.where(live, tl.max(tl.load(mx_ptr + at, mask=ok, other=float("-inf")), 0), 0.0)
-                if GROUP == 0:  # raw dots -> scores, increasing (scale > 0); span from the raw difference
-                    gamma = (lo * UNIT + qc) * scale
-                    span = (hi - lo) * UNIT * scale
-                    ref = lo
-                else:
-                    gamma = lo
-                    span = hi - lo
-                    ref = lo
-                tau1 = tl.load(tau1_ptr + h * G + rk, mask=rk < G, other=0.0).to(ACC)
-                tau2 = tl.load(tau2_ptr + h * G + rk, mask=rk < G, other=0.0).to(ACC)
-                slope = (span + tau1 - tau2) / (span + 1e-8)  # SCORE_EPS
-                clamped = (slope < 0) & live
-                slope = tl.maximum(slope, 0.0)
-                # Eq. 7 with the slope clamp: g(x) = slope (x - gamma) + gamma - tau1
-                if GROUP == 0:
-                    sa = sa * slope
-                else:
-                    sa = slope * 1.4426950408889634
-                sb = (gamma - tau1) * 1.4426950408889634
-                # g is nondecreasing, so g(delta) is each head's largest remapped score over the row's compressed
-                # tokens: a fixed softmax reference instead of a running max (no rescaling of acc per tile). The
-                # recomputed scores may exceed it by a rounding: clamped to it (exp2 <= 1, no overflow).
-                m_fix = (hi - lo) * sa + sb
-                if split == 0:
-                    tl.atomic_add(count_ptr, tl.where(has, G, 0).to(tl.int64))
-                    tl.atomic_add(count_ptr + 1, tl.sum(clamped.to(tl.int64), 0))
-            if GROUP == 0:
-                v_step = vunit  # not read in the loop: step and minimum are loaded after it (registers)
-                v_min = vunit
-            m_i = tl.full((GP,), float("-inf"), ACC)
-            l_i = tl.zeros((GP,), ACC)
-            l_t = tl.zeros((BLOCK_T, GP), ACC)  # REMAP: sum P per (token slot, head), reduced after the loop
-            acc = tl.zeros((GP, D), ACC)
-            if GROUP != 0:  # per tile (_attend_tile)
-                v_step = vunit
-                v_min = vunit
-            # whole tiles without masks, then the split's last, partial tile (splits start on tile boundaries)
-            full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
-            for t0 in range(start, full, BLOCK_T):
-                acc, l_t, m_i, l_i = _attend_tile(
-                    kc_base, vc_base, t0, end, skt, svt, q_row, sqh, ks_base, km_base, vs_base, vm_base, ssg, rk, vch,
-                    vunit, qs, qc, sa, sb, ref, scale, m_fix, v_step, v_min, acc, l_t, m_i, l_i,
-                    UNIT, G, D, BITS, GROUP, REMAP, BLOCK_T, PREC, MMA, ALIGN, False, INTERP, ACC)
-            for t0 in range(full, end, BLOCK_T):
-                acc, l_t, m_i, l_i = _attend_tile(
-                    kc_base, vc_base, t0, end, skt, svt, q_row, sqh, ks_base, km_base, vs_base, vm_base, ssg, rk, vch,
-                    vunit, qs, qc, sa, sb, ref, scale, m_fix, v_step, v_min, acc, l_t, m_i, l_i,
-                    UNIT, G, D, BITS, GROUP, REMAP, BLOCK_T, PREC, MMA, ALIGN, True, INTERP, ACC)
-            if REMAP:
-                l_i = tl.sum(l_t, 0)
-                m_i = tl.where(l_i > 0, m_fix, float("-inf"))  # a split without tokens: the empty partial
-            if GROUP == 0:
-                v_step = tl.load(vs_base + vch).to(ACC) * vunit
-                v_min = tl.load(vm_base + vch).to(ACC)
-                acc = acc * v_step[None, :] + l_i[:, None] * v_min[None, :]
-            tl.store(acc_ptr + (part * G + rk)[:, None] * D + vch[None, :], acc, mask=(rk < G)[:, None])
-            tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
-            tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
-        if HAS_FP:
-            if split == NSPLIT:
-                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
-                           acc_ptr, scale * 1.4426950408889634, D, G, GPF, BLOCK_F, INTERP)
+    def _finish(args, C: tl.constexpr, st, acc, m_i, l_i):
+        """Under the remap l from the per-slot sums and m the fixed reference (a split without tokens: the empty
+        partial); one range group: its step and minimum applied once."""
+        GROUP: tl.constexpr = C[5]
+        PREC: tl.constexpr = C[8]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        acc, l_t = acc
+        vch = st[6]
+        if C[6]:  # REMAP
+            l_i = tl.sum(l_t, 0)
+            m_i = tl.where(l_i > 0, st[14], float("-inf"))
+        if GROUP == 0:
+            v_step = tl.load(st[4] + vch).to(ACC) * st[7]
+            v_min = tl.load(st[5] + vch).to(ACC)
+            acc = acc * v_step[None, :] + l_i[:, None] * v_min[None, :]
+        return tl.trans(acc), vch, tl.arange(0, C[2]), m_i, l_i
 
 
 def write_triton(packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -471,32 +490,17 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     thread at one warp, sm_90 ptxas: 8 against 11 one-warp programs per SM); default from FP_KERNEL_MIN_ROWS (row,
     KV head) pairs), range_registers (pass 1's register cap a thread, 0 none; default RANGE_REGISTERS for one-warp
     programs on the unpack_mma path)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group_q = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group_q, d, dev = K.decode_dims(q, packed.heads)
     kc, vc = packed["k_codes"], packed["v_codes"]
     ks, km, vs, vm = packed["k_step"], packed["k_min"], packed["v_step"], packed["v_min"]
     bt = block_tokens(group, block_t)
     if q.dtype == torch.float64 and block_t is None:
         bt = min(bt, 16)  # the float64 dot is a broadcast product: keep its block small
-    tcap = kc.shape[2]
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or 16) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, kc.shape[2], bt)
     gp = max(pow2(group_q), 16)
     prec = PREC.get(q.dtype, 16)
     separate = fp is not None and prec == 16 and (
         batch * hkv >= FP_KERNEL_MIN_ROWS if fp_kernel is None else bool(fp_kernel))
-    has_fp = fp is not None and not separate
-    splits = nsplit + int(has_fp) + (K.fp_splits(fp) if separate else 0)
-    parts = Partials.empty(batch * hkv, splits, group_q, d, q.dtype, dev)
-    fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
-                                              fp.valid if has_fp else None, has_fp, dev)
     opts = {"num_warps": num_warps or (4 if q.dtype == torch.float64 else 1)}
     if num_stages is not None:
         opts["num_stages"] = num_stages
@@ -504,13 +508,13 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     hi, lo = _scale_parts(scale)
     kc_s, vc_s, st_s = kc.stride()[:3], vc.stride()[:3], ks.stride()[:3]
     align = _alignment(kc, vc)
-    acc_dtype = parts.m.dtype
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dummy, _ = K.placeholders(dev)
     if remap:
         mn = torch.empty(batch * hkv, nsplit, group_q, dtype=acc_dtype, device=dev)
         mx = torch.empty_like(mn)
     else:
-        mn = mx = parts.m  # not read
-    dummy, _ = K.placeholders(dev)
+        mn = mx = dummy  # not read
     range_opts = dict(opts)
     cap = range_registers if range_registers is not None else (
         RANGE_REGISTERS if use_mma and opts["num_warps"] == 1 and not K.INTERPRET else 0)
@@ -522,18 +526,12 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
                 q, q.stride(0), q.stride(1), packed.lengths, kc, *kc_s, ks, km, *st_s, mn, mx, hkv, hi, lo, nsplit,
                 D=d, G=group_q, GP=gp, BITS=bits, GROUP=group, BLOCK_T=bt, PREC=prec, MMA=int(use_mma), ALIGN=align,
                 INTERP=K.INTERPRET, **range_opts)
-        _attend_kernel[(batch * hkv, nsplit + int(has_fp))](
-            q, q.stride(0), q.stride(1), packed.lengths,
-            kc, *kc_s, vc, *vc_s, ks, km, vs, vm, *st_s,
-            mn, mx, tau1 if remap else dummy, tau2 if remap else dummy, counts,
-            fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
-            parts.m, parts.l, parts.acc, hkv, hi, lo, nsplit, splits,
-            D=d, G=group_q, GP=gp, GPF=max(pow2(group_q), 16), SP=pow2(nsplit), BITS=bits, GROUP=group,
-            REMAP=int(remap), HAS_FP=int(has_fp), BLOCK_T=bt, BLOCK_F=block_f or 16, PREC=prec, MMA=int(use_mma),
-            ALIGN=align, INTERP=K.INTERPRET, **opts)
-    if separate:
-        K.fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16)
-    return parts
+    args = (kc, *kc_s, vc, *vc_s, ks, km, vs, vm, *st_s, mn, mx, tau1 if remap else dummy, tau2 if remap else dummy,
+            counts, hi, lo, packed.lengths, nsplit)
+    consts = Consts(d, group_q, gp, pow2(nsplit), bits, group, int(remap), bt, prec, int(use_mma), align, K.INTERPRET)
+    return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
+                            consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=opts,
+                            fp_in_kernel=not separate, softmax=_remap_softmax if remap else None, whole_tiles=True)
 
 
 def _alignment(*codes: torch.Tensor) -> int:

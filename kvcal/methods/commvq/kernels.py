@@ -546,12 +546,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
     default), "mma" (tf32x3 tensor cores) or "fma" (Triton's FMA dot: a token's pairs summed in one thread); the
     dots pad the group's query heads to score_dot_n (default 16, a power of two); float64 queries always sum),
     probe (timing only, wrong results: "const_codes", "no_gathers", "no_value_mass", "no_key_pass")."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
+    hq = hkv * group
     if key_path not in ("codewords", "fused", "table"):
         raise KvcalError(f"commvq key_path must be codewords, fused or table, got '{key_path}'")
     score_dot = score_dot or SCORE_DOT

@@ -3,7 +3,8 @@ with sparse fp16 outliers: keys per channel before RoPE with calibrated ranges, 
 head) with ranges of their own. The torch reference is KVQuantStorage.attend_reference
 (kvcal/methods/kvquant/storage.py).
 
-The tile kernel (`_tile_kernel`, grid (B * Hkv, S)): program (row, KV head, split) over all G query heads of the KV
+The tile kernel (the split-K skeleton runtime/kernels.split_k_kernel with this module's tile functions `_prepare`,
+`_scores`, `_values`, `_finish`; grid (B * Hkv, S)): program (row, KV head, split) over all G query heads of the KV
 head, an online softmax over BLOCK_T-token tiles; split NSPLIT takes the full-precision part (the sink tokens).
 Keys are rotated at attention time. RoPE by angle addition (default): q.R(p0 + j)k = (R(-p0) q).(R(j) k) with R(j)
 from table rows 0..BLOCK_T-1 kept in registers and R(-p0) applied to q once per tile; this needs cos/sin tables that
@@ -39,11 +40,12 @@ batch 8, docs/runtime.md). Each pass has a torch reference with the same signatu
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
-from kvcal.runtime.decode import Partials
 from kvcal.runtime.kernels import split_share
 
 try:
@@ -128,16 +130,12 @@ if triton is not None:
     from kvcal.quant.packing import lane_entry, load_words, mma_channels, unpack_lut_words, unpack_tile
     from kvcal.runtime.kernels import (
         dot,
-        fp_segment,
         mma_operand,
         operand,
-        prefetch_l2,
+        prefetch_tiles,
         regroup,
         rotate_query,
-        softmax_tile,
-        split_bounds,
         split_share_tl,
-        store_partial,
     )
 
     @triton.jit
@@ -310,217 +308,280 @@ if triton is not None:
         return tl.load(vs_base + t * svst, mask=t < end, other=1.0), tl.load(vz_base + t * svst, mask=t < end,
                                                                            other=0.0)
 
+    # ---- tile functions of runtime/kernels.split_k_kernel. args: (key codes, their (row, head, token) strides, the
+    # per-channel key scale and zero, the key table, key outlier indices, residuals, their (row, token, head)
+    # strides, value codes, their strides, per-token value scales, zeros, their strides, the value table, value outlier
+    # indices, residuals, their strides, RoPE cos and sin tables, the first packed token's position, the tables' rows,
+    # the outlier passes' buffer, its row stride); C: (D, G, GPK, GPV, GPQ, KALIGN, VALIGN, KBITS, KCAP, ROPE, VBITS,
+    # VCAP, BLOCK_T, INTERP, PREC, PREFETCH, KROW, VROW, LUT_MMA, LUT_AHEAD, KCORR, SAVE_S).
+    # Sparse outliers: KCAP / VCAP > 0 only for float32 and float64, whose residuals are added to the float32
+    # dequantized tile as the reference does (float64: the result equals it up to float64 summation order); fp16 and
+    # bf16 run them as passes around this kernel (KCORR: the key pass's score terms; SAVE_S: scores for the value
+    # pass). The state st: (q halves, the query operands, the key range, R(j), the value table, each lane's table
+    # entries, the value parameters of the next tile, the rows' bases, the passes' row, the outlier slots' offsets,
+    # the value rows' offset, the next tile's words (LUT_AHEAD), h).
+
     @triton.jit
-    def _tile_kernel(
-        q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, ktab_ptr, koi_ptr, kov_ptr, skob, skot, skoh,
-        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot, svoh,
-        cos_ptr, sin_ptr, pos_offset, TMAX,
-        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT, sc_ptr, sscr,
-        D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPV: tl.constexpr, GPF: tl.constexpr,
-        GPQ: tl.constexpr, KALIGN: tl.constexpr, VALIGN: tl.constexpr,
-        KBITS: tl.constexpr, KCAP: tl.constexpr, ROPE: tl.constexpr, VBITS: tl.constexpr, VCAP: tl.constexpr,
-        HAS_FP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-        PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr, LUT_MMA: tl.constexpr,
-        LUT_AHEAD: tl.constexpr, KCORR: tl.constexpr, SAVE_S: tl.constexpr,
-    ):
-        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
-        # sparse outliers: KCAP / VCAP > 0 only for float32 and float64, whose residuals are added to the float32
-        # dequantized tile as the reference does (float64: the result equals it up to float64 summation order);
-        # fp16 and bf16 run them as passes around this kernel (KCORR: the key pass's score terms; SAVE_S: scores
-        # for the value pass)
-        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
-        if PREC == 64:
-            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
+    def _prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
+        """Per-program key setup: the query halves, the calibrated per-channel key range, R(j) for the offsets j of a
+        tile, the tables (or each lane's entries for the shuffles), the first tile's value parameters and, with
+        LUT_AHEAD, its code words."""
+        D: tl.constexpr = C[0]
+        G: tl.constexpr = C[1]
+        GPK: tl.constexpr = C[2]
+        GPV: tl.constexpr = C[3]
+        GPQ: tl.constexpr = C[4]
+        KALIGN: tl.constexpr = C[5]
+        VALIGN: tl.constexpr = C[6]
+        KBITS: tl.constexpr = C[7]
+        ROPE: tl.constexpr = C[9]
+        VBITS: tl.constexpr = C[10]
+        BLOCK_T: tl.constexpr = C[12]
+        INTERP: tl.constexpr = C[13]
+        PREC: tl.constexpr = C[14]
+        LUT_MMA: tl.constexpr = C[18]
+        LUT_AHEAD: tl.constexpr = C[19]
+        KCORR: tl.constexpr = C[20]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, ktab_ptr, koi_ptr, kov_ptr, skob, skot, skoh, vc_ptr, svb, svh, svt, \
+            vs_ptr, vz_ptr, svsb, svsh, svst, vtab_ptr, voi_ptr, vov_ptr, svob, svot, svoh, cos_ptr, sin_ptr, \
+            pos_offset, TMAX, sc_ptr, sscr = args
+        HD: tl.constexpr = D // 2
+        rk = tl.arange(0, GPK)
+        sc_row = sc_ptr + pid * sscr  # outlier passes: this (row, KV head)'s score terms / scores
+        hh = tl.arange(0, HD)
+        # LUT_MMA: the key halves come from unpack_lut in mma_channels' column order, so every per-channel operand of
+        # the dot (q, the static scale and zero, R(j)) is loaded in that order
+        if LUT_MMA:
+            kch = mma_channels(0, HD, KBITS)
         else:
-            qk_scale = qk_scale_hi
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
-        S = NSPLIT + HAS_FP
-        dd = tl.arange(0, D)
-        q_row = q_ptr + b * sqb + h * G * sqh
-        part = pid * S + split
-        if split < NSPLIT:
-            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-            HD: tl.constexpr = D // 2
-            rk = tl.arange(0, GPK)
-            rv = tl.arange(0, GPV)
-            sc_row = sc_ptr + pid * sscr  # outlier passes: this (row, KV head)'s score terms / scores
-            ko = b * skob + h * skoh  # float32 / float64: key outlier slots of this row and head (only its own)
-            vo = b * svob + h * svoh  # ... value outlier slots (per token over all heads: head stride 0)
-            # ---- per-program key setup
+            kch = hh
+        q1 = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+        q2 = tl.load(q_row + rk[None, :] * sqh + HD + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+        # the calibrated per-channel range as the quantizer used it: level x scale + zero
+        kzer1 = tl.load(kz_ptr + h * D + kch)
+        kscl1 = tl.load(ks_ptr + h * D + kch)
+        kzer2 = tl.load(kz_ptr + h * D + HD + kch)
+        kscl2 = tl.load(ks_ptr + h * D + HD + kch)
+        if LUT_MMA:  # _dequant_rotate works in fp16: convert before the loop (ptxas may hoist it anyway)
+            kzer1 = kzer1.to(tl.float16)
+            kscl1 = kscl1.to(tl.float16)
+            kzer2 = kzer2.to(tl.float16)
+            kscl2 = kscl2.to(tl.float16)
+        if ROPE == 1:  # R(j) for the offsets j of a tile, kept in registers (LUT_MMA: fp16, column order)
+            jr = tl.arange(0, BLOCK_T)
+            cj = tl.load(cos_ptr + jr[:, None] * D + kch[None, :], mask=(jr < TMAX)[:, None], other=1.0)
+            sj = tl.load(sin_ptr + jr[:, None] * D + kch[None, :], mask=(jr < TMAX)[:, None], other=0.0)
+            if LUT_MMA:
+                cj = cj.to(tl.float16)
+                sj = sj.to(tl.float16)
+            qa = operand(q1, PREC)  # not used: the query is rotated per tile
+            qb = operand(q2, PREC)
+        else:
+            cj = tl.zeros((BLOCK_T, HD), tl.float32)
+            sj = cj
+            qa = operand(q1, PREC)
+            qb = operand(q2, PREC)
+        if not LUT_MMA:
+            NL: tl.constexpr = 1 << VBITS
+            vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
+        else:
+            vtab = 0
+        if LUT_MMA and not INTERP:  # each lane's table entries for unpack_lut's shuffles, once per program
+            kent = lane_entry(ktab_ptr, KBITS)
+            vent = lane_entry(vtab_ptr, VBITS)
+        else:
+            kent = 0
+            vent = 0
+        vs_base = vs_ptr + b * svsb + h * svsh
+        vz_base = vz_ptr + b * svsb + h * svsh
+        vp_s, vp_z = _value_params(vs_base, vz_base, start, end, svst, BLOCK_T)
+        krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
+        vrow0 = vc_ptr + b * svb + h * svh
+        if LUT_MMA and LUT_AHEAD:
+            # LUT_AHEAD: the lookup-table path loads each tile's code words (and key-pass terms) one iteration
+            # ahead into registers: Triton did not pipeline these loads (ncu, nuq4 at 32K x 8: 44% of the stall
+            # samples were waits on them)
+            kw_n = _lut_tile_loads(krow0, vrow0, start, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS, BLOCK_T,
+                                   sc_row, KCORR, GPK, GPQ)
+        else:
+            kw_n = 0
+        # float32 / float64: key outlier slots of this row and head (only its own), value outlier slots (per token
+        # over all heads: head stride 0)
+        st = (q1, q2, qa, qb, kscl1, kzer1, kscl2, kzer2, cj, sj, vtab, kent, vent, vp_s, vp_z, krow0, vrow0, vs_base,
+              vz_base, sc_row, b * skob + h * skoh, b * svob + h * svoh, b * svb + h * svh, kw_n, h)
+        return st, (tl.zeros((D, GPV), ACC), tl.zeros((GPV,), ACC))
+
+    @triton.jit
+    def _scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
+        """Scores [BLOCK_T, GPK]: table values straight into fp16 operands, scaled, shifted and rotated in fp16
+        pairs (LUT_MMA: unpack_lut_words, _dequant_rotate), or keys dequantized in float32 as the reference does and
+        rotated in ACC; plus the key pass's terms (KCORR); saved for the value pass (SAVE_S)."""
+        D: tl.constexpr = C[0]
+        GPK: tl.constexpr = C[2]
+        GPQ: tl.constexpr = C[4]
+        KALIGN: tl.constexpr = C[5]
+        VALIGN: tl.constexpr = C[6]
+        KBITS: tl.constexpr = C[7]
+        KCAP: tl.constexpr = C[8]
+        ROPE: tl.constexpr = C[9]
+        VBITS: tl.constexpr = C[10]
+        BLOCK_T: tl.constexpr = C[12]
+        INTERP: tl.constexpr = C[13]
+        PREC: tl.constexpr = C[14]
+        LUT_MMA: tl.constexpr = C[18]
+        LUT_AHEAD: tl.constexpr = C[19]
+        KCORR: tl.constexpr = C[20]
+        SAVE_S: tl.constexpr = C[21]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        HD: tl.constexpr = D // 2
+        skt = args[3]
+        ktab_ptr = args[6]
+        koi_ptr = args[7]
+        kov_ptr = args[8]
+        skot = args[10]
+        svt = args[15]
+        svst = args[20]
+        cos_ptr = args[27]
+        sin_ptr = args[28]
+        pos_offset = args[29]
+        q1, q2, qa, qb, kscl1, kzer1, kscl2, kzer2, cj, sj, vtab, kent, vent, vs_cur, vz_cur, krow0, vrow0, vs_base, \
+            vz_base, sc_row, ko, vo, voff, kw_n, h = st
+        # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton assumes
+        # 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
+        kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
+        prefetch_tiles(krow0, vrow0, t0, end, skt, svt, C[15], BLOCK_T, C[16], C[17], INTERP)
+        vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, BLOCK_T)
+        if LUT_MMA:
+            if LUT_AHEAD:  # this tile's loads came last iteration; issue the next tile's
+                kw = kw_n
+                kw_n = _lut_tile_loads(krow0, vrow0, t0 + BLOCK_T, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS,
+                                       BLOCK_T, sc_row, KCORR, GPK, GPQ)
+            else:
+                kw = _lut_tile_loads(krow0, vrow0, t0, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS, BLOCK_T,
+                                     sc_row, KCORR, GPK, GPQ)
+            if ROPE == 1:
+                ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, mma_channels(0, HD, KBITS), D)
+            else:
+                ra = q1
+                rb = q2
+            t1 = unpack_lut_words(kw[0], kw[1], kw[2], HD, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
+            t2 = unpack_lut_words(kw[3], kw[4], kw[5], HD, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
+            ka, kb = _dequant_rotate(t1, t2, kscl1, kzer1, kscl2, kzer2, cj, sj, ROPE, INTERP)
+            s = (dot(mma_operand(ka, PREC, INTERP), operand(ra, PREC), INTERP)
+                 + dot(mma_operand(kb, PREC, INTERP), operand(rb, PREC), INTERP))
+            if KCORR:  # the key residuals' score terms (the key pass)
+                s += kw[9]
+            tile = (vs_cur, vz_cur, kw[6], kw[7], kw[8])
+        else:
             hh = tl.arange(0, HD)
-            # LUT_MMA: the key halves come from unpack_lut in mma_channels' column order, so every per-channel
-            # operand of the dot (q, the static scale and zero, R(j)) is loaded in that order
+            k1 = _key_half(kptr, tm, 0, HD, KBITS, BLOCK_T, ktab_ptr, kscl1, kzer1)
+            k2 = _key_half(kptr, tm, HD, HD, KBITS, BLOCK_T, ktab_ptr, kscl2, kzer2)
+            if KCAP > 0:  # float32 / float64: residuals added to the tile, as the reference does
+                k1 = _add_residuals(k1, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D, HD, KCAP)
+                k2 = _add_residuals(k2, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D + HD, HD, KCAP)
+            k1 = k1.to(ACC)
+            k2 = k2.to(ACC)
+            if ROPE == 1:
+                ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, hh, D)
+                qra = operand(ra, PREC)
+                qrb = operand(rb, PREC)
+                ka = k1 * cj - k2 * sj  # R(j) k
+                kb = k2 * cj + k1 * sj
+            elif ROPE == 2:
+                qra = qa
+                qrb = qb
+                pos = (pos_offset + t)[:, None] * D
+                ca = tl.load(cos_ptr + pos + hh[None, :], mask=tm[:, None], other=1.0)
+                sa = tl.load(sin_ptr + pos + hh[None, :], mask=tm[:, None], other=0.0)
+                cb = tl.load(cos_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=1.0)
+                sb = tl.load(sin_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=0.0)
+                ka = k1 * ca - k2 * sa
+                kb = k2 * cb + k1 * sb
+            else:
+                qra = qa
+                qrb = qb
+                ka = k1
+                kb = k2
+            s = dot(operand(ka, PREC), qra, INTERP) + dot(operand(kb, PREC), qrb, INTERP)
+            if KCORR:
+                rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
+                s += tl.load(rows, mask=rows_ok, other=0.0)
+            tile = (vs_cur, vz_cur, 0, 0, 0)
+        s = s * qk_scale
+        if SAVE_S:  # for the value pass (over the key pass's terms: same elements)
+            s = tl.where(tm[:, None], s, float("-inf"))
+            rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
+            tl.store(rows, s, mask=rows_ok)
+        st = (q1, q2, qa, qb, kscl1, kzer1, kscl2, kzer2, cj, sj, vtab, kent, vent, vp_s, vp_z, krow0, vrow0, vs_base,
+              vz_base, sc_row, ko, vo, voff, kw_n, h)
+        return s, tile, st
+
+    @triton.jit
+    def _values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
+        """acc^T [D, GPV] += T[codes]^T [D, BLOCK_T] x (p * scale) [BLOCK_T, GPV] + p . zero."""
+        D: tl.constexpr = C[0]
+        GPK: tl.constexpr = C[2]
+        GPV: tl.constexpr = C[3]
+        VALIGN: tl.constexpr = C[6]
+        VBITS: tl.constexpr = C[10]
+        VCAP: tl.constexpr = C[11]
+        BLOCK_T: tl.constexpr = C[12]
+        INTERP: tl.constexpr = C[13]
+        PREC: tl.constexpr = C[14]
+        LUT_MMA: tl.constexpr = C[18]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        vc_ptr = args[12]
+        svt = args[15]
+        vtab_ptr = args[21]
+        voi_ptr = args[22]
+        vov_ptr = args[23]
+        svot = args[25]
+        vs_cur, vz_cur, va0, va1, va2 = tile
+        acc, corr = acc
+        pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
+        ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
+        vptr = vc_ptr + tl.multiple_of(st[22] + t * svt, VALIGN)
+        if LUT_MMA:  # fp16 table values in mma_channels order
+            vt = unpack_lut_words(va0, va1, va2, D, VBITS, BLOCK_T, vtab_ptr, st[12], INTERP)
+        else:
+            vt = tl.gather(st[10], unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
+        vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
+        if PREC == 64 or VCAP > 0:  # float64, or float32 with residuals: dequantize in float32 as the reference
+            # does (T[c] s rounds), then add the residuals
+            vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
+            if VCAP > 0:
+                vo = st[21]
+                vdq = _add_residuals(vdq, voi_ptr + vo, vov_ptr + vo, t * svot, tm, st[24] * D, D, VCAP)
+            acc = acc * ar[None, :] + dot(tl.trans(vdq.to(ACC)), pr, INTERP)
+        else:
+            pw = operand(pr * vsc[:, None], PREC)
             if LUT_MMA:
-                kch = mma_channels(0, HD, KBITS)
+                vop = tl.trans(mma_operand(vt, PREC, INTERP))
             else:
-                kch = hh
-            q1 = tl.load(q_row + rk[None, :] * sqh + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-            q2 = tl.load(q_row + rk[None, :] * sqh + HD + kch[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-            # the calibrated per-channel range as the quantizer used it: level x scale + zero
-            kzer1 = tl.load(kz_ptr + h * D + kch)
-            kscl1 = tl.load(ks_ptr + h * D + kch)
-            kzer2 = tl.load(kz_ptr + h * D + HD + kch)
-            kscl2 = tl.load(ks_ptr + h * D + HD + kch)
-            if LUT_MMA:  # _dequant_rotate works in fp16: convert before the loop (ptxas may hoist it anyway)
-                kzer1 = kzer1.to(tl.float16)
-                kscl1 = kscl1.to(tl.float16)
-                kzer2 = kzer2.to(tl.float16)
-                kscl2 = kscl2.to(tl.float16)
-            if ROPE == 1:  # R(j) for the offsets j of a tile, kept in registers (LUT_MMA: fp16, column order)
-                jr = tl.arange(0, BLOCK_T)
-                cj = tl.load(cos_ptr + jr[:, None] * D + kch[None, :], mask=(jr < TMAX)[:, None], other=1.0)
-                sj = tl.load(sin_ptr + jr[:, None] * D + kch[None, :], mask=(jr < TMAX)[:, None], other=0.0)
-                if LUT_MMA:
-                    cj = cj.to(tl.float16)
-                    sj = sj.to(tl.float16)
-            else:
-                cj = tl.zeros((BLOCK_T, HD), tl.float32)
-                sj = cj
-                qa = operand(q1, PREC)
-                qb = operand(q2, PREC)
-            if LUT_MMA:
-                vch = mma_channels(0, D, VBITS)
-            else:
-                vch = dd
-            m_i = tl.full((GPK,), float("-inf"), ACC)
-            l_i = tl.zeros((GPK,), ACC)
-            acc = tl.zeros((D, GPV), ACC)
-            corr = tl.zeros((GPV,), ACC)
-            vs_base = vs_ptr + b * svsb + h * svsh
-            vz_base = vz_ptr + b * svsb + h * svsh
-            if not LUT_MMA:
-                NL: tl.constexpr = 1 << VBITS
-                vtab = tl.broadcast_to(tl.load(vtab_ptr + tl.arange(0, NL))[None, :], (BLOCK_T, NL))
-            if LUT_MMA and not INTERP:  # each lane's table entries for unpack_lut's shuffles, once per program
-                kent = lane_entry(ktab_ptr, KBITS)
-                vent = lane_entry(vtab_ptr, VBITS)
-            else:
-                kent = 0
-                vent = 0
-            vp_s, vp_z = _value_params(vs_base, vz_base, start, end, svst, BLOCK_T)
-            krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
-            vrow0 = vc_ptr + b * svb + h * svh
-            if LUT_MMA and LUT_AHEAD:
-                # LUT_AHEAD: the lookup-table path loads each tile's code words (and key-pass terms) one iteration
-                # ahead into registers: Triton did not pipeline these loads (ncu, nuq4 at 32K x 8: 44% of the
-                # stall samples were waits on them)
-                ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx_n = _lut_tile_loads(
-                    krow0, vrow0, start, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS, BLOCK_T, sc_row, KCORR,
-                    GPK, GPQ)
-            for t0 in range(start, end, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                tm = t < end
-                # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton
-                # assumes 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
-                kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
-                if PREFETCH > 0 and not INTERP:  # the code rows of the tile PREFETCH tiles ahead into L2
-                    tp = t0 + PREFETCH * BLOCK_T  # rows are contiguous (the host checked): one range each
-                    nrow = tl.minimum(end - tp, BLOCK_T)
-                    prefetch_l2(krow0 + tp * skt, nrow * KROW)
-                    prefetch_l2(vrow0 + tp * svt, nrow * VROW)
-                vs_cur, vz_cur = vp_s, vp_z
-                vp_s, vp_z = _value_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, BLOCK_T)
-                # ---- scores [BLOCK_T, GPK], log2 domain
-                if LUT_MMA:
-                    # table values straight into fp16 operands (unpack_lut_words), scaled, shifted and rotated in
-                    # fp16 pairs (_dequant_rotate)
-                    if LUT_AHEAD:  # this tile's loads came last iteration; issue the next tile's
-                        kw = (ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx_n)
-                        ka0, ka1, ka2, kb0, kb1, kb2, va0, va1, va2, kx_n = _lut_tile_loads(
-                            krow0, vrow0, t0 + BLOCK_T, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS, BLOCK_T,
-                            sc_row, KCORR, GPK, GPQ)
-                    else:
-                        kw = _lut_tile_loads(krow0, vrow0, t0, end, skt, svt, KALIGN, VALIGN, D, KBITS, VBITS,
-                                             BLOCK_T, sc_row, KCORR, GPK, GPQ)
-                    if ROPE == 1:
-                        ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, kch, D)
-                    else:
-                        ra = q1
-                        rb = q2
-                    qa = operand(ra, PREC)
-                    qb = operand(rb, PREC)
-                    t1 = unpack_lut_words(kw[0], kw[1], kw[2], HD, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
-                    t2 = unpack_lut_words(kw[3], kw[4], kw[5], HD, KBITS, BLOCK_T, ktab_ptr, kent, INTERP)
-                    ka, kb = _dequant_rotate(t1, t2, kscl1, kzer1, kscl2, kzer2, cj, sj, ROPE, INTERP)
-                    s = dot(mma_operand(ka, PREC, INTERP), qa, INTERP) + dot(mma_operand(kb, PREC, INTERP), qb, INTERP)
-                    if KCORR:  # the key residuals' score terms (the key pass)
-                        s += kw[9]
-                    s = s * qk_scale
-                else:
-                    # dequantized in float32 as the reference does, rotated in ACC (float64 for float64)
-                    k1 = _key_half(kptr, tm, 0, HD, KBITS, BLOCK_T, ktab_ptr, kscl1, kzer1)
-                    k2 = _key_half(kptr, tm, HD, HD, KBITS, BLOCK_T, ktab_ptr, kscl2, kzer2)
-                    if KCAP > 0:  # float32 / float64: residuals added to the tile, as the reference does
-                        k1 = _add_residuals(k1, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D, HD, KCAP)
-                        k2 = _add_residuals(k2, koi_ptr + ko, kov_ptr + ko, t * skot, tm, h * D + HD, HD, KCAP)
-                    k1 = k1.to(ACC)
-                    k2 = k2.to(ACC)
-                    if ROPE == 1:
-                        ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, hh, D)
-                        qa = operand(ra, PREC)
-                        qb = operand(rb, PREC)
-                        ka = k1 * cj - k2 * sj  # R(j) k
-                        kb = k2 * cj + k1 * sj
-                    elif ROPE == 2:
-                        pos = (pos_offset + t)[:, None] * D
-                        ca = tl.load(cos_ptr + pos + hh[None, :], mask=tm[:, None], other=1.0)
-                        sa = tl.load(sin_ptr + pos + hh[None, :], mask=tm[:, None], other=0.0)
-                        cb = tl.load(cos_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=1.0)
-                        sb = tl.load(sin_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=0.0)
-                        ka = k1 * ca - k2 * sa
-                        kb = k2 * cb + k1 * sb
-                    else:
-                        ka = k1
-                        kb = k2
-                    s = dot(operand(ka, PREC), qa, INTERP) + dot(operand(kb, PREC), qb, INTERP)
-                    if KCORR:
-                        rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
-                        s += tl.load(rows, mask=rows_ok, other=0.0)
-                    s = s * qk_scale
-                s = tl.where(tm[:, None], s, float("-inf"))
-                if SAVE_S:  # for the value pass (over the key pass's terms: same elements)
-                    rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
-                    tl.store(rows, s, mask=rows_ok)
-                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-                pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
-                ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
-                # ---- values: acc^T [D, GPV] += T[codes]^T [D, BLOCK_T] x (p * scale) [BLOCK_T, GPV] + p . zero
-                vptr = vc_ptr + tl.multiple_of(b * svb + h * svh + t * svt, VALIGN)
-                if LUT_MMA:  # fp16 table values in mma_channels order
-                    vt = unpack_lut_words(kw[6], kw[7], kw[8], D, VBITS, BLOCK_T, vtab_ptr, vent, INTERP)
-                else:
-                    vt = tl.gather(vtab, unpack_tile(vptr, tm, 0, D, D, VBITS, BLOCK_T).to(tl.int32), 1)
-                vsc = tl.maximum(vs_cur.to(tl.float32), 1e-8)  # as dequantize_lut_dynamic floors it
-                if PREC == 64 or VCAP > 0:  # float64, or float32 with residuals: dequantize in float32 as
-                    # the reference does (T[c] s rounds), then add the residuals
-                    vdq = vt * vsc[:, None] + vz_cur.to(tl.float32)[:, None]
-                    if VCAP > 0:
-                        vdq = _add_residuals(vdq, voi_ptr + vo, vov_ptr + vo, t * svot, tm, h * D, D, VCAP)
-                    acc = acc * ar[None, :] + dot(tl.trans(vdq.to(ACC)), pr, INTERP)
-                else:
-                    pw = operand(pr * vsc[:, None], PREC)
-                    if LUT_MMA:
-                        vop = tl.trans(mma_operand(vt, PREC, INTERP))
-                    else:
-                        vop = tl.trans(operand(vt, PREC))
-                    acc = acc * ar[None, :] + dot(vop, pw, INTERP)
-                    corr = corr * ar + tl.sum(pr * vz_cur.to(ACC)[:, None], 0)
-            store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, acc + corr[None, :], vch, rv, m_i, l_i, rk)
-        if HAS_FP:
-            if split == NSPLIT:  # the full-precision part (sinks), post-RoPE
-                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
-                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+                vop = tl.trans(operand(vt, PREC))
+            acc = acc * ar[None, :] + dot(vop, pw, INTERP)
+            corr = corr * ar + tl.sum(pr * vz_cur.to(ACC)[:, None], 0)
+        return acc, corr
+
+    @triton.jit
+    def _finish(args, C: tl.constexpr, st, acc, m_i, l_i):
+        D: tl.constexpr = C[0]
+        VBITS: tl.constexpr = C[10]
+        if C[18]:  # LUT_MMA: value rows in mma_channels order
+            vch = mma_channels(0, D, VBITS)
+        else:
+            vch = tl.arange(0, D)
+        return acc[0] + acc[1][None, :], vch, tl.arange(0, C[3]), m_i, l_i
 
 
 # Tokens and warps per program, chosen by measurement (nuq4 at 32K x batch 8): the key pass is fastest at (32, 1)
 # (and computing the angles beats reading cos/sin table rows); the value pass takes about the same time at every
 # setting but (32, 2).
 KEY_PASS_TOKENS, KEY_PASS_WARPS = 32, 1
+# the tile functions' C
+Consts = namedtuple("Consts", "D G GPK GPV GPQ KALIGN VALIGN KBITS KCAP ROPE VBITS VCAP BLOCK_T INTERP PREC PREFETCH "
+                              "KROW VROW LUT_MMA LUT_AHEAD KCORR SAVE_S")
 VALUE_PASS_TOKENS, VALUE_PASS_WARPS = 32, 4
 
 # Fixed-point value sums (an int64 out; torch's deterministic mode): terms rounded to multiples of 2^-FIXED_BITS, far
@@ -615,12 +676,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     (run-dependent order: repeated decodes can differ in their last bits) or, while
     torch.use_deterministic_algorithms(True) is on, int64 fixed-point ones (the same bits every run; slower); float32
     and float64 queries add them to the dequantized tiles as the reference does (slower, and without atomics)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     kbits = vbits = storage.bits
     kc, vc = packed["k_codes"], packed["v_codes"]
     lengths = packed.lengths
@@ -643,21 +699,13 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     use_lut = lut_ok if lut_mma is None else bool(lut_mma) and lut_ok
     path = "lut" if use_lut else "generic"
     bt = block_t or DEFAULTS["generic"][0]
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or 16) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, tcap, bt)
     if use_lut:
         bt = block_t or DEFAULTS["lut"][0]
     default_warps = 4 if q.dtype == torch.float64 and num_warps is None and block_t is None else DEFAULTS[path][1]
     warps = min(num_warps or default_warps, 4)  # Triton 3.6 asserts in OptimizeThreadLocality on tl.gather at 8 warps
     wide = warps >= 4 and bt >= 64  # wgmma wants dots of >= 16 columns; mma.sync pads N itself
     gpk = gpv = max(gp, 16) if wide else gp
-    has_fp = fp is not None
-    splits = nsplit + int(has_fp)
-    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
-    parts.merge_warps = MERGE_WARPS
     dummy, _ = K.placeholders(dev)
     ks, kz = storage.key_scale.to(dev), storage.key_zero.to(dev)
     ktab, vtab = storage.key_table.to(dev), storage.value_table.to(dev)
@@ -667,25 +715,12 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     vs_strides = (vs.stride(0), 0, vs.stride(1)) if per_token else vs.stride()[:3]
     voi, vov, vo_strides = _outlier_args(v_out_idx, v_out_val, vcap, dev)
     cos, sin = packed.rope_cos.float().contiguous(), packed.rope_sin.float().contiguous()
-    fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
-                                              fp.valid if has_fp else None, has_fp, dev)
-    opts = {"num_warps": warps}
     if num_warps is None and block_t is None:  # the measured defaults belong to the default tile
         num_stages = DEFAULTS[path][2] if num_stages is None else num_stages
         max_registers = DEFAULTS[path][3] if max_registers is None else max_registers
-    if max_registers:
-        opts["maxnreg"] = int(max_registers)
-    if num_stages is not None:
-        opts["num_stages"] = num_stages
-    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
-        opts["enable_fp_fusion"] = False
-    kc_strides, vc_strides = kc.stride()[:3], vc.stride()[:3]
-    kalign, valign = K.word_alignment(kc, kc_strides), K.word_alignment(vc, vc_strides)
-    krow, vrow = 4 * kc.shape[-1], 4 * vc.shape[-1]
-    can = (K.sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0 and kc_strides[2] == kc.shape[-1]
-           and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
+    kalign, valign, krow, vrow, can = K.code_rows(kc, vc, dev)
     prefetch_tiles = (PREFETCH_DEFAULT if prefetch is None else int(prefetch)) if can else 0
-    qk_hi, qk_lo = K.qk_scale_parts(scale)
+    prec = PREC.get(q.dtype, 16)
     with launch_device(q):
         if pass_kcap or pass_vcap:  # [row and KV head, token, head of the group]: key-residual terms, then scores
             scores = torch.empty(batch * hkv, tcap, gp, dtype=torch.float32, device=dev)
@@ -694,24 +729,20 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
                                           packed.pos_offset, scores, packed.inv_freq)
         else:
             scores = dummy
-        _tile_kernel[(batch * hkv, splits)](
-            q, q.stride(0), q.stride(1), lengths,
-            kc, *kc_strides, ks, kz, ktab, koi, kov, *ko_strides,
-            vc, *vc_strides, vs, vz, *vs_strides, vtab, voi, vov, *vo_strides,
-            cos, sin, packed.pos_offset, cos.shape[0],
-            fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
-            parts.m, parts.l, parts.acc, hkv, qk_hi, qk_lo, nsplit, scores, scores.stride(0),
-            D=d, G=group, GPK=gpk, GPV=gpv, GPF=max(gp, 16), GPQ=gp, KALIGN=kalign, VALIGN=valign,
-            KBITS=kbits, KCAP=kcap, ROPE=rope, VBITS=vbits, VCAP=vcap, HAS_FP=int(has_fp),
-            BLOCK_T=bt, BLOCK_F=block_f or 16,  # small: the fp tiles' buffers count against every program
-            INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16), PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow,
-            LUT_MMA=int(use_lut), LUT_AHEAD=int(use_lut and lut_ahead is not False), KCORR=int(pass_kcap > 0),
-            SAVE_S=int(pass_vcap > 0), **opts,
-        )
+        args = (kc, *kc.stride()[:3], ks, kz, ktab, koi, kov, *ko_strides,
+                vc, *vc.stride()[:3], vs, vz, *vs_strides, vtab, voi, vov, *vo_strides,
+                cos, sin, packed.pos_offset, cos.shape[0], scores, scores.stride(0))
+        consts = Consts(d, group, gpk, gpv, gp, kalign, valign, kbits, kcap, rope, vbits, vcap, bt, K.INTERPRET, prec,
+                        prefetch_tiles, krow, vrow, int(use_lut), int(use_lut and lut_ahead is not False),
+                        int(pass_kcap > 0), int(pass_vcap > 0))
+        # block_f small: the fp tiles' buffers count against every program
+        parts = K.launch_split_k((_prepare, _scores, _values, _finish), q, lengths, scale, fp, nsplit, hkv, args,
+                                 consts, gpk=gpk, block_t=bt, block_f=block_f, prec=prec, merge_warps=MERGE_WARPS,
+                                 opts=K.launch_options(q, warps, num_stages, max_registers))
         if pass_vcap:
             # float32 sums, or int64 fixed point (the same bits in any order) in torch's deterministic mode
             fixed = VALUE_PASS_FIXED or torch.are_deterministic_algorithms_enabled()
-            parts.extra = torch.zeros(batch * hkv, splits, d, gp, dtype=torch.int64 if fixed else torch.float32,
+            parts.extra = torch.zeros(batch * hkv, parts.splits, d, gp, dtype=torch.int64 if fixed else torch.float32,
                                       device=dev)
             bits = fixed_point_bits(tcap)  # a split holds at most a row's tcap tokens
             value_outlier_sums_triton(scores, parts.m, v_out_idx, v_out_val, lengths, nsplit, bt, parts.extra, bits)

@@ -4,12 +4,11 @@ token, KV head and group of channels), the torch reference being RtnStorage.atte
 
 Two kernels, both writing softmax partials that runtime/kernels.merge_triton combines:
 
-- the tile kernel (`_tile_kernel`), grid (B * Hkv, S): program (row b, KV head h, split s) handles all G = Hq/Hkv
-  query heads of that KV head (GQA in-kernel, K/V read once per group). Splits s < NSPLIT take an equal, BLOCK_T-
-  aligned share of that row's own length (no host sync, rows differ in length; a share past the row's end writes a
-  neutral partial); split s == NSPLIT takes the full-precision part (runtime/kernels.fp_segment). Each program runs an
-  online softmax in fp32 over BLOCK_T-token tiles, scales and zeros folded around tensor-core dots (quant/
-  uniform_kernels: token_group_scores, token_group_values).
+- the tile kernel: the split-K skeleton (runtime/kernels.split_k_kernel: program ids, split bounds, online
+  softmax, the full-precision split, partial stores) with this module's `_tile_prepare` / `_tile_scores` and quant/
+  uniform_kernels' token_group_tile_values / _finish; grid (B * Hkv, S): program (row b, KV head h, split s) handles
+  all G = Hq/Hkv query heads of that KV head (GQA in-kernel, K/V read once per group), scales and zeros folded around
+  tensor-core dots (token_group_scores, token_group_values).
 - the fragment kernel (`_frag_decode_kernel`), for one group per head of 2 or 4 bits and fp16/bf16 queries, from
   FRAG_MIN_ROWS (row, KV head) pairs: codes unpacked straight into tensor-core fragments, no shared memory (below).
 
@@ -49,9 +48,12 @@ scale. Scores and softmax are float32; the query and P are fp16 operands, as in 
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
+from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS, token_groups_unsupported
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import Partials
 
@@ -88,6 +90,9 @@ FRAG_BLOCK_T = 32  # tokens per tile: 2 m-tiles of scores, 2 k-blocks of values
 FRAG_OCCUPANCY = {4: (12, 168), 2: (16, 128)}
 
 
+TileConsts = namedtuple("TileConsts", (*TOKEN_GROUP_CONSTS, "GK"))
+
+
 def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
     """Shapes the fragment kernel handles: D = 64 or 128; keys and values of 2 or 4 bits with at least 32 bits of a
     value row per lane (D b >= 256)."""
@@ -96,112 +101,59 @@ def frag_supported(head_dim: int, key_bits: int, value_bits: int) -> bool:
 
 
 if triton is not None:
-    from kvcal.quant.packing import mma_channels
     from kvcal.quant.uniform_kernels import (
-        token_group_output,
         token_group_query,
         token_group_scores,
-        token_group_values,
+        token_group_state,
+        token_group_tile_finish,
+        token_group_tile_values,
         token_params,
     )
     from kvcal.runtime.kernels import (
         byte_pair,
-        fp_segment,
         halves,
         lane_words,
         launch_dependents,
         mma16816,
         pack_half2,
-        prefetch_l2,
-        regroup,
+        prefetch_tiles,
         shfl_idx,
         shfl_xor,
-        softmax_tile,
-        split_bounds,
         split_share_tl,
-        store_partial,
         transpose8,
     )
 
+    # ---- the tile kernel: tile functions of runtime/kernels.split_k_kernel, values by quant/uniform_kernels'
+    # token_group_tile_values / _finish (args, C and the state in their layout; C ends with GK)
+
     @triton.jit
-    def _tile_kernel(
-        q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, sksh, skst,
-        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svsh, svst,
-        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
-        D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GK: tl.constexpr, GPV: tl.constexpr,
-        GV: tl.constexpr, GPF: tl.constexpr, KALIGN: tl.constexpr, VALIGN: tl.constexpr,
-        KBITS: tl.constexpr, VBITS: tl.constexpr, HAS_FP: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-        PREFETCH: tl.constexpr, KROW: tl.constexpr, VROW: tl.constexpr,
-    ):
-        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
-        # (not a tl.dtype launch argument: one, and a torch scalar built per call, made int4 measurably slower at
-        # 32K x 8, small shapes more so)
-        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
-        if PREC == 64:
-            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
-        else:
-            qk_scale = qk_scale_hi
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
-        S = NSPLIT + HAS_FP
-        q_row = q_ptr + b * sqb + h * G * sqh
-        part = pid * S + split
-        if split < NSPLIT:
-            # Token-major tiles: scores are [BLOCK_T, heads] = codes [BLOCK_T, D] x q^T [D, heads], so the
-            # big operand is the M side of the tensor-core dot (wgmma on Hopper for BLOCK_T >= 64).
-            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-            MV: tl.constexpr = GPV * GV
-            rk = tl.arange(0, GPK)
-            rv = tl.arange(0, GPV)
-            ks_base = ks_ptr + b * sksb + h * sksh
-            kz_base = kz_ptr + b * sksb + h * sksh
-            vs_base = vs_ptr + b * svsb + h * svsh
-            vz_base = vz_ptr + b * svsb + h * svsh
-            qg, sq = token_group_query(q_row, sqh, G, GPK, GK, D, KBITS, PREC, ACC)
-            m_i = tl.full((GPK,), float("-inf"), ACC)
-            l_i = tl.zeros((GPK,), ACC)
-            acc = tl.zeros((D, MV), ACC)
-            corr = tl.zeros((MV,), ACC)
-            kp_s, kp_z = token_params(ks_base, kz_base, start, end, skst, GK, BLOCK_T)
-            vp_s, vp_z = token_params(vs_base, vz_base, start, end, svst, GV, BLOCK_T)
-            krow0 = kc_ptr + b * skb + h * skh  # this (row, KV head)'s code rows
-            vrow0 = vc_ptr + b * svb + h * svh
-            for t0 in range(start, end, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                tm = t < end
-                # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton
-                # assumes 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
-                kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
-                if PREFETCH > 0 and not INTERP:  # the code rows of the tile PREFETCH tiles ahead into L2
-                    tp = t0 + PREFETCH * BLOCK_T  # rows are contiguous (the host checked): one range each
-                    nrow = tl.minimum(end - tp, BLOCK_T)
-                    prefetch_l2(krow0 + tp * skt, nrow * KROW)
-                    prefetch_l2(vrow0 + tp * svt, nrow * VROW)
-                ks_cur, kz_cur, vs_cur, vz_cur = kp_s, kp_z, vp_s, vp_z
-                kp_s, kp_z = token_params(ks_base, kz_base, t0 + BLOCK_T, end, skst, GK, BLOCK_T)
-                vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, svst, GV, BLOCK_T)
-                # ---- scores [BLOCK_T, GPK], log2 domain
-                s = token_group_scores(kptr, tm, qg, sq, ks_cur, kz_cur, qk_scale, GPK, GK, D, KBITS, BLOCK_T, PREC,
-                                       INTERP, ACC)
-                s = tl.where(tm[:, None], s, float("-inf"))
-                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-                pr = regroup(p, GPK, GPV, BLOCK_T)  # [BLOCK_T, GPV]
-                ar = tl.reshape(regroup(alpha[None, :], GPK, GPV, 1), (GPV,))
-                # ---- values
-                vptr = vc_ptr + tl.multiple_of(b * svb + h * svh + t * svt, VALIGN)
-                acc, corr = token_group_values(acc, corr, pr, ar, vs_cur, vz_cur, vptr, tm, D, VBITS, GPV, GV,
-                                               BLOCK_T, PREC, INTERP, ACC)
-            out = token_group_output(acc, corr, D, VBITS, GPV, GV, ACC)
-            store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, mma_channels(0, D, VBITS), rv, m_i, l_i, rk)
-        if HAS_FP:
-            if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
-                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
-                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+    def _tile_prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
+        """The group's query as the key dot's operand and the first tile's key scales and zeros."""
+        GK: tl.constexpr = C[15]
+        ACC: tl.constexpr = tl.float64 if C[11] == 64 else tl.float32
+        qg, sq = token_group_query(q_row, sqh, C[1], C[2], GK, C[0], C[7], C[11], ACC)
+        kp_s, kp_z = token_params(args[4] + b * args[6] + h * args[7], args[5] + b * args[6] + h * args[7], start, end,
+                                  args[8], GK, C[9])
+        return token_group_state(args, C, (qg, sq), kp_s, kp_z, b, h, start, end)
+
+    @triton.jit
+    def _tile_scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
+        """Token-major scores [BLOCK_T, heads] = codes [BLOCK_T, D] x q^T [D, heads]: the big operand is the M side
+        of the tensor-core dot. The next tile's scales and zeros are loaded here (a tile ahead)."""
+        KALIGN: tl.constexpr = C[5]
+        BLOCK_T: tl.constexpr = C[9]
+        GK: tl.constexpr = C[15]
+        skt = args[3]
+        qk, ks_cur, kz_cur, vs_cur, vz_cur, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff = st
+        # rows start on KALIGN-word boundaries (the host checked the strides): without the hint Triton assumes
+        # 16-word strides or nothing, and 2-/3-bit rows (8 / 12 words) were loaded 4 bytes at a time
+        kptr = krow0 + tl.multiple_of(t * skt, KALIGN)
+        prefetch_tiles(krow0, vrow0, t0, end, skt, args[12], C[12], BLOCK_T, C[13], C[14], C[10])
+        kp_s, kp_z = token_params(ks_base, kz_base, t0 + BLOCK_T, end, args[8], GK, BLOCK_T)
+        vp_s, vp_z = token_params(vs_base, vz_base, t0 + BLOCK_T, end, args[17], C[4], BLOCK_T)
+        s = token_group_scores(kptr, tm, qk[0], qk[1], ks_cur, kz_cur, qk_scale, C[2], GK, C[0], C[7], BLOCK_T, C[11],
+                               C[10], tl.float64 if C[11] == 64 else tl.float32)
+        return s, (vs_cur, vz_cur), (qk, kp_s, kp_z, vp_s, vp_z, krow0, vrow0, ks_base, kz_base, vs_base, vz_base, voff)
 
     # ---- the fragment kernel: channel order of the fragments, loads, one tile
 
@@ -557,13 +509,7 @@ UNPACK_BITS = (1, 2, 3, 4, 8)
 
 def unsupported(q: torch.Tensor, packed, bits: int) -> str | None:
     """Why attend_triton cannot take this call (None: it can)."""
-    d = q.shape[-1]
-    if bits not in UNPACK_BITS:
-        return f"{bits}-bit codes (the kernels unpack {', '.join(map(str, UNPACK_BITS))} bits)"
-    groups = packed["k_scale"].shape[-1]
-    if groups & (groups - 1) or d % groups:
-        return f"{groups} groups per head of {d} channels (a power of two that divides head_dim)"
-    return None
+    return token_groups_unsupported(q.shape[-1], bits, packed["k_scale"].shape[-1], UNPACK_BITS)
 
 
 def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block_t: int | None = None,
@@ -577,12 +523,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     rows are prefetched into L2 on sm_90+; 0 = off), frag (the fragment kernel: default on where it applies, from
     FRAG_MIN_ROWS (row, KV head) pairs and when no tile-kernel knob is given; False: the tile kernel), frag_vector
     (the fragment kernel loads each lane's code words with one vector load; default where the rows are aligned)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     tile_knobs = any(x is not None for x in (block_t, num_warps, num_stages, prefetch))
     want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
     if want_frag and _frag_applies(q, packed, bits, group):
@@ -598,55 +539,26 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps, 16-token tiles)
         default_warps, bt = 4, 16
-    tcap = kc.shape[2]
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or 16) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
+    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, kc.shape[2], bt)
     warps = num_warps or default_warps
     # wgmma (4 warps, BLOCK_T >= 64) wants dots of >= 16 columns; mma.sync pads N itself, so with fewer warps the
     # heads are padded only to a power of two (less softmax work on padding)
     wide = warps >= 4 and bt >= 64
     gpk = max(gp, 16 // gk) if wide else gp
     gpv = max(gp, 16 // gv) if wide else gp
-    has_fp = fp is not None
-    splits = nsplit + int(has_fp)
-    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
-    parts.merge_warps = TILE_MERGE_WARPS
-    fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
-                                              fp.valid if has_fp else None, has_fp, dev)
-    opts = {"num_warps": warps}
     if num_warps is None and block_t is None:  # the measured defaults belong to the default tile
         num_stages = TILE_DEFAULTS[2] if num_stages is None else num_stages
         max_registers = TILE_DEFAULTS[3] if max_registers is None else max_registers
-    if max_registers:
-        opts["maxnreg"] = int(max_registers)
-    if num_stages is not None:
-        opts["num_stages"] = num_stages
-    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
-        opts["enable_fp_fusion"] = False
-    kc_strides, vc_strides = kc.stride()[:3], vc.stride()[:3]
-    kalign, valign = K.word_alignment(kc, kc_strides), K.word_alignment(vc, vc_strides)  # 16-byte rows: 4 words
-    krow, vrow = 4 * kc.shape[-1], 4 * vc.shape[-1]
-    # L2 prefetch of code tiles (bulk prefetch: sm_90+, a tile's rows contiguous, 16-byte aligned, a multiple of 16
-    # bytes each)
-    can = (K.sm90_or_newer(dev) and krow % 16 == 0 and vrow % 16 == 0 and kc_strides[2] == kc.shape[-1]
-           and vc_strides[2] == vc.shape[-1] and kalign == 4 and valign == 4)
+    kalign, valign, krow, vrow, can = K.code_rows(kc, vc, dev)  # 16-byte rows: 4 words
     prefetch_tiles = (PREFETCH_DEFAULT if prefetch is None else int(prefetch)) if can else 0
-    qk_hi, qk_lo = K.qk_scale_parts(scale)
-    with launch_device(q):
-        _tile_kernel[(batch * hkv, splits)](
-            q, q.stride(0), q.stride(1), packed.lengths,
-            kc, *kc_strides, ks, kz, *ks.stride()[:3],
-            vc, *vc_strides, vs, vz, *vs.stride()[:3],
-            fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
-            parts.m, parts.l, parts.acc, hkv, qk_hi, qk_lo, nsplit,
-            D=d, G=group, GPK=gpk, GK=gk, GPV=gpv, GV=gv, GPF=max(gp, 16), KALIGN=kalign, VALIGN=valign,
-            KBITS=bits, VBITS=bits, HAS_FP=int(has_fp), BLOCK_T=bt, BLOCK_F=block_f or 16,
-            INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16), PREFETCH=prefetch_tiles, KROW=krow, VROW=vrow, **opts,
-        )
-    return parts
+    args = (kc, *kc.stride()[:3], ks, kz, *ks.stride()[:3], vc, *vc.stride()[:3], vs, vz, *vs.stride()[:3])
+    consts = TileConsts(d, group, gpk, gpv, gv, kalign, valign, bits, bits, bt, K.INTERPRET, PREC.get(q.dtype, 16),
+                        prefetch_tiles, krow, vrow, gk)
+    tiles = (_tile_prepare, _tile_scores, token_group_tile_values, token_group_tile_finish)
+    return K.launch_split_k(tiles, q, packed.lengths, scale, fp,
+                            nsplit, hkv, args, consts, gpk=gpk, block_t=bt, block_f=block_f,
+                            opts=K.launch_options(q, warps, num_stages, max_registers), prec=PREC.get(q.dtype, 16),
+                            merge_warps=TILE_MERGE_WARPS)
 
 
 def _frag_applies(q, packed, bits: int, group: int) -> bool:

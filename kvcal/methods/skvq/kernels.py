@@ -2,7 +2,8 @@
 head), whose (scale, zero) come from the token's clipped groups (k-means clusters across heads); the torch reference
 is SKVQStorage.attend_reference (kvcal/methods/skvq/storage.py).
 
-Grid (B * Hkv, S): program (row, KV head, split) over all G query heads of the KV head, an online softmax over
+The split-K skeleton (runtime/kernels.split_k_kernel) with this module's tile functions: grid (B * Hkv, S), program
+(row, KV head, split) over all G query heads of the KV head, an online softmax over
 BLOCK_T-token tiles; split NSPLIT takes the full-precision part (sinks and the recent window; runtime/kernels
 fp_segment). Per tile, the key codes of the head's two halves (packing.unpack_tile, or base-3 bytes) are dequantized
 in float32 with each channel's group parameters, gathered in registers from the token's [n_groups] row (the static
@@ -14,11 +15,12 @@ Values are dequantized the same way and accumulated by one dot. fp8 (e4m3) param
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
-from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -33,20 +35,13 @@ SLOT_BITS = (0, 2, 3, 4, 8)  # 0: base-3 bytes
 DEFAULTS = (16, 2)
 # The clipped scale's lower bounds, shared with the torch quantizer (storage.clipped_group_params):
 SCALE_FLOOR = 1e-5  # [code]: scale = max((M - m) / qmax, 1e-5)
+Consts = namedtuple("Consts", "D G GP KBITS VBITS KNG KNGP VNG VNGP FP8 BLOCK_T INTERP PREC ROPE")  # tiles' C
 FP8_MIN_SCALE = 2.0**-9  # smallest e4m3 subnormal: a smaller scale would round to 0 (rec #10)
 
 if triton is not None:
     from kvcal.quant.packing import pack_tile, unpack_tile, unpack_trits_tile
     from kvcal.quant.uniform_kernels import destinations, rint
-    from kvcal.runtime.kernels import (
-        dot,
-        fp_segment,
-        operand,
-        rotate_query,
-        softmax_tile,
-        split_bounds,
-        store_partial,
-    )
+    from kvcal.runtime.kernels import dot, operand, rotate_query
 
     @triton.jit
     def _e4m3(bits):
@@ -156,91 +151,108 @@ if triton is not None:
             w = tl.arange(0, WP)
             tl.store(row + w[None, :], words, mask=hm & (w < W)[None, :])
 
+    # ---- tile functions of runtime/kernels.split_k_kernel. args: (key codes, their (row, head, token) strides, key
+    # scales, zeros, their (row, token) strides, the key channel -> group map, the same for values, RoPE cos and sin
+    # tables, the first packed token's position, the tables' rows); C: (D, G, GP, KBITS, VBITS, KNG, KNGP, VNG, VNGP,
+    # FP8, BLOCK_T, INTERP, PREC, ROPE)
+
     @triton.jit
-    def _tile_kernel(
-        q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, skst, kmap_ptr,
-        vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, svst, vmap_ptr,
-        cos_ptr, sin_ptr, pos_offset, TMAX,
-        fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F,
-        m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
-        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPF: tl.constexpr,
-        KBITS: tl.constexpr, VBITS: tl.constexpr, KNG: tl.constexpr, KNGP: tl.constexpr, VNG: tl.constexpr,
-        VNGP: tl.constexpr, FP8: tl.constexpr, HAS_FP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-        INTERP: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
-    ):
-        ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
-        # scalar arguments arrive as float32: the scale comes in two parts so float64 gets it to ~2^-48
-        if PREC == 64:
-            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
-        else:
-            qk_scale = qk_scale_hi
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
-        S = NSPLIT + HAS_FP
-        q_row = q_ptr + b * sqb + h * G * sqh
-        part = pid * S + split
-        if split < NSPLIT:
-            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-            HD: tl.constexpr = D // 2
-            rk = tl.arange(0, GP)
-            hh = tl.arange(0, HD)
-            dd = tl.arange(0, D)
-            q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-            q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-            kg1 = tl.load(kmap_ptr + h * D + hh)  # each channel's group
-            kg2 = tl.load(kmap_ptr + h * D + HD + hh)
-            vg = tl.load(vmap_ptr + h * D + dd)
-            jr = tl.arange(0, BLOCK_T)  # R(j) for the offsets j of a tile, kept in registers
-            cj = tl.load(cos_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=1.0)
-            sj = tl.load(sin_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=0.0)
-            m_i = tl.full((GP,), float("-inf"), ACC)
-            l_i = tl.zeros((GP,), ACC)
-            acc = tl.zeros((D, GP), ACC)
-            krow0 = kc_ptr + b * skb + h * skh
-            vrow0 = vc_ptr + b * svb + h * svh
-            ks_base = ks_ptr + b * sksb
-            kz_base = kz_ptr + b * sksb
-            vs_base = vs_ptr + b * svsb
-            vz_base = vz_ptr + b * svsb
-            for t0 in range(start, end, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                tm = t < end
-                kptr = krow0 + t * skt
-                ks = _params(ks_base, t, tm, skst, KNG, KNGP, FP8)
-                kz = _params(kz_base, t, tm, skst, KNG, KNGP, FP8)
-                k1 = _dequantized(kptr, tm, 0, HD, D, KBITS, BLOCK_T, ks, kz, kg1).to(ACC)
-                k2 = _dequantized(kptr, tm, HD, HD, D, KBITS, BLOCK_T, ks, kz, kg2).to(ACC)
-                if ROPE == 1:  # angle addition
-                    ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, hh, D)
-                    ka = k1 * cj - k2 * sj  # R(j) k
-                    kb = k2 * cj + k1 * sj
-                else:  # the tables at each token's position (float32 and float64: as the reference rotates)
-                    ra = q1
-                    rb = q2
-                    pos = (pos_offset + t)[:, None] * D
-                    ca = tl.load(cos_ptr + pos + hh[None, :], mask=tm[:, None], other=1.0).to(ACC)
-                    sa = tl.load(sin_ptr + pos + hh[None, :], mask=tm[:, None], other=0.0).to(ACC)
-                    cb = tl.load(cos_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=1.0).to(ACC)
-                    sb = tl.load(sin_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=0.0).to(ACC)
-                    ka = k1 * ca - k2 * sa
-                    kb = k2 * cb + k1 * sb
-                s = dot(operand(ka, PREC), operand(ra, PREC), INTERP) + dot(operand(kb, PREC), operand(rb, PREC),
-                                                                            INTERP)
-                s = tl.where(tm[:, None], s * qk_scale, float("-inf"))
-                p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-                vs = _params(vs_base, t, tm, svst, VNG, VNGP, FP8)
-                vz = _params(vz_base, t, tm, svst, VNG, VNGP, FP8)
-                v = _dequantized(vrow0 + t * svt, tm, 0, D, D, VBITS, BLOCK_T, vs, vz, vg)
-                v = tl.where(tm[:, None], v, 0.0)
-                acc = acc * alpha[None, :] + dot(tl.trans(operand(v.to(ACC), PREC)), operand(p, PREC), INTERP)
-            store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, acc, dd, rk, m_i, l_i, rk)
-        if HAS_FP:
-            if split == NSPLIT:  # the full-precision part (sinks, window), post-RoPE
-                fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
-                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+    def _prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
+        """The query halves, each channel's group, R(j) for the offsets j of a tile (in registers), the rows'
+        bases."""
+        D: tl.constexpr = C[0]
+        G: tl.constexpr = C[1]
+        GP: tl.constexpr = C[2]
+        BLOCK_T: tl.constexpr = C[10]
+        PREC: tl.constexpr = C[12]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        kc_ptr, skb, skh, skt, ks_ptr, kz_ptr, sksb, skst, kmap_ptr, vc_ptr, svb, svh, svt, vs_ptr, vz_ptr, svsb, \
+            svst, vmap_ptr, cos_ptr, sin_ptr, pos_offset, TMAX = args
+        HD: tl.constexpr = D // 2
+        rk = tl.arange(0, GP)
+        hh = tl.arange(0, HD)
+        dd = tl.arange(0, D)
+        q1 = tl.load(q_row + rk[None, :] * sqh + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+        q2 = tl.load(q_row + rk[None, :] * sqh + HD + hh[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
+        kg1 = tl.load(kmap_ptr + h * D + hh)  # each channel's group
+        kg2 = tl.load(kmap_ptr + h * D + HD + hh)
+        vg = tl.load(vmap_ptr + h * D + dd)
+        jr = tl.arange(0, BLOCK_T)  # R(j) for the offsets j of a tile, kept in registers
+        cj = tl.load(cos_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=1.0)
+        sj = tl.load(sin_ptr + jr[:, None] * D + hh[None, :], mask=(jr < TMAX)[:, None], other=0.0)
+        st = (q1, q2, kg1, kg2, vg, cj, sj, kc_ptr + b * skb + h * skh, vc_ptr + b * svb + h * svh, ks_ptr + b * sksb,
+              kz_ptr + b * sksb, vs_ptr + b * svsb, vz_ptr + b * svsb)
+        return st, tl.zeros((D, GP), ACC)
+
+    @triton.jit
+    def _scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
+        """Keys dequantized in float32 with each channel's group parameters, rotated (angle addition, or the tables
+        at each token's position), then two dots."""
+        D: tl.constexpr = C[0]
+        KBITS: tl.constexpr = C[3]
+        KNG: tl.constexpr = C[5]
+        KNGP: tl.constexpr = C[6]
+        FP8: tl.constexpr = C[9]
+        BLOCK_T: tl.constexpr = C[10]
+        INTERP: tl.constexpr = C[11]
+        PREC: tl.constexpr = C[12]
+        ROPE: tl.constexpr = C[13]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        HD: tl.constexpr = D // 2
+        skt = args[3]
+        skst = args[7]
+        cos_ptr = args[18]
+        sin_ptr = args[19]
+        pos_offset = args[20]
+        q1, q2, kg1, kg2, vg, cj, sj, krow0, vrow0, ks_base, kz_base, vs_base, vz_base = st
+        hh = tl.arange(0, HD)
+        kptr = krow0 + t * skt
+        ks = _params(ks_base, t, tm, skst, KNG, KNGP, FP8)
+        kz = _params(kz_base, t, tm, skst, KNG, KNGP, FP8)
+        k1 = _dequantized(kptr, tm, 0, HD, D, KBITS, BLOCK_T, ks, kz, kg1).to(ACC)
+        k2 = _dequantized(kptr, tm, HD, HD, D, KBITS, BLOCK_T, ks, kz, kg2).to(ACC)
+        if ROPE == 1:  # angle addition
+            ra, rb = rotate_query(q1, q2, cos_ptr, sin_ptr, pos_offset + t0, hh, D)
+            ka = k1 * cj - k2 * sj  # R(j) k
+            kb = k2 * cj + k1 * sj
+        else:  # the tables at each token's position (float32 and float64: as the reference rotates)
+            ra = q1
+            rb = q2
+            pos = (pos_offset + t)[:, None] * D
+            ca = tl.load(cos_ptr + pos + hh[None, :], mask=tm[:, None], other=1.0).to(ACC)
+            sa = tl.load(sin_ptr + pos + hh[None, :], mask=tm[:, None], other=0.0).to(ACC)
+            cb = tl.load(cos_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=1.0).to(ACC)
+            sb = tl.load(sin_ptr + pos + HD + hh[None, :], mask=tm[:, None], other=0.0).to(ACC)
+            ka = k1 * ca - k2 * sa
+            kb = k2 * cb + k1 * sb
+        s = dot(operand(ka, PREC), operand(ra, PREC), INTERP) + dot(operand(kb, PREC), operand(rb, PREC), INTERP)
+        return s * qk_scale, 0, st
+
+    @triton.jit
+    def _values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
+        """Values dequantized the same way, accumulated by one dot."""
+        D: tl.constexpr = C[0]
+        VBITS: tl.constexpr = C[4]
+        VNG: tl.constexpr = C[7]
+        VNGP: tl.constexpr = C[8]
+        FP8: tl.constexpr = C[9]
+        BLOCK_T: tl.constexpr = C[10]
+        INTERP: tl.constexpr = C[11]
+        PREC: tl.constexpr = C[12]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        svt = args[12]
+        svst = args[16]
+        vg = st[4]
+        vrow0 = st[8]
+        vs = _params(st[11], t, tm, svst, VNG, VNGP, FP8)
+        vz = _params(st[12], t, tm, svst, VNG, VNGP, FP8)
+        v = _dequantized(vrow0 + t * svt, tm, 0, D, D, VBITS, BLOCK_T, vs, vz, vg)
+        v = tl.where(tm[:, None], v, 0.0)
+        return acc * alpha[None, :] + dot(tl.trans(operand(v.to(ACC), PREC)), operand(p, PREC), INTERP)
+
+    @triton.jit
+    def _finish(args, C: tl.constexpr, st, acc, m_i, l_i):
+        return acc, tl.arange(0, C[0]), tl.arange(0, C[2]), m_i, l_i
 
 
 def write_triton(storage, packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -286,29 +298,14 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     block_t, num_splits (default from programs_per_sm, 16, x SMs), num_warps, block_f, rope_mode ('angle': angle
     addition, the default for fp16/bf16; 'table': each token's table row, the default for float32 and float64, whose
     results then follow the reference's rotation to their own rounding)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     gp = pow2(group)
     bt = block_t or DEFAULTS[0]
     warps = num_warps or DEFAULTS[1]
     if q.dtype == torch.float64 and block_t is None:
         bt = 16  # the float64 dot is a broadcast product: keep its [M, K, N] block small
     kc, vc = packed["k_codes"], packed["v_codes"]
-    tcap = kc.shape[2]
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or 16) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
-    has_fp = fp is not None
-    splits = nsplit + int(has_fp)
-    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
-    fk, fv, fval, f_strides, sfvb = K.fp_args(fp.k if has_fp else None, fp.v if has_fp else None,
-                                              fp.valid if has_fp else None, has_fp, dev)
+    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, kc.shape[2], bt)
     params = {}
     for side in "kv":
         s, z = K.same_layout(packed[f"{side}_scale"], packed[f"{side}_zero"])
@@ -318,24 +315,14 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     fp8 = params["k"][0].dtype == torch.uint8
     cos, sin = packed.rope_cos.float().contiguous(), packed.rope_sin.float().contiguous()
     kng, vng = storage.num_groups("k"), storage.num_groups("v")
-    opts = {"num_warps": warps}
-    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
-        opts["enable_fp_fusion"] = False
     if rope_mode is None:
         rope_mode = "table" if q.dtype in (torch.float32, torch.float64) else "angle"
-    qk_hi, qk_lo = K.qk_scale_parts(scale)
     (ks, kz), (vs, vz) = params["k"], params["v"]
-    with launch_device(q):
-        _tile_kernel[(batch * hkv, splits)](
-            q, q.stride(0), q.stride(1), packed.lengths,
-            kc, *kc.stride()[:3], ks, kz, ks.stride(0), ks.stride(1), storage.group_maps["k"],
+    prec = PREC.get(q.dtype, 16)
+    args = (kc, *kc.stride()[:3], ks, kz, ks.stride(0), ks.stride(1), storage.group_maps["k"],
             vc, *vc.stride()[:3], vs, vz, vs.stride(0), vs.stride(1), storage.group_maps["v"],
-            cos, sin, packed.pos_offset, cos.shape[0],
-            fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0,
-            parts.m, parts.l, parts.acc, hkv, qk_hi, qk_lo, nsplit,
-            D=d, G=group, GP=gp, GPF=max(gp, 16), KBITS=storage.slot_bits("k"), VBITS=storage.slot_bits("v"),
-            KNG=kng, KNGP=pow2(kng), VNG=vng, VNGP=pow2(vng), FP8=int(fp8), HAS_FP=int(has_fp), BLOCK_T=bt,
-            BLOCK_F=block_f or 16, INTERP=K.INTERPRET, PREC=PREC.get(q.dtype, 16), ROPE=1 if rope_mode == "angle" else 2,
-            **opts,
-        )
-    return parts
+            cos, sin, packed.pos_offset, cos.shape[0])
+    consts = Consts(d, group, gp, storage.slot_bits("k"), storage.slot_bits("v"), kng, pow2(kng), vng, pow2(vng),
+                    int(fp8), bt, K.INTERPRET, prec, 1 if rope_mode == "angle" else 2)
+    return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
+                            consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=K.launch_options(q, warps))

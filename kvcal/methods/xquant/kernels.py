@@ -5,7 +5,8 @@ xquant/storage.py), with the same signature as `attend_triton` below.
 
 Two launches and one product, the split-K partials of runtime/decode.py:
 
-- `_scores_kernel`, grid (B * Hkv, NSPLIT): program (row, KV head, split) walks its share of the row's tokens in
+- the scores pass (the split-K skeleton runtime/kernels.split_k_kernel with `_prepare`, `_scores` and no value
+  step), grid (B * Hkv, NSPLIT): program (row, KV head, split) walks its share of the row's tokens in
   tiles of BLOCK_T; per tile it dequantizes the key latent chunk by chunk (C latent channels at a time: per-channel
   parameters for the svd variant, per-token groups for x; latent channel 0 from its fp16 copy with the outlier
   channel), multiplies each chunk by the head's columns of R_k (two tl.dot, one per RoPE half), adds b_k, rotates
@@ -24,11 +25,12 @@ that is a multiple of 32 for 3 bits, 16 for the others), bits 16 reads the raw l
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.runtime import kernels as K
-from kvcal.runtime.decode import Partials
 
 try:
     import triton
@@ -45,9 +47,10 @@ BITS = (2, 3, 4, 8, 16)
 DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4, "programs_per_sm": 4}
 # float64 dots are broadcast products ([M, K, N] in registers, runtime/kernels.dot): small blocks
 DEFAULTS_FP64 = {**DEFAULTS, "block_t": 16, "chunk": 16, "value_chunk": 16}
+Consts = namedtuple("Consts", "D G GP RW C BITS TDIV CDIV OUTLIER HAS_BIAS BLOCK_T INTERP PREC")  # the scores pass's C
 
 if triton is not None:
-    from kvcal.runtime.kernels import dot, operand, softmax_tile, split_bounds
+    from kvcal.runtime.kernels import dot, operand, split_bounds
 
     @triton.jit
     def _dequant(codes_base, s_base, z_base, t, tm, ch, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,
@@ -87,73 +90,87 @@ if triton is not None:
             z = tl.load(z_base + poff, mask=m2, other=0.0).to(tl.float32)
             return code.to(tl.float32) * s + z
 
+    # ---- the scores pass: tile functions of runtime/kernels.split_k_kernel (no value step: FINISH None, only m and
+    # l are stored). args: (key latent codes, their row and token strides, its scales, zeros, their row and token
+    # strides, the outlier channel's copy, its row stride, R_k, b_k, RoPE cos and sin tables, the first packed token's
+    # position, the scores buffer, its row and token strides, the KV heads); C: (D, G, GP, RW, C, BITS, TDIV, CDIV, OUTLIER,
+    # HAS_BIAS, BLOCK_T, INTERP, PREC)
+
     @triton.jit
-    def _scores_kernel(
-        q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skcb, skct, ks_ptr, kz_ptr, sksb, skst, ko_ptr, skob,
-        rk_ptr, bk_ptr, cos_ptr, sin_ptr, POS0,
-        s_ptr, ssr, sst, m_ptr, l_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT, S_TOTAL,
-        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, C: tl.constexpr,
-        BITS: tl.constexpr, TDIV: tl.constexpr, CDIV: tl.constexpr, OUTLIER: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-    ):
-        ACC: tl.constexpr = m_ptr.dtype.element_ty
-        if PREC == 64:
-            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
-        else:
-            qk_scale = qk_scale_hi
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
+    def _prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
+        """The query halves as dot operands."""
+        D: tl.constexpr = C[0]
+        G: tl.constexpr = C[1]
+        GP: tl.constexpr = C[2]
+        PREC: tl.constexpr = C[12]
         HD: tl.constexpr = D // 2
-        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
         rg = tl.arange(0, GP)
         hh = tl.arange(0, HD)
-        q_row = q_ptr + b * sqb + h * G * sqh
         qm = (rg < G)[None, :]
         q1 = operand(tl.load(q_row + rg[None, :] * sqh + hh[:, None], mask=qm, other=0.0), PREC)  # [HD, GP]
         q2 = operand(tl.load(q_row + rg[None, :] * sqh + HD + hh[:, None], mask=qm, other=0.0), PREC)
-        m_i = tl.full((GP,), float("-inf"), ACC)
-        l_i = tl.zeros((GP,), ACC)
-        kc_base = kc_ptr + b * skcb
-        ks_base = ks_ptr + b * sksb
-        kz_base = kz_ptr + b * sksb
+        return (q1, q2, b, h, pid), 0
+
+    @triton.jit
+    def _scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
+        """Per tile: the key latent dequantized chunk by chunk, times the head's columns of R_k (two dots, one per
+        RoPE half), plus b_k, rotated at the tokens' positions, scored against the group's heads; written to the
+        scores buffer for the value pass."""
+        D: tl.constexpr = C[0]
+        G: tl.constexpr = C[1]
+        GP: tl.constexpr = C[2]
+        RW: tl.constexpr = C[3]
+        CH: tl.constexpr = C[4]
+        BITS: tl.constexpr = C[5]
+        TDIV: tl.constexpr = C[6]
+        CDIV: tl.constexpr = C[7]
+        OUTLIER: tl.constexpr = C[8]
+        HAS_BIAS: tl.constexpr = C[9]
+        BLOCK_T: tl.constexpr = C[10]
+        INTERP: tl.constexpr = C[11]
+        PREC: tl.constexpr = C[12]
+        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
+        kc_ptr, skcb, skct, ks_ptr, kz_ptr, sksb, skst, ko_ptr, skob, rk_ptr, bk_ptr, cos_ptr, sin_ptr, POS0, s_ptr, \
+            ssr, sst, HKV = args
+        q1, q2, b, h, pid = st
+        HD: tl.constexpr = D // 2
+        rg = tl.arange(0, GP)
+        hh = tl.arange(0, HD)
         col = h * D + hh  # this head's columns of R_k (row stride HKV * D)
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < end
-            k1 = tl.zeros((BLOCK_T, HD), ACC)
-            k2 = tl.zeros((BLOCK_T, HD), ACC)
-            for c0 in range(0, RW, C):
-                ch = c0 + tl.arange(0, C)
-                z = _dequant(kc_base, ks_base, kz_base, t, tm, ch, skct, skst, BITS, RW, TDIV, CDIV)
-                if OUTLIER:  # latent channel 0 from its fp16 copy
-                    o = tl.load(ko_ptr + b * skob + t, mask=tm, other=0.0).to(tl.float32)
-                    z = tl.where((ch == 0)[None, :], o[:, None], z)
-                za = operand(z, PREC)
-                roff = ch[:, None] * (HKV * D) + col[None, :]
-                k1 += dot(za, operand(tl.load(rk_ptr + roff), PREC), INTERP).to(ACC)
-                k2 += dot(za, operand(tl.load(rk_ptr + roff + HD), PREC), INTERP).to(ACC)
-            if HAS_BIAS:
-                k1 += tl.load(bk_ptr + col).to(ACC)[None, :]
-                k2 += tl.load(bk_ptr + col + HD).to(ACC)[None, :]
-            # RoPE at the tokens' positions: (k1 c1 - k2 s1, k2 c2 + k1 s2)
-            pos = POS0 + t
-            toff = pos[:, None] * D + hh[None, :]
-            c1 = tl.load(cos_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
-            s1 = tl.load(sin_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
-            c2 = tl.load(cos_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
-            s2 = tl.load(sin_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
-            r1 = k1 * c1 - k2 * s1
-            r2 = k2 * c2 + k1 * s2
-            s = (dot(operand(r1, PREC), q1, INTERP).to(ACC) + dot(operand(r2, PREC), q2, INTERP).to(ACC)) * qk_scale
-            s = tl.where(tm[:, None], s, float("-inf"))
-            tl.store(s_ptr + pid * ssr + t[:, None] * sst + rg[None, :], s, mask=tm[:, None] & qm)
-            _, _, m_i, l_i = softmax_tile(s, m_i, l_i, rg < G)
-        part = pid * S_TOTAL + split
-        tl.store(m_ptr + part * G + rg, m_i, mask=rg < G)
-        tl.store(l_ptr + part * G + rg, l_i, mask=rg < G)
+        k1 = tl.zeros((BLOCK_T, HD), ACC)
+        k2 = tl.zeros((BLOCK_T, HD), ACC)
+        for c0 in range(0, RW, CH):
+            ch = c0 + tl.arange(0, CH)
+            z = _dequant(kc_ptr + b * skcb, ks_ptr + b * sksb, kz_ptr + b * sksb, t, tm, ch, skct, skst, BITS, RW, TDIV,
+                         CDIV)
+            if OUTLIER:  # latent channel 0 from its fp16 copy
+                o = tl.load(ko_ptr + b * skob + t, mask=tm, other=0.0).to(tl.float32)
+                z = tl.where((ch == 0)[None, :], o[:, None], z)
+            za = operand(z, PREC)
+            roff = ch[:, None] * (HKV * D) + col[None, :]
+            k1 += dot(za, operand(tl.load(rk_ptr + roff), PREC), INTERP).to(ACC)
+            k2 += dot(za, operand(tl.load(rk_ptr + roff + HD), PREC), INTERP).to(ACC)
+        if HAS_BIAS:
+            k1 += tl.load(bk_ptr + col).to(ACC)[None, :]
+            k2 += tl.load(bk_ptr + col + HD).to(ACC)[None, :]
+        # RoPE at the tokens' positions: (k1 c1 - k2 s1, k2 c2 + k1 s2)
+        pos = POS0 + t
+        toff = pos[:, None] * D + hh[None, :]
+        c1 = tl.load(cos_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
+        s1 = tl.load(sin_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
+        c2 = tl.load(cos_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
+        s2 = tl.load(sin_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
+        r1 = k1 * c1 - k2 * s1
+        r2 = k2 * c2 + k1 * s2
+        s = (dot(operand(r1, PREC), q1, INTERP).to(ACC) + dot(operand(r2, PREC), q2, INTERP).to(ACC)) * qk_scale
+        s = tl.where(tm[:, None], s, float("-inf"))
+        tl.store(s_ptr + pid * ssr + t[:, None] * sst + rg[None, :], s, mask=tm[:, None] & (rg < G)[None, :])
+        return s, 0, st
+
+    @triton.jit
+    def _no_values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
+        """The value pass is its own kernel (_values_kernel)."""
+        return acc
 
     @triton.jit
     def _values_kernel(
@@ -222,12 +239,7 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
     (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
     program)."""
-    batch, hq, d = q.shape
-    hkv = packed.heads
-    group = hq // hkv
-    dev = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     prec = PREC.get(q.dtype, 16)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     operand_dtype = {16: torch.float16, 32: torch.float32, 64: torch.float64}[prec]
@@ -239,14 +251,7 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     cv = _chunk(width, value_chunk or defaults["value_chunk"])
     gp = max(pow2(group), 16)
     tcap = packed.capacity
-    if num_splits:
-        nsplit = int(num_splits)
-    else:
-        target = (programs_per_sm or defaults["programs_per_sm"]) * K.sm_count(dev)
-        nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
-    nfp = K.fp_splits(fp)
-    splits = nsplit + nfp
-    parts = Partials.empty(batch * hkv, splits, group, d, q.dtype, dev)
+    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, tcap, bt, defaults["programs_per_sm"])
     dummy, _ = K.placeholders(dev)
     # key latent: per-channel blocks (svd) or per-token groups (x; the same buffers as the values)
     if bits == 16:
@@ -268,22 +273,19 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     b_k = storage.factor("b_k", acc_dtype)
     scores = torch.empty(batch * hkv, tcap, group, dtype=acc_dtype, device=dev)
     lat = torch.empty(batch * hkv, nsplit, group, width, dtype=acc_dtype, device=dev)
-    qk_hi, qk_lo = K.qk_scale_parts(scale)
-    opts = {"num_warps": num_warps or defaults["num_warps"]}
-    if q.dtype == torch.float64:  # no FMA contraction: the float32 dequantization rounds as the reference's
-        opts["enable_fp_fusion"] = False
+    opts = K.launch_options(q, num_warps or defaults["num_warps"])
+    args = (kc, kc.stride(0), kc.stride(2), ks, kz, *ks_strides, ko, ko.stride(0) if storage.outlier else 0, r_k,
+            b_k if b_k is not None else dummy, packed.rope_cos, packed.rope_sin, packed.pos_offset, scores,
+            scores.stride(0), scores.stride(1), hkv)
+    consts = Consts(d, group, gp, width, c, bits, tdiv, cdiv_k, int(storage.outlier), int(b_k is not None), bt,
+                    K.INTERPRET, prec)
+    # the full-precision part by the generic kernel into the last splits
+    parts = K.launch_split_k((_prepare, _scores, _no_values, None), q, packed.lengths, scale, fp, nsplit, hkv, args,
+                             consts, gpk=gp, block_t=bt, prec=prec, opts=opts, fp_in_kernel=False)
     with launch_device(q):
-        _scores_kernel[(batch * hkv, nsplit)](
-            q, q.stride(0), q.stride(1), packed.lengths,
-            kc, kc.stride(0), kc.stride(2), ks, kz, *ks_strides, ko, ko.stride(0) if storage.outlier else 0,
-            r_k, b_k if b_k is not None else dummy, packed.rope_cos, packed.rope_sin, packed.pos_offset,
-            scores, scores.stride(0), scores.stride(1), parts.m, parts.l, hkv, qk_hi, qk_lo, nsplit, splits,
-            D=d, G=group, GP=gp, RW=width, C=c, BITS=bits, TDIV=tdiv, CDIV=cdiv_k, OUTLIER=int(storage.outlier),
-            HAS_BIAS=int(b_k is not None), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec, **opts,
-        )
         _values_kernel[(batch * hkv, nsplit, width // cv)](
             packed.lengths, vc, vc.stride(0), vc.stride(2), vs, vz, *vs_strides,
-            scores, scores.stride(0), scores.stride(1), parts.m, lat, hkv, nsplit, splits,
+            scores, scores.stride(0), scores.stride(1), parts.m, lat, hkv, nsplit, parts.splits,
             G=group, GP=gp, RW=width, CV=cv, BITS=bits, CDIV=cdiv_v, BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec,
             **opts,
         )
@@ -295,6 +297,4 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
         out = out + parts.l[:, :nsplit, :, None] * b_v.view(1, hkv, 1, 1, d).expand(
             batch, hkv, 1, 1, d).reshape(batch * hkv, 1, 1, d)
     parts.acc[:, :nsplit] = out
-    if nfp:
-        K.fp_partials_into(q, fp, scale, parts, nsplit)
     return parts

@@ -59,6 +59,10 @@ def size_summary(name: str, storages, loaded, cache, tokens: int, predicted: flo
         return (f"{name}: nothing compressed yet: all {tokens} tokens are in the full-precision part ({mib(used)} in "
                 f"{dtype}; fp16 would take {mib(fp16)}); {name} {when}")
     n_c, n_fp = held["compressed_tokens"], held["fp_tokens"]
+    if not storages[0].holds_format:
+        return (f"{name}: an ablation held as its reconstruction (float64, not the format's bytes): {n_c} tokens "
+                f"compressed, {n_fp} in the full-precision part; the format takes {predicted:.2f} bits/element "
+                f"(accounting) vs fp16 {mib(fp16)}")
     c_bytes = held["compressed_bytes"]
     c_bits = 8 * c_bytes / kv_elements(dims, n_c)
     measured = 8 * used / kv_elements(dims, tokens)

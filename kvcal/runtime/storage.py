@@ -189,6 +189,7 @@ class Storage:
     # non-empty for a storage that compresses a span only as a whole (its statistics span the block it is given):
     # no token-by-token flush rule, so the tail protocol only; the string says why, as the one-line refusal
     bulk_only: str = ""
+    holds_format: bool = True  # the buffers hold the method's format (False: a reconstruction, not its bytes)
 
     # ---- the simulation's view ------------------------------------------------------------------------------------
     def reconstruct(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,6 +339,7 @@ class ReconstructionStorage(Storage):
     reconstruct (or rematerialize). Each run of a write is one span compressed together, as in the simulation."""
 
     refusal = "an ablation kept as its reconstruction (torch only)"
+    holds_format = False
 
     def __init__(self):
         self.proj = None

@@ -94,7 +94,7 @@ def sliding_window(config) -> int | None:
 
 def head_dim_unsupported(head_dim: int) -> str | None:
     """Why kvcal cannot serve heads of head_dim channels (the decode kernels' rule), None when it can."""
-    from kvcal.runtime.kernels import head_dim_unsupported as kernel_rule
+    from kvcal.quant.tiles import head_dim_unsupported as kernel_rule
 
     why = kernel_rule(head_dim)
     return None if why is None else f"kvcal's decode kernels do not support {why}"

@@ -34,7 +34,7 @@ TOKEN_GROUP_CONSTS = ("D", "G", "GPK", "GPV", "GV", "KALIGN", "VALIGN", "KBITS",
 
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, pack_tile, unpack_mma
-    from kvcal.runtime.kernels import dot, mma_operand, operand, regroup
+    from kvcal.quant.tiles import dot, mma_operand, operand, regroup
 
 if triton is not None:
 

@@ -1,6 +1,7 @@
 """Shared Triton building blocks of the decode kernels, with no method names in them.
 
-- dot operands and products (`dot`, `operand`, `mma_operand`), RoPE by angle addition (`rotate_query`), L2 prefetch;
+- RoPE by angle addition (`rotate_query`), L2 prefetch (dot operands and products, `dot` / `operand` /
+  `mma_operand`, are below in kvcal/quant/tiles.py, shared with the quantizers' kernels);
 - the split-K decode skeleton (`split_k_kernel`, launched by `launch_split_k`): program ids, split bounds, online
   softmax, the full-precision split and the partial stores around a method's own `@triton.jit` tile functions, and
   the host pieces around it (`decode_dims`, `split_count`, `launch_options`, `code_rows`);
@@ -24,6 +25,7 @@ import os
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
+from kvcal.quant.tiles import head_dim_unsupported
 from kvcal.runtime.partials import Partials
 
 try:
@@ -61,13 +63,6 @@ def unsupported(q: torch.Tensor) -> str | None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"query dtype {q.dtype} (fp16, bf16, fp32 and fp64 are supported)"
     return head_dim_unsupported(q.shape[-1])
-
-
-def head_dim_unsupported(d: int) -> str | None:
-    """Why the decode kernels cannot take heads of d channels (None: they can). load_model refuses such a model."""
-    if d < 32 or d & (d - 1):
-        return f"head_dim {d} (a power of two >= 32 is supported)"
-    return None
 
 
 @functools.cache
@@ -114,6 +109,7 @@ def qk_scale_parts(scale: float) -> tuple[float, float]:
 
 
 if triton is not None:
+    from kvcal.quant.tiles import dot
 
     @triton.jit
     def split_share_tl(length, NSPLIT, TILE: tl.constexpr):
@@ -250,49 +246,6 @@ if triton is not None:
             prefetch_l2(vrow0 + tp * svt, nrow * VROW)
 
     @triton.jit
-    def dot(a, b, INTERP: tl.constexpr):
-        # Triton's interpreter multiplies bf16 operands as raw integers (3.6 and 3.9): upcast there
-        # (exact: the tensor cores also multiply bf16/fp16 exactly and accumulate in fp32).
-        if a.dtype == tl.float64:
-            # float64 inputs (an exactness mode, not a fast path): products and sums on the FP64 units.
-            # Triton 3.6's float64 tl.dot fails to compile on these operand layouts ("fp64 don't support
-            # largeK MMA") and gave wrong sums in a 1-warp N=4 test on the H100, so no tensor cores here.
-            return tl.sum(a[:, :, None] * b[None, :, :], 1)
-        elif INTERP:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif a.dtype == tl.float32:  # float32 inputs: exact products, no TF32
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
-
-    @triton.jit
-    def operand(x, PREC: tl.constexpr):
-        """A rounded dot operand: fp16 for fp16/bf16 inputs (PREC 16; bf16 queries are converted: exact in
-        fp16's range), float32 / float64 for float32 / float64 inputs (PREC 32 / 64: nothing rounded beyond
-        the input's own precision)."""
-        if PREC == 64:
-            return x.to(tl.float64)
-        elif PREC == 32:
-            return x.to(tl.float32)
-        else:
-            return x.to(tl.float16)
-
-    @triton.jit
-    def mma_operand(x, PREC: tl.constexpr, INTERP: tl.constexpr):
-        """operand for a dot operand built in registers from packed codes. On the GPU an fp16 operand also goes
-        through an opaque identity (one mov per register pair): Triton 3.6 picks the operands' kWidth from
-        the narrowest type in their backward slice of pure elementwise/view ops and halves it when a tl.join
-        is in it, so unpacked codes got kWidth 4, whose A operand is read back from shared memory with 64-bit
-        loads and register moves instead of ldmatrix. A non-pure inline asm ends that slice (kWidth 2). SASS
-        for sm_90, int4 decode main loop: 815 -> 627 instructions per 32-token tile, the 161 IMAD.MOV gone."""
-        y = operand(x, PREC)
-        if INTERP or PREC != 16:  # the interpreter has no inline asm; fp32/fp64 operands are not affected
-            return y
-        else:
-            return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float16, is_pure=False,
-                                             pack=2)
-
-    @triton.jit
     def rotate_query(q1, q2, cos_ptr, sin_ptr, p0, ch, D: tl.constexpr):
         """R(-p0) q for the query halves q1, q2 [HD, heads] whose rows are channels ch: (q1 c + q2 s, q2 c - q1 s)."""
         c0 = tl.load(cos_ptr + p0 * D + ch)[:, None]
@@ -310,18 +263,6 @@ if triton is not None:
             "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
             "=r,l,r", [tl.full((1,), 0, tl.int64) + ptr.to(tl.int64), tl.full((1,), 0, tl.int32) + nbytes],
             dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def regroup(x, SRC: tl.constexpr, DST: tl.constexpr, N: tl.constexpr):
-        """Columns [N, SRC] -> [N, DST] keeping columns < min(SRC, DST) (columns >= G must be zero)."""
-        if SRC == DST:
-            return x
-        elif SRC > DST:
-            return tl.sum(tl.reshape(x, (N, SRC // DST, DST)), 1)
-        else:
-            r = tl.arange(0, DST // SRC)
-            y = tl.where((r == 0)[None, :, None], tl.broadcast_to(x[:, None, :], (N, DST // SRC, SRC)), 0.0)
-            return tl.reshape(y, (N, DST))
 
     @triton.jit
     def fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F0, F, b, h, part, m_ptr, l_ptr,

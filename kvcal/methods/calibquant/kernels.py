@@ -66,8 +66,9 @@ Consts = namedtuple("Consts", "D G GP SP BITS GROUP REMAP BLOCK_T PREC MMA ALIGN
 
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, pack_tile, unpack_mma, unpack_tile
+    from kvcal.quant.tiles import dot, mma_operand, operand
     from kvcal.quant.uniform_kernels import rint
-    from kvcal.runtime.kernels import dot, mma_operand, operand, split_bounds
+    from kvcal.runtime.kernels import split_bounds
 
     @triton.jit
     def _div(a, b, ACC: tl.constexpr):

@@ -92,7 +92,8 @@ ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's table
 
 
 if triton is not None:
-    from kvcal.runtime.kernels import dot, regroup, softmax_tile, split_bounds
+    from kvcal.quant.tiles import dot, regroup
+    from kvcal.runtime.kernels import softmax_tile, split_bounds
 
     @triton.jit
     def _value_dot(bits, pv, PREC: tl.constexpr, INTERP: tl.constexpr):
@@ -596,7 +597,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
         else:
             nsplit = max(1, min(triton.cdiv(target, batch * vchunks), triton.cdiv(tcap, 4 * vbt)))
         hqp = max(pow2(hq), 16)
-        sdot = 0 if q.dtype == torch.float64 else SCORE_DOTS[score_dot]  # no float64 tl.dot (runtime/kernels.dot)
+        sdot = 0 if q.dtype == torch.float64 else SCORE_DOTS[score_dot]  # no float64 tl.dot (quant/tiles.dot)
         scores = (torch.zeros if probe == "no_key_pass" else torch.empty)(batch, hq, tcap, dtype=acc_dtype, device=dev)
         m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
         l_s = torch.empty_like(m_s)

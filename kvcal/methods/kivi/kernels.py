@@ -38,13 +38,14 @@ Consts = namedtuple("Consts", (*TOKEN_GROUP_CONSTS, "KEY_BLOCK", "GENERIC_K"))  
 
 if triton is not None:
     from kvcal.quant.packing import mma_channels, mma_code_scale, unpack_mma, unpack_tile
+    from kvcal.quant.tiles import dot, mma_operand, operand
     from kvcal.quant.uniform_kernels import (
         token_group_state,
         token_group_tile_finish,
         token_group_tile_values,
         token_params,
     )
-    from kvcal.runtime.kernels import dot, mma_operand, operand, prefetch_tiles
+    from kvcal.runtime.kernels import prefetch_tiles
 
     @triton.jit
     def _block_params(ks_base, kz_base, t0, end, skst, KEY_BLOCK: tl.constexpr, D: tl.constexpr,

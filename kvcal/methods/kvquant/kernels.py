@@ -128,15 +128,8 @@ def value_outlier_sums_ref(scores, m_part, out_idx, out_val, lengths, num_splits
 
 if triton is not None:
     from kvcal.quant.packing import lane_entry, load_words, mma_channels, unpack_lut_words, unpack_tile
-    from kvcal.runtime.kernels import (
-        dot,
-        mma_operand,
-        operand,
-        prefetch_tiles,
-        regroup,
-        rotate_query,
-        split_share_tl,
-    )
+    from kvcal.quant.tiles import dot, mma_operand, operand, regroup
+    from kvcal.runtime.kernels import prefetch_tiles, rotate_query, split_share_tl
 
     @triton.jit
     def _key_outlier_kernel(q_ptr, sqb, sqh, len_ptr, oi_ptr, ov_ptr, sob, sot, soh, cos_ptr, sin_ptr, if_ptr,

@@ -40,8 +40,9 @@ FP8_MIN_SCALE = 2.0**-9  # smallest e4m3 subnormal: a smaller scale would round 
 
 if triton is not None:
     from kvcal.quant.packing import pack_tile, unpack_tile, unpack_trits_tile
+    from kvcal.quant.tiles import dot, operand
     from kvcal.quant.uniform_kernels import destinations, rint
-    from kvcal.runtime.kernels import dot, operand, rotate_query
+    from kvcal.runtime.kernels import rotate_query
 
     @triton.jit
     def _e4m3(bits):

@@ -45,12 +45,13 @@ BITS = (2, 3, 4, 8, 16)
 # dot pair per 64 latent channels and tile), and the value pass's latent partials, splits x G x d_kv floats per (row,
 # KV head), stay small (Llama-3.1-8B 32K x 1: 66 splits, 8.7 MB; 16 per SM would make them larger than the cache)
 DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4, "programs_per_sm": 4}
-# float64 dots are broadcast products ([M, K, N] in registers, runtime/kernels.dot): small blocks
+# float64 dots are broadcast products ([M, K, N] in registers, quant/tiles.dot): small blocks
 DEFAULTS_FP64 = {**DEFAULTS, "block_t": 16, "chunk": 16, "value_chunk": 16}
 Consts = namedtuple("Consts", "D G GP RW C BITS TDIV CDIV OUTLIER HAS_BIAS BLOCK_T INTERP PREC")  # the scores pass's C
 
 if triton is not None:
-    from kvcal.runtime.kernels import dot, operand, split_bounds
+    from kvcal.quant.tiles import dot, operand
+    from kvcal.runtime.kernels import split_bounds
 
     @triton.jit
     def _dequant(codes_base, s_base, z_base, t, tm, ch, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,

@@ -377,12 +377,13 @@ def report_command(
     plot: Path | None = typer.Option(None, "--plot", help="Write the Pareto chart (PNG; needs the [plot] extra: "
                                      "matplotlib) of the records given (an fp16 record among them), one front per "
                                      "full-precision allowance; without records, of the manifest's `plot` points."),
-    manifest: Path = typer.Option(Path("results/tables.yaml"), help="The manifest; its paths are relative to the "
-                                  "folder above its own (the checkout)."),
+    manifest: Path | None = typer.Option(None, help="The manifest of the pages (--docs, --check) and of the chart "
+                                         "(--plot without records); its paths are relative to the folder above its "
+                                         "own."),
 ):
     """Print JSON result records as one markdown table (PPL relative to an fp16 record when present), or regenerate
-    docs/results.md (--docs), check it (--check) or draw the Pareto chart (--plot) from results/tables.yaml; with `kvcal eval passkey` records, --plot draws their
-    length x depth grids."""
+    the pages a manifest lists (--docs), check them (--check) or draw its Pareto chart (--plot); with `kvcal eval
+    passkey` records, --plot draws their length x depth grids."""
     from kvcal.eval.report import (
         draw_pareto,
         markdown_table,
@@ -396,6 +397,8 @@ def report_command(
 
     if not (records or docs or check or plot):
         raise KvcalError("give JSON records, --docs, --check or --plot")
+    if (docs or check or (plot is not None and not records)) and manifest is None:
+        raise KvcalError("--docs, --check and --plot without records read a manifest: pass --manifest FILE")
     passkeys = [read_passkey_record(p) for p in records or []]
     if any(passkeys):
         if not all(passkeys):
@@ -408,7 +411,7 @@ def report_command(
         return
     if plot is not None:
         check_writable(plot, folder=False, flag="--plot")
-        if records:  # the records given; without any, the manifest's chart (a checkout's results/tables.yaml)
+        if records:  # the records given; without any, the manifest's chart
             draw_pareto(*record_points([read_record(p) for p in records]), plot)
         else:
             plot_pareto(manifest, plot)
@@ -416,7 +419,7 @@ def report_command(
     if docs or check:
         differ = write_docs(manifest, check=check)
         if check and differ:
-            make_console(stderr=True).print(f"{', '.join(differ)} differs from its records: run `kvcal report --docs`",
+            make_console(stderr=True).print(f"{', '.join(differ)} differs from its records: run `kvcal report --docs --manifest {manifest}`",
                                             markup=False, highlight=False)
             raise typer.Exit(1)
         if not check:

@@ -135,6 +135,7 @@ BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) ->
     "json_into_a_folder": (["eval", "ppl", "--method", "fp16", "--model", "tiny-llama", "--json", "TMP"],
                            "is a folder; expected a file path"),
     "report": (["report", "TMP/r.json"], "is not a kvcal eval record ('setting' missing"),
+    "report_without_manifest": (["report", "--docs"], "pass --manifest FILE"),
     "empty_prompt": (["generate", "--prompt", "", "--model", "tiny-llama", "--method", "fp16"], "--prompt is empty"),
     "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "reference"],
                                "--backend applies to --mode decode only"),

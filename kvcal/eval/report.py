@@ -142,10 +142,8 @@ def markdown_table(records: list[dict], commands: bool = False) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# docs/results.md from the committed records: results/tables.yaml lists the blocks of the page (prose, tables),
-# each table cell names the record (and the field inside it) its number comes from.
-
-MANIFEST = Path("results/tables.yaml")
+# pages from committed records: a manifest (YAML) lists the blocks of each page (prose, tables), each table cell
+# names the record (and the field inside it) its number comes from.
 _PLACEHOLDER = re.compile(r"\{\{([^{}]+)\}\}")
 
 
@@ -270,7 +268,7 @@ def _text(text: str, records: _Records, where: str) -> str:
     return _PLACEHOLDER.sub(one, text.rstrip("\n"))
 
 
-def load_manifest(path: Path = MANIFEST) -> dict:
+def load_manifest(path: Path) -> dict:
     import yaml
 
     path = Path(path)
@@ -310,7 +308,7 @@ def render_docs(manifest: dict, root: Path) -> dict[str, str]:
     return pages
 
 
-def write_docs(manifest_path: Path = MANIFEST, check: bool = False) -> list[str]:
+def write_docs(manifest_path: Path, check: bool = False) -> list[str]:
     """Write (or, with `check`, compare) every generated page; returns the pages that differed."""
     manifest_path = Path(manifest_path)
     root = manifest_path.resolve().parent.parent

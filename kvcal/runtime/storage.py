@@ -343,7 +343,6 @@ class ReconstructionStorage(Storage):
 
     def __init__(self):
         self.proj = None
-        self.state_rows: dict[int, dict] = {}  # source "x" outside a cache: one rematerialize state per row
 
     def bind(self, projection) -> None:
         self.proj = projection
@@ -355,16 +354,13 @@ class ReconstructionStorage(Storage):
     def kernel_refusal(self) -> str | None:
         return f"{type(self).__name__} is {self.refusal}"
 
-    def _row_state(self, packed: Packed, row: int) -> dict:
-        rows = packed.shared.state(RematerializeRows) if packed.shared is not None else self.state_rows
-        return rows.setdefault(row, {})
-
     def write_reference(self, packed, keys, values, rows, slots):
         for row, slot, a, b in runs(rows, slots):
-            if self.source == "x":
-                if self.proj is None:
-                    raise RuntimeError(f"{type(self).__name__}: bind() was not called before the first write")
-                k_hat, v_hat = self.rematerialize(keys[a:b, 0][None], self.proj, self._row_state(packed, row))
+            if self.source == "x":  # one rematerialize state per row, shared by the cache's layers
+                if self.proj is None or packed.shared is None:
+                    raise RuntimeError(f"{type(self).__name__} rebuilds K and V inside a KvcalCache (bind, then write)")
+                state = packed.shared.state(RematerializeRows).setdefault(row, {})
+                k_hat, v_hat = self.rematerialize(keys[a:b, 0][None], self.proj, state)
             else:
                 k_hat, v_hat = self.reconstruct(keys[a:b].transpose(0, 1)[None], values[a:b].transpose(0, 1)[None])
             packed["k"][row, :, slot:slot + b - a] = k_hat[0].to(torch.float64)

@@ -112,10 +112,6 @@ class CalibQuantMath:
         self.counts = torch.zeros(2, dtype=torch.int64)
         self.sim_rows = self.sim_clamps = 0
 
-    @property
-    def remaps(self) -> bool:
-        return self.taus is not None
-
     def reconstruct(self, k, v):
         b, h, t, d = k.shape
         group = self.group or t
@@ -241,7 +237,7 @@ class CalibQuantStorage(CalibQuantMath, Storage):
                       packed["v_min"][b, :, j // self.group if self.group else 0, None].to(compute),
                       slice(j, min(n, j + self.group) if self.group else n)) for j in spans]
             x = torch.cat([post_scaled_scores(qg, kc[:, t], ks, km, scale) for ks, km, _, _, t in stats], -1)
-            if self.remaps:
+            if self.remaps_scores:
                 tau1, tau2 = (t[:hq].to(q.device, compute).reshape(heads, group)[None, :, :, None] for t in self.taus)
                 scores, r, c = remap(x[None], torch.ones((), dtype=torch.bool, device=q.device), tau1, tau2)
                 x, rows, clamps = scores[0], rows + r, clamps + c
@@ -252,7 +248,7 @@ class CalibQuantStorage(CalibQuantMath, Storage):
             parts.m[at, 0] = m
             parts.l[at, 0] = p.sum(-1)
             parts.acc[at, 0] = sum(post_scaled_output(p[:, :, t], vc[:, t], vs, vm) for _, _, vs, vm, t in stats)
-        if self.remaps:
+        if self.remaps_scores:
             self.counts += torch.tensor([rows, clamps], dtype=torch.int64, device=self.counts.device)
         return with_fp_reference(parts, q, fp, scale)
 
@@ -260,8 +256,8 @@ class CalibQuantStorage(CalibQuantMath, Storage):
         return calibquant_kernels.unsupported(q, packed, self.bits, self.group)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
-        tau1, tau2 = self.taus if self.remaps else (None, None)
-        return calibquant_kernels.attend_triton(q, packed, scale, fp, self.bits, self.group, self.remaps, tau1, tau2,
+        tau1, tau2 = self.taus if self.remaps_scores else (None, None)
+        return calibquant_kernels.attend_triton(q, packed, scale, fp, self.bits, self.group, self.remaps_scores, tau1, tau2,
                                                 self.counts, **knobs)
 
     def fill_synthetic(self, packed, generator):

@@ -137,10 +137,14 @@ if triton is not None:
 
     @triton.jit
     def store_partial(m_ptr, l_ptr, acc_ptr, part, G: tl.constexpr, D: tl.constexpr, out, channels, rv, m_i, l_i,
-                      rk):
-        """Partial `part` of a (row, KV head): out [D, heads] (rows in `channels` order, columns rv), m and l [heads]
-        (columns rk); only the G real heads are stored."""
-        tl.store(acc_ptr + (part * G + rv)[None, :] * D + channels[:, None], out, mask=(rv < G)[None, :])
+                      rk, HEADS_FIRST: tl.constexpr):
+        """Partial `part` of a (row, KV head): out [D, heads] (rows in `channels` order, columns rv; HEADS_FIRST:
+        out [heads, D], rows rv, columns in `channels` order), m and l [heads] (columns rk); only the G real heads
+        are stored."""
+        if HEADS_FIRST:  # stored as it is: a transpose in the epilogue needs a shared-memory layout conversion
+            tl.store(acc_ptr + (part * G + rv)[:, None] * D + channels[None, :], out, mask=(rv < G)[:, None])
+        else:
+            tl.store(acc_ptr + (part * G + rv)[None, :] * D + channels[:, None], out, mask=(rv < G)[None, :])
         tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
         tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
 
@@ -148,7 +152,7 @@ if triton is not None:
     def split_k_kernel(q_ptr, sqb, sqh, len_ptr, args, fp, m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo,
                        NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
                        VALUES: tl.constexpr, FINISH: tl.constexpr, SOFTMAX: tl.constexpr, TAIL: tl.constexpr,
-                       D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr,
+                       HEADS_FIRST: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
         """The split-K decode skeleton: program (row b and KV head h, split) over all G query heads of the KV head.
         Splits < NSPLIT walk an equal BLOCK_T-aligned share of row b's packed tokens (split_bounds: no host sync, a
@@ -165,7 +169,7 @@ if triton is not None:
         - VALUES(args, C, st, tile, acc, p, alpha, t, tm) -> acc: acc rescaled by alpha [GPK] plus p [BLOCK_T, GPK]
           times the tile's values (p and alpha are 0 on padding heads);
         - FINISH(args, C, st, acc, m, l) -> (out, channels, cols, m, l): the weighted value sum [D, GPV] with its
-          rows' channels and its columns' heads, and the softmax state to store; FINISH None: the method writes the
+          rows' channels and its columns' heads (HEADS_FIRST: [GPV, D], rows the heads), and the softmax state; FINISH None: the method writes the
           sums elsewhere, only m and l are stored;
         - SOFTMAX(C, st, s, m, l, ok) -> (p, alpha, m, l), or None for the online softmax (softmax_tile): a method's
           own weights of a tile (CalibQuant's fixed reference).
@@ -206,7 +210,7 @@ if triton is not None:
                 tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
             else:
                 out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
-                store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk)
+                store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk, HEADS_FIRST)
         if HAS_FP:
             if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
                 fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F = fp
@@ -563,13 +567,13 @@ def code_rows(kc: torch.Tensor, vc: torch.Tensor, dev):
 def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, fp, nsplit: int, heads: int, args,
                    consts, *, gpk: int, block_t: int, opts: dict, prec: int, block_f: int | None = None,
                    fp_in_kernel: bool = True, merge_warps: int | None = None, softmax=None,
-                   whole_tiles: bool = False) -> Partials:
+                   whole_tiles: bool = False, heads_first: bool = False) -> Partials:
     """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
     FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
     readers see the names), over `nsplit` splits of each row's packed tokens (`lengths` [B]) and the full-precision
     part `fp` (runtime.decode.FullPrecision or None): as the kernel's last split (fp_in_kernel) or by the generic
     full-precision kernel into splits of their own (fp_partials_into). softmax: the method's SOFTMAX tile function
-    (None: the online softmax); whole_tiles: TAIL."""
+    (None: the online softmax); whole_tiles: TAIL; heads_first: FINISH returns the sums heads first (HEADS_FIRST)."""
     q, batch, heads, group, d, dev = decode_dims(q, heads)
     has_fp = fp is not None and fp_in_kernel
     splits = nsplit + (1 if has_fp else fp_splits(fp))
@@ -586,7 +590,7 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
             (fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0),
             parts.m, parts.l, parts.acc, heads, qk_hi, qk_lo, nsplit, splits,
             C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, SOFTMAX=softmax,
-            TAIL=int(whole_tiles), D=d, G=group, GPK=gpk,
+            TAIL=int(whole_tiles), HEADS_FIRST=int(heads_first), D=d, G=group, GPK=gpk,
             GPF=max(pow2(group), 16), HAS_FP=int(has_fp), BLOCK_T=block_t, BLOCK_F=block_f or 16,
             INTERP=INTERPRET, PREC=prec, **opts,
         )

@@ -434,7 +434,7 @@ if triton is not None:
             v_step = tl.load(st[4] + vch).to(ACC) * st[7]
             v_min = tl.load(st[5] + vch).to(ACC)
             acc = acc * v_step[None, :] + l_i[:, None] * v_min[None, :]
-        return tl.trans(acc), vch, tl.arange(0, C[2]), m_i, l_i
+        return acc, vch, tl.arange(0, C[2]), m_i, l_i  # heads first (launch_split_k heads_first)
 
 
 def write_triton(packed, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -532,7 +532,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, group: i
     consts = Consts(d, group_q, gp, pow2(nsplit), bits, group, int(remap), bt, prec, int(use_mma), align, K.INTERPRET)
     return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
                             consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=opts,
-                            fp_in_kernel=not separate, softmax=_remap_softmax if remap else None, whole_tiles=True)
+                            fp_in_kernel=not separate, softmax=_remap_softmax if remap else None, whole_tiles=True,
+                            heads_first=True)
 
 
 def _alignment(*codes: torch.Tensor) -> int:

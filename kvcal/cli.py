@@ -122,11 +122,14 @@ def calibrate_command(
     eval_nsamples: int = typer.Option(8, help="--eval: evaluation windows."),
     eval_json_dir: Path | None = typer.Option(None, help="--eval: also write both results as `kvcal eval ppl` JSON "
                                               "records in this folder (fp16.json and SETTING.json)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted calibration from the checkpoints "
+                                "it left beside its artifact (ARTIFACT.partial/; the same command and data)."),
 ):
-    """Calibrate a method on a model and write its artifact."""
+    """Calibrate a method on a model and write its artifact. A method that trains (CommVQ, KVQuant, SKVQ)
+    checkpoints beside the artifact as it goes; an interrupted run continues with --resume."""
     import time
 
-    from kvcal.calib.run import check_calibration, run_calibrations
+    from kvcal.calib.run import check_calibration, check_checkpoints, run_calibrations
     from kvcal.models import load_model
     from kvcal.models.devmap import check_device_map
     from kvcal.recipes import resolve
@@ -161,6 +164,8 @@ def calibrate_command(
         if not evaluate:
             raise KvcalError("--eval-json-dir needs --eval")
         check_writable(eval_json_dir, folder=True, flag="--eval-json-dir")
+    if out is not None and not resume and any(instance.learns for instance, _, _ in jobs):
+        check_checkpoints([out], resume)
     if capture_cache is not None:  # written only on a miss: a read-only cache of what is needed still serves
         check_writable(capture_cache, folder=True, permission=False, flag="--capture-cache")
     if any(instance.learns for instance, _, _ in jobs) or evaluate:  # a missing dataset fails before the model loads
@@ -192,7 +197,8 @@ def calibrate_command(
                       f"{learned}, {time.perf_counter() - started:.1f} s{peak})")
 
     artifacts = run_calibrations(loaded, targets, calib["dataset"], calib["nsamples"], calib["seqlen"], calib["seed"],
-                                 data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache, done)
+                                 data_dir, int(capture_budget_gb * (1 << 30)), batch_size, capture_cache, done,
+                                 resume=resume)
     if evaluate:
         from kvcal.eval.run import compare_with_fp16
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvcal.calib.checkpoint import Checkpoints
 from kvcal.eval.ppl import TailObjective
 from kvcal.models.adapter import AttentionInputs, StandardAttention
 
@@ -50,6 +51,8 @@ class CaptureStore:
         # what a method scoring settings by perplexity runs on the windows (run_calibrations sets it:
         # kvcal.eval.ppl.TailObjective, CalibQuant's tau search)
         self.objective = None
+        # where a method that trains keeps its checkpoints (run_calibrations sets the run's: kvcal/calib/checkpoint.py)
+        self.checkpoints = Checkpoints.off()
 
     def add(self, per_layer: list[dict[str, torch.Tensor]], positions: torch.Tensor) -> None:
         nbytes = sum(t.numel() * 4 for layer in per_layer for t in layer.values())

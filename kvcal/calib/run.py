@@ -12,10 +12,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from kvcal import __version__
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
+from kvcal.calib.checkpoint import Checkpoints, checkpoint_folder, run_key
 from kvcal.data import calibration_windows, load_text, tokenize
+from kvcal.errors import KvcalError
 from kvcal.eval.ppl import TailObjective
 from kvcal.progress import progress_bar, stderr_console
 
@@ -74,11 +77,27 @@ def announce_replacements(paths) -> None:
                                  "--out-dir to keep it)", markup=False, highlight=False, soft_wrap=True)
 
 
+def check_checkpoints(paths, resume: bool) -> None:
+    """Without --resume, a one-line error if an interrupted calibration left checkpoints for one of these artifacts
+    (before the capture; its progress is never dropped silently). With it, a note for each that has none."""
+    for path in paths:
+        folder = checkpoint_folder(path)
+        if folder.exists() and not resume:
+            raise KvcalError(f"{folder} holds checkpoints of an interrupted calibration: pass --resume to continue "
+                             "it, or remove the folder to start over")
+        if resume and not folder.exists():
+            stderr_console.print(f"note: nothing to resume for {path} (no {folder}): calibrating from the start",
+                                 markup=False, highlight=False, soft_wrap=True)
+
+
 def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str = "wikitext2", nsamples: int = 16,
                      seqlen: int = 2048, seed: int = 0, data_dir: str | None = None, budget_bytes: int = 4 << 30,
-                     batch_size: int = 1, capture_cache: Path | None = None, on_done=None) -> list[Artifact]:
+                     batch_size: int = 1, capture_cache: Path | None = None, on_done=None,
+                     resume: bool = False) -> list[Artifact]:
     """Calibrate several (method, out path) jobs on the same windows: one capture serves them all
-    (it holds the union of what they need), and each artifact is written as soon as it is ready."""
+    (it holds the union of what they need), and each artifact is written as soon as it is ready. A method that
+    trains checkpoints beside its artifact (kvcal/calib/checkpoint.py); `resume` continues from what an interrupted
+    run of the same calibration left there."""
     from kvcal.models.dims import check_context
 
     # model-dependent defaults resolved, so each artifact's config states the numbers it was calibrated with
@@ -88,6 +107,7 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     learners = [method for method, _ in jobs if method.learns]
     check_calibration(learners, nsamples, seqlen)
     announce_replacements(out for _, out in jobs)
+    check_checkpoints([out for method, out in jobs if method.learns], resume)
     store, calibration = None, None
     if learners:
         check_context(loaded, seqlen, "--seqlen")
@@ -111,12 +131,23 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     artifacts = []
     try:
         for method, out in jobs:
-            tensors, info = method.calibrate(loaded, store if method.learns else None)
+            if method.learns:
+                store.checkpoints = open_checkpoints(loaded, method, out, calibration, store.windows, resume)
+                try:
+                    tensors, info = method.calibrate(loaded, store)
+                except BaseException:
+                    keep_or_remove(store.checkpoints, out)
+                    raise
+            else:
+                tensors, info = method.calibrate(loaded, None)
             bits = bits_per_element(method, loaded.dims)
             # no wall time in the header (the same inputs give the same bytes): `kvcal calibrate` prints it
             header = make_header(method, loaded, calibration if method.learns else None, bits, info)
             artifact = Artifact(header, tensors)
             save_artifact(out, artifact)
+            if store is not None:
+                store.checkpoints.remove()
+                store.checkpoints = Checkpoints.off()
             artifacts.append(artifact)
             if on_done is not None:
                 on_done(method, out, artifact)
@@ -124,6 +155,25 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
         if store is not None:
             store.close()
     return artifacts
+
+
+def open_checkpoints(loaded, method, out, calibration: dict, windows, resume: bool) -> Checkpoints:
+    """The checkpoints of calibrating `method` into `out`: keyed by what the artifact depends on (the model, its dtype
+    and device type, the method's config, the calibration data and windows, the kvcal version)."""
+    parts = {"model": loaded.identity, "dtype": str(loaded.dtype), "device": loaded.device.type,
+             "method": method.name, "config": method.config(), "calibration": calibration, "kvcal": __version__}
+    return Checkpoints.open(checkpoint_folder(out), run_key(parts, windows), resume,
+                            {"artifact": str(out), "method": method.name})
+
+
+def keep_or_remove(checkpoints: Checkpoints, out) -> None:
+    """After a calibration stopped (Ctrl-C, an error): say where its checkpoints are and how to continue, or remove
+    the folder if nothing was saved in it yet."""
+    if checkpoints.saved + checkpoints.resumed == 0:
+        checkpoints.remove()
+        return
+    stderr_console.print(f"note: checkpoints of {out} kept in {checkpoints.folder}: the same command with --resume "
+                         "continues from them", markup=False, highlight=False, soft_wrap=True)
 
 
 def run_calibration(loaded, method, out: str | Path, *args, **kwargs) -> Artifact:

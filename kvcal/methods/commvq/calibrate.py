@@ -251,7 +251,45 @@ def learning_rate(fit: ValueFit, step: int) -> float:
     return fit.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, advance) -> float:
+def training_state(params, optimizer, gen, noise, tail) -> dict[str, torch.Tensor]:
+    """What train_value_coder needs to continue from a step as if never stopped: the parameters, AdamW's moments and
+    step counts, the generators' states and the tail loss so far."""
+    state = {f"param.{n}": t for n, t in params.items() if n != "channel_scale"}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                state[f"opt.{index}.{key}"] = value
+            index += 1
+    state["gen"] = gen.get_state()
+    if noise is not gen:
+        state["noise"] = noise.get_state()
+    state["tail"] = tail
+    return state
+
+
+def restore_training(saved: dict[str, torch.Tensor], params, optimizer, gen, noise, tail) -> None:
+    """training_state's tensors back into the live objects (AdamW places its step counts as it does for any
+    state_dict)."""
+    with torch.no_grad():
+        for n, t in params.items():
+            if n != "channel_scale":
+                t.copy_(saved[f"param.{n}"])
+        tail.copy_(saved["tail"])
+    sd = optimizer.state_dict()
+    for index in range(sum(len(g["params"]) for g in optimizer.param_groups)):
+        prefix = f"opt.{index}."
+        entry = {n[len(prefix):]: t for n, t in saved.items() if n.startswith(prefix)}
+        if entry:
+            sd["state"][index] = entry
+    optimizer.load_state_dict(sd)
+    gen.set_state(saved["gen"])
+    if noise is not gen:
+        noise.set_state(saved["noise"])
+
+
+def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, advance, checkpoints=None,
+                      name: str = "") -> float:
     """AdamW on the encoder and codebook of one layer [C]: lr fit.lr (1e-3), weight decay fit.weight_decay (0.1) on
     weights and codebook (none on biases and LayerNorm, as the HF Trainer groups them), betas (0.9, 0.95), grad-norm
     clip 1.0, the learning rate of `learning_rate` at each step.
@@ -259,7 +297,10 @@ def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, adva
 
     On a GPU: the Gumbel noise comes from a GPU generator seeded from `gen` (deterministic per seed; the batch
     picks stay on `gen`), AdamW is the fused kernel, and nothing syncs the host inside the loop (the tail loss
-    is summed on the device). On the CPU everything draws from `gen`, as before."""
+    is summed on the device). On the CPU everything draws from `gen`, as before.
+
+    checkpoints (kvcal/calib/checkpoint.Checkpoints): the training state is saved there as entry `name` whenever it
+    is due, and a saved state is continued from (the same parameters, bit for bit, as an uninterrupted run)."""
     trainable = [t for n, t in params.items() if n != "channel_scale"]
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
@@ -272,8 +313,14 @@ def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, adva
         noise = torch.Generator(device=v.device).manual_seed(derived_seed(gen.initial_seed(), "gumbel"))
     tail, tail_start = torch.zeros((), device=v.device), fit.steps - max(1, fit.steps // 10)
     per_step = max(1, fit.batch_tokens // fit.attn_tokens)
+    first = 0
+    saved = checkpoints.load(name) if checkpoints is not None else None
+    if saved is not None:
+        restore_training(saved[0], params, optimizer, gen, noise, tail)
+        first = int(saved[1]["step"])
+        advance(first)
     with torch.enable_grad():
-        for step in range(fit.steps):
+        for step in range(first, fit.steps):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(fit, step)
             if attention is not None:
@@ -297,6 +344,8 @@ def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, adva
             if step >= tail_start:
                 tail += loss.detach()
             advance()
+            if checkpoints is not None and step + 1 < fit.steps and checkpoints.due():
+                checkpoints.save(name, training_state(params, optimizer, gen, noise, tail), {"step": step + 1})
     for t in trainable:
         t.requires_grad_(False)
     return float(tail) / (fit.steps - tail_start)
@@ -345,8 +394,10 @@ def fit_keys(k: torch.Tensor, train_rows, held_rows, layer: int, dims, device, a
     }
 
 
-def fit_values(data, windows, held, module, loaded, layer, device, advance, fit: ValueFit, seed: int):
-    """The value encoder and codebook of one layer (a dict of tensors named as VALUE_PARAMS) and diagnostics."""
+def fit_values(data, windows, held, module, loaded, layer, device, advance, fit: ValueFit, seed: int,
+               checkpoints=None):
+    """The value encoder and codebook of one layer (a dict of tensors named as VALUE_PARAMS) and diagnostics; the
+    training state checkpointed as `values.<layer>.state` (train_value_coder)."""
     v = data["v"].to(device, torch.float32)
     train_windows = [w for j, w in enumerate(windows) if j not in held]
     train_rows = torch.cat([torch.arange(s, e) for s, e in train_windows]).to(device)
@@ -354,7 +405,8 @@ def fit_values(data, windows, held, module, loaded, layer, device, advance, fit:
     attention = None
     if fit.loss == "attention":
         attention = AttentionOutputLoss(data, train_windows, module, loaded, fit.attn_tokens, device)
-    losses = train_value_coder(params, v, train_rows, attention, fit, generator(seed, layer, "value-train"), advance)
+    losses = train_value_coder(params, v, train_rows, attention, fit, generator(seed, layer, "value-train"), advance,
+                               checkpoints, f"values.{layer}.state")
     held_rows = torch.cat([torch.arange(s, e) for j, (s, e) in enumerate(windows) if j in held]
                           or [train_rows.cpu()])[:HELD_OUT_VALUE_TOKENS].to(device)
     with torch.no_grad():
@@ -390,10 +442,26 @@ def held_out_attention(data, windows, held, module, loaded, params, device, bloc
     return {"attn_mse": round(sum(ours) / len(ours), 8), "attn_scalar_mse": round(sum(scalar) / len(scalar), 8)}
 
 
+def resumable(checkpoints, stage: str, index: int, fit, advance, units: int):
+    """Layer `index` of `stage` from the checkpoints if an interrupted run finished it (its `units` of progress
+    counted at once), else fitted and saved."""
+    fitted = []
+
+    def run():
+        fitted.append(True)
+        return fit()
+
+    out = checkpoints.layer(stage, index, run)
+    if not fitted:
+        advance(units)
+    return out
+
+
 def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: float, seed: int):
     """Every layer's key codebooks, then every layer's value coder, each fitted where its layer is, from the captured
     activations of `store` (windows starting at position 0, a `holdout` fraction of them held out for the
-    diagnostics). Returns the artifact's tensors and the per-layer diagnostics (windows, key_*, value_* lists)."""
+    diagnostics). Returns the artifact's tensors and the per-layer diagnostics (windows, key_*, value_* lists). Each
+    finished layer, and the value training in progress, is checkpointed in `store.checkpoints`."""
     from kvcal.models.adapter import attention_modules  # transformers: loaded when a model is calibrated
 
     dims = loaded.dims
@@ -404,30 +472,40 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
     if train_rows.numel() == 0:
         raise KvcalError("commvq: no calibration tokens left for training after the held-out windows")
     groups, stages = keys.groups, keys.stages
+    checkpoints = store.checkpoints
     modules = attention_modules(loaded.model) if values.loss == "attention" else None
     tensors, keys_info, values_info = {}, [], []
     with progress_bar(f"commvq: key codebooks (EM, {groups} groups x {stages} stages)",
                       dims.num_layers * groups * stages) as advance:
         for i in range(dims.num_layers):
-            k = store.layer(i)["k"]
-            device = loaded.layer_device(i)  # each layer's fit runs where that layer is
-            with device_scope(device):
-                theta, info = fit_keys(k, train_rows, held_rows, i, dims, device, advance, keys, seed)
-            tensors[f"layers.{i}.k.theta"] = theta.cpu()
+            def fit_layer(i=i):
+                device = loaded.layer_device(i)  # each layer's fit runs where that layer is
+                with device_scope(device):
+                    theta, info = fit_keys(store.layer(i)["k"], train_rows, held_rows, i, dims, device, advance, keys,
+                                           seed)
+                return {"theta": theta, "stage_mse": torch.tensor(info.pop("stage_mse_groups"),
+                                                                  dtype=torch.float32)}, info
+
+            fitted, info = resumable(checkpoints, "keys", i, fit_layer, advance, groups * stages)
+            tensors[f"layers.{i}.k.theta"] = fitted["theta"]
             tensors[f"layers.{i}.k.pair_channels"] = pair_channels(
                 dims.num_kv_heads, dims.head_dim, keys.group_pairs).to(torch.int32)
-            tensors[f"layers.{i}.k.stage_mse"] = torch.tensor(info.pop("stage_mse_groups"), dtype=torch.float32)
+            tensors[f"layers.{i}.k.stage_mse"] = fitted["stage_mse"]
             keys_info.append(info)
     with progress_bar(f"commvq: value encoders ({values.steps} steps per layer)",
                       dims.num_layers * values.steps) as advance:
         for i in range(dims.num_layers):
-            data = store.layer(i)
-            module = modules[i] if modules is not None else None
-            device = loaded.layer_device(i)
-            with device_scope(device):
-                params, info = fit_values(data, windows, held, module, loaded, i, device, advance, values, seed)
+            def fit_layer(i=i):
+                module = modules[i] if modules is not None else None
+                device = loaded.layer_device(i)
+                with device_scope(device):
+                    return fit_values(store.layer(i), windows, held, module, loaded, i, device, advance, values, seed,
+                                      checkpoints)
+
+            params, info = resumable(checkpoints, "values", i, fit_layer, advance, values.steps)
+            checkpoints.drop(f"values.{i}.state")  # the finished layer replaces its training state
             for name, t in params.items():
-                tensors[f"layers.{i}.v.{name}"] = t.detach().cpu()
+                tensors[f"layers.{i}.v.{name}"] = t
             values_info.append(info)
     return tensors, {
         "windows": {"train": len(windows) - len(held), "held_out": len(held)},

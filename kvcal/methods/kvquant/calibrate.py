@@ -40,19 +40,26 @@ def fit_tables(loaded, store, *, bits: int, outliers: float, sink: int, weightin
     tensors, info = {}, {"key_outlier_rate": [], "fisher_err_k": [], "fisher_err_v": []}
     with progress_bar("kvquant: fitting datatypes", dims.num_layers) as advance:
         for i in range(dims.num_layers):
-            device = loaded.layer_device(i)  # each layer's fit runs where that layer is
-            with device_scope(device):
-                fit_layer(i, store, device, keep_rows, positions, loaded, tensors, info, outliers=outliers,
-                          key_granularity=key_granularity, value_scope=value_scope, pre_rope=pre_rope,
-                          key_per_side=key_per_side, value_per_side=value_per_side, learn=learn)
+            def fit(i=i):
+                device = loaded.layer_device(i)  # each layer's fit runs where that layer is
+                with device_scope(device):
+                    return fit_layer(i, store, device, keep_rows, positions, loaded, outliers=outliers,
+                                     key_granularity=key_granularity, value_scope=value_scope, pre_rope=pre_rope,
+                                     key_per_side=key_per_side, value_per_side=value_per_side, learn=learn)
+
+            # each finished layer is checkpointed (kvcal/calib/checkpoint.py): a resumed run starts after it
+            layer_tensors, numbers = store.checkpoints.layer("tables", i, fit)
+            tensors.update({f"layers.{i}.{name}": t for name, t in layer_tensors.items()})
+            for name, value in numbers.items():
+                info[name].append(value)
             advance()
     return tensors, info
 
 
-def fit_layer(i, store, device, keep_rows, positions, loaded, tensors, info, *, outliers: float, key_granularity: str,
-              value_scope: str, pre_rope: bool, key_per_side: int, value_per_side: int, learn: dict) -> None:
-    """Layer i's tables (on `device`) into `tensors` (on the CPU) and its numbers into `info`; `learn`: the
-    keyword arguments of fit_dynamic that say how a table is learned."""
+def fit_layer(i, store, device, keep_rows, positions, loaded, *, outliers: float, key_granularity: str,
+              value_scope: str, pre_rope: bool, key_per_side: int, value_per_side: int, learn: dict):
+    """Layer i's tables (named without the layer prefix) and its numbers (key_outlier_rate, fisher_err_k,
+    fisher_err_v); `learn`: the keyword arguments of fit_dynamic that say how a table is learned."""
     dims = loaded.dims
     data = {name: t.to(device) for name, t in store.layer(i).items()}
     k = data["k"]
@@ -65,11 +72,8 @@ def fit_layer(i, store, device, keep_rows, positions, loaded, tensors, info, *, 
     if value_scope == "head":  # each (token, head) is a vector of its own
         v, fv = (None if x is None else x.reshape(-1, dims.head_dim) for x in (v, fv))
     value_tables, _, v_err = fit_dynamic(v, fv, value_per_side, **learn)
-    for name, t in {**key_tables, **{f"v.{n}": t for n, t in value_tables.items()}}.items():
-        tensors[f"layers.{i}.{name}"] = t.cpu()
-    info["key_outlier_rate"].append(round(k_rate, 5))
-    info["fisher_err_k"].append(k_err)
-    info["fisher_err_v"].append(v_err)
+    layer_tensors = {**key_tables, **{f"v.{n}": t for n, t in value_tables.items()}}
+    return layer_tensors, {"key_outlier_rate": round(k_rate, 5), "fisher_err_k": k_err, "fisher_err_v": v_err}
 
 
 def fit_keys(k, fisher, per_side: int, outliers: float, key_granularity: str, *, bits: int, weighting: str,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kvcal.errors import KvcalError
 from kvcal.methods.skvq.storage import ChannelQuantizer, GroupLayout
 from kvcal.models.devmap import device_scope
+from kvcal.progress import progress_bar
 from kvcal.quant.kmeans import weighted_kmeans
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 
@@ -127,32 +128,44 @@ def fit_layouts_and_clips(loaded, store, *, k_bits: float, v_bits: float, group_
         raise KvcalError(f"skvq sink={sink} covers every calibration token: use a longer --seqlen")
     modules = attention_modules(loaded.model)
     tensors, alphas, group_sizes, search = {}, {"k": [], "v": []}, {"k": [], "v": []}, None
-    for i in range(dims.num_layers):
+    def fit(i):
+        """Layer i's tensors (named without the layer prefix) and numbers."""
         rows = store.layer(i)
         quantizers = {}
         for kind, bits in (("k", k_bits), ("v", v_bits)):
             layout = channel_layout(rows[kind][stats_rows], dims.kv_channels, group_size, num_groups, reorder, seed)
             quantizers[kind] = ChannelQuantizer(layout, torch.ones(layout.num_groups), bits, param_dtype)
-        curves = {}
+        curves, numbers = {}, {"search": None}
         if clip in ("layer", "group"):  # on the layer's device (where its o_proj is)
             with device_scope(loaded.layer_device(i)):
                 objective = AttentionOutputError(rows, positions, modules[i], dims, loaded.adapter.inv_freq,
                                                  sink, clip_windows, clip_queries)
                 curves = search_clips(objective, quantizers["k"], quantizers["v"], clip, clip_min)
-            search = objective.tokens
+            numbers["search"] = objective.tokens
         elif clip == "global":
             for q in quantizers.values():
                 q.alpha = torch.full_like(q.alpha, clip_value)
+        layer_tensors = {}
         for kind, q in quantizers.items():
-            prefix = f"layers.{i}.{kind}."
-            tensors[prefix + "perm"] = q.layout.perm.to(torch.int32)
-            tensors[prefix + "group_offsets"] = q.layout.offsets.to(torch.int32)
-            tensors[prefix + "clip"] = q.alpha.clone()
+            layer_tensors[f"{kind}.perm"] = q.layout.perm.to(torch.int32)
+            layer_tensors[f"{kind}.group_offsets"] = q.layout.offsets.to(torch.int32)
+            layer_tensors[f"{kind}.clip"] = q.alpha.clone()
             if kind in curves:
-                tensors[prefix + "clip_loss"] = torch.tensor(curves[kind], dtype=torch.float32)
-            alphas[kind].append([round(a, 2) for a in q.alpha.tolist()])
-            group_sizes[kind].append(q.layout.sizes)
-        del rows
+                layer_tensors[f"{kind}.clip_loss"] = torch.tensor(curves[kind], dtype=torch.float32)
+            numbers[f"alpha_{kind}"] = [round(a, 2) for a in q.alpha.tolist()]
+            numbers[f"sizes_{kind}"] = q.layout.sizes
+        return layer_tensors, numbers
+
+    with progress_bar("skvq: channel layouts and clips", dims.num_layers) as advance:
+        for i in range(dims.num_layers):
+            # each finished layer is checkpointed (kvcal/calib/checkpoint.py): a resumed run starts after it
+            layer_tensors, numbers = store.checkpoints.layer("layouts", i, lambda i=i: fit(i))
+            tensors.update({f"layers.{i}.{name}": t for name, t in layer_tensors.items()})
+            for kind in ("k", "v"):
+                alphas[kind].append(numbers[f"alpha_{kind}"])
+                group_sizes[kind].append(numbers[f"sizes_{kind}"])
+            search = numbers["search"] if numbers["search"] is not None else search
+            advance()
     info = {
         "warning": warning,
         "kmeans": {"features": "per-channel (min, max), sink positions excluded", "n_init": KMEANS_N_INIT,

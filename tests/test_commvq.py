@@ -17,16 +17,26 @@ from kvcal.accounting import bits_per_element
 from kvcal.calib.capture import capture
 from kvcal.errors import KvcalError
 from kvcal.methods import build_method
-from kvcal.methods.commvq.calibrate import init_value_params
+from kvcal.methods.commvq.calibrate import (
+    clip_per_layer,
+    fit_values,
+    held_out_windows,
+    init_value_params,
+    stacked_logits,
+    window_bounds,
+)
 from kvcal.methods.commvq.method import CommVQ
 from kvcal.methods.commvq.storage import (
     category_bits,
     fused_key_scores,
     fused_value_attention,
     index_bits,
+    normalize_values,
     pair_channels,
+    value_logits,
 )
 from kvcal.methods.registry import runtime_overrides
+from kvcal.models.adapter import attention_modules
 from kvcal.quant import vq
 from kvcal.quant.rope import apply_rope
 from tests.test_cli import kvcal
@@ -740,7 +750,7 @@ def test_calibrate_and_eval_smollm2(smollm2, wikitext_dir, tmp_path):
 def test_calibration_says_the_expected_time_of_its_stages(tiny, tiny_store, monkeypatch, capsys):
     """Both long stages (key EM, value encoders) print their expected time after a timed probe of their first units
     (here every stage counts as long, and the clock moves 1 s per reading): key EM advances one stage of all the
-    layer's groups at a time, value training one step."""
+    layer's groups at a time, value training one step of every layer (the layers train together)."""
     from kvcal import progress
 
     now = [0.0]
@@ -756,8 +766,66 @@ def test_calibration_says_the_expected_time_of_its_stages(tiny, tiny_store, monk
     groups = method.num_groups(tiny.dims)
     method.calibrate(tiny, tiny_store)
     err = capsys.readouterr().err.splitlines()
-    # 2 layers x G groups x 2 stages; the first G took 1 s: 4 s in all. 2 layers x 12 steps, 1 s the first: 24 s
+    # 2 layers x G groups x 2 stages; the first G took 1 s: 4 s in all. 2 layers x 12 steps, the first step of both
+    # layers (2 units) 1 s: 12 s
     total = 2 * groups * 2
     assert (f"commvq: key codebooks (EM, {groups} groups x 2 stages): expect about 4 s in all (the first "
             f"{groups}/{total} took 1.0 s)") in err
-    assert "commvq: value encoders (12 steps per layer): expect about 24 s in all (the first 1/24 took 1.0 s)" in err
+    assert "commvq: value encoders (12 steps per layer): expect about 12 s in all (the first 2/24 took 1.0 s)" in err
+
+
+def test_stacked_training_logits_are_the_encoders(tiny):
+    """The value encoder as training runs it for several layers at once equals the storage's encoder of each layer."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [init_value_params(torch.randn(40, 32, generator=gen, dtype=torch.float64).float(), 8, 24, gen, "cpu")
+              for _ in range(3)]
+    for p in layers:  # LayerNorm's affine away from its initial 1 and 0
+        with torch.no_grad():
+            p["ln_weight"].uniform_(0.5, 1.5, generator=gen)
+            p["ln_bias"].uniform_(-0.2, 0.2, generator=gen)
+    stacked = {n: torch.stack([p[n].detach() for p in layers]) for n in layers[0]}
+    x = torch.randn(3, 10, 32, generator=gen)
+    unit, _ = normalize_values(x, stacked["channel_scale"][:, None])
+    got = stacked_logits(stacked, unit, 8)
+    for j, p in enumerate(layers):
+        torch.testing.assert_close(got[j], value_logits(p, unit[j], 8), rtol=1e-5, atol=1e-6)
+
+
+def test_clip_per_layer_is_torchs_clip_of_each_layer():
+    gen = torch.Generator().manual_seed(5)
+    a = torch.zeros(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(3, 7, dtype=torch.float64, requires_grad=True)
+    a.grad = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64) * torch.tensor([0.01, 1.0, 10.0])[:, None, None]
+    b.grad = torch.randn(3, 7, generator=gen, dtype=torch.float64) * torch.tensor([0.01, 1.0, 10.0])[:, None]
+    before = a.grad[0].clone()
+    expected = []
+    for j in range(3):
+        pa, pb = a.grad[j].clone().requires_grad_(), b.grad[j].clone().requires_grad_()
+        pa.grad, pb.grad = a.grad[j].clone(), b.grad[j].clone()
+        torch.nn.utils.clip_grad_norm_([pa, pb], 1.0)
+        expected.append((pa.grad, pb.grad))
+    clip_per_layer([a, b], 1.0)
+    for j, (ga, gb) in enumerate(expected):
+        torch.testing.assert_close(a.grad[j], ga, rtol=1e-12, atol=0)
+        torch.testing.assert_close(b.grad[j], gb, rtol=1e-12, atol=0)
+    assert torch.equal(a.grad[0], before)  # a layer under the norm is left alone, one over it is scaled to it
+    assert float(torch.stack([a.grad[2].norm(), b.grad[2].norm()]).norm()) == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["attention", "mse"])
+def test_a_layer_trains_the_same_whichever_layers_train_beside_it(tiny, tiny_store, loss):
+    """Value coders trained together (one stacked optimisation) or one layer at a time give each layer the same
+    parameters, up to float rounding: the random draws are shared, each layer's gradient is its own loss's."""
+    method = CommVQ(bits=1, value_loss=loss, **TINY_SETTINGS)
+    fit = method.value_fit(tiny.dims)
+    windows = window_bounds(tiny_store.token_positions)
+    held = held_out_windows(len(windows), method.holdout, method.seed)
+    modules = attention_modules(tiny.model)
+    args = (windows, held, modules, tiny, torch.device("cpu"), lambda n=1: None, fit, method.seed)
+    together = fit_values(tiny_store, [0, 1], *args)
+    alone = [fit_values(tiny_store, [i], *args)[0] for i in (0, 1)]
+    for (p_t, info_t), (p_a, info_a) in zip(together, alone):
+        for name in p_t:
+            torch.testing.assert_close(p_t[name], p_a[name], rtol=1e-4, atol=1e-5)
+        assert info_t["train_loss"] == pytest.approx(info_a["train_loss"], rel=1e-4)
+    assert not torch.equal(together[0][0]["fc1_weight"], together[1][0]["fc1_weight"])

@@ -100,16 +100,16 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(name, loaded, text_file, u
 
 
 def test_commvq_resumes_twice_mid_training(loaded, text_file, uninterrupted, tmp_path, monkeypatch):
-    """Interrupted in the value training of the first layer, resumed and interrupted again in the second's."""
+    """Interrupted in the value training (both layers train together), resumed, and interrupted again there."""
     monkeypatch.setenv("KVCAL_CHECKPOINT_SECONDS", "0")
     out = tmp_path / "commvq.safetensors"
-    for after in (4, 9):
+    for after in (4, 3):  # 2 key layers, then a state after each value step: steps 2 and 5
         with monkeypatch.context() as m:
             Interrupt(m, after)
             with pytest.raises(KeyboardInterrupt):
-                _calibrate(loaded, "commvq", out, text_file, resume=after != 4)
+                _calibrate(loaded, "commvq", out, text_file, resume=after == 3)
         states = sorted(p.name for p in ckpt.checkpoint_folder(out).glob("values.*.state.safetensors"))
-        assert len(states) == 1  # one layer's training in progress
+        assert states == ["values.0-1.state.safetensors"]  # the training in progress
     _calibrate(loaded, "commvq", out, text_file, resume=True)
     assert out.read_bytes() == uninterrupted["commvq"]
 

@@ -143,8 +143,11 @@ class Checkpoints:
         saved = self.load(f"{stage}.{index}")
         if saved is not None:
             return saved
-        tensors, meta = fit()
-        self.save(f"{stage}.{index}", tensors, meta)
+        return self.keep(f"{stage}.{index}", *fit())
+
+    def keep(self, name: str, tensors: dict[str, torch.Tensor], meta=None):
+        """Save entry `name` and return it as `load` would read it back: tensors on the CPU, meta through JSON."""
+        self.save(name, tensors, meta)
         return {n: t.detach().cpu() for n, t in tensors.items()}, json.loads(json.dumps(meta))
 
     def remove(self) -> None:

@@ -3,12 +3,16 @@
 - Keys: the residual codebooks of each group, fitted by soft EM on unit keys (weighted by kappa^2) with the official
   temperature schedule scaled to the model (§3.5, §8 items 8-9), all groups of a layer in one batched EM
   (quant/vq.fit_residual_groups).
-- Values: the encoder and codebook of the learned additive code [C] (§3.2), trained per layer with straight-through
-  Gumbel codes (tau 1), AdamW as the official code, and the official loss 1/2 MSE(v_hat, v) + MSE of the attention
-  output after o_proj (§8 item 4).
+- Values: the encoder and codebook of the learned additive code [C] (§3.2), trained with straight-through Gumbel codes
+  (tau 1), AdamW as the official code, and the official loss 1/2 MSE(v_hat, v) + MSE of the attention output after
+  o_proj (§8 item 4). The layers' coders train together, their parameters stacked [L, ...] (as many layers per chunk
+  as memory holds): a small model's step is bound by kernel launches, and one launch serves every layer. Each
+  layer's loss, gradient clip and AdamW update are its own; the random draws are shared, so a layer trains the same
+  whichever layers train beside it (up to float rounding).
 
 The functions take the settings as plain values (KeyFit, ValueFit: what CommVQ reads from its config and the model's
-shapes) and tensors; every random draw comes from a generator seeded by (seed, layer, ...), never the global RNG.
+shapes) and tensors; every random draw comes from a generator seeded by (seed, layer, ...) or, for what the layers share, (seed, stage),
+never the global RNG.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ import torch.nn.functional as F
 
 from kvcal.errors import KvcalError
 from kvcal.methods.commvq.storage import (
+    LN_EPS,
     VALUE_EPS,
     decode_values,
     encode_values,
     normalize_values,
     pair_channels,
-    value_logits,
 )
 from kvcal.models.devmap import device_scope
 from kvcal.progress import progress_bar
@@ -36,8 +40,9 @@ from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.quant.uniform import fake_quant_groups
 
 HELD_OUT_VALUE_TOKENS = 32768  # tokens of the held-out windows used for value diagnostics (a cap)
-ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept per layer (CPU)
-ATTENTION_CACHE_BYTES_GPU = 8 << 30  # on a GPU: all blocks of 64 x 1024 tokens at Llama-3.1-8B shapes (~4 GB)
+ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept, for all layers trained together
+ATTENTION_CACHE_BYTES_GPU = 8 << 30  # on a GPU (the rest is recomputed per step, batched over the layers)
+VALUE_CHUNK_BYTES_CPU = 4 << 30  # on the CPU: memory of the layers whose value coders train together
 
 
 def derived_seed(*parts) -> int:
@@ -150,9 +155,11 @@ def init_value_params(v: torch.Tensor, groups: int, hidden: int, gen: torch.Gene
 
 
 def gumbel_hard(logits: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
-    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient. The noise is
+    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient. logits [L, ...] of L
+    layers trained together: one draw of noise [...] serves every layer (each layer's training is its own
+    optimisation; sharing the draw keeps a layer's result independent of which layers train beside it). The noise is
     drawn on the generator's device (a GPU generator on a GPU: no host-side draw and copy per step)."""
-    u = torch.rand(logits.shape, generator=gen, device=gen.device).to(logits.device).clamp_(1e-10, 1 - 1e-7)
+    u = torch.rand(logits.shape[1:], generator=gen, device=gen.device).to(logits.device).clamp_(1e-10, 1 - 1e-7)
     soft = torch.softmax((logits - torch.log(-torch.log(u))) / tau, dim=-1)
     # one_hot(argmax) written as a scatter: F.one_hot validates its indices, a host sync on a GPU
     hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0)
@@ -166,40 +173,45 @@ def training_bits(onehot: torch.Tensor) -> torch.Tensor:
     return torch.stack((y[0] + y[2], y[1] + y[2]), dim=-1).flatten(-2)
 
 
+def stacked_logits(params, unit: torch.Tensor, groups: int) -> torch.Tensor:
+    """storage.value_logits for L layers at once: parameters [L, ...], unit [L, M, C] -> [L, M, n_e, 4]."""
+    h = F.layer_norm(unit, (unit.shape[-1],), eps=LN_EPS) * params["ln_weight"][:, None] + params["ln_bias"][:, None]
+    h = F.gelu(torch.baddbmm(params["fc1_bias"][:, None], h, params["fc1_weight"].transpose(1, 2)))
+    return torch.baddbmm(params["fc2_bias"][:, None], h, params["fc2_weight"].transpose(1, 2)).unflatten(-1, (groups, 4))
+
+
 def reconstruct_training(params, x: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
-    """Training-time decode of value rows x [M, C] through straight-through Gumbel codes [C]."""
-    unit, rho0 = normalize_values(x, params["channel_scale"])
-    logits = value_logits(params, unit, params["codebook"].shape[0] // 2)
+    """Training-time decode of value rows x [L, M, C] of L layers through straight-through Gumbel codes [C]."""
+    scale = params["channel_scale"][:, None]
+    unit, rho0 = normalize_values(x, scale)
+    logits = stacked_logits(params, unit, params["codebook"].shape[1] // 2)
     u = training_bits(gumbel_hard(logits, tau, gen)) @ params["codebook"]
-    return params["channel_scale"] * ((rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS))[:, None] * u
+    return scale * ((rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS))[..., None] * u
 
 
 class AttentionOutputLoss:
-    """The official value loss's second term on one layer [C]: MSE of o_proj(attention) with quantized values
-    against the full-precision one, queries and keys unquantized. Blocks of `block` query tokens of a window;
-    the block's queries attend causally to all keys of the window up to the block's end, with the values of
-    the block quantized and those before it exact (the official code quantizes every value of a sequence;
-    blocks keep the cost bounded on a CPU, digest §9). The difference of outputs is linear in v_hat - v:
-    o_proj(P_block (v_hat - v)_block), bias cancelled."""
+    """The official value loss's second term [C], for L layers at once: MSE of o_proj(attention) with quantized
+    values against the full-precision one, queries and keys unquantized. Blocks of `block` query tokens of a window;
+    the block's queries attend causally to all keys of the window up to the block's end, with the values of the
+    block quantized and those before it exact (the official code quantizes every value of a sequence; blocks keep
+    the cost bounded, digest §9). The difference of outputs is linear in v_hat - v: o_proj(P_block (v_hat -
+    v)_block), bias cancelled. q [L, N, Hq D] and k [L, N, C] as captured, o_proj weights [L, H, Hq D]."""
 
-    def __init__(self, data, windows, module, loaded, block: int, device, cache_bytes: int | None = None):
+    def __init__(self, q, k, weight, windows, loaded, scale: float, block: int, device,
+                 cache_bytes: int | None = None):
         dims = loaded.dims
         on_gpu = torch.device(device).type == "cuda"
-        # on a GPU the layer's queries and keys move once (in their captured dtype), not one block per step
-        self.q, self.k = (data["q"].to(device), data["k"].to(device)) if on_gpu else (data["q"], data["k"])
+        # on a GPU the layers' queries and keys move once (in their captured dtype), not one block per step
+        self.q, self.k = (q.to(device), k.to(device)) if on_gpu else (q, k)
         if cache_bytes is None:
             cache_bytes = ATTENTION_CACHE_BYTES_GPU if on_gpu else ATTENTION_CACHE_BYTES
-        self.dims, self.device = dims, device
+        self.dims, self.device, self.scale = dims, device, scale
         self.inv_freq = loaded.adapter.inv_freq_on(torch.device(device))
-        self.scale = float(module.scaling)
-        self.weight = module.o_proj.weight.detach().to(device, torch.float32)
+        self.weight = weight.to(device, torch.float32)
         self.blocks = [(s, b, min(b + block, e - s)) for s, e in windows for b in range(0, e - s, block)]
         # the weights of a block never change: kept once computed, up to a memory budget
         self.cache: dict[int, torch.Tensor] = {}
         self.cache_budget, self.cached_bytes = cache_bytes, 0
-
-    def rows(self, index: int) -> torch.Tensor:
-        return torch.arange(*self.span(index))
 
     def span(self, index: int) -> tuple[int, int]:
         """[first, end) rows of the block (consecutive)."""
@@ -207,7 +219,7 @@ class AttentionOutputLoss:
         return start + b0, start + b1
 
     def probabilities(self, index: int) -> torch.Tensor:
-        """Attention weights [Hkv, rep * L, L] of the block's queries over the block's keys (full softmax)."""
+        """Attention weights [L, Hkv, rep * Lb, Lb] of the block's queries over the block's keys (full softmax)."""
         if index in self.cache:
             return self.cache[index]
         probs = self._probabilities(index)
@@ -220,25 +232,28 @@ class AttentionOutputLoss:
     def _probabilities(self, index: int) -> torch.Tensor:
         dims = self.dims
         start, b0, b1 = self.blocks[index]
-        d, hkv = dims.head_dim, dims.num_kv_heads
-        q = self.q[start + b0 : start + b1].to(self.device, torch.float32).view(1, b1 - b0, dims.num_heads, d)
-        k = self.k[start : start + b1].to(self.device, torch.float32).view(1, b1, hkv, d)
+        d, hkv, layers = dims.head_dim, dims.num_kv_heads, self.q.shape[0]
+        q = self.q[:, start + b0 : start + b1].to(self.device, torch.float32).view(layers, b1 - b0, dims.num_heads, d)
+        k = self.k[:, start : start + b1].to(self.device, torch.float32).view(layers, b1, hkv, d)
         cos, sin = rope_cos_sin(self.inv_freq, torch.arange(b1, device=self.device)[None], torch.float32)
-        q = apply_rope(q.transpose(1, 2), cos[:, b0:], sin[:, b0:])[0]  # [Hq, L, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)[0]  # [Hkv, b1, D]
-        q = q.reshape(hkv, -1, d)  # [Hkv, rep * L, D]: query head j reads KV head j // rep
-        scores = q @ k.transpose(1, 2) * self.scale
+        q = apply_rope(q.transpose(1, 2), cos[:, b0:], sin[:, b0:])  # [L, Hq, Lb, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [L, Hkv, b1, D]
+        q = q.reshape(layers, hkv, -1, d)  # [L, Hkv, rep * Lb, D]: query head j reads KV head j // rep
+        scores = q @ k.transpose(-1, -2) * self.scale
         query_pos = torch.arange(b0, b1, device=self.device).repeat(dims.num_heads // hkv)
         blocked = torch.arange(b1, device=self.device)[None, :] > query_pos[:, None]
         return torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)[..., b0:]
 
-    def loss(self, probs: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
-        """diff [L, C] = v_hat - v of the block -> mean squared o_proj output difference."""
+    def loss(self, probs: torch.Tensor, diff: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """diff [L, Lb, C] = v_hat - v of the block -> [L] mean squared o_proj output differences (`layer`: probs
+        and diff [1, ...] of that layer alone)."""
         dims = self.dims
-        length = diff.shape[0]
-        per_head = diff.view(length, dims.num_kv_heads, dims.head_dim).transpose(0, 1)  # [Hkv, L, D]
-        out = (probs @ per_head).view(dims.num_heads, length, dims.head_dim)
-        return F.linear(out.transpose(0, 1).reshape(length, -1), self.weight).square().mean()
+        weight = self.weight if layer is None else self.weight[layer : layer + 1]
+        layers, length = diff.shape[:2]
+        per_head = diff.view(layers, length, dims.num_kv_heads, dims.head_dim).transpose(1, 2)  # [L, Hkv, Lb, D]
+        out = (probs @ per_head).view(layers, dims.num_heads, length, dims.head_dim)
+        out = out.transpose(1, 2).reshape(layers, length, -1)
+        return torch.bmm(out, weight.transpose(1, 2)).square().mean(dim=(1, 2))
 
 
 def learning_rate(fit: ValueFit, step: int) -> float:
@@ -251,9 +266,18 @@ def learning_rate(fit: ValueFit, step: int) -> float:
     return fit.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def clip_per_layer(tensors: list[torch.Tensor], max_norm: float) -> None:
+    """clip_grad_norm_ for each layer of stacked parameters [L, ...]: the 2-norm of a layer's gradients over all of
+    `tensors`, scaled by max_norm / (norm + 1e-6) where that is below 1, as torch clips one layer's parameters."""
+    norms = torch.stack([t.grad.flatten(1).norm(dim=1) for t in tensors]).norm(dim=0)  # [L]
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for t in tensors:
+        t.grad.mul_(coef.view(-1, *([1] * (t.dim() - 1))))
+
+
 def training_state(params, optimizer, gen, noise, tail) -> dict[str, torch.Tensor]:
-    """What train_value_coder needs to continue from a step as if never stopped: the parameters, AdamW's moments and
-    step counts, the generators' states and the tail loss so far."""
+    """What train_value_coders needs to continue from a step as if never stopped: the parameters, AdamW's moments and
+    step counts, the generators' states and the tail losses so far."""
     state = {f"param.{n}": t for n, t in params.items() if n != "channel_scale"}
     index = 0
     for group in optimizer.param_groups:
@@ -288,16 +312,18 @@ def restore_training(saved: dict[str, torch.Tensor], params, optimizer, gen, noi
         noise.set_state(saved["noise"])
 
 
-def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, advance, checkpoints=None,
-                      name: str = "") -> float:
-    """AdamW on the encoder and codebook of one layer [C]: lr fit.lr (1e-3), weight decay fit.weight_decay (0.1) on
-    weights and codebook (none on biases and LayerNorm, as the HF Trainer groups them), betas (0.9, 0.95), grad-norm
-    clip 1.0, the learning rate of `learning_rate` at each step.
-    Returns the mean training loss of the last tenth of the steps.
+def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: int, advance, checkpoints=None,
+                       name: str = "") -> torch.Tensor:
+    """AdamW on the encoders and codebooks of L layers at once [C], parameters stacked [L, ...] (one launch of each
+    operation for every layer: a small model's step is bound by launches, not arithmetic): lr fit.lr (1e-3), weight
+    decay fit.weight_decay (0.1) on weights and codebook (none on biases and LayerNorm, as the HF Trainer groups
+    them), betas (0.9, 0.95), each layer's gradient norm clipped at 1.0 (clip_per_layer), the learning rate of
+    `learning_rate` at each step. The sum of the layers' losses is minimised: each layer's gradient is its own loss's.
+    v [L, N, C]. Returns the mean training loss of the last tenth of the steps, per layer [L].
 
-    On a GPU: the Gumbel noise comes from a GPU generator seeded from `gen` (deterministic per seed; the batch
-    picks stay on `gen`), AdamW is the fused kernel, and nothing syncs the host inside the loop (the tail loss
-    is summed on the device). On the CPU everything draws from `gen`, as before.
+    The random draws are shared by the layers (the blocks or rows of each step from a generator seeded by `seed`, the
+    Gumbel noise from another: on a GPU a GPU generator), so a layer trains the same whichever layers train beside
+    it, up to float rounding. Nothing syncs the host inside the loop (the tail loss is summed on the device).
 
     checkpoints (kvcal/calib/checkpoint.Checkpoints): the training state is saved there as entry `name` whenever it
     is due, and a saved state is continued from (the same parameters, bit for bit, as an uninterrupted run)."""
@@ -308,17 +334,19 @@ def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, adva
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": fit.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=fit.lr,
                                   betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}))
+    gen = generator(seed, "value-train")
     noise = gen
     if on_gpu:
-        noise = torch.Generator(device=v.device).manual_seed(derived_seed(gen.initial_seed(), "gumbel"))
-    tail, tail_start = torch.zeros((), device=v.device), fit.steps - max(1, fit.steps // 10)
+        noise = torch.Generator(device=v.device).manual_seed(derived_seed(seed, "gumbel"))
+    layers = v.shape[0]
+    tail, tail_start = torch.zeros(layers, device=v.device), fit.steps - max(1, fit.steps // 10)
     per_step = max(1, fit.batch_tokens // fit.attn_tokens)
     first = 0
     saved = checkpoints.load(name) if checkpoints is not None else None
     if saved is not None:
         restore_training(saved[0], params, optimizer, gen, noise, tail)
         first = int(saved[1]["step"])
-        advance(first)
+        advance(first * layers)
     with torch.enable_grad():
         for step in range(first, fit.steps):
             for group in optimizer.param_groups:
@@ -328,27 +356,28 @@ def train_value_coder(params, v, train_rows, attention, fit: ValueFit, gen, adva
                 loss = 0.0
                 for index in picks:
                     lo, hi = attention.span(index)
-                    x = v[lo:hi]
+                    x = v[:, lo:hi]
                     v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
                     with torch.no_grad():
                         probs = attention.probabilities(index)
-                    loss = loss + (0.5 * F.mse_loss(v_hat, x) + attention.loss(probs, v_hat - x)) / len(picks)
+                    mse = (v_hat - x).square().mean(dim=(1, 2))
+                    loss = loss + (0.5 * mse + attention.loss(probs, v_hat - x)) / len(picks)
             else:
                 pick = torch.randint(train_rows.numel(), (fit.batch_tokens,), generator=gen)
-                x = v[train_rows[pick.to(train_rows.device)]]
-                loss = F.mse_loss(reconstruct_training(params, x, fit.gumbel_tau, noise), x)
+                x = v[:, train_rows[pick.to(train_rows.device)]]
+                loss = (reconstruct_training(params, x, fit.gumbel_tau, noise) - x).square().mean(dim=(1, 2))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            loss.sum().backward()
+            clip_per_layer(trainable, 1.0)
             optimizer.step()
             if step >= tail_start:
                 tail += loss.detach()
-            advance()
+            advance(layers)
             if checkpoints is not None and step + 1 < fit.steps and checkpoints.due():
                 checkpoints.save(name, training_state(params, optimizer, gen, noise, tail), {"step": step + 1})
     for t in trainable:
         t.requires_grad_(False)
-    return float(tail) / (fit.steps - tail_start)
+    return tail / (fit.steps - tail_start)
 
 
 # -- one layer, one model --------------------------------------------------------------------------------
@@ -394,51 +423,100 @@ def fit_keys(k: torch.Tensor, train_rows, held_rows, layer: int, dims, device, a
     }
 
 
-def fit_values(data, windows, held, module, loaded, layer, device, advance, fit: ValueFit, seed: int,
-               checkpoints=None):
-    """The value encoder and codebook of one layer (a dict of tensors named as VALUE_PARAMS) and diagnostics; the
-    training state checkpointed as `values.<layer>.state` (train_value_coder)."""
-    v = data["v"].to(device, torch.float32)
+def value_layer_bytes(loaded, rows: int, fit: ValueFit) -> int:
+    """Device memory one layer takes in a stacked value training: its values in float32, with the attention loss its
+    queries and keys (float32 when moved per block) and o_proj, the parameters with their gradients and AdamW
+    moments, and a step's activations."""
+    dims = loaded.dims
+    channels, q_width = dims.kv_channels, dims.num_heads * dims.head_dim
+    total = rows * channels * 4
+    if fit.loss == "attention":
+        total += rows * (q_width + channels) * 4 + dims.hidden_size * q_width * 4
+    params = 2 * fit.groups * channels + 2 * channels + fit.hidden * (channels + 1) + 4 * fit.groups * (fit.hidden + 1)
+    tokens = max(fit.batch_tokens, fit.attn_tokens)
+    return total + 4 * params * 4 + tokens * (8 * fit.hidden + 32 * fit.groups + 8 * channels) * 4
+
+
+def value_chunks(loaded, layers: list[int], per_layer_bytes: int) -> list[list[int]]:
+    """The layers trained together: consecutive layers on one device, as many as half of the device's free memory
+    (VALUE_CHUNK_BYTES_CPU on the CPU) holds."""
+    chunks = []
+    for i in layers:
+        device = loaded.layer_device(i)
+        if device.type == "cuda":
+            budget = torch.cuda.mem_get_info(device)[0] // 2
+        else:
+            budget = VALUE_CHUNK_BYTES_CPU
+        most = max(1, budget // max(1, per_layer_bytes))
+        if chunks and loaded.layer_device(chunks[-1][-1]) == device and len(chunks[-1]) < most and \
+                chunks[-1][-1] == i - 1:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def fit_values(store, layers: list[int], windows, held, modules, loaded, device, advance, fit: ValueFit, seed: int,
+               checkpoints=None) -> list[tuple[dict, dict]]:
+    """The value encoders and codebooks of `layers` (on `device`), trained together (train_value_coders): for each
+    layer a dict of tensors named as VALUE_PARAMS and its diagnostics. The training state is checkpointed as
+    `values.<first>-<last>.state`."""
+    data = [store.layer(i) for i in layers]
+    v = torch.stack([d["v"].to(device, torch.float32) for d in data])
     train_windows = [w for j, w in enumerate(windows) if j not in held]
     train_rows = torch.cat([torch.arange(s, e) for s, e in train_windows]).to(device)
-    params = init_value_params(v[train_rows], fit.groups, fit.hidden, generator(seed, layer, "value-init"), device)
-    attention = None
+    per_layer = [init_value_params(v[j, train_rows], fit.groups, fit.hidden, generator(seed, i, "value-init"),
+                                   device) for j, i in enumerate(layers)]
+    params = {n: torch.stack([p[n].detach() for p in per_layer]).requires_grad_(n != "channel_scale")
+              for n in per_layer[0]}
+    attention, scale, q, k, weight = None, 1.0, None, None, None
     if fit.loss == "attention":
-        attention = AttentionOutputLoss(data, train_windows, module, loaded, fit.attn_tokens, device)
-    losses = train_value_coder(params, v, train_rows, attention, fit, generator(seed, layer, "value-train"), advance,
-                               checkpoints, f"values.{layer}.state")
+        q = torch.stack([d["q"] for d in data])
+        k = torch.stack([d["k"] for d in data])
+        weight = torch.stack([modules[i].o_proj.weight.detach().to(device, torch.float32) for i in layers])
+        scale = float(modules[layers[0]].scaling)
+        attention = AttentionOutputLoss(q, k, weight, train_windows, loaded, scale, fit.attn_tokens, device)
+    losses = train_value_coders(params, v, train_rows, attention, fit, seed, advance, checkpoints,
+                                f"values.{layers[0]}-{layers[-1]}.state").tolist()
+    del attention
     held_rows = torch.cat([torch.arange(s, e) for j, (s, e) in enumerate(windows) if j in held]
                           or [train_rows.cpu()])[:HELD_OUT_VALUE_TOKENS].to(device)
+    probe = None
+    if fit.loss == "attention" and held:
+        held_windows = [w for j, w in enumerate(windows) if j in held]
+        probe = AttentionOutputLoss(q, k, weight, held_windows, loaded, scale, fit.attn_tokens, device, cache_bytes=0)
+    results = []
     with torch.no_grad():
-        x = v[held_rows]
-        bits, rho = encode_values(x, params)
-        mse = float((decode_values(bits, rho, params) - x).square().mean())
-        categories = bits.view(-1, bits.shape[-1] // 2, 2)
-        code = categories[..., 0] * 2 + categories[..., 1]  # 10 -> 2, 01 -> 1, 11 -> 3, 00 -> 0
-        used = F.one_hot(code.long(), 4).amax(0)  # [n_e, 4] categories seen per group
-        live = float((used.sum(-1) >= 3).float().mean())
-        used_rows = float((bits.amax(0) > 0).float().mean())
-        info = {"mse": round(mse, 8), "scalar_mse": round(value_scalar_mse(x, fit.bits), 8),
-                "scalar_mse_token": round(value_scalar_mse(x, fit.bits, x.shape[-1]), 8),
-                "train_loss": round(losses, 8), "live_groups": round(live, 4), "used_rows": round(used_rows, 4)}
-        if attention is not None and held:
-            info.update(held_out_attention(data, windows, held, module, loaded, params, device, fit.attn_tokens,
-                                           fit.bits))
-    return params, info
+        for j in range(len(layers)):
+            layer_params = {n: t[j] for n, t in params.items()}
+            x = v[j, held_rows]
+            bits, rho = encode_values(x, layer_params)
+            mse = float((decode_values(bits, rho, layer_params) - x).square().mean())
+            categories = bits.view(-1, bits.shape[-1] // 2, 2)
+            code = categories[..., 0] * 2 + categories[..., 1]  # 10 -> 2, 01 -> 1, 11 -> 3, 00 -> 0
+            used = F.one_hot(code.long(), 4).amax(0)  # [n_e, 4] categories seen per group
+            live = float((used.sum(-1) >= 3).float().mean())
+            used_rows = float((bits.amax(0) > 0).float().mean())
+            info = {"mse": round(mse, 8), "scalar_mse": round(value_scalar_mse(x, fit.bits), 8),
+                    "scalar_mse_token": round(value_scalar_mse(x, fit.bits, x.shape[-1]), 8),
+                    "train_loss": round(losses[j], 8), "live_groups": round(live, 4), "used_rows": round(used_rows, 4)}
+            if probe is not None:
+                info.update(held_out_attention(probe, v, j, layer_params, fit.bits))
+            results.append(({n: t.clone() for n, t in layer_params.items()}, info))
+    return results
 
 
-def held_out_attention(data, windows, held, module, loaded, params, device, block: int, bits: int) -> dict:
-    """Attention-output error after o_proj on the held-out windows (values quantized block by block, at most 8
-    blocks), for the learned code and for the per-token group-32 scalar quantizer at the same code bits."""
-    held_windows = [w for j, w in enumerate(windows) if j in held]
-    probe = AttentionOutputLoss(data, held_windows, module, loaded, block, device, cache_bytes=0)
+def held_out_attention(probe: AttentionOutputLoss, v, j: int, params, bits: int) -> dict:
+    """Attention-output error after o_proj of layer j on the held-out windows (values quantized block by block, at
+    most 8 blocks), for the learned code and for the per-token group-32 scalar quantizer at the same code bits."""
     ours, scalar = [], []
     for index in range(min(8, len(probe.blocks))):
-        x = data["v"][probe.rows(index)].to(device, torch.float32)
-        probs = probe.probabilities(index)
-        ours.append(float(probe.loss(probs, decode_values(*encode_values(x, params), params) - x)))
+        lo, hi = probe.span(index)
+        x = v[j, lo:hi]
+        probs = probe.probabilities(index)[j : j + 1]
+        ours.append(float(probe.loss(probs, (decode_values(*encode_values(x, params), params) - x)[None], j)[0]))
         group = 32 if x.shape[-1] % 32 == 0 else x.shape[-1]
-        scalar.append(float(probe.loss(probs, fake_quant_groups(x, bits, -1, group) - x)))
+        scalar.append(float(probe.loss(probs, (fake_quant_groups(x, bits, -1, group) - x)[None], j)[0]))
     return {"attn_mse": round(sum(ours) / len(ours), 8), "attn_scalar_mse": round(sum(scalar) / len(scalar), 8)}
 
 
@@ -494,16 +572,25 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
             keys_info.append(info)
     with progress_bar(f"commvq: value encoders ({values.steps} steps per layer)",
                       dims.num_layers * values.steps) as advance:
+        fitted, todo = {}, []
+        for i in range(dims.num_layers):  # layers an interrupted run finished
+            saved = checkpoints.load(f"values.{i}")
+            if saved is None:
+                todo.append(i)
+            else:
+                fitted[i] = saved
+                advance(values.steps)
+        per_layer = value_layer_bytes(loaded, positions.numel(), values)
+        for chunk in value_chunks(loaded, todo, per_layer):
+            device = loaded.layer_device(chunk[0])
+            with device_scope(device):
+                results = fit_values(store, chunk, windows, held, modules, loaded, device, advance, values, seed,
+                                     checkpoints)
+            for i, (params, info) in zip(chunk, results):
+                fitted[i] = checkpoints.keep(f"values.{i}", params, info)
+            checkpoints.drop(f"values.{chunk[0]}-{chunk[-1]}.state")  # the finished layers replace it
         for i in range(dims.num_layers):
-            def fit_layer(i=i):
-                module = modules[i] if modules is not None else None
-                device = loaded.layer_device(i)
-                with device_scope(device):
-                    return fit_values(store.layer(i), windows, held, module, loaded, i, device, advance, values, seed,
-                                      checkpoints)
-
-            params, info = resumable(checkpoints, "values", i, fit_layer, advance, values.steps)
-            checkpoints.drop(f"values.{i}.state")  # the finished layer replaces its training state
+            params, info = fitted[i]
             for name, t in params.items():
                 tensors[f"layers.{i}.v.{name}"] = t
             values_info.append(info)

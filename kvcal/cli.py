@@ -589,6 +589,137 @@ def bench_decode_command(
     console.print(f"{result['device']}, device-to-device copy {result['copy_gbps']:.0f} GB/s; wrote {out}")
 
 
+@app.command("search")
+def search_command(
+    model: str = ModelOpt,
+    bits: float | None = typer.Option(None, help="Budget in bits per element, everything counted (at --context "
+                                      "tokens, default --seqlen: what the evaluated cache holds)."),
+    memory: float | None = typer.Option(None, help="Budget in GiB of KV cache for --context tokens x --batch rows "
+                                        "(instead of --bits)."),
+    context: int | None = typer.Option(None, help="Tokens the budget is counted at (--memory: needed)."),
+    batch: int = typer.Option(1, "--batch", help="--memory: rows of --context tokens the cache holds."),
+    methods: str | None = typer.Option(None, help="Only these methods, comma-separated (e.g. kivi,kvquant)."),
+    ablations: bool = typer.Option(False, "--ablations", help="Also the ablation recipes (recipes/ablations/)."),
+    dataset: str = typer.Option("wikitext2", help="wikitext2, shakespeare or a text file (calibration and "
+                                "evaluation splits of it)."),
+    data_dir: str | None = DataDirOpt,
+    nsamples: int = typer.Option(16, help="Calibration windows."),
+    seqlen: int = typer.Option(2048, help="Tokens per window (calibration and evaluation)."),
+    seed: int = typer.Option(0, help="Seed of the calibration window sampler."),
+    eval_nsamples: int | None = typer.Option(None, help="Evaluation windows (default: --nsamples)."),
+    protocol: str = typer.Option("gptq", help="gptq, prefill-decode or tail (docs/conventions.md)."),
+    prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens (default: seqlen/2)."),
+    prefix_len: int | None = typer.Option(None, help="tail: full-precision prefix (default: seqlen/64)."),
+    block_len: int | None = typer.Option(None, help="tail: compressed block (default: 3*seqlen/4)."),
+    fp_window: int | None = FpWindowOpt,
+    out: Path | None = typer.Option(None, help="Folder for the candidates' artifacts and records, search.json and "
+                                    "the chosen artifact (default: search/MODEL); a re-run reuses what it holds."),
+    time_budget: str | None = typer.Option(None, help="Start no candidate after this long (900, 15m, 2h)."),
+    plot: Path | None = typer.Option(None, help="Draw bits against perplexity, the front joined (PNG)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    capture_budget_gb: float = typer.Option(4.0, help="RAM for captured activations before spilling to disk."),
+    batch_size: int = typer.Option(1, help="Windows per forward pass."),
+):
+    """The best recipe for this model at this budget, chosen by measurement: every recipe that fits is calibrated and
+    evaluated on held-out windows, on equal footing; prints the Pareto front and writes the chosen artifact."""
+    from kvcal.data import check_text
+    from kvcal.eval.ppl import PROTOCOLS
+    from kvcal.eval.simulate import tail_layout
+    from kvcal.models import check_model_args, load_model
+    from kvcal.models.dims import model_dims
+    from kvcal.search import (
+        Plan,
+        check_methods,
+        list_candidates,
+        make_budget,
+        parse_duration,
+        plot_front,
+        run_search,
+    )
+
+    _positive("--nsamples", nsamples)
+    _positive("--seqlen", seqlen)
+    _positive("--batch-size", batch_size)
+    eval_nsamples = nsamples if eval_nsamples is None else eval_nsamples
+    _positive("--eval-nsamples", eval_nsamples)
+    if protocol not in PROTOCOLS:
+        raise KvcalError(f"unknown protocol '{protocol}' (choose from {', '.join(PROTOCOLS)})")
+    if fp_window is not None and fp_window < 0:
+        raise KvcalError(f"--fp-window must be >= 0, got {fp_window}")
+    plan = Plan(model, dtype, device, dataset, data_dir, nsamples, seqlen, seed, eval_nsamples, protocol,
+                fp_window=fp_window, batch_size=batch_size, capture_budget_bytes=int(capture_budget_gb * (1 << 30)))
+    if protocol == "prefill-decode":
+        plan.prompt_len = seqlen // 2 if prompt_len is None else prompt_len
+        if not 1 <= plan.prompt_len <= seqlen - 2:
+            raise KvcalError(f"--prompt-len must be in [1, seqlen-2], got {plan.prompt_len}")
+    elif prompt_len is not None:
+        raise KvcalError("--prompt-len applies to --protocol prefill-decode only")
+    if protocol == "tail":
+        plan.prefix_len, plan.block_len = tail_layout(seqlen, prefix_len, block_len)
+        plan.prompt_len = plan.prefix_len + plan.block_len
+    elif prefix_len is not None or block_len is not None:
+        raise KvcalError("--prefix-len and --block-len apply to --protocol tail only")
+    wanted = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    check_methods(wanted)
+    seconds = parse_duration(time_budget)
+    if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
+        raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
+    check_model_args(model, dtype, device)
+    on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+
+    def plan_candidates(dims):
+        budget = make_budget(dims, bits, memory, context, batch, seqlen)
+        candidates, skipped = list_candidates(dims, budget, plan, wanted, ablations, on_cpu)
+        if not candidates:
+            fits = [s for s in skipped if "bits" in s]
+            fewest = min(fits, key=lambda s: s["bits"]) if fits else None
+            raise KvcalError(f"no recipe fits {budget.bits:.3f} bits per element on {model}" + (
+                f" (the fewest: {fewest['recipe']}, {fewest['bits']:.3f})" if fewest else "") +
+                (f" among --methods {methods}" if wanted else ""))
+        return budget, candidates, skipped
+
+    try:  # the shapes without loading the model, so that a budget nothing fits is said before it loads
+        planned = plan_candidates(model_dims(model))
+    except KvcalError as exc:
+        if "comes from the Hub" not in str(exc):
+            raise
+        planned = None  # a Hub model: its shapes come with it
+    folder = out or Path("search") / Path(model).name
+    check_writable(folder, folder=True, flag="--out")
+    if plot is not None:
+        check_writable(plot, folder=False, flag="--plot")
+    check_text(dataset, "calib", data_dir)
+    check_text(dataset, "eval", data_dir)
+    loaded = load_model(model, dtype, device)
+    budget, candidates, skipped = planned or plan_candidates(loaded.dims)
+    result = run_search(loaded, plan, budget, candidates, skipped, folder, seconds, invoked_command())
+    table = Table("recipe", "method", "bits/elem", "PPL", "vs fp16", "front", "status",
+                  title=f"{model}: {len(candidates)} candidates at <= {budget.bits:.3f} bits per element, "
+                  f"{protocol} protocol (fp16 PPL {result['fp16']['ppl']:.4f})")
+    chosen = (result["chosen"] or {}).get("recipe")
+    for row in sorted(result["candidates"], key=lambda r: (r["bits"], r["recipe"])):
+        table.add_row(("* " if row["recipe"] == chosen else "") + row["recipe"], row["method"], f"{row['bits']:.3f}",
+                      "-" if row["ppl"] is None else f"{row['ppl']:.4f}",
+                      "-" if row["increase_pct"] is None else f"{row['increase_pct']:+.2f}%",
+                      "yes" if row["on_front"] else "", row["status"])
+    console.print(table)
+    console.print(f"covered {result['covered']}; rule: {result['rule']}")
+    if result["chosen"] is None:
+        raise KvcalError("the time budget ended before any candidate was measured: run again with a larger one")
+    console.print(f"chosen: {chosen} (PPL {result['chosen']['ppl']:.4f}, {result['chosen']['bits']:.3f} bits per "
+                  f"element) -> {result['chosen']['artifact']}; record: {folder / 'search.json'}", soft_wrap=True)
+    if plot is not None:
+        plot_front(result, plot)
+        console.print(f"wrote {plot}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @app.command("inspect")
 def inspect_command(path: Path = typer.Argument(..., help="Artifact file."),
                     show_all: bool = typer.Option(False, "--all", help="Every tensor and every calibration "

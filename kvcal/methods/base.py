@@ -59,6 +59,8 @@ class Method:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     learns: ClassVar[bool] = False  # needs calibration data
+    # its calibration trains long enough to want a GPU (`kvcal search` leaves it out on a CPU unless named)
+    calibrates_on_gpu: ClassVar[bool] = False
     captures: ClassVar[tuple[str, ...]] = ()  # what calibration needs: "k", "v", "q", "x", "fisher"
     # fields that only change how the runtime stores the codec (not what calibration learned): these may
     # be overridden on an existing artifact with --set

@@ -70,6 +70,7 @@ class CommVQ(Method):
     name = "commvq"
     summary = "RoPE-commutative key codebooks (EM) + learned additive value code, ~1-2 bits"
     learns = True
+    calibrates_on_gpu = True  # key EM and value encoders: minutes on a GPU, hours on a CPU (docs/commvq.md)
     captures = ("k", "v", "q")
     runtime_fields = ("quantize", "fp_window", "fp_flush")
     fp_window_field = "fp_window"

@@ -1,0 +1,316 @@
+"""`kvcal search`: the best recipe for one model at one memory budget, chosen by measurement.
+
+Every shipped recipe (`--ablations`: also recipes/ablations/) whose bits per element on the model fit the budget is a
+candidate. Each is calibrated on the calibration split (one capture serves them all, kept under OUT/capture) and
+evaluated on the evaluation split (held out: for WikiText-2 the test split, for Shakespeare the tragedies; a text
+file serves both splits) under one protocol and one full-precision allowance, exactly as `kvcal eval ppl --artifact`
+evaluates (the record says the command that reproduces its number). The rule: the lowest perplexity, ties to fewer
+bits, then the name.
+
+Work is kept per candidate under OUT/candidates/NAME-KEY/ (artifact.safetensors, record.json), KEY a hash of what the
+number depends on (model, dtype and device type, recipe and config, calibration and evaluation data and settings,
+protocol, kvcal version): a re-run, after an interruption or with a larger budget, measures only what is new, and an
+interrupted calibration resumes from its checkpoints. OUT/search.json explains the choice (every candidate's
+numbers, the skipped ones with their reason, the rule, the Pareto front); the chosen artifact is copied to
+OUT/NAME.safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcal import __version__
+from kvcal.accounting import bits_per_element, kv_elements
+from kvcal.artifact import load_artifact
+from kvcal.calib.checkpoint import checkpoint_folder
+from kvcal.calib.run import run_calibrations
+from kvcal.data import load_eval_windows, load_text
+from kvcal.determinism import deterministic_algorithms
+from kvcal.errors import KvcalError
+from kvcal.eval.run import check_protocol, ppl_record, protocol_setting
+from kvcal.methods.registry import all_methods, build_method, storages_for_artifact
+from kvcal.progress import stderr_console
+from kvcal.recipes import load_recipe, recipe_names
+
+RULE = "the lowest perplexity among the candidates that fit the budget; ties: fewer bits, then the recipe name"
+MEMORY_UNIT = 1 << 30  # --memory is in GiB
+
+
+@dataclass
+class Budget:
+    """Bits per element a candidate may take, counted at `tokens` tokens (`--context`, else the evaluation windows'
+    length: what the evaluated cache held, its full-precision windows and sinks included), and how it was given."""
+
+    bits: float
+    tokens: int
+    given: dict
+
+
+@dataclass
+class Plan:
+    """What every candidate is measured with (the search's settings, the same for all)."""
+
+    model: str
+    dtype: str
+    device: str
+    dataset: str = "wikitext2"
+    data_dir: str | None = None
+    nsamples: int = 16
+    seqlen: int = 2048
+    seed: int = 0
+    eval_nsamples: int = 16
+    protocol: str = "gptq"
+    prompt_len: int = 0
+    prefix_len: int = 0
+    block_len: int = 0
+    fp_window: int | None = None
+    batch_size: int = 1
+    capture_budget_bytes: int = 4 << 30
+
+
+@dataclass
+class Candidate:
+    name: str  # the recipe
+    method: object  # its setting for this model (and the allowance)
+    bits: float
+    key: str = ""
+    record: dict | None = None
+    status: str = "pending"  # measured, reused, not started (time budget)
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_duration(text: str | None) -> float | None:
+    """'90', '90s', '15m', '2h' -> seconds; None stays None."""
+    if text is None:
+        return None
+    raw = text.strip().lower()
+    scale = {"s": 1, "m": 60, "h": 3600}.get(raw[-1:], None)
+    number = raw[:-1] if scale else raw
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or math.isinf(seconds):
+        raise KvcalError(f"--time-budget must be a positive duration such as 900, 15m or 2h, got '{text}'")
+    return seconds
+
+
+def make_budget(dims, bits: float | None, memory: float | None, context: int | None, batch: int,
+                seqlen: int) -> Budget:
+    """The budget in bits per element from --bits (counted at --context tokens, else at `seqlen`), or from --memory GiB
+    for --context tokens x --batch rows."""
+    if (bits is None) == (memory is None):
+        raise KvcalError("give the budget as --bits B, or as --memory GiB with --context C (and --batch N)")
+    if bits is not None:
+        if not bits > 0 or math.isinf(bits):
+            raise KvcalError(f"--bits must be a positive number, got {bits}")
+        tokens = context or seqlen
+        if context is not None and context <= 0:
+            raise KvcalError(f"--context must be positive, got {context}")
+        return Budget(bits, tokens, {"bits": bits, **({"context": context} if context else {})})
+    if context is None or context <= 0:
+        raise KvcalError("--memory needs --context C, a positive number of tokens")
+    if batch <= 0:
+        raise KvcalError(f"--batch must be positive, got {batch}")
+    if not memory > 0 or math.isinf(memory):
+        raise KvcalError(f"--memory must be a positive number of GiB, got {memory}")
+    per_element = memory * MEMORY_UNIT * 8 / (kv_elements(dims, context) * batch)
+    return Budget(per_element, context, {"memory_gib": memory, "context": context, "batch": batch})
+
+
+def check_methods(methods: list[str] | None) -> None:
+    known = all_methods()
+    for name in methods or []:
+        if name not in known:
+            raise KvcalError(f"unknown method '{name}' in --methods (known: {', '.join(sorted(known))})")
+
+
+def list_candidates(dims, budget: Budget, plan: Plan, methods: list[str] | None, ablations: bool,
+                    on_cpu: bool) -> tuple[list[Candidate], list[dict]]:
+    """(candidates that fit, skipped recipes with the reason), without loading the model. The candidates are ordered
+    by bits, the most first (the closest to the budget start first); a setting two recipes share is measured once."""
+    candidates, skipped, seen = [], [], {}
+    for name in recipe_names():
+        if "/" in name and not ablations:
+            continue
+        try:
+            recipe = load_recipe(name)
+        except KvcalError as exc:
+            skipped.append({"recipe": name, "reason": str(exc)})
+            continue
+        if methods and recipe.method not in methods:
+            continue
+        try:
+            method = build_method(recipe.method, recipe.config)
+            if plan.fp_window is not None:
+                method = method.with_fp_window(plan.fp_window)
+            method = method.for_model(dims)
+            method.check_model(dims)
+            check_protocol(method, plan.protocol, "simulate", plan.prefix_len, plan.block_len, plan.fp_window)
+        except KvcalError as exc:
+            skipped.append({"recipe": name, "method": recipe.method, "reason": str(exc)})
+            continue
+        bits = bits_per_element(method, dims, budget.tokens).bits_per_element
+        if bits > budget.bits + 1e-9:
+            skipped.append({"recipe": name, "method": recipe.method, "bits": round(bits, 6),
+                            "reason": f"{bits:.3f} bits per element is over the budget"})
+            continue
+        if on_cpu and method.calibrates_on_gpu and method.name not in (methods or []):
+            skipped.append({"recipe": name, "method": recipe.method, "bits": round(bits, 6),
+                            "reason": f"{method.name} calibrates for hours on a CPU: name it in --methods to include it"})
+            continue
+        setting = json.dumps([method.name, method.config()], sort_keys=True, default=str)
+        if setting in seen:
+            skipped.append({"recipe": name, "method": recipe.method, "reason": f"the same setting as {seen[setting]}"})
+            continue
+        seen[setting] = name
+        candidates.append(Candidate(name, method, bits))
+    candidates.sort(key=lambda c: (-c.bits, c.name))
+    return candidates, skipped
+
+
+def candidate_key(loaded, plan: Plan, candidate: Candidate, calib_text, eval_text) -> str:
+    """A hash of everything the candidate's number depends on."""
+    parts = {
+        "model": loaded.identity, "dtype": plan.dtype, "device": loaded.device.type, "recipe": candidate.name,
+        "method": candidate.method.name, "config": candidate.method.config(),
+        "calibration": {**calib_text.provenance, "nsamples": plan.nsamples, "seqlen": plan.seqlen, "seed": plan.seed},
+        "evaluation": {**eval_text.provenance, "nsamples": plan.eval_nsamples, "seqlen": plan.seqlen,
+                       "protocol": plan.protocol, "prompt_len": plan.prompt_len, "prefix_len": plan.prefix_len,
+                       "fp_window": plan.fp_window, "batch_size": plan.batch_size},
+        "kvcal": __version__,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def eval_command(plan: Plan, artifact: Path) -> str:
+    """The `kvcal eval ppl` command whose perplexity a candidate's record holds."""
+    parts = ["kvcal eval ppl", f"--artifact {artifact}", f"--model {plan.model}", f"--dtype {plan.dtype}",
+             f"--dataset {plan.dataset}", f"--seqlen {plan.seqlen}", f"--nsamples {plan.eval_nsamples}",
+             f"--protocol {plan.protocol}", f"--batch-size {plan.batch_size}"]
+    if plan.data_dir:
+        parts.append(f"--data-dir {plan.data_dir}")
+    if plan.protocol == "prefill-decode":
+        parts.append(f"--prompt-len {plan.prompt_len}")
+    if plan.protocol == "tail":
+        parts += [f"--prefix-len {plan.prefix_len}", f"--block-len {plan.block_len}"]
+    if plan.fp_window is not None:
+        parts.append(f"--fp-window {plan.fp_window}")
+    return " ".join(parts)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
+def measure(loaded, plan: Plan, candidate: Candidate, out: Path, text, windows) -> None:
+    """Calibrate (or reuse) the candidate's artifact and evaluate it (or reuse its record)."""
+    folder = out / "candidates" / f"{candidate.name.replace('/', '-')}-{candidate.key}"
+    record_path, artifact_path = folder / "record.json", folder / "artifact.safetensors"
+    if record_path.is_file() and artifact_path.is_file():
+        candidate.record, candidate.status = json.loads(record_path.read_text()), "reused"
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    if not artifact_path.is_file():
+        run_calibrations(loaded, [(candidate.method, artifact_path)], plan.dataset, plan.nsamples, plan.seqlen,
+                         plan.seed, plan.data_dir, plan.capture_budget_bytes, plan.batch_size, out / "capture",
+                         resume=checkpoint_folder(artifact_path).exists())
+    artifact = load_artifact(artifact_path)
+    method, storages = storages_for_artifact(artifact, loaded, artifact_path, None, plan.fp_window)
+    setting = protocol_setting(candidate.name.replace("/", "-"), plan.fp_window)
+    with deterministic_algorithms(True):  # as `kvcal eval ppl` evaluates by default
+        record = ppl_record(loaded, method, storages, setting,
+                            {"path": str(artifact_path), "tensor_hash": artifact.header["tensor_hash"]}, text,
+                            windows, plan.dtype, plan.protocol, plan.prompt_len, plan.batch_size, "simulate",
+                            "packed", plan.prefix_len, plan.fp_window)
+    record["deterministic"] = True
+    record["command"] = eval_command(plan, artifact_path)
+    _write_json(record_path, record)
+    candidate.record, candidate.status = record, "measured"
+
+
+def pareto_front(rows: list[dict]) -> set[str]:
+    """Names of the measured rows no other row beats on both bits and perplexity (fewest bits for its perplexity)."""
+    front, best = set(), math.inf
+    for row in sorted(rows, key=lambda r: (r["bits"], r["ppl"], r["recipe"])):
+        if row["ppl"] < best:
+            front.add(row["recipe"])
+            best = row["ppl"]
+    return front
+
+
+def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], skipped: list[dict], out: Path,
+               time_budget: float | None = None, command: str = "") -> dict:
+    """Measure the candidates in order (none started after `time_budget` seconds), choose, and write OUT/search.json
+    and the chosen artifact. Returns the search's record."""
+    out.mkdir(parents=True, exist_ok=True)
+    calib_text = load_text(plan.dataset, "calib", plan.data_dir)
+    text, windows = load_eval_windows(loaded.tokenizer, plan.dataset, plan.data_dir, plan.seqlen, plan.eval_nsamples)
+    stderr_console.print(f"search: {len(candidates)} candidates; calibration on {calib_text.provenance['dataset']} "
+                         f"{calib_text.provenance['split']} ({plan.nsamples} windows of {plan.seqlen}), evaluation on "
+                         f"{text.provenance['dataset']} {text.provenance['split']} ({windows.shape[0]} windows), "
+                         f"{plan.protocol} protocol", markup=False, highlight=False, soft_wrap=True)
+    fp16 = Candidate("fp16", build_method("fp16"), 16.0)
+    started = time.monotonic()
+    for candidate in [fp16, *candidates]:
+        candidate.key = candidate_key(loaded, plan, candidate, calib_text, text)
+        if candidate is not fp16 and time_budget is not None and time.monotonic() - started > time_budget:
+            candidate.status = "not started (time budget)"
+            continue
+        measure(loaded, plan, candidate, out, text, windows)
+    reference = fp16.record["ppl"]
+    rows = [{"recipe": c.name, "method": c.method.name, "bits": c.bits,
+             "bits_at_4096": c.record["bits_per_element"] if c.record else None,
+             "ppl": c.record["ppl"] if c.record else None,
+             "increase_pct": round(100 * (c.record["ppl"] / reference - 1), 4) if c.record else None,
+             "status": c.status, "key": c.key,
+             "record": str(out / "candidates" / f"{c.name.replace('/', '-')}-{c.key}" / "record.json")
+             if c.record else None, "command": c.record["command"] if c.record else None}
+            for c in candidates]
+    measured = [r for r in rows if r["ppl"] is not None]
+    front = pareto_front(measured)
+    for row in rows:
+        row["on_front"] = row["recipe"] in front
+    chosen = min(measured, key=lambda r: (r["ppl"], r["bits"], r["recipe"])) if measured else None
+    result = {
+        "command": command, "model": loaded.identity, "dtype": plan.dtype, "device": loaded.device_label,
+        # every candidate's bits are counted at the budget's tokens (its "bits"; "bits_at_4096": kvcal's reference)
+        "budget": {"bits_per_element": budget.bits, "tokens": budget.tokens, **budget.given},
+        "protocol": plan.protocol, "fp_window": plan.fp_window,
+        "calibration": {**calib_text.provenance, "nsamples": plan.nsamples, "seqlen": plan.seqlen, "seed": plan.seed},
+        "evaluation": {**text.provenance, "nsamples": int(windows.shape[0]), "seqlen": plan.seqlen},
+        "rule": RULE, "fp16": {"ppl": reference, "record": str(out / "candidates" / f"fp16-{fp16.key}" / "record.json")},
+        "candidates": rows, "skipped": skipped,
+        "covered": f"{len(measured)} of {len(rows)} candidates" + (
+            "" if len(measured) == len(rows) else " (the time budget stopped the rest)"),
+        "chosen": None, "kvcal_version": __version__,
+    }
+    if chosen is not None:
+        source = Path(chosen["record"]).parent / "artifact.safetensors"
+        target = out / f"{chosen['recipe'].replace('/', '-')}.safetensors"
+        shutil.copyfile(source, target)
+        result["chosen"] = {**chosen, "artifact": str(target),
+                            "command": eval_command(plan, target)}
+    _write_json(out / "search.json", result)
+    return result
+
+
+def plot_front(result: dict, path: Path) -> None:
+    """Bits against the perplexity increase over fp16 of every measured candidate, the front joined."""
+    from kvcal.eval.report import draw_pareto
+
+    reference = {"ppl": result["fp16"]["ppl"], "bits_per_element": 16.0}
+    allowance = "own windows" if result["fp_window"] is None else f"fp window {result['fp_window']}"
+    points = [{"label": r["recipe"], "method": r["method"], "group": allowance, "bits": r["bits"], "ppl": r["ppl"],
+               "increase": r["increase_pct"], "offset": (5, 3)} for r in result["candidates"] if r["ppl"] is not None]
+    budget = result["budget"]["bits_per_element"]
+    draw_pareto(reference, points, f"kvcal search: {result['model'].get('name', '')} at {budget:.3g} bits per element, "
+                f"{result['protocol']} protocol", path)

@@ -313,4 +313,5 @@ def plot_front(result: dict, path: Path) -> None:
                "increase": r["increase_pct"], "offset": (5, 3)} for r in result["candidates"] if r["ppl"] is not None]
     budget = result["budget"]["bits_per_element"]
     draw_pareto(reference, points, f"kvcal search: {result['model'].get('name', '')} at {budget:.3g} bits per element, "
-                f"{result['protocol']} protocol", path)
+                f"{result['protocol']} protocol", path,
+                xlabel=f"bits per element (everything counted, {result['budget']['tokens']} tokens)")

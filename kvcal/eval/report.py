@@ -387,7 +387,8 @@ def plot_pareto(manifest_path: Path, out: Path) -> None:
     draw_pareto(reference, points, manifest["plot"].get("title", ""), out)
 
 
-def draw_pareto(reference: dict, points: list[dict], title: str, out: Path) -> None:
+def draw_pareto(reference: dict, points: list[dict], title: str, out: Path,
+                xlabel: str = "bits per element (everything counted, 4096 tokens)") -> None:
     """Perplexity increase over fp16 (symlog %) against bits per element, one colour per method and one marker per
     full-precision allowance, each point labelled (`offset`: the label's offset in points, where labels would
     overlap), and per allowance its Pareto front (fewest bits for the lowest increase) joined by a line: rows of two
@@ -428,7 +429,7 @@ def draw_pareto(reference: dict, points: list[dict], title: str, out: Path) -> N
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_ylim(-0.3, 2 * max(max(p["increase"] for p in points), 1.0))
     ax.set_xlim(0.5, max(p["bits"] for p in points) + 0.8)
-    ax.set_xlabel("bits per element (everything counted, 4096 tokens)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("perplexity increase over fp16 (%, log scale above 1%)")
     ax.set_title(title, fontsize=11)
     ax.grid(True, which="both", lw=0.3, alpha=0.5)

@@ -11,8 +11,10 @@ that does not.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -22,8 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvcal import __version__
 from kvcal.errors import KvcalError
+from kvcal.version import __version__
 
 SCHEMA_VERSION = 1
 HEADER_KEY = "kvcal"
@@ -74,11 +76,6 @@ def check_tensor_names(tensors: dict[str, torch.Tensor], num_layers: int) -> Non
 
 def software_versions() -> dict:
     """Versions of what a result depends on through float rounding (recorded, never compared)."""
-    import importlib.metadata
-    import platform
-
-    import torch
-
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "triton"):
         try:

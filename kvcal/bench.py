@@ -3,17 +3,19 @@ shapes (the timing itself, method-free, is kvcal/runtime/bench.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from kvcal.artifact import check_model, load_artifact
+from kvcal.methods.registry import build_method, runtime_overrides
+from kvcal.models import ModelDims
+from kvcal.models.tiny import llama31_8b_config
+from kvcal.recipes import resolve
+
 
 def bench_cases(recipes, artifacts, dims, sets: list[str] | None = None) -> list[tuple[str, object, object]]:
     """(name, method, storages) for each recipe and artifact, at the shapes `dims` (a ModelDims). A recipe of a method
     that learns gets random tensors of the right shapes (Method.synthetic_tensors: speed does not depend on them); an
     artifact must have been calibrated for these shapes. `sets`: --set overrides (runtime fields on artifacts)."""
-    from types import SimpleNamespace
-
-    from kvcal.artifact import check_model, load_artifact
-    from kvcal.methods.registry import build_method, runtime_overrides
-    from kvcal.recipes import resolve
-
     cases = []
     for recipe in recipes:
         method, _, _ = resolve(None, recipe, sets)
@@ -31,9 +33,6 @@ def bench_cases(recipes, artifacts, dims, sets: list[str] | None = None) -> list
 def storage_for(recipe: str, dims=None):
     """(layer 0's storage, RoPE inv_freq) of a recipe at Llama-3.1-8B shapes by default (tuning scripts; a method
     that learns gets random tables)."""
-    from kvcal.models import ModelDims
-    from kvcal.models.tiny import llama31_8b_config
-
     dims = dims or ModelDims.from_config(llama31_8b_config())
     (_, _, storages), = bench_cases([recipe], [], dims)
     return storages[0], dims.rope.inv_freq("cuda")

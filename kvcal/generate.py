@@ -3,10 +3,17 @@ generate() (the method-free runtime parts are in kvcal/runtime/generate.py)."""
 
 from __future__ import annotations
 
+import torch
+
 from kvcal.accounting import bits_per_element, kv_elements
+from kvcal.artifact import Artifact, check_model, load_artifact
 from kvcal.errors import KvcalError
+from kvcal.methods.registry import build_method, runtime_overrides, storages_for_artifact
+from kvcal.models import artifact_model, as_loaded, load_model
+from kvcal.recipes import resolve
 from kvcal.runtime.cache import KvcalCache
-from kvcal.runtime.generate import as_loaded, size_summary
+from kvcal.runtime.generate import size_summary
+from kvcal.runtime.graph import DECODE_MODES, greedy_decode
 
 
 def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, step_graphs: bool = True,
@@ -16,10 +23,6 @@ def load_cache(artifact, model, backend: str = "packed", capacity: int = 0, step
     `past_key_values=cache` before: kvcal.models.adapter.cache_kwargs gives the installed spelling). On CUDA each
     layer replays its one-token decode step from a CUDA graph (`step_graphs`, see KvcalCache). Other keyword
     arguments override the method's runtime fields (e.g. `key_outlier_capacity=16` for kvquant)."""
-    from kvcal.artifact import Artifact, check_model, load_artifact
-    from kvcal.methods import build_method
-    from kvcal.methods.registry import runtime_overrides
-
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     loaded = as_loaded(model)
     check_model(art, loaded, artifact if not isinstance(artifact, Artifact) else "artifact",
@@ -33,12 +36,6 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
                   backend: str = "packed", mode: str = "auto", device_map=None, max_memory=None) -> dict:
     """Greedy continuation of `prompt` with the compressed cache (mode: see runtime.graph.greedy_decode; 'auto'
     replays decode steps from a CUDA graph on CUDA where the storages' steps are static, else runs them eagerly)."""
-    from kvcal.artifact import load_artifact
-    from kvcal.methods.registry import storages_for_artifact
-    from kvcal.models import artifact_model, load_model
-    from kvcal.recipes import resolve
-    from kvcal.runtime.graph import DECODE_MODES, greedy_decode
-
     if max_new_tokens <= 0:
         raise KvcalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     if mode not in DECODE_MODES:
@@ -74,8 +71,6 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
             speed += f"; not counted: the first {result['warmup_steps']} steps ({result['warmup_seconds']:.2f} s{what})"
     gpus = [d for d in loaded.devices if d.type == "cuda"]
     if gpus:  # what the model, the cache and decoding held at most on each GPU
-        import torch
-
         peaks = [torch.cuda.max_memory_allocated(d) / (1 << 30) for d in gpus]
         speed += (f"; peak GPU memory {peaks[0]:.2f} GiB" if len(gpus) == 1 else
                   f"; peak GPU memory {' + '.join(f'{p:.2f}' for p in peaks)} GiB ({', '.join(map(str, gpus))})")

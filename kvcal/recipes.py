@@ -11,6 +11,7 @@ package (kvcal/recipes: in a checkout, a link to the top-level recipes/ folder; 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,8 +149,6 @@ def changed_keys(base, instance) -> list[str]:
 
 def _tag_without(instance, key: str) -> str:
     """The method's tag of `instance` with `key` back at its default (where that setting is valid)."""
-    import dataclasses
-
     default = next(f.default for f in dataclasses.fields(instance) if f.name == key)
     try:
         return dataclasses.replace(instance, **{key: default}).tag()

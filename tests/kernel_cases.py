@@ -506,8 +506,8 @@ def cache_codecs() -> list[tuple[str, str, dict]]:
 
 def _cache_model(dtype):
     """One layer, 4 query heads over 2 KV heads of 64 channels (the kernels' smallest head_dim), random weights."""
+    from kvcal.models import as_loaded
     from kvcal.models.tiny import build_random_model, tiny_config
-    from kvcal.runtime.generate import as_loaded
 
     config = tiny_config("llama")
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 256, 4, 2

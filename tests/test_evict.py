@@ -75,8 +75,8 @@ def test_simulation_and_decoding_equal_an_explicit_streaming_mask(tiny, protocol
 
 
 def _one_layer_model():
+    from kvcal.models import as_loaded
     from kvcal.models.tiny import build_random_model, tiny_config
-    from kvcal.runtime.generate import as_loaded
 
     config = tiny_config("llama")
     config.num_hidden_layers = 1

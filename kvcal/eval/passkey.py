@@ -21,13 +21,22 @@ Modes:
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
 
-from kvcal import __version__, software_versions
 from kvcal.accounting import bits_per_element
+from kvcal.artifact import load_artifact
 from kvcal.errors import KvcalError
+from kvcal.eval.run import protocol_setting, record_head
+from kvcal.eval.simulate import SimulatedAttention
+from kvcal.methods.registry import artifact_method, storages_for_artifact
+from kvcal.models import artifact_model, check_model_args, load_model
 from kvcal.progress import progress_bar
+from kvcal.recipes import resolve
+from kvcal.runtime.cache import KvcalCache, backend_ran
+from kvcal.runtime.graph import greedy_decode
+from kvcal.version import __version__, software_versions
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
           "I will quiz you about the important information there.")
@@ -97,9 +106,6 @@ def _check_grid(lengths, depths, trials, max_new_tokens, mode):
 
 def decode_trial(loaded, storages, ids: list[int], max_new_tokens: int, backend: str = "packed") -> list[int]:
     """Greedy tokens after the prompt `ids`, through kvcal's cache (full-precision prefill, then decode steps)."""
-    from kvcal.runtime.cache import KvcalCache
-    from kvcal.runtime.graph import greedy_decode
-
     prompt = torch.tensor([ids], device=loaded.device)
     cache = KvcalCache(storages, loaded.dims.num_layers, backend, capacity_hint=len(ids) + max_new_tokens)
     result = greedy_decode(loaded, cache, prompt, max_new_tokens, None, "auto")
@@ -109,8 +115,6 @@ def decode_trial(loaded, storages, ids: list[int], max_new_tokens: int, backend:
 def simulate_trial(loaded, storages, ids: list[int], answer: list[int]) -> list[int]:
     """Greedy argmax at each answer position of one teacher-forced forward of prompt + answer under the prefill-decode
     simulation (prompt_len = len(ids))."""
-    from kvcal.eval.simulate import SimulatedAttention
-
     window = torch.tensor([ids + answer], device=loaded.device)
     with torch.inference_mode(), loaded.adapter.use(SimulatedAttention(storages, len(ids))):
         logits = loaded.model(window, use_cache=False).logits[0, len(ids) - 1 : -1]
@@ -160,12 +164,8 @@ def passkey_record(loaded, method, storages, setting: str, artifact_record, dtyp
                    seed: int = 0, mode: str = "decode", max_new_tokens: int = 8, backend: str = "packed",
                    fp_window: int | None = None) -> dict:
     """fp_window: the allowance named (--fp-window; the method already carries it), None for the method's own."""
-    from kvcal.runtime.cache import backend_ran
-
     cells = run_passkey(loaded, storages, lengths, depths, trials, seed, mode, max_new_tokens, backend, setting)
     bits = bits_per_element(method, loaded.dims)
-    from kvcal.eval.run import record_head
-
     return {
         "kind": "passkey",
         **record_head(method, setting, artifact_record, loaded, dtype),
@@ -190,15 +190,6 @@ def passkey_record(loaded, method, storages, setting: str, artifact_record, dtyp
 def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, lengths, depths, trials, seed, mode,
                              max_new_tokens, backend, dtype, device, device_map=None, max_memory=None,
                              fp_window: int | None = None) -> dict:
-    from pathlib import Path
-
-    from kvcal.artifact import load_artifact
-    from kvcal.eval.run import protocol_setting
-    from kvcal.methods.registry import artifact_method, storages_for_artifact
-    from kvcal.models import artifact_model, check_model_args, load_model
-    from kvcal.recipes import resolve
-    from kvcal.runtime.cache import backend_ran
-
     _check_grid(lengths or DEFAULT_LENGTHS, depths, trials, max_new_tokens, mode)
     backend_ran(backend, "cpu")
     if backend != "packed" and mode != "decode":
@@ -233,10 +224,3 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
         lengths = sorted({min(n, limit - max_new_tokens) for n in DEFAULT_LENGTHS})
     return passkey_record(loaded, method, storages, setting, artifact_record, dtype, lengths, depths, trials, seed, mode,
                           max_new_tokens, backend, fp_window)
-
-
-def accuracy_grid(record: dict) -> tuple[list[int], list, list[list[float]]]:
-    """(lengths, depths, accuracy[length][depth]) of a passkey record (NaN where a cell is missing)."""
-    lengths, depths = record["lengths"], record["depths"]
-    acc = {(c["length"], c["depth"]): c["accuracy"] for c in record["cells"]}
-    return lengths, depths, [[acc.get((n, d), float("nan")) for d in depths] for n in lengths]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kvcal.errors import KvcalError
 from kvcal.eval.simulate import SimulatedAttention, TailAttention, tail_layout
 from kvcal.models.adapter import forward_with_cache
+from kvcal.runtime.cache import KvcalCache
 
 PROTOCOLS = ("gptq", "prefill-decode", "tail")
 
@@ -117,8 +118,6 @@ def decoded_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq",
     instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits). tail: the cache
     prefills S + P tokens and compresses [S, S + P) in bulk (the storages' policy must be bulk with S = prefix_len
     sinks), then decodes the tail."""
-    from kvcal.runtime.cache import KvcalCache
-
     if protocol == "tail" and not storages.lossless:
         policy = storages.policy
         if not policy.bulk:

@@ -7,7 +7,13 @@ import math
 import re
 from pathlib import Path
 
+import yaml
+
+from kvcal.accounting import bits_per_element
 from kvcal.errors import KvcalError
+from kvcal.methods.registry import build_method
+from kvcal.models import ModelDims
+from kvcal.quant.rope import RopeSpec
 
 RECORD_FIELDS = {"setting": str, "method": str, "ppl": (int, float), "bits_per_element": (int, float),
                  "protocol": str, "nsamples": int}
@@ -46,8 +52,6 @@ def fp_window_of(record: dict) -> int | None:
         return record["fp_window"]
     if record.get("protocol") == "tail" or record.get("method") == "fp16":
         return 0
-    from kvcal.methods.registry import build_method
-
     try:
         return build_method(record["method"], record.get("config") or {}).own_fp_window()
     except KvcalError:
@@ -59,11 +63,6 @@ def bits_at_seqlen(record: dict) -> float | None:
     existed, its method's footprint at that length on the record's model shapes); None when that cannot be built."""
     if isinstance(record.get("bits_at_seqlen"), (int, float)):
         return record["bits_at_seqlen"]
-    from kvcal.accounting import bits_per_element
-    from kvcal.methods.registry import build_method
-    from kvcal.models import ModelDims
-    from kvcal.quant.rope import RopeSpec
-
     try:
         m = record["model"]
         dims = ModelDims(family=m["family"], num_layers=m["num_layers"], num_heads=m["num_heads"],
@@ -269,8 +268,6 @@ def _text(text: str, records: _Records, where: str) -> str:
 
 
 def load_manifest(path: Path) -> dict:
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise KvcalError(f"report: manifest {path} does not exist (--docs and a chart without records need a kvcal "
@@ -393,12 +390,12 @@ def draw_pareto(reference: dict, points: list[dict], title: str, out: Path,
     full-precision allowance, each point labelled (`offset`: the label's offset in points, where labels would
     overlap), and per allowance its Pareto front (fewest bits for the lowest increase) joined by a line: rows of two
     allowances are never ranked together."""
-    try:
+    try:  # matplotlib is optional (kvcal[plot]): imported only to draw
         import matplotlib
     except ImportError:
         raise KvcalError("--plot needs matplotlib: pip install 'kvcal[plot]'") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot takes its backend when imported
 
     fig, ax = plt.subplots(figsize=(12, 7.5), dpi=110)
     methods = list(dict.fromkeys(p["method"] for p in points))
@@ -458,16 +455,21 @@ def read_passkey_record(path) -> dict | None:
     return record
 
 
+def accuracy_grid(record: dict) -> tuple[list[int], list, list[list[float]]]:
+    """(lengths, depths, accuracy[length][depth]) of a passkey record (NaN where a cell is missing)."""
+    lengths, depths = record["lengths"], record["depths"]
+    acc = {(c["length"], c["depth"]): c["accuracy"] for c in record["cells"]}
+    return lengths, depths, [[acc.get((n, d), float("nan")) for d in depths] for n in lengths]
+
+
 def plot_passkey(records: list[dict], out: Path) -> None:
     """Passkey accuracy heatmaps, one panel per record (length x depth, each cell annotated)."""
-    from kvcal.eval.passkey import accuracy_grid
-
-    try:
+    try:  # matplotlib is optional (kvcal[plot]): imported only to draw
         import matplotlib
     except ImportError:
         raise KvcalError("--plot needs matplotlib: pip install 'kvcal[plot]'") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot takes its backend when imported
 
     cols = min(4, len(records))  # rows of 4 panels
     rows = -(-len(records) // cols)

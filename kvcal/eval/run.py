@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcal import __version__, software_versions
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import load_artifact
 from kvcal.data import check_text, load_eval_windows
@@ -18,9 +17,14 @@ from kvcal.eval.ppl import (
     scored_tokens,
     simulated_nll,
 )
+from kvcal.eval.simulate import tail_layout
+from kvcal.methods.registry import artifact_method, build_method, storages_for_artifact
+from kvcal.models import artifact_model, check_model_args, load_model
 from kvcal.models.dims import check_context
 from kvcal.progress import progress_bar
+from kvcal.recipes import resolve
 from kvcal.runtime.cache import backend_ran
+from kvcal.version import __version__, software_versions
 
 MODES = ("simulate", "decode")
 
@@ -45,10 +49,6 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                   protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
                   block_len=None, device_map=None, max_memory=None, fp_window=None) -> list[dict]:
-    from kvcal.methods.registry import artifact_method, storages_for_artifact
-    from kvcal.models import artifact_model, check_model_args, load_model
-    from kvcal.recipes import resolve
-
     if mode not in MODES:
         raise KvcalError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
     if protocol not in PROTOCOLS:
@@ -66,8 +66,6 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     else:
         prompt_len = 0
     if protocol == "tail":
-        from kvcal.eval.simulate import tail_layout
-
         prefix_len, block_len = tail_layout(seqlen, prefix_len, block_len)
         prompt_len = prefix_len + block_len
     elif prefix_len is not None or block_len is not None:
@@ -190,8 +188,6 @@ def ppl_record(loaded, method, storages, setting: str, artifact_record: dict | N
 
 def compare_with_fp16(loaded, artifact, path, dataset, data_dir, seqlen, nsamples, dtype: str) -> list[dict]:
     """`kvcal eval ppl` records of fp16 and of the artifact on the dataset's evaluation split (gptq protocol)."""
-    from kvcal.methods import build_method
-
     check_context(loaded, seqlen, "--seqlen")
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     fp16 = build_method("fp16")

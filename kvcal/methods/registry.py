@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+import math
+import pkgutil
+from pathlib import Path
+
 import yaml
 
-from kvcal.errors import KvcalError
+from kvcal.accounting import bits_per_element
+from kvcal.artifact import check_model
+from kvcal.errors import KvcalError, first_line
+from kvcal.models import ModelDims
+from kvcal.quant.rope import RopeSpec
 
 METHODS: dict[str, type] = {}
 
@@ -34,17 +43,12 @@ def all_methods() -> dict[str, type]:
 
 def _load_all() -> None:
     """Import every module of the kvcal.methods package once: a method registers itself with @register in its own
-    file, so adding one edits no shared list."""
+    file, so adding one edits no shared list (and this module, which each method imports, imports none of them)."""
     global _LOADED
     if _LOADED:
         return
-    import importlib
-    import pkgutil
-
-    import kvcal.methods as package
-
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        importlib.import_module(f"{__package__}.{info.name}")
     _LOADED = True
 
 
@@ -81,13 +85,6 @@ def check_artifact(artifact, path="artifact") -> None:
     """What eval and generate would refuse, checked from the artifact alone (no model): the method and its config
     build, the tensors fit them on the header's model shapes, and the header's bits per element is what the config
     gives (a header edited by hand fails here)."""
-    import math
-
-    from kvcal.accounting import bits_per_element
-    from kvcal.errors import first_line
-    from kvcal.models import ModelDims
-    from kvcal.quant.rope import RopeSpec
-
     m = artifact.header["model"]
     try:
         dims = ModelDims(family=m["family"], num_layers=m["num_layers"], num_heads=m["num_heads"],
@@ -122,8 +119,6 @@ def storages_for_artifact(artifact, loaded, path="artifact", sets: list[str] | N
                           fp_window: int | None = None):
     """(method, its Storages) an artifact describes, after checking it was made for this model (artifact_method's
     settings)."""
-    from kvcal.artifact import check_model
-
     check_model(artifact, loaded, path)
     method = artifact_method(artifact, sets, fp_window)
     return method, method.build_storages(artifact.tensors, loaded.dims)

@@ -22,6 +22,7 @@ import zlib
 from contextlib import nullcontext
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from kvcal.errors import KvcalError
 
@@ -120,6 +121,7 @@ def infer_map(model, device_map, max_memory, dtype) -> dict:
     first; --max-memory caps each GPU."""
     if isinstance(device_map, dict):
         return dict(device_map)
+    # accelerate (here and below): imported only where a device map is placed
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
@@ -140,7 +142,7 @@ def infer_map(model, device_map, max_memory, dtype) -> dict:
 def dispatch(model, device_map: dict):
     """accelerate's hooks on `model`'s blocks, placed as `device_map` says (every parameter already materialized);
     hooks also when the map names one device, so a map of CPU blocks runs the same bookkeeping (tests)."""
-    from accelerate import dispatch_model
+    from accelerate import dispatch_model  # as in infer_map
 
     check_placement(device_map)
     skip = getattr(model, "_skip_keys_device_placement", None)
@@ -162,8 +164,7 @@ def build_split(config, dtype: torch.dtype, device_map, max_memory, seed: int = 
     """A random-weight model of `config` placed by `device_map` without ever existing whole on one device: the
     skeleton on meta, then each block's parameters allocated on its device and initialized there (transformers'
     own init of each module) from a generator seeded by (seed, module name)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from accelerate import init_empty_weights  # as in infer_map
 
     with init_empty_weights(include_buffers=False):  # buffers (RoPE frequencies) keep real values, on the CPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)

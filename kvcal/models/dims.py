@@ -2,7 +2,8 @@
 cut windows.
 
 `model_dims(name)` reads what the shapes come from and nothing else: the config in code (tiny and random models), a
-GGUF header (smollm2-135m, a local .gguf file) or a local folder's config.json. It serves what needs only the shapes
+GGUF header (smollm2-135m, a local .gguf file) or a local folder's config.json (`check_local_config`, which
+load_model runs on a folder before loading it). It serves what needs only the shapes
 (`kvcal recipes`: bits per element); loading a model gives the same ModelDims (tests/test_recipes.py).
 """
 
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcal.errors import KvcalError
-from kvcal.models import ModelDims
+from transformers import AutoConfig
+
+from kvcal.errors import KvcalError, first_line
+from kvcal.models.gguf import GGUF_FAMILIES, check_gguf_servable, inspect_gguf, package_parts
+from kvcal.models.loaded import ModelDims, check_servable, quiet_transformers
 from kvcal.models.registry import ALIASES
+from kvcal.models.tiny import llama31_8b_config, tiny_config
 from kvcal.quant.rope import RopeSpec
 
 
@@ -22,16 +27,10 @@ def model_dims(name: str) -> ModelDims:
     needs the Hub or a model in several GGUF parts is refused in one line."""
     spec = ALIASES.get(name)
     if spec is not None and spec.kind == "tiny":
-        from kvcal.models.tiny import tiny_config
-
         return ModelDims.from_config(tiny_config(spec.source))
     if spec is not None and spec.kind == "random":
-        from kvcal.models.tiny import llama31_8b_config
-
         return ModelDims.from_config(llama31_8b_config())
     if spec is not None and spec.kind == "gguf":
-        from kvcal.models.gguf import package_parts
-
         parts, _ = package_parts(spec)
         if len(parts) > 1:
             raise KvcalError(f"{name} is one GGUF file in {len(parts)} parts, whose dims are not read without "
@@ -43,17 +42,33 @@ def model_dims(name: str) -> ModelDims:
     if path.is_file() and path.suffix.lower() == ".gguf":
         return gguf_dims(path)
     if path.is_dir():
-        from kvcal.models import _check_local_config
-
-        return ModelDims.from_config(_check_local_config(path))
+        return ModelDims.from_config(check_local_config(path))
     raise KvcalError(f"unknown model '{name}': use one of {', '.join(ALIASES)}, a local .gguf file or a local Hugging "
                      "Face model directory")
 
 
+def check_local_config(folder: Path):
+    """The config of a local model folder, refused in one line when it is missing, unreadable or describes a model kvcal
+    cannot serve; and its weight files, refused when there are none."""
+    if not (folder / "config.json").is_file():
+        raise KvcalError(f"{folder} is not a Hugging Face model directory (no config.json)")
+    quiet_transformers()
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KvcalError(f"{folder}/config.json does not load ({type(exc).__name__}: {first_line(str(exc), 160)})") \
+            from None
+    try:
+        check_servable(ModelDims.from_config(config))
+    except (AttributeError, TypeError) as exc:
+        raise KvcalError(f"{folder}/config.json lacks what kvcal needs ({first_line(str(exc), 160)})") from None
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise KvcalError(f"{folder} has no weights (no *.safetensors or *.bin file)")
+    return config
+
+
 def gguf_dims(path: Path) -> ModelDims:
     """ModelDims from a GGUF header (the tensors are not read)."""
-    from kvcal.models.gguf import GGUF_FAMILIES, check_gguf_servable, inspect_gguf
-
     info = inspect_gguf(path)
     check_gguf_servable(info, path)
     heads, hidden = int(info.get("attention.head_count")), int(info.get("embedding_length"))

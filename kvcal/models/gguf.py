@@ -25,7 +25,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from kvcal.errors import KvcalError, first_line
+from kvcal.models.loaded import head_dim_unsupported
+from kvcal.models.registry import ALIASES
 
 SOURCE_FILE = "kvcal_source.json"
 SHA_INDEX = "gguf-sha256.json"
@@ -145,7 +151,10 @@ class _Reader:
 def inspect_gguf(path: Path) -> GGUFInfo:
     """Read a GGUF header: metadata scalars, tensor infos, where the data ends. A file that is not GGUF, ends inside its
     header or before its last tensor's data: one-line KvcalError."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import (  # the gguf package: imported only to read a GGUF file
+        GGML_QUANT_SIZES,
+        GGMLQuantizationType,
+    )
 
     size = path.stat().st_size
     try:
@@ -193,8 +202,6 @@ def inspect_gguf(path: Path) -> GGUFInfo:
 def check_gguf_servable(info: GGUFInfo, path: Path) -> None:
     """Refuse, from the header alone, a GGUF model kvcal cannot serve (the architecture, sliding-window attention,
     multi-head latent attention, the head_dim), naming what is unsupported."""
-    from kvcal.models import head_dim_unsupported
-
     arch = info.architecture
     if info.get("attention.kv_lora_rank") is not None or info.get("attention.q_lora_rank") is not None:
         raise KvcalError(f"{path}: {arch} uses multi-head latent attention (MLA), which kvcal does not support")
@@ -272,6 +279,7 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
 
 
 def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
+    # gguf and accelerate: imported only here, to say in one line which one a conversion lacks
     try:
         import gguf  # noqa: F401
     except ImportError as exc:
@@ -280,10 +288,6 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
         import accelerate  # noqa: F401  (transformers reads a GGUF file only with accelerate installed)
     except ImportError as exc:
         raise KvcalError("converting a GGUF file needs the `accelerate` package: pip install accelerate") from exc
-    import torch
-    from rich.console import Console
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     Console(stderr=True).print(f"[dim]converting {label} to safetensors once (cached under {target})[/dim]")
     folder, name = str(gguf_path.parent), gguf_path.name
     quiet = os.environ.get("TQDM_DISABLE")
@@ -399,6 +403,4 @@ def converted_folder_source(folder: Path) -> tuple[str, dict] | None:
 
 def converted_smollm2_dir() -> tuple[Path, dict]:
     """The converted smollm2-135m (kept for the tests and benchmarks that open it with stock transformers)."""
-    from kvcal.models.registry import ALIASES
-
     return package_gguf_source(ALIASES["smollm2-135m"])

@@ -7,7 +7,9 @@ so any text can be fed to them.
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 BYTE_VOCAB = 256
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
@@ -15,9 +17,6 @@ TINY_VOCAB = BYTE_VOCAB + len(SPECIAL_TOKENS)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
     alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins for raw bytes
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
     for i, special in enumerate(SPECIAL_TOKENS):
@@ -49,6 +48,7 @@ def tiny_config(family: str):
         # Larger than HF's default 0.02 so attention is far from uniform and quantization error shows.
         initializer_range=0.1,
     )
+    # a family's config class loads that family's transformers modules (~1 s): imported when it is asked for
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -70,7 +70,7 @@ def tiny_config(family: str):
 
 def llama31_8b_config():
     """Llama-3.1-8B's published config (for random-weight speed benchmarks; no download)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy, as in tiny_config
 
     return LlamaConfig(
         vocab_size=128256,
@@ -97,8 +97,6 @@ def llama31_8b_config():
 
 
 def build_random_model(config, dtype: torch.dtype, device: str, seed: int = 0, attn_implementation: str = "sdpa"):
-    from transformers import AutoModelForCausalLM
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):

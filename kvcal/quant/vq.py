@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcal.quant import vq_kernels
+
 # entries of one chunk's distance block [G, chunk, N, N]: 4 MiB on the CPU (cache-sized, 256 points of one group at
 # N = 64), 512 MiB on a GPU (thousands of points of all groups of a layer: few, large kernels)
 CPU_BLOCK_ENTRIES = 1 << 20
@@ -137,9 +139,7 @@ def nearest_codes_groups(points: torch.Tensor, theta: torch.Tensor, chunk: int |
     flat = points.reshape(groups, m, -1)
     tables = StageTables.of(theta)
     if use_kernel(points, n) and m:
-        from kvcal.quant.vq_kernels import e_step_blocks
-
-        best, index = e_step_blocks(*_pq(flat, tables), tables.cross, None)[:2]
+        best, index = vq_kernels.e_step_blocks(*_pq(flat, tables), tables.cross, None)[:2]
         return index // n, index % n, best
     step = chunk_points(chunk, groups, n * n, points.device)
     a, b, best = [], [], []
@@ -211,8 +211,6 @@ def use_kernel(points: torch.Tensor, n_codes: int) -> bool:
     registers); torch elsewhere (the CPU, float64 checks, 129-256 codewords per pair)."""
     if not (points.is_cuda and points.dtype == torch.float32 and n_codes <= 128):
         return False
-    from kvcal.quant import vq_kernels
-
     return vq_kernels.triton is not None
 
 
@@ -246,9 +244,7 @@ def e_step_groups(points: torch.Tensor, weights: torch.Tensor, theta: torch.Tens
     weights = weights.to(device, dtype)
     if use_kernel(points, n):
         # the fused kernel (vq_kernels): no [G, M, N, N] block at all, only the [G, M, N] terms
-        from kvcal.quant.vq_kernels import e_step_blocks
-
-        best, _, wa, wb, inv_z, kernel_counts = e_step_blocks(*_pq(flat, tables), tables.cross, temperature)
+        best, _, wa, wb, inv_z, kernel_counts = vq_kernels.e_step_blocks(*_pq(flat, tables), tables.cross, temperature)
         _accumulate_marginals(rhs, wa, wb, points, n)
         sse = (best * weights).sum(-1, dtype=torch.float64)
         return EStats(kernel_counts, rhs, sse, inv_z.sum(-1) / max(1, m))

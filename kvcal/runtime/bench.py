@@ -18,7 +18,9 @@ import statistics
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import FullPrecision
 from kvcal.runtime.storage import Packed, SharedState
 
@@ -56,7 +58,7 @@ def packed_bytes(storage, packed: Packed) -> int:
 
 def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    import triton.testing
+    import triton.testing  # triton is Linux-only: this module imports without it (its timings need it)
 
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -65,8 +67,6 @@ def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
 
 
 def _sdpa(q4, k, v):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
             with sdpa_kernel(backend):
@@ -116,7 +116,7 @@ def time_device(fn, warmup=25, rep=100, graph=True, flush: str = "write") -> flo
     docs/runtime.md) overlaps the kernel only as long as do_bench's L2 flush keeps the GPU busy, so eager
     timings vary from pass to pass.
     flush: "write" (do_bench's: the flush buffer is zeroed, leaving the L2 dirty) or "read" (_read_flush_bench)."""
-    import triton.testing
+    import triton.testing  # Linux-only, as in copy_bandwidth
 
     if flush not in FLUSHES:
         raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
@@ -138,8 +138,6 @@ def time_device(fn, warmup=25, rep=100, graph=True, flush: str = "write") -> flo
 
 def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", warmup=25, rep=100, graph=True,
               flush: str = "write"):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(batch, hq, 1, dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(batch, hkv, tokens, dim, device=device, dtype=dtype, generator=gen)
@@ -163,8 +161,6 @@ def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torc
     """Median time (us) of one decode step over `tokens` tokens (tokens - window packed in `storage`, window in full
     precision) through the storage's Triton kernel and the merge, and the bytes it must read. options: the storage
     kernel's tuning knobs (its attend_triton's keyword arguments)."""
-    from kvcal.runtime import kernels as K
-
     window = min(window, tokens)
     packed = random_packed(storage, batch, hkv, dim, tokens - window, device=device, inv_freq=inv_freq)
     gen = torch.Generator(device=device).manual_seed(2)
@@ -188,20 +184,14 @@ def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torc
     return ms * 1e3, nbytes
 
 
-def run_decode_bench(cases, contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32), dims=None,
+def run_decode_bench(cases, dims, contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32),
                      window: int = 128, dtype=torch.bfloat16, device="cuda", warmup: int = 25, rep: int = 100,
                      options: dict | None = None, log=print, graph: bool = True, flush: str = "write") -> dict:
-    """Benchmark grid over `cases`, a list of (name, storages, bits per element); dims: the model's ModelDims (default
-    Llama-3.1-8B's). Returns a JSON-ready dict (device, versions, copy bandwidth, one row per (context, batch,
-    case)). options: {case name: tuning knobs of its storage kernel}."""
-    import triton
+    """Benchmark grid over `cases`, a list of (name, storages, bits per element), at the shapes of `dims` (the model's
+    ModelDims: `kvcal bench decode` passes Llama-3.1-8B's). Returns a JSON-ready dict (device, versions, copy
+    bandwidth, one row per (context, batch, case)). options: {case name: tuning knobs of its storage kernel}."""
+    import triton  # Linux-only, as in copy_bandwidth
 
-    from kvcal.models import ModelDims
-
-    if dims is None:
-        from kvcal.models.tiny import llama31_8b_config
-
-        dims = ModelDims.from_config(llama31_8b_config())
     hq, hkv, dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
     inv_freq = dims.rope.inv_freq(device)
     options = options or {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
@@ -709,8 +710,6 @@ class KvcalCache(Cache):
         did not reach this cache (a transformers release passing it under another name) must not go unnoticed."""
         held = sorted({layer.length for layer in self.layers})
         if held != [tokens]:
-            import transformers
-
             raise KvcalError(f"the KV cache holds {'/'.join(map(str, held))} tokens per row after {tokens} were fed: "
                              f"the model (transformers {transformers.__version__}) ran without kvcal's cache")
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.runtime import kernels as K
 from kvcal.runtime.partials import FullPrecision, Partials, with_extra
 
 LOG2E = 1.4426950408889634
@@ -109,8 +110,6 @@ def decode_attention(q: torch.Tensor, storage, packed, fp: FullPrecision | None,
     if fp is not None and fp.slots == 0:
         fp = None
     if kernels:
-        from kvcal.runtime import kernels as K  # triton loads only where a kernel runs
-
         reason = K.unsupported(q) or (storage.supports_triton(q, packed) if packed is not None else None)
         if reason:
             raise KvcalError(f"{type(storage).__name__}: no Triton decode kernel for this call ({reason}); "

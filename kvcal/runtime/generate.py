@@ -1,27 +1,10 @@
-"""What generating with a compressed cache needs of the runtime, whatever the method: a LoadedModel for any supported
-transformers model, and the cache's size line (kvcal/generate.py builds the cache from an artifact or a recipe)."""
+"""What generating with a compressed cache needs of the runtime, whatever the method and the model: the cache's size
+line (kvcal/generate.py builds the cache from an artifact or a recipe; kvcal.models.as_loaded wraps a transformers
+model)."""
 
 from __future__ import annotations
 
 from kvcal.accounting import kv_elements
-
-
-def as_loaded(model):
-    """A LoadedModel for a model kvcal loaded, or for any supported transformers model (adapter installed)."""
-    from kvcal.models import LoadedModel, ModelDims
-    from kvcal.models.adapter import install_adapter
-
-    if isinstance(model, LoadedModel):
-        return model
-    existing = getattr(model, "_kvcal_loaded", None)
-    if existing is not None:
-        return existing
-    dims = ModelDims.from_config(model.config)
-    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-    loaded = LoadedModel(name, model, None, dims, {"unverified": True})
-    install_adapter(loaded)
-    model._kvcal_loaded = loaded
-    return loaded
 
 
 def first_compressed_length(policy) -> int:

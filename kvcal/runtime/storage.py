@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcal.quant.rope import apply_rope, rope_cos_sin
+from kvcal.runtime.decode import partials_from_rows, with_fp_reference
+
 
 @dataclass(frozen=True)
 class FlushPolicy:
@@ -128,8 +131,6 @@ class SharedState:
     def rope_tables(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [positions >= length, D] in float32 (rope_cos_sin's: cos/sin(position * inv_freq), the two
         halves duplicated), on inv_freq's device."""
-        from kvcal.quant.rope import rope_cos_sin
-
         found = self._tables.get(inv_freq.device)
         if found is None or found[0].shape[0] < length:
             positions = torch.arange(length, device=inv_freq.device)[None]
@@ -163,8 +164,6 @@ class Packed:
 
     def rotate_keys(self, k: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Keys [H, T, D] of one row stored before RoPE -> after RoPE at positions pos_offset + slot."""
-        from kvcal.quant.rope import apply_rope
-
         pos = slice(self.pos_offset, self.pos_offset + k.shape[1])
         k = k.to(dtype)
         return apply_rope(k[None], self.rope_cos[None, pos].to(dtype), self.rope_sin[None, pos].to(dtype))[0]
@@ -271,8 +270,6 @@ class Storage:
     def attend_reference(self, q: torch.Tensor, packed: Packed, scale: float, fp):
         """Partials of the queries q [B, Hq, D] (after RoPE) over the packed tokens, then over the full-precision part
         `fp` (runtime.decode.FullPrecision, or None), from `read` (float32, float64 for float64 queries)."""
-        from kvcal.runtime.decode import partials_from_rows, with_fp_reference
-
         compute = torch.promote_types(q.dtype, torch.float32)
         rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
         return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads), q, fp, scale)
@@ -374,8 +371,6 @@ class ReconstructionStorage(Storage):
         return k.to(dtype), v.to(dtype)
 
     def attend_reference(self, q, packed, scale, fp):
-        from kvcal.runtime.decode import partials_from_rows, with_fp_reference
-
         compute = torch.promote_types(q.dtype, torch.float32)
         rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
         remap = self.remap_scores if self.remaps_scores else None

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvcal.errors import KvcalError
 from kvcal.methods.skvq.storage import ChannelQuantizer, GroupLayout
+from kvcal.models.adapter import attention_modules
 from kvcal.models.devmap import device_scope
 from kvcal.progress import progress_bar
 from kvcal.quant.kmeans import weighted_kmeans
@@ -117,8 +118,6 @@ def fit_layouts_and_clips(loaded, store, *, k_bits: float, v_bits: float, group_
                           clip_windows: int, clip_queries: int, seed: int, warning: str | None):
     """(tensors, info): every layer's channel layouts (perm, group_offsets) and clip ratios for K and V, the clip
     search's loss curves, and the calibration's numbers (`warning`: the config's warning for this model, recorded)."""
-    from kvcal.models.adapter import attention_modules  # transformers: imported only to calibrate
-
     dims = loaded.dims
     positions = store.token_positions
     # Channel statistics leave out the sink positions: those tokens are never quantized, and the

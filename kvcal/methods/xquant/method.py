@@ -43,6 +43,7 @@ from kvcal.methods.base import FlushPolicy, Method, Storages
 from kvcal.methods.registry import register
 from kvcal.methods.xquant.calibrate import svd_factors
 from kvcal.methods.xquant.storage import BASE, DELTA, PLAIN, XQuantMath
+from kvcal.models.adapter import kv_projection_weights
 from kvcal.quant.packing import words_per_vector
 
 VARIANTS = ("kv", "x", "svd")
@@ -180,8 +181,6 @@ class XQuant(Method):
 
     # ---- calibration: the SVD factors (weights only; calibrate.py) -------------------------------------------
     def calibrate(self, loaded, store):
-        from kvcal.models.adapter import kv_projection_weights  # transformers: loaded only when calibrating
-
         self.check_model(loaded.dims)
         if self.variant != "svd":
             return {}, {}

@@ -1,4 +1,7 @@
-"""The kvcal command line (Typer). Bad input ends in one line on stderr and a non-zero exit."""
+"""The kvcal command line (Typer). Bad input ends in one line on stderr and a non-zero exit.
+
+The commands import what they run inside their functions: `kvcal --help` and the one-line errors of bad input come
+back before torch and transformers load."""
 
 from __future__ import annotations
 

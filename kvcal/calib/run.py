@@ -20,6 +20,7 @@ from kvcal.calib.checkpoint import Checkpoints, checkpoint_folder, run_key
 from kvcal.data import calibration_windows, load_text, tokenize
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import TailObjective
+from kvcal.models.dims import check_context
 from kvcal.progress import progress_bar, stderr_console
 
 
@@ -98,8 +99,6 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     (it holds the union of what they need), and each artifact is written as soon as it is ready. A method that
     trains checkpoints beside its artifact (kvcal/calib/checkpoint.py); `resume` continues from what an interrupted
     run of the same calibration left there."""
-    from kvcal.models.dims import check_context
-
     # model-dependent defaults resolved, so each artifact's config states the numbers it was calibrated with
     jobs = [(method.for_model(loaded.dims), out) for method, out in jobs]
     for method, _ in jobs:

@@ -33,6 +33,7 @@ from kvcal.methods.commvq.storage import (
     normalize_values,
     pair_channels,
 )
+from kvcal.models.adapter import attention_modules
 from kvcal.models.devmap import device_scope
 from kvcal.progress import progress_bar
 from kvcal.quant import vq
@@ -540,8 +541,6 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
     activations of `store` (windows starting at position 0, a `holdout` fraction of them held out for the
     diagnostics). Returns the artifact's tensors and the per-layer diagnostics (windows, key_*, value_* lists). Each
     finished layer, and the value training in progress, is checkpointed in `store.checkpoints`."""
-    from kvcal.models.adapter import attention_modules  # transformers: loaded when a model is calibrated
-
     dims = loaded.dims
     positions = store.token_positions
     windows = window_bounds(positions)

@@ -42,16 +42,21 @@ stderr_console = make_console(stderr=True)
 _clock = time.monotonic
 
 
-def log_every_seconds() -> float:
-    """How often, at most, a stage without a terminal prints a progress line: $KVCAL_PROGRESS_SECONDS, else 30."""
-    raw = os.environ.get("KVCAL_PROGRESS_SECONDS", "30")
+def seconds_from_env(name: str, default: float) -> float:
+    """A number of seconds >= 0 from the environment variable `name` (default if unset), or a one-line error."""
+    raw = os.environ.get(name, str(default))
     try:
         seconds = float(raw)
     except ValueError:
         seconds = float("nan")
     if not seconds >= 0:
-        raise KvcalError(f"KVCAL_PROGRESS_SECONDS must be a number of seconds >= 0, got '{raw}'")
+        raise KvcalError(f"{name} must be a number of seconds >= 0, got '{raw}'")
     return seconds
+
+
+def log_every_seconds() -> float:
+    """How often, at most, a stage without a terminal prints a progress line: $KVCAL_PROGRESS_SECONDS, else 30."""
+    return seconds_from_env("KVCAL_PROGRESS_SECONDS", 30)
 
 
 def duration(seconds: float) -> str:

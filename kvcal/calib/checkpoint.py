@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcal.errors import KvcalError
+from kvcal.progress import seconds_from_env
 
 CHECKPOINT_SECONDS = 60.0  # a stage in progress saves its training state at most this often (KVCAL_CHECKPOINT_SECONDS)
 SUFFIX = ".partial"
@@ -40,14 +41,7 @@ def checkpoint_folder(out: str | Path) -> Path:
 
 
 def checkpoint_seconds() -> float:
-    raw = os.environ.get("KVCAL_CHECKPOINT_SECONDS", str(CHECKPOINT_SECONDS))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds >= 0:
-        raise KvcalError(f"KVCAL_CHECKPOINT_SECONDS must be a number of seconds >= 0, got '{raw}'")
-    return seconds
+    return seconds_from_env("KVCAL_CHECKPOINT_SECONDS", CHECKPOINT_SECONDS)
 
 
 def run_key(parts: dict, windows: torch.Tensor) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -125,22 +126,47 @@ def new_file_mode(replacing: str | Path | None = None) -> int:
     return 0o666 & ~mask
 
 
-def save_artifact(path: str | Path, artifact: Artifact) -> Path:
-    """Write atomically: a temporary file in the same folder, renamed over the target at the end."""
+def write_atomic(path: str | Path, write) -> Path:
+    """Write a file through `write(temporary path)` in the same folder, then rename it over `path`: an interrupted
+    command never leaves one half-written."""
     path = Path(path)
-    check_tensor_names(artifact.tensors, artifact.header["model"]["num_layers"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in artifact.tensors.items()}
-    header = dict(artifact.header, tensor_hash=tensor_hash(tensors))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
+        write(tmp)
         os.chmod(tmp, new_file_mode(path))  # mkstemp's 0600 would survive the rename
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return path
+
+
+def finite_or_null(value):
+    """NaN and infinities as null: strict JSON has no spelling for them (a diverged perplexity is recorded as null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, record: dict) -> Path:
+    """A JSON record, written atomically (write_atomic), keys sorted, NaN and infinities as null."""
+    text = json.dumps(finite_or_null(record), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def save_artifact(path: str | Path, artifact: Artifact) -> Path:
+    """Write atomically (write_atomic)."""
+    path = Path(path)
+    check_tensor_names(artifact.tensors, artifact.header["model"]["num_layers"])
+    tensors = {name: t.detach().contiguous().cpu() for name, t in artifact.tensors.items()}
+    header = dict(artifact.header, tensor_hash=tensor_hash(tensors))
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)}))
     artifact.header = header
     return path
 

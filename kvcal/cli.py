@@ -884,33 +884,11 @@ def check_writable(path: Path, folder: bool, permission: bool = True, flag: str 
 
 
 def write_json_atomic(path: Path, record: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written record."""
-    from kvcal.artifact import new_file_mode
+    """A record where kvcal can write it (check_writable's one-line errors), written atomically."""
+    from kvcal.artifact import write_json
 
-    path = Path(path)
-    check_writable(path, folder=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_finite_or_null(record), f, indent=2, sort_keys=True, allow_nan=False)
-            f.write("\n")
-        os.chmod(tmp, new_file_mode(path))  # mkstemp's 0600 would survive the rename
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _finite_or_null(value):
-    """NaN and infinities as null: strict JSON has no spelling for them (a diverged perplexity is recorded as null)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_null(v) for v in value]
-    return value
+    check_writable(Path(path), folder=False)
+    write_json(path, record)
 
 
 # artifacts and records are written to a temporary file and renamed: an interrupted command leaves none half-written

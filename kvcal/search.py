@@ -22,12 +22,12 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvcal import __version__
 from kvcal.accounting import bits_per_element, kv_elements
-from kvcal.artifact import load_artifact
+from kvcal.artifact import load_artifact, write_json
 from kvcal.calib.checkpoint import checkpoint_folder
 from kvcal.calib.run import run_calibrations
 from kvcal.data import load_eval_windows, load_text
@@ -82,7 +82,6 @@ class Candidate:
     key: str = ""
     record: dict | None = None
     status: str = "pending"  # measured, reused, not started (time budget)
-    notes: list[str] = field(default_factory=list)
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -205,12 +204,6 @@ def eval_command(plan: Plan, artifact: Path) -> str:
     return " ".join(parts)
 
 
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n")
-    tmp.replace(path)
-
-
 def measure(loaded, plan: Plan, candidate: Candidate, out: Path, text, windows) -> None:
     """Calibrate (or reuse) the candidate's artifact and evaluate it (or reuse its record)."""
     folder = out / "candidates" / f"{candidate.name.replace('/', '-')}-{candidate.key}"
@@ -233,7 +226,7 @@ def measure(loaded, plan: Plan, candidate: Candidate, out: Path, text, windows) 
                             "packed", plan.prefix_len, plan.fp_window)
     record["deterministic"] = True
     record["command"] = eval_command(plan, artifact_path)
-    _write_json(record_path, record)
+    write_json(record_path, record)
     candidate.record, candidate.status = record, "measured"
 
 
@@ -299,7 +292,7 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
         shutil.copyfile(source, target)
         result["chosen"] = {**chosen, "artifact": str(target),
                             "command": eval_command(plan, target)}
-    _write_json(out / "search.json", result)
+    write_json(out / "search.json", result)
     return result
 
 

@@ -26,20 +26,12 @@ from kvcal.runtime.cache import KvcalCache
 
 METHODS = sorted(all_methods())
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
-# fixed calibration text (a new test must not change what the artifacts calibrate on)
-TEXT = " ".join(f"key{(i * 7919) % 251} value {(i * 104729) % 97}." for i in range(3000))
 
 
 def _method(name: str):
     cls = all_methods()[name]
     return build_method(name, dict(cls.test_config))
 
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("contract") / "text.txt"
-    path.write_text(TEXT)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,8 @@ from kvcal.errors import KvcalError
 from kvcal.methods.registry import all_methods, build_method
 from kvcal.models import load_model
 
-TEXT = " ".join(f"word{(i * 7919) % 307} and {(i * 104729) % 89}." for i in range(3000))
 TRAINERS = ["commvq", "kvquant", "skvq"]  # the methods that checkpoint as they train
 
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("resume") / "text.txt"
-    path.write_text(TEXT)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,11 @@ from kvcal.errors import KvcalError
 from kvcal.models.dims import model_dims
 from tests.test_cli import assert_one_line_error, kvcal
 
-TEXT = " ".join(f"key{(i * 7919) % 251} value {(i * 104729) % 97}." for i in range(6000))
 # on the tiny model's 16-channel heads and 128-token windows, the 2-bit settings with their overheads (per-channel
 # ranges, scales) count 2.5 to 4.6 bits per element
 ARGS = ["--model", "tiny-llama", "--bits", "4.6", "--methods", "kvquant,xquant,rtn", "--nsamples", "2", "--seqlen",
         "128", "--eval-nsamples", "2"]
 
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("search") / "text.txt"
-    path.write_text(TEXT)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kvcal.artifact import write_atomic, write_json
 from kvcal.errors import KvcalError
 from kvcal.progress import seconds_from_env
 
@@ -42,6 +41,12 @@ def checkpoint_folder(out: str | Path) -> Path:
 
 def checkpoint_seconds() -> float:
     return seconds_from_env("KVCAL_CHECKPOINT_SECONDS", CHECKPOINT_SECONDS)
+
+
+def stale(folder: Path) -> KvcalError:
+    """The error for a run without --resume that finds checkpoints: their progress is never dropped silently."""
+    return KvcalError(f"{folder} holds checkpoints of an interrupted calibration: pass --resume to continue it, or "
+                      "remove the folder to start over")
 
 
 def run_key(parts: dict, windows: torch.Tensor) -> str:
@@ -74,8 +79,7 @@ class Checkpoints:
         stamp = folder / "run.json"
         if folder.exists():
             if not resume:
-                raise KvcalError(f"{folder} holds checkpoints of an interrupted calibration: pass --resume to continue "
-                                 "it, or remove the folder to start over")
+                raise stale(folder)
             try:
                 saved = json.loads(stamp.read_text()).get("key")
             except (OSError, ValueError, AttributeError):
@@ -85,12 +89,8 @@ class Checkpoints:
                                  "version differ): remove the folder, or run without --resume elsewhere")
         else:
             folder.mkdir(parents=True)
-            _write_atomic(stamp, json.dumps({"key": key, **description}, indent=1, default=str))
+            write_json(stamp, {"key": key, **description})
         return cls(folder, key, checkpoint_seconds())
-
-    @property
-    def enabled(self) -> bool:
-        return self.folder is not None
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{name}.safetensors"
@@ -111,14 +111,7 @@ class Checkpoints:
         if self.folder is None:
             return
         cpu = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=self.folder)
-        os.close(fd)
-        try:
-            save_file(cpu, tmp, metadata={"meta": json.dumps(meta)})
-            os.replace(tmp, self._path(name))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_atomic(self._path(name), lambda tmp: save_file(cpu, tmp, metadata={"meta": json.dumps(meta)}))
         self.last = time.monotonic()
         self.saved += 1
 
@@ -147,10 +140,3 @@ class Checkpoints:
     def remove(self) -> None:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -16,9 +16,8 @@ from kvcal import __version__
 from kvcal.accounting import bits_per_element
 from kvcal.artifact import Artifact, make_header, save_artifact
 from kvcal.calib.capture import CaptureStore, capture
-from kvcal.calib.checkpoint import Checkpoints, checkpoint_folder, run_key
+from kvcal.calib.checkpoint import Checkpoints, checkpoint_folder, run_key, stale
 from kvcal.data import calibration_windows, load_text, tokenize
-from kvcal.errors import KvcalError
 from kvcal.eval.ppl import TailObjective
 from kvcal.models.dims import check_context
 from kvcal.progress import progress_bar, stderr_console
@@ -84,8 +83,7 @@ def check_checkpoints(paths, resume: bool) -> None:
     for path in paths:
         folder = checkpoint_folder(path)
         if folder.exists() and not resume:
-            raise KvcalError(f"{folder} holds checkpoints of an interrupted calibration: pass --resume to continue "
-                             "it, or remove the folder to start over")
+            raise stale(folder)
         if resume and not folder.exists():
             stderr_console.print(f"note: nothing to resume for {path} (no {folder}): calibrating from the start",
                                  markup=False, highlight=False, soft_wrap=True)

@@ -488,11 +488,12 @@ def fit_values(store, layers: list[int], windows, held, modules, loaded, device,
         probe = AttentionOutputLoss(q, k, weight, held_windows, loaded, scale, fit.attn_tokens, device, cache_bytes=0)
     results = []
     with torch.no_grad():
+        layer_params = [{n: t[j] for n, t in params.items()} for j in range(len(layers))]
+        attn = held_out_attention(probe, v, layer_params, fit.bits) if probe is not None else None
         for j in range(len(layers)):
-            layer_params = {n: t[j] for n, t in params.items()}
             x = v[j, held_rows]
-            bits, rho = encode_values(x, layer_params)
-            mse = float((decode_values(bits, rho, layer_params) - x).square().mean())
+            bits, rho = encode_values(x, layer_params[j])
+            mse = float((decode_values(bits, rho, layer_params[j]) - x).square().mean())
             categories = bits.view(-1, bits.shape[-1] // 2, 2)
             code = categories[..., 0] * 2 + categories[..., 1]  # 10 -> 2, 01 -> 1, 11 -> 3, 00 -> 0
             used = F.one_hot(code.long(), 4).amax(0)  # [n_e, 4] categories seen per group
@@ -501,24 +502,28 @@ def fit_values(store, layers: list[int], windows, held, modules, loaded, device,
             info = {"mse": round(mse, 8), "scalar_mse": round(value_scalar_mse(x, fit.bits), 8),
                     "scalar_mse_token": round(value_scalar_mse(x, fit.bits, x.shape[-1]), 8),
                     "train_loss": round(losses[j], 8), "live_groups": round(live, 4), "used_rows": round(used_rows, 4)}
-            if probe is not None:
-                info.update(held_out_attention(probe, v, j, layer_params, fit.bits))
-            results.append(({n: t.clone() for n, t in layer_params.items()}, info))
+            if attn is not None:
+                info.update(attn[j])
+            results.append(({n: t.clone() for n, t in layer_params[j].items()}, info))
     return results
 
 
-def held_out_attention(probe: AttentionOutputLoss, v, j: int, params, bits: int) -> dict:
-    """Attention-output error after o_proj of layer j on the held-out windows (values quantized block by block, at
-    most 8 blocks), for the learned code and for the per-token group-32 scalar quantizer at the same code bits."""
-    ours, scalar = [], []
+def held_out_attention(probe: AttentionOutputLoss, v, layer_params: list[dict], bits: int) -> list[dict]:
+    """Attention-output error after o_proj of each layer on the held-out windows (values quantized block by block, at
+    most 8 blocks), for the learned code and for the per-token group-32 scalar quantizer at the same code bits. A
+    block's attention weights are computed once for all layers."""
+    ours, scalar = [[] for _ in layer_params], [[] for _ in layer_params]
     for index in range(min(8, len(probe.blocks))):
         lo, hi = probe.span(index)
-        x = v[j, lo:hi]
-        probs = probe.probabilities(index)[j : j + 1]
-        ours.append(float(probe.loss(probs, (decode_values(*encode_values(x, params), params) - x)[None], j)[0]))
-        group = 32 if x.shape[-1] % 32 == 0 else x.shape[-1]
-        scalar.append(float(probe.loss(probs, (fake_quant_groups(x, bits, -1, group) - x)[None], j)[0]))
-    return {"attn_mse": round(sum(ours) / len(ours), 8), "attn_scalar_mse": round(sum(scalar) / len(scalar), 8)}
+        probs = probe.probabilities(index)
+        for j, params in enumerate(layer_params):
+            x = v[j, lo:hi]
+            ours[j].append(float(probe.loss(probs[j : j + 1], (decode_values(*encode_values(x, params), params) - x)[None],
+                                            j)[0]))
+            group = 32 if x.shape[-1] % 32 == 0 else x.shape[-1]
+            scalar[j].append(float(probe.loss(probs[j : j + 1], (fake_quant_groups(x, bits, -1, group) - x)[None], j)[0]))
+    return [{"attn_mse": round(sum(o) / len(o), 8), "attn_scalar_mse": round(sum(s) / len(s), 8)}
+            for o, s in zip(ours, scalar)]
 
 
 def resumable(checkpoints, stage: str, index: int, fit, advance, units: int):

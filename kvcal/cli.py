@@ -551,9 +551,13 @@ def bench_decode_command(
                                help="Time CUDA-graph replays (GPU time, the default) or eager calls (adds host launch cost)."),
     flush: str = typer.Option("write", help="L2 flush before each timed call: 'write' (do_bench's: zeroes 256 MB, "
                                              "leaving the L2 dirty) or 'read' (sums 256 MB, leaving it clean)."),
+    naive: bool = typer.Option(True, "--naive/--no-naive",
+                               help="Also time each method's naive step on the same cache: the whole cache "
+                                    "dequantized in torch, then SDPA (the 'x vs naive' column)."),
     json_out: Path | None = typer.Option(None, "--json", help="JSON path (default bench-decode-DEVICE.json in the current folder)."),
 ):
-    """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each method's packed storage, same run."""
+    """Per-layer decode attention at Llama-3.1-8B shapes: bf16 SDPA vs each method's packed storage and vs its naive
+    torch step (dequantize everything, then SDPA), same run."""
     import torch
 
     from kvcal.accounting import bits_per_element
@@ -584,7 +588,7 @@ def bench_decode_command(
         raise KvcalError("kvcal bench decode needs a CUDA device")
     result = bench.run_decode_bench(
         cases, contexts=tuple(context or (4096, 16384, 32768, 131072)), batches=tuple(batch or (1, 8, 32)), dims=dims,
-        dtype=getattr(torch, dtype), window=window, rep=rep, graph=graph, flush=flush)
+        dtype=getattr(torch, dtype), window=window, rep=rep, graph=graph, flush=flush, naive=naive)
     result["command"] = invoked_command()
     out = json_out or Path(f"bench-decode-{bench.device_slug(result['device'])}.json")
     write_json_atomic(out, result)

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import FullPrecision
-from kvcal.runtime.storage import Packed, SharedState
+from kvcal.runtime.storage import Packed, SharedState, Storage
 
 
 def _nbytes(t) -> int:
@@ -156,11 +156,38 @@ def time_sdpa(batch, hq, hkv, dim, tokens, dtype=torch.bfloat16, device="cuda", 
     return ms * 1e3, nbytes, backend
 
 
-def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
-                 warmup=25, rep=100, graph: bool = True, flush: str = "write", inv_freq=None, **options):
-    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed in `storage`, window in full
-    precision) through the storage's Triton kernel and the merge, and the bytes it must read. options: the storage
-    kernel's tuning knobs (its attend_triton's keyword arguments)."""
+def naive_attention(storage, packed: Packed, q: torch.Tensor, fp: FullPrecision | None, scale: float,
+                    masked: bool = True) -> torch.Tensor:
+    """What a user writes without a fused kernel: dequantize every row of the packed cache in torch (Storage.read,
+    keys after RoPE, in q's dtype), append the full-precision window, and attend with SDPA. q [B, Hq, D] ->
+    [B, Hq, D]. Rows must hold the same number of tokens (the benchmark's caches do). masked=False skips the window's
+    validity mask (the benchmark's windows are full: SDPA then runs its flash kernel)."""
+    rows = [storage.read(packed, b, q.dtype) for b in range(packed.batch)]
+    k, v = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])  # [B, Hkv, T, D]
+    mask = None
+    if fp is not None:
+        k, v = torch.cat([k, fp.k.to(q.dtype)], 2), torch.cat([v, fp.v.to(q.dtype)], 2)
+        if masked:
+            kept = torch.ones(q.shape[0], k.shape[2] - fp.k.shape[2], dtype=torch.bool, device=q.device)
+            mask = torch.cat([kept, fp.valid], 1)[:, None, None, :]
+    if type(storage).remap_scores is Storage.remap_scores:
+        out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                                               enable_gqa=True)
+        return out[:, :, 0]
+    # a storage that remaps the compressed keys' scores (CalibQuant's logit remap): the softmax written out
+    compute = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).to(compute), v.repeat_interleave(group, 1).to(compute)
+    scores = (q[:, :, None].to(compute) @ k.transpose(-1, -2)) * scale  # [B, Hq, 1, T]
+    compressed = torch.arange(k.shape[2], device=q.device) < rows[0][0].shape[1]
+    scores = storage.remap_scores(scores, compressed)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v)[:, :, 0].to(q.dtype)
+
+
+def bench_inputs(storage, batch, hq, hkv, dim, tokens, window, dtype, device, inv_freq):
+    """The random packed cache (tokens - window packed tokens a row), queries and full window of a timed step."""
     window = min(window, tokens)
     packed = random_packed(storage, batch, hkv, dim, tokens - window, device=device, inv_freq=inv_freq)
     gen = torch.Generator(device=device).manual_seed(2)
@@ -168,28 +195,62 @@ def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torc
     fp = FullPrecision(torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen),
                        torch.randn(batch, hkv, window, dim, device=device, dtype=dtype, generator=gen),
                        torch.ones(batch, window, dtype=torch.bool, device=device))
+    return packed, q, fp if window else None
+
+
+def time_naive(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
+               warmup=25, rep=100, graph: bool = True, flush: str = "write", inv_freq=None, log=print):
+    """Median time (us) of naive_attention over the same cache as time_storage, and whether it ran from a CUDA graph
+    (a storage whose `read` synchronises the host cannot be captured: it is then timed eagerly, and the log says so)."""
+    packed, q, fp = bench_inputs(storage, batch, hq, hkv, dim, tokens, window, dtype, device, inv_freq)
+    packed.host_lengths = (tokens - min(window, tokens),) * batch
+
+    def step():
+        return naive_attention(storage, packed, q, fp, dim**-0.5, masked=False)
+
+    try:
+        return time_device(step, warmup, rep, graph, flush) * 1e3, graph
+    except RuntimeError as exc:
+        if not graph:
+            raise
+        log(f"{type(storage).__name__}: the naive step cannot be captured in a CUDA graph "
+            f"({str(exc).splitlines()[0][:120]}); timed eagerly")
+        torch.cuda.synchronize()
+        return time_device(step, warmup, rep, False, flush) * 1e3, False
+
+
+def time_storage(storage, batch, hq, hkv, dim, tokens, *, window=128, dtype=torch.bfloat16, device="cuda",
+                 warmup=25, rep=100, graph: bool = True, flush: str = "write", inv_freq=None, **options):
+    """Median time (us) of one decode step over `tokens` tokens (tokens - window packed in `storage`, window in full
+    precision) through the storage's Triton kernel and the merge, and the bytes it must read. options: the storage
+    kernel's tuning knobs (its attend_triton's keyword arguments)."""
+    packed, q, fp = bench_inputs(storage, batch, hq, hkv, dim, tokens, window, dtype, device, inv_freq)
     scale = dim**-0.5
     reason = K.unsupported(q) or storage.supports_triton(q, packed)
     if reason:
         raise RuntimeError(f"{type(storage).__name__}: no Triton kernel for this shape ({reason})")
 
     def step():
-        return K.merge_triton(storage.attend_triton(q, packed, scale, fp if window else None, **options), q)
+        return K.merge_triton(storage.attend_triton(q, packed, scale, fp, **options), q)
 
     out = step()
     if not torch.isfinite(out.float()).all():
         raise RuntimeError(f"{type(storage).__name__}: non-finite output")
     ms = time_device(step, warmup, rep, graph, flush)
-    nbytes = packed_bytes(storage, packed) + _nbytes(fp.k) + _nbytes(fp.v) + _nbytes(fp.valid) + 2 * _nbytes(q)
+    window_bytes = 0 if fp is None else _nbytes(fp.k) + _nbytes(fp.v) + _nbytes(fp.valid)
+    nbytes = packed_bytes(storage, packed) + window_bytes + 2 * _nbytes(q)
     return ms * 1e3, nbytes
 
 
 def run_decode_bench(cases, dims, contexts=(4096, 16384, 32768, 131072), batches=(1, 8, 32),
                      window: int = 128, dtype=torch.bfloat16, device="cuda", warmup: int = 25, rep: int = 100,
-                     options: dict | None = None, log=print, graph: bool = True, flush: str = "write") -> dict:
+                     options: dict | None = None, log=print, graph: bool = True, flush: str = "write",
+                     naive: bool = True) -> dict:
     """Benchmark grid over `cases`, a list of (name, storages, bits per element), at the shapes of `dims` (the model's
     ModelDims: `kvcal bench decode` passes Llama-3.1-8B's). Returns a JSON-ready dict (device, versions, copy
-    bandwidth, one row per (context, batch, case)). options: {case name: tuning knobs of its storage kernel}."""
+    bandwidth, one row per (context, batch, case)). options: {case name: tuning knobs of its storage kernel}.
+    naive: also time each case's naive step (naive_attention: dequantize the whole cache in torch, then SDPA) on the
+    same cache, in the same run (`naive_us`, `naive_graph`, `x_vs_naive` = naive_us / us)."""
     import triton  # Linux-only, as in copy_bandwidth
 
     hq, hkv, dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
@@ -220,10 +281,19 @@ def run_decode_bench(cases, dims, contexts=(4096, 16384, 32768, 131072), batches
                                            device=device, warmup=warmup, rep=rep, graph=graph, flush=flush,
                                            inv_freq=inv_freq, **opts)
                 gbps = kbytes / kus / 1e3
-                rows.append(dict(base, method=name, bits=round(bits, 3), backend="kvcal-triton", us=kus, bytes=kbytes,
-                                 gbps=gbps, pct_copy=100 * gbps / copy, speedup=us / kus, options=opts))
+                row = dict(base, method=name, bits=round(bits, 3), backend="kvcal-triton", us=kus, bytes=kbytes,
+                           gbps=gbps, pct_copy=100 * gbps / copy, speedup=us / kus, options=opts)
+                vs_naive = ""
+                if naive:
+                    torch.cuda.empty_cache()
+                    nus, graphed = time_naive(storages[0], batch, hq, hkv, dim, tokens, window=window, dtype=dtype,
+                                              device=device, warmup=warmup, rep=rep, graph=graph, flush=flush,
+                                              inv_freq=inv_freq, log=log)
+                    row.update(naive_us=nus, naive_graph=graphed, x_vs_naive=nus / kus)
+                    vs_naive = f"  x{nus / kus:6.2f} vs naive ({nus:.1f} us{'' if graphed else ', eager'})"
+                rows.append(row)
                 log(f"ctx {tokens:6d} batch {batch:2d} {name:<20s} {kus:8.1f} us {gbps:7.0f} GB/s "
-                    f"{100 * gbps / copy:5.1f}% of copy  x{us / kus:5.2f} vs sdpa  ({time.time() - t0:.1f} s)")
+                    f"{100 * gbps / copy:5.1f}% of copy  x{us / kus:5.2f} vs sdpa{vs_naive}  ({time.time() - t0:.1f} s)")
                 torch.cuda.empty_cache()
     return dict(
         device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
@@ -233,19 +303,29 @@ def run_decode_bench(cases, dims, contexts=(4096, 16384, 32768, 131072), batches
                 else "median as do_bench, the L2 flushed before each call by reading 256 MB (left clean)")
                + (" of a CUDA graph replay (GPU time only)" if graph else ", eager calls (host launch cost included)"),
         cases=[name for name, _, _ in cases],
+        naive=("each case's naive step, timed the same way: every row of the packed cache dequantized by the "
+               "storage's torch `read` (keys after RoPE, in the query dtype), the window appended, SDPA") if naive
+        else None,
         rows=rows,
     )
 
 
 def format_table(result: dict, context: int | None = None, batch: int | None = None) -> str:
     """Markdown table of the rows (optionally one context / batch)."""
-    lines = ["| context | batch | method | us | GB/s | % of copy | x vs SDPA |", "|---|---|---|---|---|---|---|"]
+    naive = any("naive_us" in r for r in result["rows"])
+    lines = ["| context | batch | method | us | GB/s | % of copy | x vs SDPA |" + (" naive us | x vs naive |" if naive
+                                                                            else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if naive else "")]
     for r in result["rows"]:
         if (context and r["context"] != context) or (batch and r["batch"] != batch):
             continue
         name = "sdpa bf16" if r["method"] == "sdpa" else r["method"]
-        lines.append(f"| {r['context']} | {r['batch']} | {name} | {r['us']:.1f} | {r['gbps']:.0f} | "
-                     f"{r['pct_copy']:.0f} | {r['speedup']:.2f} |")
+        line = (f"| {r['context']} | {r['batch']} | {name} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                f"{r['pct_copy']:.0f} | {r['speedup']:.2f} |")
+        if naive:
+            line += (f" {r['naive_us']:.1f}{'' if r['naive_graph'] else ' (eager)'} | {r['x_vs_naive']:.2f} |"
+                     if "naive_us" in r else " | |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -253,5 +333,5 @@ def device_slug(name: str) -> str:
     return "-".join(w for w in "".join(c if c.isalnum() else " " for c in name.lower()).split() if w != "nvidia")
 
 
-__all__ = ["run_decode_bench", "format_table", "random_packed", "packed_bytes", "copy_bandwidth", "time_sdpa",
+__all__ = ["run_decode_bench", "format_table", "naive_attention", "time_naive", "random_packed", "packed_bytes", "copy_bandwidth", "time_sdpa",
            "time_storage", "time_device", "device_slug"]

@@ -154,9 +154,16 @@ class Packed:
     rope_sin: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None  # [D / 2] float32: the tables are cos/sin(position * inv_freq)
     shared: SharedState | None = None
+    # the row lengths as the host knows them, where it does (benchmarks): `length` then reads no device tensor, so
+    # `Storage.read` can be captured in a CUDA graph
+    host_lengths: tuple[int, ...] | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.buffers[name]
+
+    def length(self, row: int) -> int:
+        """Tokens in row `row` (from host_lengths when set, else lengths[row], a host sync on a GPU)."""
+        return self.host_lengths[row] if self.host_lengths is not None else int(self.lengths[row])
 
     @property
     def batch(self) -> int:
@@ -364,7 +371,7 @@ class ReconstructionStorage(Storage):
             packed["v"][row, :, slot:slot + b - a] = v_hat[0].to(torch.float64)
 
     def read(self, packed, row, dtype=torch.float32, rotate=True):
-        t = int(packed.lengths[row])
+        t = packed.length(row)
         k, v = packed["k"][row, :, :t], packed["v"][row, :, :t]
         if rotate and self.keys_pre_rope:
             k = packed.rotate_keys(k, torch.float64)

@@ -205,7 +205,7 @@ class CalibQuantStorage(CalibQuantMath, Storage):
         return unpack_codes(packed[name][row, :, :n], self.bits, packed.dim).to(dtype)
 
     def read(self, packed, row, dtype=torch.float32, rotate=True):
-        n = int(packed.lengths[row])
+        n = packed.length(row)
         compute = torch.promote_types(dtype, torch.float32)
         k_step, k_min, v_step, v_min = self._stats(packed, row, n, compute)
         k = self._codes(packed, "k_codes", row, n, compute) * k_step + k_min

@@ -406,7 +406,7 @@ class CommVQStorage(Storage):
     # ---- read -----------------------------------------------------------------------------------------------------
     def codes_of(self, packed: Packed, row: int, start: int = 0, end: int | None = None):
         """(key codes [T, G, R, 2], kappa [T], value bits [T, N_c], rho [T]) of slots [start, end) of row `row`."""
-        end = int(packed.lengths[row]) if end is None else end
+        end = packed.length(row) if end is None else end
         codes = unpack_stream(packed["k_codes"][row, start:end], self.index_bits, 2 * self.groups * self.stages)
         bits = unpack_stream(packed["v_codes"][row, start:end], 1, self.num_value_bits)
         return (codes.view(-1, self.groups, self.stages, 2), packed["k_norm"][row, start:end], bits,

@@ -60,7 +60,7 @@ class KiviStorage(Storage):
         self._write(packed, keys, values, rows, slots, quantize_per_channel_triton, quantize_per_token_into_triton)
 
     def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
-        t, dim = int(packed.lengths[row]), packed.dim
+        t, dim = packed.length(row), packed.dim
         blocks = torch.arange(t, device=packed.lengths.device) // self.group
         k = dequantize_per_channel(packed["k_codes"][row, :, :t], packed["k_scale"][row][:, blocks],
                                    packed["k_zero"][row][:, blocks], self.bits, dim)

@@ -115,7 +115,7 @@ class KVQuantStorage(Storage):
                     quantize_lut_dynamic_into_triton)
 
     def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
-        n, d, buf = int(packed.lengths[row]), packed.dim, packed.buffers
+        n, d, buf = packed.length(row), packed.dim, packed.buffers
 
         def slots(name):
             return None if name not in buf else buf[name][row, :n]

@@ -41,7 +41,7 @@ class RtnStorage(Storage):
                                            packed[f"{side}_zero"], rows, slots)
 
     def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
-        t = int(packed.lengths[row])
+        t = packed.length(row)
         k, v = (dequantize_per_token(packed[f"{side}_codes"][row, :, :t], packed[f"{side}_scale"][row, :, :t],
                                      packed[f"{side}_zero"][row, :, :t], self.bits, packed.dim) for side in "kv")
         return k.to(dtype), v.to(dtype)

@@ -233,7 +233,7 @@ class SKVQStorage(Storage):
             packed[f"{side}_zero"][rows, slots] = zero.to(dtype)
 
     def read(self, packed: Packed, row: int, dtype=torch.float32, rotate: bool = True):
-        n, heads, dim = int(packed.lengths[row]), packed.heads, packed.dim
+        n, heads, dim = packed.length(row), packed.heads, packed.dim
         out = []
         for side in "kv":
             words = packed[f"{side}_codes"][row, :, :n]  # [H, n, W]

@@ -173,7 +173,7 @@ class XQuantStorage(Rematerialized, Storage):
     def latent_rows(self, packed, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized latents (Z_k, Z_v) [T, width] float32 (float64 for float64 raw latents) of row `row` (the
         same tensor twice for x)."""
-        t, width = int(packed.lengths[row]), self.width
+        t, width = packed.length(row), self.width
         if self.bits == 16:
             # in their own dtype, at least float32 (RAW_DTYPE float64: the identity)
             z_v = packed["v_raw"][row, 0, :t]
@@ -352,7 +352,7 @@ class XQuantChainStorage(Rematerialized, Storage):
     # ---- read -------------------------------------------------------------------------------------------------------
     def read(self, packed, row: int, dtype=torch.float32, rotate: bool = True):
         chain = self._register(packed)
-        t = int(packed.lengths[row])
+        t = packed.length(row)
         device = packed.lengths.device
         # the previous layer's reconstruction of this row, when it read the same tokens (slots below a row's length
         # never change, so the entry stays valid across steps until the row flushes): one term to add, not a walk

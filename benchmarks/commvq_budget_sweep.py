@@ -2,7 +2,7 @@
 budgets and calibration sources, then evaluate each artifact under the equal-footing rules (gptq strict, gptq with a
 128-token fp16 window, tail strict) on WikiText-2 test.
 
-Runs the points on every visible GPU at once (--per-gpu of them on each), longest first. Every calibration
+Runs the points on every visible GPU at once (--per-gpu of them on each, default one), longest first. Every calibration
 checkpoints as it goes; at --deadline seconds the running ones are interrupted (Ctrl-C: they leave their
 checkpoints) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
 Finished calibrations and evaluations are never redone. Records go to --out (one folder per point: the
@@ -168,7 +168,7 @@ def main():
     ap.add_argument("--work", required=True, help="folder for artifacts and checkpoints (kept between invocations)")
     ap.add_argument("--out", required=True, help="folder for logs and records")
     ap.add_argument("--deadline", type=float, default=540, help="seconds after which running calibrations stop")
-    ap.add_argument("--per-gpu", type=int, default=2, help="points run at once on each GPU")
+    ap.add_argument("--per-gpu", type=int, default=1, help="points run at once on each GPU (2 time-slice it)")
     ap.add_argument("--only", default=None, help="comma-separated point names (default: the whole grid)")
     args = ap.parse_args()
 

@@ -72,23 +72,39 @@ def duration(seconds: float) -> str:
 
 class Estimate:
     """The expected time of a stage of `total` units from its first ones (the probe), said once when the stage looks
-    long."""
+    long. When the first advance itself comes PROBE_SECONDS or more after the start (a stage's setup: moving data,
+    compiling kernels), it does not set the pace: the probe then times the units after it, and the estimate is that
+    first stretch plus their pace for the rest."""
 
     def __init__(self, description: str, total: int):
         self.description, self.total = description, total
         self.started, self.done, self.probed = _clock(), 0, False
+        self.first: tuple[float, int] | None = None  # (elapsed, units) of a first advance that was slow
 
     def advance(self, n: int = 1) -> None:
         self.done += n
         if self.probed or self.total <= 0 or self.done >= self.total:
             return
         elapsed = _clock() - self.started
-        if elapsed >= PROBE_SECONDS:
-            self.probed = True
-            expected = elapsed / self.done * self.total
-            if expected > LONG_SECONDS:
-                _say(f"{self.description}: expect about {duration(expected)} in all (the first "
-                     f"{self.done}/{self.total} took {elapsed:.1f} s)")
+        if self.first is None and self.done == n and elapsed >= PROBE_SECONDS:
+            self.first = (elapsed, n)  # the first advance: its time may be setup, so the probe starts after it
+            return
+        if self.first is None:
+            if elapsed >= PROBE_SECONDS:
+                self._say_expected(elapsed / self.done * self.total,
+                                   f"the first {self.done}/{self.total} took {elapsed:.1f} s")
+            return
+        first_elapsed, first_units = self.first
+        if elapsed - first_elapsed >= PROBE_SECONDS:
+            units, seconds = self.done - first_units, elapsed - first_elapsed
+            self._say_expected(first_elapsed + seconds / units * (self.total - first_units),
+                               f"the first {first_units}/{self.total} took {first_elapsed:.1f} s, the next {units} "
+                               f"{seconds:.1f} s")
+
+    def _say_expected(self, expected: float, how: str) -> None:
+        self.probed = True
+        if expected > LONG_SECONDS:
+            _say(f"{self.description}: expect about {duration(expected)} in all ({how})")
 
 
 def _say(line: str) -> None:

@@ -28,7 +28,8 @@ def test_progress_reaches_a_log_file(log, monkeypatch):
         now[0] += 20
         advance(12)
     assert log.getvalue().splitlines() == [
-        "calibquant tau grid (4x4): expect about 3 min 0 s in all (the first 1/18 took 10.0 s)",  # the probe: 10 s
+        # the first step (10 s, over PROBE_SECONDS) may be setup: the pace is the next one's (10 s)
+        "calibquant tau grid (4x4): expect about 3 min 0 s in all (the first 1/18 took 10.0 s, the next 1 10.0 s)",
         "calibquant tau grid (4x4): 3/18 after 35 s (about 175 s left)",  # the first step 30 s after the start
         "calibquant tau grid (4x4): 4/18 after 75 s (about 262 s left)",  # 40 s after the last line
         "calibquant tau grid (4x4): 18/18 in 105.0 s",
@@ -81,9 +82,18 @@ def test_a_long_stage_prints_its_expected_time_after_the_probe(quiet_log, log):
 
 
 def test_the_estimate_comes_from_the_probe_and_is_said_in_minutes_or_hours(quiet_log, log):
-    run_stage(quiet_log, 600, 10.0, first_unit=3.0)  # the probe's pace, 3 s x 600 = 30 min, said once
-    assert log.getvalue().splitlines()[0] == "stage: expect about 30 min in all (the first 1/600 took 3.0 s)"
+    run_stage(quiet_log, 600, 0.5)  # units of 0.5 s: the probe is the first 4 (PROBE_SECONDS), 300 s expected
+    assert log.getvalue().splitlines()[0] == "stage: expect about 5 min 0 s in all (the first 4/600 took 2.0 s)"
+    run_stage(quiet_log, 600, 3.0)  # units of 3 s: the first may be setup, the next one's pace: 3 + 599 x 3 s
+    assert log.getvalue().splitlines()[2] == "stage: expect about 30 min in all (the first 1/600 took 3.0 s, the next 1 3.0 s)"
     assert progress.duration(45) == "45 s" and progress.duration(9000) == "2.5 h"
+
+
+def test_a_slow_first_unit_is_setup_not_the_pace(quiet_log, log):
+    run_stage(quiet_log, 600, 1.0, first_unit=300.0)  # 300 s of setup, then 599 units of 1 s: 899 s, not 50 h
+    assert log.getvalue().splitlines() == [
+        "stage: expect about 15 min in all (the first 1/600 took 300.0 s, the next 2 2.0 s)",
+        "stage: 600/600 in 899.0 s"]
 
 
 def test_a_short_stage_prints_only_its_last_line(quiet_log, log):

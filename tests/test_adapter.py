@@ -6,7 +6,9 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.models import ModelDims, load_model
 
-FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
+UNIFORM = [name for name in FAMILIES if "gemma" not in name]  # every layer global: kvcal's caches serve them
+HYBRID = ["tiny-gemma2", "tiny-gemma3"]  # sliding-window and global layers
 
 
 def stock_model(name):
@@ -118,7 +120,7 @@ def test_hub_reachable(monkeypatch):
     assert models.hub_reachable()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", UNIFORM)
 def test_the_installed_transformers_hands_kvcal_its_cache(name):
     """Runs the adapter against whatever transformers is installed: every layer's attention must receive the
     KvcalCache it was given, under a name the adapter reads. If a release renames the argument again, the failure
@@ -153,6 +155,43 @@ def test_the_installed_transformers_hands_kvcal_its_cache(name):
     cache.check_holds(10)
     with pytest.raises(KvcalError, match="holds 10 tokens per row after 11 were fed"):
         cache.check_holds(11)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_models_load_with_their_layer_pattern_and_refuse_what_does_not_serve_them(name, tmp_path):
+    """Gemma 2 / 3 keep their local/global pattern, window, soft-cap and local RoPE in ModelDims (and in the identity
+    an artifact records); kvcal's cache, the compressed simulation and calibration refuse them in one line before
+    they compute anything, while fp16 evaluation runs and equals the model's own loss."""
+    from kvcal.calib.capture import capture
+    from kvcal.eval.ppl import simulated_nll
+    from kvcal.methods import build_method
+    from kvcal.models.adapter import forward_with_cache
+    from kvcal.models.loaded import GLOBAL, LOCAL
+    from kvcal.runtime.cache import KvcalCache
+
+    loaded = load_model(name)
+    dims = loaded.dims
+    assert dims.hybrid and dims.sliding_window == 8 and LOCAL in dims.layer_types and GLOBAL in dims.layer_types
+    identity = dims.to_dict()
+    assert identity["layer_types"] == list(dims.layer_types) and identity["sliding_window"] == 8
+    if name == "tiny-gemma2":
+        assert dims.attn_softcap == 50.0 and dims.local_rope is None and not dims.qk_norm
+    else:
+        assert dims.attn_softcap is None and dims.local_rope.theta == 10000.0 and dims.rope.theta == 1e6 and dims.qk_norm
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    cache = KvcalCache(build_method("fp16").build_storages({}, dims), dims.num_layers)
+    with pytest.raises(KvcalError, match="kvcal's cache on .* is not supported yet"), torch.inference_mode():
+        forward_with_cache(loaded.model, ids, cache)
+    with pytest.raises(KvcalError, match="calibration on .* is not supported yet"):
+        capture(loaded, ids, {"k"})
+    rtn = build_method("rtn", {"bits": 4})
+    with pytest.raises(KvcalError, match="compression on .* is not supported yet"):
+        simulated_nll(loaded, rtn.build_storages({}, dims), ids)
+    # fp16 through kvcal's adapter: the model's own loss on windows longer than the sliding window
+    with torch.no_grad():
+        want = loaded.model(ids, labels=ids).loss.item()
+    got = simulated_nll(loaded, build_method("fp16").build_storages({}, dims), ids, batch_size=2)
+    assert abs(got.nll / got.tokens - want) < 1e-5
 
 
 def test_a_cache_the_adapter_cannot_see_is_refused_in_one_line(tiny):

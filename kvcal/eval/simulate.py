@@ -15,6 +15,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.models.adapter import AttentionInputs
 from kvcal.models.attention import NEG, additive_mask, attention, mixed_attention, remapped_attention
+from kvcal.models.loaded import refuse_hybrid
 from kvcal.quant.rope import apply_rope
 
 
@@ -54,7 +55,8 @@ class SimulatedAttention:
             raise RuntimeError("the gptq simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
         if self.storages.lossless:
-            return attention(q, k_fp, inp.v, inp.mask, inp.scale)
+            return attention(q, k_fp, inp.v, inp.mask, inp.scale, inp.softcap)
+        refuse_hybrid(inp.module._kvcal_binding[0].dims, "compression")
         if self.storages.bulk_only:
             raise KvcalError(self.storages.bulk_only)
         length = inp.k_pre.shape[2]
@@ -111,7 +113,8 @@ class TailAttention:
             raise RuntimeError("the tail simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
         if self.storages.lossless:
-            return attention(q, k_fp, inp.v, inp.mask, inp.scale)
+            return attention(q, k_fp, inp.v, inp.mask, inp.scale, inp.softcap)
+        refuse_hybrid(inp.module._kvcal_binding[0].dims, "compression")
         length = k_fp.shape[2]
         start, end = self.prefix, self.prefix + self.block - self.fp_window  # the compressed span
         prefill = self.prefix + self.block  # queries before it run in the exact prefill

@@ -46,6 +46,7 @@ from kvcal.models.loaded import (
     ModelDims,
     check_servable,
     head_dim_unsupported,
+    mask_implementation,
     quiet_transformers,
     sliding_window,
 )
@@ -165,13 +166,14 @@ class Placement:
 def _load_tiny(spec: ModelSpec, dtype, place: Placement) -> LoadedModel:
     config = tiny_config(spec.source)
     dims = ModelDims.from_config(config)
+    masks = mask_implementation(dims.family)
     if place.device_map is None:
-        model = build_random_model(config, dtype, place.device, seed=0)
+        model = build_random_model(config, dtype, place.device, seed=0, attn_implementation=masks)
     else:  # the same weights as on the map's first device alone, then moved block by block
-        skeleton = build_random_model(config, dtype, "meta", seed=0)
+        skeleton = build_random_model(config, dtype, "meta", seed=0, attn_implementation=masks)
         placement = infer_map(skeleton, place.device_map, place.max_memory, dtype)
         first = normalize(next(iter(placement.values())))
-        model = dispatch(build_random_model(config, dtype, str(first), seed=0), placement)
+        model = dispatch(build_random_model(config, dtype, str(first), seed=0, attn_implementation=masks), placement)
     return LoadedModel(spec.alias, model, byte_tokenizer(), dims, {"random_seed": 0})
 
 
@@ -200,7 +202,7 @@ def _load_pretrained(name: str, path: str, dtype, place: Placement, source: dict
     config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     dims = ModelDims.from_config(config)  # fail fast, before loading weights, on unsupported families
     check_servable(dims)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=mask_implementation(dims.family),
                                                  local_files_only=local_only,
                                                  **loading_kwargs(place.device_map, place.max_memory))
     if place.device_map is None:

@@ -48,6 +48,7 @@ class AttentionInputs:
     mask: torch.Tensor | None  # as transformers passed it
     cache: object | None  # the cache transformers passed (`cache` or `past_key_values`)
     scale: float
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2), None: plain
 
     def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rope(self.q, self.cos, self.sin), apply_rope(self.k_pre, self.cos, self.sin)
@@ -71,7 +72,7 @@ class AttentionInputs:
 @dataclass(frozen=True)
 class KVProjection:
     """k = x w_k^T + b_k, v = x w_v^T + b_v (weights [Hkv * D, hidden] as transformers stores them); k_norm: a
-    per-head norm follows the key projection (Qwen3)."""
+    per-head norm follows the key projection (Qwen3, Gemma 3)."""
 
     w_k: torch.Tensor
     b_k: torch.Tensor | None
@@ -112,7 +113,7 @@ class StandardAttention:
         v = inp.v
         if inp.cache is not None:
             k, v = inp.cache.update(k, v, inp.layer_idx)
-        return attention(q, k, v, inp.mask, inp.scale)
+        return attention(q, k, v, inp.mask, inp.scale, inp.softcap)
 
 
 class Adapter:
@@ -121,15 +122,17 @@ class Adapter:
     def __init__(self, dims, device):
         self.dims = dims
         self.inv_freq = dims.rope.inv_freq(device)
-        self._inv_freqs = {self.inv_freq.device: self.inv_freq}
-        self.qk_norm = dims.family == "qwen3"
+        self._inv_freqs = {(self.inv_freq.device, dims.rope): self.inv_freq}
+        self.qk_norm = dims.qk_norm
         self.handler = StandardAttention()
 
-    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        """The RoPE frequencies on `device` (a layer's device; one copy per device of a split model)."""
-        found = self._inv_freqs.get(device)
+    def inv_freq_on(self, device: torch.device, layer: int | None = None) -> torch.Tensor:
+        """The RoPE frequencies on `device` (a layer's device; one copy per device of a split model), of layer
+        `layer` where layers differ (Gemma 3's local layers), else the model's."""
+        rope = self.dims.rope if layer is None else self.dims.layer_rope(layer)
+        found = self._inv_freqs.get((device, rope))
         if found is None:
-            found = self._inv_freqs[device] = self.inv_freq.to(device)
+            found = self._inv_freqs[(device, rope)] = rope.inv_freq(device)
         return found
 
     @contextmanager
@@ -260,7 +263,7 @@ def kvcal_attention_forward(
     k, v = project_kv(self, adapter, hidden_states, hidden_states)
     cache = _received_cache(kwargs)
     positions = _positions(position_ids, cache_position, batch, length, hidden_states.device)
-    cos, sin = rope_cos_sin(adapter.inv_freq_on(hidden_states.device), positions, q.dtype)
+    cos, sin = rope_cos_sin(adapter.inv_freq_on(hidden_states.device, layer_idx), positions, q.dtype)
     inputs = AttentionInputs(
         layer_idx=layer_idx,
         module=self,
@@ -274,6 +277,7 @@ def kvcal_attention_forward(
         mask=attention_mask,
         cache=cache,
         scale=self.scaling,
+        softcap=adapter.dims.attn_softcap,
     )
     # A kvcal runtime cache owns its layer's storage and attention, whatever handler is active.
     handler = cache if hasattr(cache, "kvcal_attend") else adapter.handler

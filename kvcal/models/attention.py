@@ -59,8 +59,13 @@ def _sdpa(q, k, v, bias, scale: float, backends=CUDA_BACKENDS) -> torch.Tensor:
     return F.scaled_dot_product_attention(*args, **options).to(q.dtype)
 
 
-def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D] in q's dtype."""
+def attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D] in q's dtype. softcap: the scores go through
+    softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2), written out (SDPA has no such step)."""
+    if softcap is not None:
+        bias = additive_mask(mask, q.shape[2], k.shape[2], q.device)
+        return remapped_attention(q, k, v, bias, torch.zeros((), dtype=torch.bool, device=q.device), scale,
+                                  lambda scores, _: softcap * torch.tanh(scores / softcap))
     if mask is None and q.shape[2] == k.shape[2]:  # plain causal: let SDPA skip the mask entirely
         return _sdpa(q, k, v, None, scale)
     if mask is None and q.shape[2] == 1:  # one new token sees every cached key: no mask at all

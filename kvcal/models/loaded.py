@@ -18,7 +18,11 @@ from kvcal.models.adapter import attention_modules
 from kvcal.quant.rope import RopeSpec
 from kvcal.quant.tiles import head_dim_unsupported as kernel_rule
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# families that interleave sliding-window (local) and global attention layers
+HYBRID_FAMILIES = ("gemma2", "gemma3_text")
+QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
+LOCAL, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,27 @@ class ModelDims:
     head_dim: int
     hidden_size: int
     rope: RopeSpec
+    # hybrid-attention models (HYBRID_FAMILIES) only; None elsewhere, and then left out of to_dict (a model's identity)
+    layer_types: tuple[str, ...] | None = None  # LOCAL or GLOBAL per layer
+    sliding_window: int | None = None  # tokens a local layer attends to (the newest, itself included)
+    local_rope: RopeSpec | None = None  # the local layers' RoPE where it differs from `rope` (Gemma 3)
+    attn_softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers attend to a sliding window (the rest to every past token)."""
+        return self.layer_types is not None and LOCAL in self.layer_types
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether a per-head RMSNorm follows the query and key projections."""
+        return self.family in QK_NORM_FAMILIES
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        """The RoPE of layer `layer` (a local layer of Gemma 3 has its own base)."""
+        if self.local_rope is not None and self.layer_types[layer] == LOCAL:
+            return self.local_rope
+        return self.rope
 
     @property
     def kv_channels(self) -> int:
@@ -47,15 +72,25 @@ class ModelDims:
         if getattr(config, "kv_lora_rank", None) is not None:
             raise KvcalError(f"model type '{family}' uses multi-head latent attention (MLA), which kvcal does not "
                              "support")
+        if family == "gemma3":
+            raise KvcalError("model type 'gemma3' is Gemma 3's vision-language model: kvcal serves its text model "
+                             "(model type gemma3_text, Gemma3ForCausalLM)")
         if family not in SUPPORTED_FAMILIES:
             raise KvcalError(
                 f"unsupported model type '{family}'; kvcal supports {', '.join(SUPPORTED_FAMILIES)}"
             )
         window = sliding_window(config)
-        if window:
+        if window and family not in HYBRID_FAMILIES:
             raise KvcalError(f"sliding-window attention ({family}, window {window}) is not supported: kvcal's caches "
                              "attend to every past token")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        hybrid = {}
+        if family in HYBRID_FAMILIES:
+            hybrid = dict(layer_types=hybrid_layer_types(config), sliding_window=window,
+                          local_rope=RopeSpec.from_config(config, head_dim, LOCAL),
+                          attn_softcap=getattr(config, "attn_logit_softcapping", None) or None)
+            if hybrid["local_rope"] == RopeSpec.from_config(config, head_dim, GLOBAL):
+                hybrid["local_rope"] = None
         return cls(
             family=family,
             num_layers=config.num_hidden_layers,
@@ -63,12 +98,20 @@ class ModelDims:
             num_kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
             hidden_size=config.hidden_size,
-            rope=RopeSpec.from_config(config, head_dim),
+            rope=RopeSpec.from_config(config, head_dim, GLOBAL if family in HYBRID_FAMILIES else None),
+            **hybrid,
         )
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rope"] = self.rope.to_dict()
+        for name in ("layer_types", "sliding_window", "local_rope", "attn_softcap"):
+            if d[name] is None:
+                del d[name]  # the identity of a model without them is what it always was
+        if "local_rope" in d:
+            d["local_rope"] = self.local_rope.to_dict()
+        if "layer_types" in d:
+            d["layer_types"] = list(self.layer_types)
         return d
 
 
@@ -84,6 +127,36 @@ def sliding_window(config) -> int | None:
     if hasattr(config, "use_sliding_window"):
         return window if config.use_sliding_window else None
     return window
+
+
+def mask_implementation(family: str) -> str:
+    """The attn_implementation a model is loaded with. kvcal replaces every attention forward, so this picks only how
+    transformers builds the masks it hands over: SDPA's, except where transformers refuses SDPA for the family (Gemma 2,
+    whose scores are soft-capped)."""
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+def hybrid_layer_types(config) -> tuple[str, ...]:
+    """LOCAL or GLOBAL per layer: transformers 5 lists `layer_types`; older Gemma configs give a sliding-window
+    pattern (Gemma 3: every `sliding_window_pattern`-th layer global; Gemma 2: even layers local)."""
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        unknown = set(types) - {LOCAL, GLOBAL}
+        if unknown:
+            raise KvcalError(f"unsupported attention layer types {sorted(unknown)} (kvcal knows {LOCAL} and {GLOBAL})")
+        return tuple(types[:layers])
+    pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", None)
+    if pattern:
+        return tuple(GLOBAL if (i + 1) % pattern == 0 else LOCAL for i in range(layers))
+    return tuple(LOCAL if i % 2 == 0 else GLOBAL for i in range(layers))
+
+
+def refuse_hybrid(dims: ModelDims, what: str) -> None:
+    """One line for what does not run yet on a model that interleaves sliding-window and global layers."""
+    if dims.hybrid:
+        raise KvcalError(f"{what} on {dims.family} (sliding-window and global layers) is not supported yet: kvcal's "
+                         "caches and calibration treat every layer as global; fp16 evaluation (--recipe fp16) runs")
 
 
 def head_dim_unsupported(head_dim: int) -> str | None:

@@ -41,6 +41,10 @@ ALIASES: dict[str, ModelSpec] = {
         ModelSpec("tiny-mistral", "tiny", "mistral", "tiny random Mistral (tests)"),
         ModelSpec("tiny-qwen2", "tiny", "qwen2", "tiny random Qwen2 with k/v bias (tests)"),
         ModelSpec("tiny-qwen3", "tiny", "qwen3", "tiny random Qwen3 with q/k norm (tests)"),
+        ModelSpec("tiny-gemma2", "tiny", "gemma2", "tiny random Gemma 2: sliding-window and global layers, soft-capped "
+                  "scores (tests)"),
+        ModelSpec("tiny-gemma3", "tiny", "gemma3", "tiny random Gemma 3: q/k norm, local layers with their own RoPE "
+                  "base (tests)"),
         ModelSpec(
             "random-llama-3.1-8b",
             "random",

@@ -65,6 +65,20 @@ def tiny_config(family: str):
         from transformers import Qwen3Config
 
         return Qwen3Config(rope_theta=1000000.0, use_sliding_window=False, **common)
+    if family == "gemma2":  # sliding (window 8) and global layers alternate, scores soft-capped
+        from transformers import Gemma2Config
+
+        return Gemma2Config(rope_theta=10000.0, query_pre_attn_scalar=16, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
+                            final_logit_softcapping=30.0, **common)
+    if family == "gemma3":  # q/k norm; local layers (window 8) with their own RoPE base; 2 local : 1 global
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                                query_pre_attn_scalar=16, sliding_window=8,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                **{**common, "num_hidden_layers": 3})
     raise ValueError(family)
 
 

@@ -28,12 +28,22 @@ class RopeSpec:
     original_max_position_embeddings: int = 8192
 
     @classmethod
-    def from_config(cls, config, head_dim: int) -> RopeSpec:
+    def from_config(cls, config, head_dim: int, layer_type: str | None = None) -> RopeSpec:
+        """The RoPE of a config; `layer_type` ("full_attention" or "sliding_attention") picks that kind of layer's
+        where the config keeps one per kind (Gemma 3: transformers 5 nests them in `rope_parameters`, 4.x gives the
+        local layers' base as `rope_local_base_freq`)."""
         # transformers 5 keeps everything in `rope_parameters`; 4.x used `rope_theta` + `rope_scaling`.
         params = dict(getattr(config, "rope_parameters", None) or {})
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = dict(params[layer_type])
+        elif params and all(isinstance(v, dict) for v in params.values()):
+            raise KvcalError(f"rope parameters per layer kind ({', '.join(params)}) for a model kvcal reads one of")
         if not params:
             params = dict(getattr(config, "rope_scaling", None) or {})
             params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+            local_base = getattr(config, "rope_local_base_freq", None)
+            if layer_type == "sliding_attention" and local_base:
+                params = {"rope_theta": local_base}  # 4.x Gemma 3: the local layers take no scaling
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise KvcalError(

@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention, decode_attention_masked
+from kvcal.models.loaded import refuse_hybrid
 from kvcal.quant.rope import apply_rope
 from kvcal.runtime.decode import FullPrecision, decode_attention, one_cpu_thread
 from kvcal.runtime.graph import GraphPool, StepGraph
@@ -693,6 +694,8 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         layer = self.layers[inp.layer_idx]
+        if layer.length == 0:  # a layer's first tokens: what this cache cannot serve is refused before it stores any
+            refuse_hybrid(inp.module._kvcal_binding[0].dims, "kvcal's cache")
         if inp.q.shape[2] == 1 and inp.q.device.type == "cpu":  # a decode step on a CPU: small ops, one thread
             with one_cpu_thread():
                 return layer.attend(inp)

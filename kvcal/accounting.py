@@ -34,7 +34,15 @@ def kv_elements(dims, tokens: int) -> int:
 
 
 def bits_per_element(method, dims, tokens: int = REFERENCE_TOKENS) -> BitsReport:
+    """On a model with sliding-window layers (ModelDims.hybrid) only the global layers hold the method's cache; a
+    local layer holds its window's newest min(window, tokens) tokens in fp16 (part `local_window`), as the model
+    itself keeps them. The denominator is still every layer's K and V at `tokens` tokens."""
     footprint = method.footprint(dims, tokens)
+    if getattr(dims, "hybrid", False):
+        local = sum(kind == "sliding_attention" for kind in dims.layer_types)
+        share = (dims.num_layers - local) / dims.num_layers  # a method's footprint is the same for every layer
+        footprint = {name: nbytes * share for name, nbytes in footprint.items()}
+        footprint["local_window"] = FP16_BYTES * 2 * min(dims.sliding_window, tokens) * local * dims.kv_channels
     denominator = kv_elements(dims, tokens)
     parts = {name: 8.0 * nbytes / denominator for name, nbytes in footprint.items() if nbytes}
     return BitsReport(sum(parts.values()), parts, tokens)

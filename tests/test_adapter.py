@@ -158,12 +158,14 @@ def test_the_installed_transformers_hands_kvcal_its_cache(name):
 
 
 @pytest.mark.parametrize("name", HYBRID)
-def test_hybrid_models_load_with_their_layer_pattern_and_refuse_what_does_not_serve_them(name, tmp_path):
+def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(name):
     """Gemma 2 / 3 keep their local/global pattern, window, soft-cap and local RoPE in ModelDims (and in the identity
-    an artifact records); kvcal's cache, the compressed simulation and calibration refuse them in one line before
-    they compute anything, while fp16 evaluation runs and equals the model's own loss."""
-    from kvcal.calib.capture import capture
+    an artifact records). In the simulation a local layer attends exactly (its bounded window, as the model) and a
+    global layer through the method; fp16 equals the model's own loss; the runtime cache refuses them in one line."""
+    import dataclasses
+
     from kvcal.eval.ppl import simulated_nll
+    from kvcal.eval.simulate import SimulatedAttention
     from kvcal.methods import build_method
     from kvcal.models.adapter import forward_with_cache
     from kvcal.models.loaded import GLOBAL, LOCAL
@@ -171,7 +173,7 @@ def test_hybrid_models_load_with_their_layer_pattern_and_refuse_what_does_not_se
 
     loaded = load_model(name)
     dims = loaded.dims
-    assert dims.hybrid and dims.sliding_window == 8 and LOCAL in dims.layer_types and GLOBAL in dims.layer_types
+    assert dims.hybrid and dims.sliding_window == 8 and dims.layer_types[0] == LOCAL and GLOBAL in dims.layer_types
     identity = dims.to_dict()
     assert identity["layer_types"] == list(dims.layer_types) and identity["sliding_window"] == 8
     if name == "tiny-gemma2":
@@ -179,19 +181,64 @@ def test_hybrid_models_load_with_their_layer_pattern_and_refuse_what_does_not_se
     else:
         assert dims.attn_softcap is None and dims.local_rope.theta == 10000.0 and dims.rope.theta == 1e6 and dims.qk_norm
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
-    cache = KvcalCache(build_method("fp16").build_storages({}, dims), dims.num_layers)
-    with pytest.raises(KvcalError, match="kvcal's cache on .* is not supported yet"), torch.inference_mode():
-        forward_with_cache(loaded.model, ids, cache)
-    with pytest.raises(KvcalError, match="calibration on .* is not supported yet"):
-        capture(loaded, ids, {"k"})
-    rtn = build_method("rtn", {"bits": 4})
-    with pytest.raises(KvcalError, match="compression on .* is not supported yet"):
-        simulated_nll(loaded, rtn.build_storages({}, dims), ids)
-    # fp16 through kvcal's adapter: the model's own loss on windows longer than the sliding window
+    fp16, rtn = build_method("fp16").build_storages({}, dims), build_method("rtn", {"bits": 2}).build_storages({}, dims)
+    # fp16 through kvcal's adapter: the model's own loss on windows three times the sliding window
     with torch.no_grad():
         want = loaded.model(ids, labels=ids).loss.item()
-    got = simulated_nll(loaded, build_method("fp16").build_storages({}, dims), ids, batch_size=2)
+    got = simulated_nll(loaded, fp16, ids, batch_size=2)
     assert abs(got.nll / got.tokens - want) < 1e-5
+
+    def layer_outputs(storages):
+        outputs, handler = [], SimulatedAttention(storages)
+        real = handler.attend
+        handler.attend = lambda inp: outputs.append(real(inp)) or outputs[-1]
+        with torch.inference_mode(), loaded.adapter.use(handler):
+            loaded.model(ids, use_cache=False)
+        return outputs
+
+    exact, compressed = layer_outputs(fp16), layer_outputs(rtn)
+    assert torch.equal(compressed[0], exact[0])  # layer 0 is local: its window stays exact
+    assert not torch.allclose(compressed[-1], exact[-1], atol=1e-3)  # the last is global: 2-bit RTN shows
+    global_dims = dataclasses.replace(dims, layer_types=(GLOBAL,) * dims.num_layers)
+    loaded.adapter.dims = global_dims  # the same model with every layer global: layer 0 is compressed too
+    try:
+        assert not torch.allclose(layer_outputs(rtn)[0], exact[0], atol=1e-3)
+    finally:
+        loaded.adapter.dims = dims
+    cache = KvcalCache(fp16, dims.num_layers)
+    with pytest.raises(KvcalError, match="kvcal's cache on .* is not supported yet"), torch.inference_mode():
+        forward_with_cache(loaded.model, ids, cache)
+
+
+def test_bits_per_element_counts_local_layers_as_their_fp16_window():
+    """tiny-gemma3: layers local, local, global, window 8, reference 4096 tokens: fp16 holds 16 bits in the global
+    layer and 16 x 8 / 4096 in each local one, over three layers."""
+    from kvcal.accounting import bits_per_element
+    from kvcal.methods import build_method
+    from kvcal.models.dims import model_dims
+
+    dims = model_dims("tiny-gemma3")
+    report = bits_per_element(build_method("fp16"), dims)
+    assert report.bits_per_element == pytest.approx((16 + 2 * 16 * 8 / 4096) / 3, rel=1e-12)
+    assert report.parts["local_window"] == pytest.approx(2 * 16 * 8 / 4096 / 3, rel=1e-12)
+    rtn = bits_per_element(build_method("rtn", {"bits": 4}), dims)
+    uniform = bits_per_element(build_method("rtn", {"bits": 4}), model_dims("tiny-qwen3"))  # same shapes, all global
+    assert rtn.bits_per_element == pytest.approx(uniform.bits_per_element / 3 + 2 * 16 * 8 / 4096 / 3, rel=1e-12)
+
+
+def test_soft_capped_mixed_attention_is_attention_over_the_chosen_copies():
+    """mixed_attention with a soft-cap (Gemma 2's compressed layers) equals capped attention over the full-precision
+    keys where every key is full precision, and over the reconstructed ones where none is."""
+    from kvcal.models.attention import attention, mixed_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 16, generator=gen, dtype=torch.float64) * 4
+    k, v, k_hat, v_hat = (torch.randn(1, 2, 6, 16, generator=gen, dtype=torch.float64) * 4 for _ in range(4))
+    ones = torch.ones(6, 6, dtype=torch.bool)
+    for fp, (kk, vv) in ((ones, (k, v)), (~ones, (k_hat, v_hat))):
+        got = mixed_attention(q, k, v, k_hat, v_hat, fp, None, 0.25, softcap=5.0)
+        torch.testing.assert_close(got, attention(q, kk, vv, None, 0.25, softcap=5.0))
+    assert not torch.allclose(attention(q, k, v, None, 0.25, softcap=5.0), attention(q, k, v, None, 0.25))
 
 
 def test_a_cache_the_adapter_cannot_see_is_refused_in_one_line(tiny):

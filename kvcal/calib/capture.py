@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 from kvcal.calib.checkpoint import Checkpoints
 from kvcal.eval.ppl import TailObjective
 from kvcal.models.adapter import AttentionInputs, StandardAttention
-from kvcal.models.loaded import refuse_hybrid
 
 CAPTURABLE = ("k", "v", "q", "x", "fisher")
 
@@ -189,7 +188,6 @@ def capture(loaded, windows: torch.Tensor, needs, budget_bytes: int = 4 << 30, b
     unknown = needs - set(CAPTURABLE)
     if unknown:
         raise ValueError(f"cannot capture {sorted(unknown)}")
-    refuse_hybrid(loaded.dims, "calibration")
     model = loaded.model
     store = CaptureStore(loaded.dims.num_layers, budget_bytes)
     store.windows = windows

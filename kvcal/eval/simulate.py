@@ -15,7 +15,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.models.adapter import AttentionInputs
 from kvcal.models.attention import NEG, additive_mask, attention, mixed_attention, remapped_attention
-from kvcal.models.loaded import refuse_hybrid
+from kvcal.models.loaded import LOCAL
 from kvcal.quant.rope import apply_rope
 
 
@@ -42,6 +42,20 @@ def reconstruct(storages, inp: AttentionInputs, k_fp: torch.Tensor, state: dict,
     return k_hat, v_hat
 
 
+def local_layer(inp: AttentionInputs) -> bool:
+    """Whether this is a sliding-window layer of a hybrid model (Gemma 2/3): it keeps its bounded window of exact
+    tokens (the model's own attention, the window in transformers' mask), and the method compresses the global
+    layers only."""
+    dims = inp.module._kvcal_binding[0].dims
+    return dims.hybrid and dims.layer_types[inp.layer_idx] == LOCAL
+
+
+def refuse_remap_with_softcap(storages, inp: AttentionInputs) -> None:
+    if storages.remaps_scores and inp.softcap is not None:
+        raise KvcalError("a method that remaps attention scores (CalibQuant) on a model whose scores are soft-capped "
+                         "(Gemma 2) is not supported yet")
+
+
 class SimulatedAttention:
     """Adapter handler for whole-window forwards (no cache) under the gptq or prefill-decode protocol."""
 
@@ -54,9 +68,9 @@ class SimulatedAttention:
         if inp.cache is not None:
             raise RuntimeError("the gptq simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
-        if self.storages.lossless:
+        if self.storages.lossless or local_layer(inp):
             return attention(q, k_fp, inp.v, inp.mask, inp.scale, inp.softcap)
-        refuse_hybrid(inp.module._kvcal_binding[0].dims, "compression")
+        refuse_remap_with_softcap(self.storages, inp)
         if self.storages.bulk_only:
             raise KvcalError(self.storages.bulk_only)
         length = inp.k_pre.shape[2]
@@ -70,8 +84,8 @@ class SimulatedAttention:
             return remapped_attention(q, torch.cat([k_fp, k_hat], 2), torch.cat([inp.v, v_hat], 2), both, compressed,
                                       inp.scale, self.storages[inp.layer_idx].remap_scores)
         if not full_precision.any():
-            return attention(q, k_hat, v_hat, inp.mask, inp.scale)
-        return mixed_attention(q, k_fp, inp.v, k_hat, v_hat, full_precision, inp.mask, inp.scale)
+            return attention(q, k_hat, v_hat, inp.mask, inp.scale, inp.softcap)
+        return mixed_attention(q, k_fp, inp.v, k_hat, v_hat, full_precision, inp.mask, inp.scale, inp.softcap)
 
 
 def tail_layout(seqlen: int, prefix_len: int | None = None, block_len: int | None = None) -> tuple[int, int]:
@@ -112,9 +126,9 @@ class TailAttention:
         if inp.cache is not None:
             raise RuntimeError("the tail simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
-        if self.storages.lossless:
+        if self.storages.lossless or local_layer(inp):
             return attention(q, k_fp, inp.v, inp.mask, inp.scale, inp.softcap)
-        refuse_hybrid(inp.module._kvcal_binding[0].dims, "compression")
+        refuse_remap_with_softcap(self.storages, inp)
         length = k_fp.shape[2]
         start, end = self.prefix, self.prefix + self.block - self.fp_window  # the compressed span
         prefill = self.prefix + self.block  # queries before it run in the exact prefill
@@ -122,7 +136,8 @@ class TailAttention:
             raise KvcalError(f"the tail protocol's prefix + block ({prefill}) leaves no tail in a window of {length}")
         mask = inp.mask
         head_mask = None if mask is None else mask[..., :prefill, :prefill]
-        head = attention(q[:, :, :prefill], k_fp[:, :, :prefill], inp.v[:, :, :prefill], head_mask, inp.scale)
+        head = attention(q[:, :, :prefill], k_fp[:, :, :prefill], inp.v[:, :, :prefill], head_mask, inp.scale,
+                         inp.softcap)
         k_hat, v_hat = reconstruct(self.storages, inp, k_fp, self.state, (start, end))
         k_mix, v_mix = k_fp.clone(), inp.v.clone()  # each key in one version for every tail query
         k_mix[:, :, start:end], v_mix[:, :, start:end] = k_hat[:, :, start:end], v_hat[:, :, start:end]
@@ -134,5 +149,5 @@ class TailAttention:
             tail = remapped_attention(q_tail, k_mix, v_mix, bias, compressed, inp.scale,
                                       self.storages[inp.layer_idx].remap_scores)
         else:
-            tail = attention(q_tail, k_mix, v_mix, mask, inp.scale)
+            tail = attention(q_tail, k_mix, v_mix, mask, inp.scale, inp.softcap)
         return torch.cat([head, tail], dim=2)

@@ -65,7 +65,7 @@ def attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float |
     if softcap is not None:
         bias = additive_mask(mask, q.shape[2], k.shape[2], q.device)
         return remapped_attention(q, k, v, bias, torch.zeros((), dtype=torch.bool, device=q.device), scale,
-                                  lambda scores, _: softcap * torch.tanh(scores / softcap))
+                                  capped(softcap))
     if mask is None and q.shape[2] == k.shape[2]:  # plain causal: let SDPA skip the mask entirely
         return _sdpa(q, k, v, None, scale)
     if mask is None and q.shape[2] == 1:  # one new token sees every cached key: no mask at all
@@ -81,7 +81,13 @@ def decode_attention_masked(q, k, v, valid: torch.Tensor, scale: float) -> torch
     return _sdpa(q, k, v, bias, scale, MASKED_DECODE_BACKENDS)
 
 
-def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: float) -> torch.Tensor:
+def capped(softcap: float):
+    """The score map of a soft-capped model (Gemma 2): s -> softcap * tanh(s / softcap), for remapped_attention."""
+    return lambda scores, _: softcap * torch.tanh(scores / softcap)
+
+
+def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention where query i sees key j in full precision where `full_precision[i, j]` (bool [Tq, Tk]),
     and reconstructed (k_hat, v_hat) elsewhere.
 
@@ -91,6 +97,9 @@ def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: fl
     bias = additive_mask(mask, q.shape[2], k_fp.shape[2], q.device)
     fp = full_precision[None, None]
     both = torch.cat([torch.where(fp, bias, NEG), torch.where(fp, NEG, bias)], dim=-1)
+    if softcap is not None:
+        return remapped_attention(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both,
+                                  torch.zeros((), dtype=torch.bool, device=q.device), scale, capped(softcap))
     return _sdpa(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both, scale)
 
 

@@ -155,8 +155,9 @@ def hybrid_layer_types(config) -> tuple[str, ...]:
 def refuse_hybrid(dims: ModelDims, what: str) -> None:
     """One line for what does not run yet on a model that interleaves sliding-window and global layers."""
     if dims.hybrid:
-        raise KvcalError(f"{what} on {dims.family} (sliding-window and global layers) is not supported yet: kvcal's "
-                         "caches and calibration treat every layer as global; fp16 evaluation (--recipe fp16) runs")
+        raise KvcalError(f"{what} on {dims.family} (sliding-window and global layers) is not supported yet: the "
+                         "runtime cache does not keep a local layer's window; the simulation (kvcal eval ppl, "
+                         "--mode simulate) and calibration run")
 
 
 def head_dim_unsupported(head_dim: int) -> str | None:

@@ -46,8 +46,8 @@ def local_layer(inp: AttentionInputs) -> bool:
     """Whether this is a sliding-window layer of a hybrid model (Gemma 2/3): it keeps its bounded window of exact
     tokens (the model's own attention, the window in transformers' mask), and the method compresses the global
     layers only."""
-    dims = inp.module._kvcal_binding[0].dims
-    return dims.hybrid and dims.layer_types[inp.layer_idx] == LOCAL
+    binding = getattr(inp.module, "_kvcal_binding", None)
+    return binding is not None and binding[0].dims.hybrid and binding[0].dims.layer_types[inp.layer_idx] == LOCAL
 
 
 def refuse_remap_with_softcap(storages, inp: AttentionInputs) -> None:

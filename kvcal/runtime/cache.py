@@ -694,8 +694,9 @@ class KvcalCache(Cache):
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         layer = self.layers[inp.layer_idx]
-        if layer.length == 0:  # a layer's first tokens: what this cache cannot serve is refused before it stores any
-            refuse_hybrid(inp.module._kvcal_binding[0].dims, "kvcal's cache")
+        binding = getattr(inp.module, "_kvcal_binding", None)  # None: a benchmark's bare inputs
+        if layer.length == 0 and binding is not None:  # a layer's first tokens: refused before it stores any
+            refuse_hybrid(binding[0].dims, "kvcal's cache")
         if inp.q.shape[2] == 1 and inp.q.device.type == "cpu":  # a decode step on a CPU: small ops, one thread
             with one_cpu_thread():
                 return layer.attend(inp)

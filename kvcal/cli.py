@@ -627,17 +627,40 @@ def search_command(
     device: str = DeviceOpt,
     capture_budget_gb: float = typer.Option(4.0, help="RAM for captured activations before spilling to disk."),
     batch_size: int = typer.Option(1, help="Windows per forward pass."),
+    passkey: bool = typer.Option(False, "--passkey", help="Also run the passkey grid (as kvcal eval passkey) on fp16 "
+                                 "and every measured candidate: its accuracy in the table and search.json."),
+    passkey_lengths: list[int] | None = typer.Option(None, "--passkey-lengths", help="--passkey: prompt length in "
+                                                     "tokens (repeatable; default --seqlen, cut to the model's "
+                                                     "max_position_embeddings less the generated tokens)."),
+    passkey_depths: list[float] | None = typer.Option(None, "--passkey-depths", help="--passkey: needle depth in % "
+                                                      "of the filler (repeatable; default 0 25 50 75 100)."),
+    passkey_trials: int | None = typer.Option(None, "--passkey-trials", help="--passkey: trials per length x depth "
+                                              "cell (default 2)."),
+    passkey_seed: int | None = typer.Option(None, "--passkey-seed", help="--passkey: seed of the keys (default 0)."),
+    passkey_mode: str | None = typer.Option(None, "--passkey-mode", help="--passkey: simulate (default: the "
+                                            "prefill-decode simulation, as the search's perplexity is simulated) or "
+                                            "decode (through kvcal's cache, several times slower on a CPU)."),
+    passkey_max_new_tokens: int | None = typer.Option(None, "--passkey-max-new-tokens", help="--passkey: greedy "
+                                                      "tokens generated in decode mode (default 8)."),
+    passkey_backend: str | None = typer.Option(None, "--passkey-backend", help="--passkey decode mode: packed "
+                                               "(default) or reference."),
+    min_passkey: float | None = typer.Option(None, "--min-passkey", help="Choose no candidate whose passkey accuracy "
+                                             "(mean over the grid, 0-1) is below this (needs --passkey); default: "
+                                             "the lowest perplexity whatever its passkey accuracy."),
 ):
     """The best recipe for this model at this budget, chosen by measurement: every recipe that fits is calibrated and
-    evaluated on held-out windows, on equal footing; prints the Pareto front and writes the chosen artifact."""
+    evaluated on held-out windows, on equal footing (--passkey: and runs the passkey grid); prints the Pareto front
+    and writes the chosen artifact."""
     from kvcal.data import check_text
     from kvcal.eval.ppl import PROTOCOLS
     from kvcal.eval.simulate import tail_layout
     from kvcal.models import check_model_args, load_model
     from kvcal.models.dims import model_dims
     from kvcal.search import (
+        PasskeyGrid,
         Plan,
         check_methods,
+        check_passkey,
         list_candidates,
         make_budget,
         parse_duration,
@@ -669,6 +692,22 @@ def search_command(
         raise KvcalError("--prefix-len and --block-len apply to --protocol tail only")
     wanted = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     check_methods(wanted)
+    grid_flags = {"--passkey-lengths": passkey_lengths, "--passkey-depths": passkey_depths,
+                  "--passkey-trials": passkey_trials, "--passkey-seed": passkey_seed, "--passkey-mode": passkey_mode,
+                  "--passkey-max-new-tokens": passkey_max_new_tokens, "--passkey-backend": passkey_backend}
+    given = [flag for flag, value in grid_flags.items() if value is not None]
+    if given and not passkey:
+        raise KvcalError(f"{given[0]} applies with --passkey only")
+    grid = None
+    if passkey:
+        grid = PasskeyGrid(lengths=list(passkey_lengths) if passkey_lengths else None)
+        if passkey_depths:
+            grid.depths = [int(d) if float(d).is_integer() else d for d in passkey_depths]
+        for name, value in (("trials", passkey_trials), ("seed", passkey_seed), ("mode", passkey_mode),
+                            ("max_new_tokens", passkey_max_new_tokens), ("backend", passkey_backend)):
+            if value is not None:
+                setattr(grid, name, value)
+    check_passkey(grid, min_passkey)
     seconds = parse_duration(time_budget)
     if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
         raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
@@ -700,22 +739,37 @@ def search_command(
     check_text(dataset, "eval", data_dir)
     loaded = load_model(model, dtype, device)
     budget, candidates, skipped = planned or plan_candidates(loaded.dims)
-    result = run_search(loaded, plan, budget, candidates, skipped, folder, seconds, invoked_command())
-    table = Table("recipe", "method", "bits/elem", "PPL", "vs fp16", "front", "status",
+    result = run_search(loaded, plan, budget, candidates, skipped, folder, seconds, invoked_command(), grid,
+                        min_passkey)
+
+    def accuracy(row):
+        if row.get("passkey_error"):
+            return "failed"
+        return "-" if row["passkey_accuracy"] is None else f"{row['passkey_accuracy']:.2f}"
+
+    reference = f"fp16 PPL {result['fp16']['ppl']:.4f}" + (f", passkey {accuracy(result['fp16'])}" if grid else "")
+    table = Table("recipe", "method", "bits/elem", "PPL", "vs fp16", *(["passkey"] if grid else []), "front", "status",
                   title=f"{model}: {len(candidates)} candidates at <= {budget.bits:.3f} bits per element, "
-                  f"{protocol} protocol (fp16 PPL {result['fp16']['ppl']:.4f})")
+                  f"{protocol} protocol ({reference})")
     chosen = (result["chosen"] or {}).get("recipe")
     for row in sorted(result["candidates"], key=lambda r: (r["bits"], r["recipe"])):
         table.add_row(("* " if row["recipe"] == chosen else "") + row["recipe"], row["method"], f"{row['bits']:.3f}",
                       "-" if row["ppl"] is None else f"{row['ppl']:.4f}",
                       "-" if row["increase_pct"] is None else f"{row['increase_pct']:+.2f}%",
-                      "yes" if row["on_front"] else "", row["status"])
+                      *([accuracy(row)] if grid else []), "yes" if row["on_front"] else "", row["status"])
     console.print(table)
-    console.print(f"covered {result['covered']}; rule: {result['rule']}")
+    console.print(f"covered {result['covered']}; rule: {result['rule']}", soft_wrap=True)
     if result["chosen"] is None:
+        scored = [r for r in result["candidates"] if r["ppl"] is not None and r.get("passkey_accuracy") is not None]
+        if min_passkey is not None and any(r["ppl"] is not None for r in result["candidates"]):
+            best = max(scored, key=lambda r: (r["passkey_accuracy"], -r["ppl"]), default=None)
+            raise KvcalError(f"no measured candidate reaches --min-passkey {min_passkey}" + (
+                f" (the highest: {best['recipe']}, {best['passkey_accuracy']:.3f})" if best else "") +
+                f"; record: {folder / 'search.json'}")
         raise KvcalError("the time budget ended before any candidate was measured: run again with a larger one")
     console.print(f"chosen: {chosen} (PPL {result['chosen']['ppl']:.4f}, {result['chosen']['bits']:.3f} bits per "
-                  f"element) -> {result['chosen']['artifact']}; record: {folder / 'search.json'}", soft_wrap=True)
+                  f"element" + (f", passkey {accuracy(result['chosen'])}" if grid else "") +
+                  f") -> {result['chosen']['artifact']}; record: {folder / 'search.json'}", soft_wrap=True)
     if plot is not None:
         plot_front(result, plot)
         console.print(f"wrote {plot}")

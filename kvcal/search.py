@@ -7,10 +7,16 @@ file serves both splits) under one protocol and one full-precision allowance, ex
 evaluates (the record says the command that reproduces its number). The rule: the lowest perplexity, ties to fewer
 bits, then the name.
 
+With a passkey grid (`--passkey`), fp16 and every measured candidate also run `kvcal eval passkey` on their artifact
+(kvcal.eval.passkey.passkey_record), and the record goes beside the candidate's ppl record; `--min-passkey X` leaves
+out of the choice every candidate whose passkey accuracy (mean over the grid) is below X.
+
 Work is kept per candidate under OUT/candidates/NAME-KEY/ (artifact.safetensors, record.json), KEY a hash of what the
 number depends on (model, dtype and device type, recipe and config, calibration and evaluation data and settings,
 protocol, kvcal version): a re-run, after an interruption or with a larger budget, measures only what is new, and an
-interrupted calibration resumes from its checkpoints. OUT/search.json explains the choice (every candidate's
+interrupted calibration resumes from its checkpoints. A passkey record is
+OUT/candidates/NAME-KEY/passkey-PKEY.json, PKEY a hash of KEY and the grid: a re-run with another grid runs only the
+grid, on the artifact already there. OUT/search.json explains the choice (every candidate's
 numbers, the skipped ones with their reason, the rule, the Pareto front); the chosen artifact is copied to
 OUT/NAME.safetensors.
 """
@@ -22,7 +28,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcal import __version__
@@ -32,14 +38,18 @@ from kvcal.calib.checkpoint import checkpoint_folder
 from kvcal.calib.run import run_calibrations
 from kvcal.data import load_eval_windows, load_text
 from kvcal.determinism import deterministic_algorithms
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, first_line
+from kvcal.eval.passkey import DEFAULT_DEPTHS, MODES, build_prompt, passkey_record
 from kvcal.eval.run import check_protocol, ppl_record, protocol_setting
 from kvcal.methods.registry import all_methods, build_method, storages_for_artifact
 from kvcal.progress import stderr_console
 from kvcal.recipes import load_recipe, recipe_names
+from kvcal.runtime.cache import BACKENDS
 
 RULE = "the lowest perplexity among the candidates that fit the budget; ties: fewer bits, then the recipe name"
 MEMORY_UNIT = 1 << 30  # --memory is in GiB
+PASSKEY_TRIALS = 2  # the search's default grid: --seqlen tokens x DEFAULT_DEPTHS x 2 trials, simulated
+PASSKEY_MODE = "simulate"
 
 
 @dataclass
@@ -75,6 +85,24 @@ class Plan:
 
 
 @dataclass
+class PasskeyGrid:
+    """The passkey grid run on fp16 and every measured candidate: `kvcal eval passkey`'s settings. lengths None: the
+    evaluation windows' length, cut to the model's positions less the generated tokens (`fit_passkey_grid`)."""
+
+    lengths: list[int] | None = None
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    trials: int = PASSKEY_TRIALS
+    seed: int = 0
+    mode: str = PASSKEY_MODE
+    max_new_tokens: int = 8
+    backend: str = "packed"
+
+    def settings(self) -> dict:
+        return {"lengths": self.lengths, "depths": self.depths, "trials": self.trials, "seed": self.seed,
+                "mode": self.mode, "max_new_tokens": self.max_new_tokens, "backend": self.backend}
+
+
+@dataclass
 class Candidate:
     name: str  # the recipe
     method: object  # its setting for this model (and the allowance)
@@ -82,6 +110,10 @@ class Candidate:
     key: str = ""
     record: dict | None = None
     status: str = "pending"  # measured, reused, not started (time budget)
+    passkey_key: str = ""
+    passkey: dict | None = None  # the passkey record
+    passkey_status: str = "pending"  # measured, reused, failed (passkey_error says why)
+    passkey_error: str | None = None
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -121,6 +153,74 @@ def make_budget(dims, bits: float | None, memory: float | None, context: int | N
         raise KvcalError(f"--memory must be a positive number of GiB, got {memory}")
     per_element = memory * MEMORY_UNIT * 8 / (kv_elements(dims, context) * batch)
     return Budget(per_element, context, {"memory_gib": memory, "context": context, "batch": batch})
+
+
+def check_passkey(grid: PasskeyGrid | None, min_passkey: float | None) -> None:
+    """One-line refusal, before any model loads, of a grid `kvcal eval passkey` would refuse (named by the search's
+    flags) and of a --min-passkey outside [0, 1] or without a grid."""
+    if min_passkey is not None:
+        if grid is None:
+            raise KvcalError("--min-passkey needs --passkey (the passkey grid it is measured on)")
+        if not 0 <= min_passkey <= 1:
+            raise KvcalError(f"--min-passkey is a passkey accuracy in [0, 1], got {min_passkey}")
+    if grid is None:
+        return
+    if grid.lengths is not None:
+        if not grid.lengths:
+            raise KvcalError("--passkey-lengths: give at least one length")
+        for n in grid.lengths:
+            if n < 2:
+                raise KvcalError(f"--passkey-lengths must be at least 2 tokens, got {n}")
+    if not grid.depths:
+        raise KvcalError("--passkey-depths: give at least one depth")
+    for d in grid.depths:
+        if not 0 <= d <= 100:
+            raise KvcalError(f"--passkey-depths are percentages in [0, 100], got {d}")
+    if grid.trials < 1:
+        raise KvcalError(f"--passkey-trials must be positive, got {grid.trials}")
+    if grid.max_new_tokens < 1:
+        raise KvcalError(f"--passkey-max-new-tokens must be positive, got {grid.max_new_tokens}")
+    if grid.mode not in MODES:
+        raise KvcalError(f"unknown --passkey-mode '{grid.mode}' (choose from {', '.join(MODES)})")
+    if grid.backend not in BACKENDS:
+        raise KvcalError(f"unknown --passkey-backend '{grid.backend}' (choose from {', '.join(BACKENDS)})")
+    if grid.backend != "packed" and grid.mode != "decode":
+        raise KvcalError("--passkey-backend applies to --passkey-mode decode only")
+
+
+def fit_passkey_grid(loaded, grid: PasskeyGrid, seqlen: int) -> PasskeyGrid:
+    """The grid with its lengths settled (default: `seqlen` cut to the model's max_position_embeddings less the
+    generated tokens), each length checked against the model's positions and its tokenizer (a prompt must hold the
+    header, the needle and the question): one-line errors before anything is measured."""
+    if loaded.tokenizer is None:
+        raise KvcalError(f"--passkey: {loaded.name} has no tokenizer")
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    lengths = grid.lengths or [min(seqlen, limit - grid.max_new_tokens) if limit else seqlen]
+    for n in lengths:
+        if limit and n + grid.max_new_tokens > limit:
+            raise KvcalError(f"--passkey-lengths {n} + {grid.max_new_tokens} new tokens exceeds {loaded.name}'s "
+                             f"max_position_embeddings ({limit})")
+        try:
+            build_prompt(loaded.tokenizer, n, 50, "12345")
+        except KvcalError as exc:
+            raise KvcalError(f"--passkey-lengths: {exc}") from None
+    return PasskeyGrid(list(lengths), list(grid.depths), grid.trials, grid.seed, grid.mode, grid.max_new_tokens,
+                       grid.backend)
+
+
+def rule(min_passkey: float | None) -> str:
+    """The choice rule as search.json states it."""
+    if min_passkey is None:
+        return RULE
+    return (f"the lowest perplexity among the candidates that fit the budget and whose passkey accuracy (mean over the "
+            f"grid) is at least {min_passkey}; ties: fewer bits, then the recipe name")
+
+
+def choose(rows: list[dict], min_passkey: float | None) -> dict | None:
+    """The row the rule chooses among the measured ones (None: none measured, or none reaches `min_passkey`)."""
+    eligible = [r for r in rows if r["ppl"] is not None and (
+        min_passkey is None or (r.get("passkey_accuracy") is not None and r["passkey_accuracy"] >= min_passkey))]
+    return min(eligible, key=lambda r: (r["ppl"], r["bits"], r["recipe"])) if eligible else None
 
 
 def check_methods(methods: list[str] | None) -> None:
@@ -188,6 +288,17 @@ def candidate_key(loaded, plan: Plan, candidate: Candidate, calib_text, eval_tex
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def passkey_key(candidate: Candidate, grid: PasskeyGrid) -> str:
+    """A hash of the candidate's key (its artifact's inputs) and the passkey grid."""
+    parts = {"candidate": candidate.key, "passkey": grid.settings()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def candidate_folder(out: Path, candidate: Candidate) -> Path:
+    """OUT/candidates/NAME-KEY: the candidate's artifact, ppl record and passkey records."""
+    return out / "candidates" / f"{candidate.name.replace('/', '-')}-{candidate.key}"
+
+
 def eval_command(plan: Plan, artifact: Path) -> str:
     """The `kvcal eval ppl` command whose perplexity a candidate's record holds."""
     parts = ["kvcal eval ppl", f"--artifact {artifact}", f"--model {plan.model}", f"--dtype {plan.dtype}",
@@ -204,9 +315,20 @@ def eval_command(plan: Plan, artifact: Path) -> str:
     return " ".join(parts)
 
 
+def passkey_command(plan: Plan, grid: PasskeyGrid, artifact: Path) -> str:
+    """The `kvcal eval passkey` command whose grid a candidate's passkey record holds."""
+    parts = ["kvcal eval passkey", f"--artifact {artifact}", f"--model {plan.model}", f"--dtype {plan.dtype}"]
+    parts += [f"--lengths {n}" for n in grid.lengths] + [f"--depths {d}" for d in grid.depths]
+    parts += [f"--trials {grid.trials}", f"--seed {grid.seed}", f"--mode {grid.mode}",
+              f"--max-new-tokens {grid.max_new_tokens}", f"--backend {grid.backend}"]
+    if plan.fp_window is not None:
+        parts.append(f"--fp-window {plan.fp_window}")
+    return " ".join(parts)
+
+
 def measure(loaded, plan: Plan, candidate: Candidate, out: Path, text, windows) -> None:
     """Calibrate (or reuse) the candidate's artifact and evaluate it (or reuse its record)."""
-    folder = out / "candidates" / f"{candidate.name.replace('/', '-')}-{candidate.key}"
+    folder = candidate_folder(out, candidate)
     record_path, artifact_path = folder / "record.json", folder / "artifact.safetensors"
     if record_path.is_file() and artifact_path.is_file():
         candidate.record, candidate.status = json.loads(record_path.read_text()), "reused"
@@ -230,6 +352,46 @@ def measure(loaded, plan: Plan, candidate: Candidate, out: Path, text, windows) 
     candidate.record, candidate.status = record, "measured"
 
 
+def measure_passkey(loaded, plan: Plan, grid: PasskeyGrid, candidate: Candidate, out: Path) -> None:
+    """Run the passkey grid on the candidate's artifact (or reuse its record), as `kvcal eval passkey --artifact`
+    runs it. A candidate the grid cannot run on (e.g. a packed cache without Triton kernels on CUDA) is marked failed
+    with the reason, and the search goes on."""
+    folder = candidate_folder(out, candidate)
+    candidate.passkey_key = passkey_key(candidate, grid)
+    path = folder / f"passkey-{candidate.passkey_key}.json"
+    if path.is_file():
+        candidate.passkey, candidate.passkey_status = json.loads(path.read_text()), "reused"
+        return
+    artifact_path = folder / "artifact.safetensors"
+    artifact = load_artifact(artifact_path)
+    method, storages = storages_for_artifact(artifact, loaded, artifact_path, None, plan.fp_window)
+    setting = protocol_setting(candidate.name.replace("/", "-"), plan.fp_window)
+    try:
+        record = passkey_record(loaded, method, storages, setting,
+                                {"path": str(artifact_path), "tensor_hash": artifact.header["tensor_hash"]},
+                                plan.dtype, grid.lengths, grid.depths, grid.trials, grid.seed, grid.mode,
+                                grid.max_new_tokens, grid.backend, plan.fp_window)
+    except KvcalError as exc:
+        candidate.passkey_error, candidate.passkey_status = first_line(str(exc)), "failed"
+        stderr_console.print(f"search: passkey of {candidate.name} failed: {candidate.passkey_error}", markup=False,
+                             highlight=False, soft_wrap=True)
+        return
+    record["command"] = passkey_command(plan, grid, artifact_path)
+    write_json(path, record)
+    candidate.passkey, candidate.passkey_status = record, "measured"
+
+
+def passkey_columns(candidate: Candidate, out: Path) -> dict:
+    """A candidate's passkey accuracy (mean over the grid), its record's path and status, for search.json."""
+    columns = {"passkey_accuracy": candidate.passkey["accuracy"] if candidate.passkey else None,
+               "passkey_record": str(candidate_folder(out, candidate) / f"passkey-{candidate.passkey_key}.json")
+               if candidate.passkey else None,
+               "passkey_status": candidate.passkey_status if candidate.record else "not started (time budget)"}
+    if candidate.passkey_error:
+        columns["passkey_error"] = candidate.passkey_error
+    return columns
+
+
 def pareto_front(rows: list[dict]) -> set[str]:
     """Names of the measured rows no other row beats on both bits and perplexity (fewest bits for its perplexity)."""
     front, best = set(), math.inf
@@ -241,16 +403,23 @@ def pareto_front(rows: list[dict]) -> set[str]:
 
 
 def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], skipped: list[dict], out: Path,
-               time_budget: float | None = None, command: str = "") -> dict:
-    """Measure the candidates in order (none started after `time_budget` seconds), choose, and write OUT/search.json
-    and the chosen artifact. Returns the search's record."""
+               time_budget: float | None = None, command: str = "", passkey: PasskeyGrid | None = None,
+               min_passkey: float | None = None) -> dict:
+    """Measure the candidates in order (none started after `time_budget` seconds), each with the passkey grid when
+    one is given, choose, and write OUT/search.json and the chosen artifact. Returns the search's record."""
+    check_passkey(passkey, min_passkey)
+    if passkey is not None:
+        passkey = fit_passkey_grid(loaded, passkey, plan.seqlen)
     out.mkdir(parents=True, exist_ok=True)
     calib_text = load_text(plan.dataset, "calib", plan.data_dir)
     text, windows = load_eval_windows(loaded.tokenizer, plan.dataset, plan.data_dir, plan.seqlen, plan.eval_nsamples)
     stderr_console.print(f"search: {len(candidates)} candidates; calibration on {calib_text.provenance['dataset']} "
                          f"{calib_text.provenance['split']} ({plan.nsamples} windows of {plan.seqlen}), evaluation on "
                          f"{text.provenance['dataset']} {text.provenance['split']} ({windows.shape[0]} windows), "
-                         f"{plan.protocol} protocol", markup=False, highlight=False, soft_wrap=True)
+                         f"{plan.protocol} protocol" + (
+                             "" if passkey is None else f"; passkey grid {passkey.lengths} tokens x depths "
+                             f"{passkey.depths} x {passkey.trials} trials ({passkey.mode})"),
+                         markup=False, highlight=False, soft_wrap=True)
     fp16 = Candidate("fp16", build_method("fp16"), 16.0)
     started = time.monotonic()
     for candidate in [fp16, *candidates]:
@@ -259,20 +428,23 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
             candidate.status = "not started (time budget)"
             continue
         measure(loaded, plan, candidate, out, text, windows)
+        if passkey is not None:
+            measure_passkey(loaded, plan, passkey, candidate, out)
     reference = fp16.record["ppl"]
     rows = [{"recipe": c.name, "method": c.method.name, "bits": c.bits,
              "bits_at_4096": c.record["bits_per_element"] if c.record else None,
              "ppl": c.record["ppl"] if c.record else None,
              "increase_pct": round(100 * (c.record["ppl"] / reference - 1), 4) if c.record else None,
              "status": c.status, "key": c.key,
-             "record": str(out / "candidates" / f"{c.name.replace('/', '-')}-{c.key}" / "record.json")
-             if c.record else None, "command": c.record["command"] if c.record else None}
+             "record": str(candidate_folder(out, c) / "record.json") if c.record else None,
+             "command": c.record["command"] if c.record else None,
+             **(passkey_columns(c, out) if passkey is not None else {})}
             for c in candidates]
     measured = [r for r in rows if r["ppl"] is not None]
     front = pareto_front(measured)
     for row in rows:
         row["on_front"] = row["recipe"] in front
-    chosen = min(measured, key=lambda r: (r["ppl"], r["bits"], r["recipe"])) if measured else None
+    chosen = choose(measured, min_passkey)
     result = {
         "command": command, "model": loaded.identity, "dtype": plan.dtype, "device": loaded.device_label,
         # every candidate's bits are counted at the budget's tokens (its "bits"; "bits_at_4096": kvcal's reference)
@@ -280,7 +452,10 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
         "protocol": plan.protocol, "fp_window": plan.fp_window,
         "calibration": {**calib_text.provenance, "nsamples": plan.nsamples, "seqlen": plan.seqlen, "seed": plan.seed},
         "evaluation": {**text.provenance, "nsamples": int(windows.shape[0]), "seqlen": plan.seqlen},
-        "rule": RULE, "fp16": {"ppl": reference, "record": str(out / "candidates" / f"fp16-{fp16.key}" / "record.json")},
+        "passkey": None if passkey is None else {**passkey.settings(), "min_accuracy": min_passkey},
+        "rule": rule(min_passkey),
+        "fp16": {"ppl": reference, "record": str(candidate_folder(out, fp16) / "record.json"),
+                 **(passkey_columns(fp16, out) if passkey is not None else {})},
         "candidates": rows, "skipped": skipped,
         "covered": f"{len(measured)} of {len(rows)} candidates" + (
             "" if len(measured) == len(rows) else " (the time budget stopped the rest)"),

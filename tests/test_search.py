@@ -1,10 +1,13 @@
 """`kvcal search` (kvcal/search.py): the candidates that fit a budget are measured, the lowest perplexity is chosen,
 the chosen artifact's `kvcal eval ppl` reproduces the search's number exactly, an interrupted search measures only
-what it had not finished, and bad input is one line before the model loads."""
+what it had not finished, and bad input is one line before the model loads. With --passkey: each candidate's passkey
+record equals `kvcal eval passkey` on its artifact, a new grid re-runs only the grid, an interrupted search re-runs
+no finished grid, and --min-passkey leaves out the candidates below it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -17,8 +20,9 @@ from tests.test_cli import assert_one_line_error, kvcal
 # ranges, scales) count 2.5 to 4.6 bits per element
 ARGS = ["--model", "tiny-llama", "--bits", "4.6", "--methods", "kvquant,xquant,rtn", "--nsamples", "2", "--seqlen",
         "128", "--eval-nsamples", "2"]
-
-
+# a small passkey grid the tiny model's tokenizer holds (its prompts need 245 tokens at least)
+GRID = ["--passkey", "--passkey-lengths", "256", "--passkey-depths", "0", "--passkey-depths", "100",
+        "--passkey-trials", "1"]
 
 @pytest.fixture(scope="module")
 def searched(text_file):
@@ -150,3 +154,155 @@ def test_nothing_fits_before_the_model_loads(monkeypatch):
     budget = search.make_budget(dims, 0.01, None, None, 1, 2048)
     candidates, skipped = search.list_candidates(dims, budget, plan, None, False, True)
     assert candidates == [] and min(s.get("bits", 99) for s in skipped) > 0.01
+
+
+@pytest.fixture(scope="module")
+def passkey_searched(searched, text_file, tmp_path_factory):
+    """The search of `searched` run again on a copy of its folder, with a passkey grid: only the grid runs."""
+    out = tmp_path_factory.mktemp("passkey") / "out"
+    shutil.copytree(searched[0], out)
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "candidates").glob("*/*")
+              if p.suffix in (".json", ".safetensors")}
+    result = kvcal("search", *ARGS, *GRID, "--dataset", text_file, "--out", out)
+    assert result.returncode == 0, result.stderr
+    return out, json.loads((out / "search.json").read_text()), result.stdout, stamps
+
+
+def test_a_passkey_grid_on_a_finished_search_runs_only_the_grid(passkey_searched):
+    out, record, stdout, stamps = passkey_searched
+    assert {c["status"] for c in record["candidates"]} == {"reused"}
+    assert {c["passkey_status"] for c in record["candidates"]} == {"measured"}
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # no artifact or ppl record rewritten
+    assert record["passkey"] == {"lengths": [256], "depths": [0, 100], "trials": 1, "seed": 0, "mode": "simulate",
+                                 "max_new_tokens": 8, "backend": "packed", "min_accuracy": None}
+    assert record["rule"] == search.RULE
+    header = next(line for line in stdout.splitlines() if "recipe" in line and "method" in line)
+    assert "passkey" in header and f"passkey {record['fp16']['passkey_accuracy']:.2f})" in stdout
+
+
+def test_passkey_accuracy_equals_eval_passkey_on_the_artifact(passkey_searched, tmp_path):
+    """search.json holds each record's accuracy, and the record's `kvcal eval passkey` command, in a fresh process,
+    gives the same trials: every output and the accuracy."""
+    out, record, stdout, _ = passkey_searched
+    rows = [record["fp16"], *record["candidates"]]
+    for row in rows:
+        stored = json.loads(open(row["passkey_record"]).read())
+        assert row["passkey_accuracy"] == stored["accuracy"]
+        assert stored["cells"] and len(stored["cells"]) == 2 and stored["mode"] == "simulate"
+        assert row["passkey_record"].startswith(str(out / "candidates"))
+    chosen = record["chosen"]
+    assert f"passkey {chosen['passkey_accuracy']:.2f}" in stdout
+    stored = json.loads(open(chosen["passkey_record"]).read())
+    command = stored["command"].split()
+    assert command[:3] == ["kvcal", "eval", "passkey"]
+    result = kvcal(*command[1:], "--json", tmp_path / "p.json")
+    assert result.returncode == 0, result.stderr
+    fresh = json.loads((tmp_path / "p.json").read_text())
+    assert fresh["accuracy"] == chosen["passkey_accuracy"]
+    assert [r["output"] for c in fresh["cells"] for r in c["results"]] == \
+        [r["output"] for c in stored["cells"] for r in c["results"]]
+    outputs = {json.loads(open(r["passkey_record"]).read())["cells"][0]["results"][0]["output"] for r in rows}
+    assert len(outputs) > 1  # the settings answer differently: the records are each candidate's own
+
+
+def test_min_passkey_leaves_out_candidates_below_it(passkey_searched, text_file):
+    """On the random tiny model no candidate retrieves a key: --min-passkey 0.5 chooses none (an error naming the
+    highest), --min-passkey 0 chooses the lowest perplexity; both reuse every record and state the rule."""
+    out, record, _, _ = passkey_searched
+    text = text_file
+    assert all(c["passkey_accuracy"] == 0 for c in record["candidates"])
+    result = kvcal("search", *ARGS, *GRID, "--min-passkey", "0.5", "--dataset", text, "--out", out)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert last.startswith("error: no measured candidate reaches --min-passkey 0.5 (the highest: "), last
+    refused = json.loads((out / "search.json").read_text())
+    assert refused["chosen"] is None and refused["passkey"]["min_accuracy"] == 0.5
+    assert "passkey accuracy (mean over the grid) is at least 0.5" in refused["rule"]
+    assert {c["passkey_status"] for c in refused["candidates"]} == {"reused"}
+    result = kvcal("search", *ARGS, *GRID, "--min-passkey", "0", "--dataset", text, "--out", out)
+    assert result.returncode == 0, result.stderr
+    accepted = json.loads((out / "search.json").read_text())
+    assert accepted["chosen"]["recipe"] == record["chosen"]["recipe"] and "at least 0.0" in accepted["rule"]
+
+
+def test_an_interrupted_passkey_search_reruns_no_finished_grid(text_file, tmp_path, monkeypatch):
+    from kvcal.models import load_model
+
+    loaded = load_model("tiny-llama")
+    plan = search.Plan("tiny-llama", "float32", "cpu", str(text_file), None, 2, 128, 0, 2)
+    budget = search.make_budget(loaded.dims, 4.6, None, None, 1, 128)
+    grid = search.PasskeyGrid([256], [50], 1)
+
+    def listed():
+        candidates, skipped = search.list_candidates(loaded.dims, budget, plan, ["xquant", "rtn"], False, True)
+        assert len(candidates) == 2
+        return candidates, skipped
+
+    calls, ppl_calls, calibrations = [], [], []
+    record, ppl, calibrate = search.passkey_record, search.ppl_record, search.run_calibrations
+
+    def stopping(*args, **kwargs):
+        calls.append(args[3])
+        if len(calls) == 3:  # fp16, the first candidate, then Ctrl-C in the second's grid
+            raise KeyboardInterrupt
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(search, "passkey_record", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        search.run_search(loaded, plan, budget, *listed(), tmp_path, passkey=grid)
+    first, second = calls[1], calls[2]
+    calls.clear()
+    monkeypatch.setattr(search, "passkey_record", lambda *a, **k: (calls.append(a[3]), record(*a, **k))[1])
+    monkeypatch.setattr(search, "ppl_record", lambda *a, **k: (ppl_calls.append(a[3]), ppl(*a, **k))[1])
+    monkeypatch.setattr(search, "run_calibrations", lambda *a, **k: (calibrations.append(1), calibrate(*a, **k))[1])
+    result = search.run_search(loaded, plan, budget, *listed(), tmp_path, passkey=grid)
+    assert calls == [second] and ppl_calls == [] and calibrations == []  # only the unfinished grid runs
+    status = {c["recipe"]: c["passkey_status"] for c in result["candidates"]}
+    assert status == {first: "reused", second: "measured"} and result["fp16"]["passkey_status"] == "reused"
+    calls.clear()
+    result = search.run_search(loaded, plan, budget, *listed(), tmp_path, passkey=search.PasskeyGrid([256], [50], 2))
+    assert calls == ["fp16", first, second] and ppl_calls == [] and calibrations == []  # a new grid: the grid alone
+    assert all(len(json.loads(open(c["passkey_record"]).read())["cells"][0]["results"]) == 2
+               for c in result["candidates"])
+
+
+def test_choice_with_min_passkey_by_hand():
+    rows = [{"recipe": "a", "bits": 2.0, "ppl": 20.0, "passkey_accuracy": 0.4},
+            {"recipe": "b", "bits": 3.0, "ppl": 22.0, "passkey_accuracy": 0.8},
+            {"recipe": "c", "bits": 2.5, "ppl": 25.0, "passkey_accuracy": 1.0},
+            {"recipe": "d", "bits": 1.0, "ppl": 19.0, "passkey_accuracy": None}]  # its grid failed
+    assert search.choose(rows, None)["recipe"] == "d"
+    assert search.choose(rows, 0.4)["recipe"] == "a"
+    assert search.choose(rows, 0.5)["recipe"] == "b"
+    assert search.choose(rows, 0.9)["recipe"] == "c"
+    assert search.choose(rows, 1.0)["recipe"] == "c"
+    assert search.choose(rows[:2], 0.9) is None
+    assert search.rule(None) == search.RULE and "at least 0.5" in search.rule(0.5)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--min-passkey", "0.5"], "--min-passkey needs --passkey"),
+    (["--passkey", "--min-passkey", "1.5"], "--min-passkey is a passkey accuracy in [0, 1], got 1.5"),
+    (["--passkey", "--min-passkey", "-0.1"], "--min-passkey is a passkey accuracy in [0, 1]"),
+    (["--passkey", "--passkey-lengths", "1"], "--passkey-lengths must be at least 2 tokens, got 1"),
+    (["--passkey", "--passkey-depths", "120"], "--passkey-depths are percentages in [0, 100], got 120"),
+    (["--passkey", "--passkey-trials", "0"], "--passkey-trials must be positive"),
+    (["--passkey", "--passkey-mode", "nope"], "unknown --passkey-mode 'nope'"),
+    (["--passkey", "--passkey-backend", "reference"], "--passkey-backend applies to --passkey-mode decode only"),
+    (["--passkey-trials", "3"], "--passkey-trials applies with --passkey only"),
+])
+def test_bad_passkey_input_is_one_line_before_the_model(args, needle, text_file, tmp_path):
+    """Said before the model is even looked at: a model that does not exist would be refused otherwise."""
+    assert_one_line_error(kvcal("search", "--model", tmp_path / "no-model", "--bits", "3", "--dataset", text_file,
+                                *args), needle)
+
+
+@pytest.mark.parametrize("length, needle", [
+    ("100", "--passkey-lengths: a passkey prompt of 100 tokens cannot hold the header"),
+    ("5000", "--passkey-lengths 5000 + 8 new tokens exceeds tiny-llama's max_position_embeddings (4096)"),
+])
+def test_a_grid_the_model_cannot_hold_is_one_line_before_any_measurement(length, needle, text_file, tmp_path):
+    out = tmp_path / "out"
+    assert_one_line_error(kvcal("search", *ARGS, "--passkey", "--passkey-lengths", length, "--dataset", text_file,
+                                "--out", out), needle)
+    assert not (out / "candidates").exists()

@@ -161,7 +161,8 @@ def test_the_installed_transformers_hands_kvcal_its_cache(name):
 def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(name):
     """Gemma 2 / 3 keep their local/global pattern, window, soft-cap and local RoPE in ModelDims (and in the identity
     an artifact records). In the simulation a local layer attends exactly (its bounded window, as the model) and a
-    global layer through the method; fp16 equals the model's own loss; the runtime cache refuses them in one line."""
+    global layer through the method; fp16 equals the model's own loss; decoding through kvcal's cache gives the
+    simulation's loss (Gemma 2's soft-capped scores: the packed cache refuses them in one line)."""
     import dataclasses
 
     from kvcal.eval.ppl import simulated_nll
@@ -205,9 +206,19 @@ def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(
         assert not torch.allclose(layer_outputs(rtn)[0], exact[0], atol=1e-3)
     finally:
         loaded.adapter.dims = dims
-    cache = KvcalCache(fp16, dims.num_layers)
-    with pytest.raises(KvcalError, match="kvcal's cache on .* is not supported yet"), torch.inference_mode():
-        forward_with_cache(loaded.model, ids, cache)
+    # the runtime cache: a local layer attends to its window of exact tokens, a global one through the method;
+    # decoding token by token gives the simulation's loss
+    from kvcal.eval.ppl import decoded_nll
+
+    settings = [fp16] + ([rtn] if dims.attn_softcap is None else [])
+    for storages in settings:
+        simulated, decoded = simulated_nll(loaded, storages, ids), decoded_nll(loaded, storages, ids)
+        assert decoded.tokens == simulated.tokens
+        assert abs(decoded.nll - simulated.nll) / simulated.nll < 1e-5
+    if dims.attn_softcap is not None:
+        cache = KvcalCache(rtn, dims.num_layers)
+        with pytest.raises(KvcalError, match="soft-capped attention scores"), torch.inference_mode():
+            forward_with_cache(loaded.model, ids, cache)
 
 
 def test_bits_per_element_counts_local_layers_as_their_fp16_window():
@@ -274,3 +285,27 @@ def test_cache_argument_is_read_from_the_forward_signature():
     assert cache_argument(Old()) == "past_key_values" and cache_argument(New()) == "cache"
     with pytest.raises(KvcalError, match="takes neither `cache` nor `past_key_values`"):
         cache_argument(Neither())
+
+
+def test_a_window_layers_static_decode_step_attends_to_its_window():
+    """LosslessLayer's static (CUDA-graph) decode step with a window: the new token sees itself and the window - 1
+    tokens before it, nothing older (the same step without a window sees them all)."""
+    from types import SimpleNamespace
+
+    from kvcal.models.attention import attention
+    from kvcal.runtime.cache import LosslessLayer
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 1, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    history = [torch.randn(1, 2, 10, 16, generator=gen, dtype=torch.float64) for _ in range(2)]
+    zeros = torch.zeros(1, 1, 16, dtype=torch.float64)
+    for window in (4, None):
+        layer = LosslessLayer(0, 16, window)
+        layer.fill_synthetic(1, 10, 2, 16, torch.float64, "cpu", None)
+        layer.k_buf[:, :, :10], layer.v_buf[:, :, :10] = history
+        layer.begin_static()
+        inp = SimpleNamespace(q=q, k_pre=k, v=v, cos=torch.ones_like(zeros), sin=zeros, scale=0.25, softcap=None)
+        got = layer.attend(inp)
+        keys, values = (torch.cat([h, new], 2) for h, new in zip(history, (k, v)))
+        start = 0 if window is None else 11 - window
+        torch.testing.assert_close(got, attention(q, keys[:, :, start:], values[:, :, start:], None, 0.25))

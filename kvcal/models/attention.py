@@ -73,11 +73,14 @@ def attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float |
     return _sdpa(q, k, v, additive_mask(mask, q.shape[2], k.shape[2], q.device), scale)
 
 
-def decode_attention_masked(q, k, v, valid: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_masked(q, k, v, valid: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
     """One new token per row over a preallocated cache: q [B, Hq, 1, D], k/v [B, Hkv, capacity, D], valid bool
     [capacity] (the slots that hold tokens; the same for every row). No shape depends on how many slots are
     valid, so a CUDA graph can replay it at every length."""
     bias = torch.where(valid, 0.0, NEG)[None, None, None, :]
+    if softcap is not None:
+        return remapped_attention(q, k, v, bias, torch.zeros((), dtype=torch.bool, device=q.device), scale,
+                                  capped(softcap))
     return _sdpa(q, k, v, bias, scale, MASKED_DECODE_BACKENDS)
 
 

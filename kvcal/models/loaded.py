@@ -152,14 +152,6 @@ def hybrid_layer_types(config) -> tuple[str, ...]:
     return tuple(LOCAL if i % 2 == 0 else GLOBAL for i in range(layers))
 
 
-def refuse_hybrid(dims: ModelDims, what: str) -> None:
-    """One line for what does not run yet on a model that interleaves sliding-window and global layers."""
-    if dims.hybrid:
-        raise KvcalError(f"{what} on {dims.family} (sliding-window and global layers) is not supported yet: the "
-                         "runtime cache does not keep a local layer's window; the simulation (kvcal eval ppl, "
-                         "--mode simulate) and calibration run")
-
-
 def head_dim_unsupported(head_dim: int) -> str | None:
     """Why kvcal cannot serve heads of head_dim channels (the decode kernels' rule), None when it can."""
     why = kernel_rule(head_dim)

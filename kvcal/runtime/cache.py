@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcal.errors import KvcalError
 from kvcal.models.attention import attention, decode_attention_masked
-from kvcal.models.loaded import refuse_hybrid
+from kvcal.models.loaded import LOCAL
 from kvcal.quant.rope import apply_rope
 from kvcal.runtime.decode import FullPrecision, decode_attention, one_cpu_thread
 from kvcal.runtime.graph import GraphPool, StepGraph
@@ -570,9 +570,10 @@ class LosslessLayer(CacheLayer):
     """The fp16 baseline: full-precision K/V in preallocated buffers that grow by 1/8 (no copy of the whole
     cache at every step, unlike concatenation)."""
 
-    def __init__(self, layer_idx: int, capacity_hint: int = 0):
+    def __init__(self, layer_idx: int, capacity_hint: int = 0, window: int | None = None):
         super().__init__(layer_idx)
         self.capacity_hint = capacity_hint
+        self.window = window  # a sliding-window layer (hybrid models): the newest `window` tokens are attended to
         self.k_buf = self.v_buf = None
         self.static = False
         self.filled = self.positions = None  # static steps: tokens held (device [1]) and slot positions
@@ -593,7 +594,7 @@ class LosslessLayer(CacheLayer):
     def attend(self, inp) -> torch.Tensor:
         q, k = apply_rope(inp.q, inp.cos, inp.sin), apply_rope(inp.k_pre, inp.cos, inp.sin)
         if self.static:
-            return self._attend_static(q, k, inp.v, inp.scale)
+            return self._attend_static(q, k, inp.v, inp.scale, inp.softcap)
         new = k.shape[2]
         self._reserve(self.length + new, k)
         self.k_buf[:, :, self.length : self.length + new] = k
@@ -601,7 +602,8 @@ class LosslessLayer(CacheLayer):
         self.length += new
         self.is_initialized = True
         end = self.length
-        return attention(q, self.k_buf[:, :, :end], self.v_buf[:, :, :end], inp.mask, inp.scale)
+        # a sliding-window layer's window is in the mask transformers builds for it
+        return attention(q, self.k_buf[:, :, :end], self.v_buf[:, :, :end], inp.mask, inp.scale, inp.softcap)
 
     # ---- static decode steps (CUDA graphs): the fp16 baseline as a static cache does it
     def static_refusal(self) -> str | None:
@@ -623,7 +625,7 @@ class LosslessLayer(CacheLayer):
         if self.k_buf is not None:
             self._reserve(self.length + steps, self.k_buf)
 
-    def _attend_static(self, q, k, v, scale) -> torch.Tensor:
+    def _attend_static(self, q, k, v, scale, softcap=None) -> torch.Tensor:
         """Write at slot `filled` (device) and attend over the whole preallocated buffer with the slots past it
         masked: shapes that do not change from step to step, as transformers' StaticCache does (every row has
         the same length here: the benchmark's synthetic fill, no padding)."""
@@ -632,7 +634,10 @@ class LosslessLayer(CacheLayer):
         self.k_buf.index_copy_(2, self.filled, k)
         self.v_buf.index_copy_(2, self.filled, v)
         self.filled += 1
-        return decode_attention_masked(q, self.k_buf, self.v_buf, self.positions < self.filled, scale)
+        valid = self.positions < self.filled
+        if self.window is not None:  # the new token sees itself and the window - 1 before it
+            valid &= self.positions >= self.filled - self.window
+        return decode_attention_masked(q, self.k_buf, self.v_buf, valid, scale, softcap)
 
     def advance_static(self) -> None:
         self.length += 1
@@ -691,16 +696,30 @@ class KvcalCache(Cache):
         super().__init__(layers=layers)
         self.storages = storages
         self.backend = backend
+        self.capacity_hint = capacity_hint
 
     def kvcal_attend(self, inp) -> torch.Tensor:
         layer = self.layers[inp.layer_idx]
         binding = getattr(inp.module, "_kvcal_binding", None)  # None: a benchmark's bare inputs
-        if layer.length == 0 and binding is not None:  # a layer's first tokens: refused before it stores any
-            refuse_hybrid(binding[0].dims, "kvcal's cache")
+        if layer.length == 0 and binding is not None:  # a layer's first tokens: its policy, before it stores any
+            layer = self._layer_policy(inp.layer_idx, binding[0].dims)
         if inp.q.shape[2] == 1 and inp.q.device.type == "cpu":  # a decode step on a CPU: small ops, one thread
             with one_cpu_thread():
                 return layer.attend(inp)
         return layer.attend(inp)
+
+    def _layer_policy(self, i: int, dims):
+        """On a model with sliding-window layers (Gemma 2/3), a local layer keeps its tokens exact and attends to its
+        window (a LosslessLayer with the window: every token is kept, so its memory is not bounded by the window yet);
+        a global layer keeps the method's storage. Soft-capped scores (Gemma 2) have no packed kernel yet."""
+        if not dims.hybrid:
+            return self.layers[i]
+        if dims.layer_types[i] == LOCAL:
+            self.layers[i] = LosslessLayer(i, self.capacity_hint, dims.sliding_window)
+        elif dims.attn_softcap is not None and not self.storages.lossless:
+            raise KvcalError(f"kvcal's packed cache on {dims.family} (soft-capped attention scores) is not supported "
+                             "yet: the simulation (kvcal eval ppl --mode simulate) runs")
+        return self.layers[i]
 
     def graph_refusal(self) -> str | None:
         """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each

@@ -215,6 +215,22 @@ def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(
         simulated, decoded = simulated_nll(loaded, storages, ids), decoded_nll(loaded, storages, ids)
         assert decoded.tokens == simulated.tokens
         assert abs(decoded.nll - simulated.nll) / simulated.nll < 1e-5
+    # a 20-token prefill (longer than the window, one row left-padded) and 4 decode steps through kvcal's cache give
+    # the logits of the whole sequence at once; a local layer then holds window - 1 tokens, a global one all 24
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.inference_mode():
+        whole = loaded.model(ids, attention_mask=mask).logits
+        cache = KvcalCache(fp16, dims.num_layers)
+        steps = [forward_with_cache(loaded.model, ids[:, :20], cache, attention_mask=mask[:, :20]).logits]
+        for t in range(20, 24):
+            steps.append(forward_with_cache(loaded.model, ids[:, t : t + 1], cache, attention_mask=mask[:, : t + 1])
+                         .logits)
+    got = torch.cat(steps, 1)
+    keep = mask.bool()
+    assert max_rel(got[keep], whole[keep]) < 1e-5
+    held = [layer.held()["fp_tokens"] for layer in cache.layers]
+    assert held == [2 * (dims.sliding_window - 1) if kind == LOCAL else 2 * 24 for kind in dims.layer_types]
     if dims.attn_softcap is not None:
         cache = KvcalCache(rtn, dims.num_layers)
         with pytest.raises(KvcalError, match="soft-capped attention scores"), torch.inference_mode():

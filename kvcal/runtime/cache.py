@@ -574,6 +574,7 @@ class LosslessLayer(CacheLayer):
         super().__init__(layer_idx)
         self.capacity_hint = capacity_hint
         self.window = window  # a sliding-window layer (hybrid models): the newest `window` tokens are attended to
+        self.kept = 0  # tokens in the buffers: all of them, or a window layer's newest window - 1 between steps
         self.k_buf = self.v_buf = None
         self.static = False
         self.filled = self.positions = None  # static steps: tokens held (device [1]) and slot positions
@@ -587,8 +588,8 @@ class LosslessLayer(CacheLayer):
         k_new = like.new_empty(b, h, cap, d)
         v_new = like.new_empty(b, h, cap, d)
         if self.k_buf is not None:
-            k_new[:, :, : self.length] = self.k_buf[:, :, : self.length]
-            v_new[:, :, : self.length] = self.v_buf[:, :, : self.length]
+            k_new[:, :, : self.kept] = self.k_buf[:, :, : self.kept]
+            v_new[:, :, : self.kept] = self.v_buf[:, :, : self.kept]
         self.k_buf, self.v_buf = k_new, v_new
 
     def attend(self, inp) -> torch.Tensor:
@@ -596,14 +597,25 @@ class LosslessLayer(CacheLayer):
         if self.static:
             return self._attend_static(q, k, inp.v, inp.scale, inp.softcap)
         new = k.shape[2]
-        self._reserve(self.length + new, k)
-        self.k_buf[:, :, self.length : self.length + new] = k
-        self.v_buf[:, :, self.length : self.length + new] = inp.v
+        self._reserve(self.kept + new, k)
+        self.k_buf[:, :, self.kept : self.kept + new] = k
+        self.v_buf[:, :, self.kept : self.kept + new] = inp.v
         self.length += new
+        self.kept += new
         self.is_initialized = True
-        end = self.length
+        end, mask = self.kept, inp.mask
+        if isinstance(mask, torch.Tensor) and self.kept < self.length:
+            # transformers' mask spans every position [0, length); the buffers hold the newest `kept` of them
+            mask = mask[..., self.length - self.kept : self.length]
         # a sliding-window layer's window is in the mask transformers builds for it
-        return attention(q, self.k_buf[:, :, :end], self.v_buf[:, :, :end], inp.mask, inp.scale, inp.softcap)
+        out = attention(q, self.k_buf[:, :, :end], self.v_buf[:, :, :end], mask, inp.scale, inp.softcap)
+        if self.window is not None and self.kept > self.window - 1:
+            # the next token attends to itself and the window - 1 before it: older ones are dropped
+            keep = self.window - 1
+            for buf in (self.k_buf, self.v_buf):
+                buf[:, :, :keep] = buf[:, :, self.kept - keep : self.kept].clone()
+            self.kept = keep
+        return out
 
     # ---- static decode steps (CUDA graphs): the fp16 baseline as a static cache does it
     def static_refusal(self) -> str | None:
@@ -612,18 +624,18 @@ class LosslessLayer(CacheLayer):
     def begin_static(self) -> None:
         # the masked slots get probability 0, but 0 x (an inf or nan bit pattern of uninitialized memory) is
         # nan: clear them (the GPU test gave nan logits in one test order before this)
-        self.k_buf[:, :, self.length :].zero_()
-        self.v_buf[:, :, self.length :].zero_()
-        self.filled = torch.full((1,), self.length, dtype=torch.long, device=self.k_buf.device)
+        self.k_buf[:, :, self.kept :].zero_()
+        self.v_buf[:, :, self.kept :].zero_()
+        self.filled = torch.full((1,), self.kept, dtype=torch.long, device=self.k_buf.device)
         self.positions = torch.arange(self.k_buf.shape[2], device=self.k_buf.device)
         self.static = True
 
     def static_room(self) -> int:
-        return self.k_buf.shape[2] - self.length
+        return self.k_buf.shape[2] - self.kept
 
     def reserve_static(self, steps: int) -> None:
         if self.k_buf is not None:
-            self._reserve(self.length + steps, self.k_buf)
+            self._reserve(self.kept + steps, self.k_buf)
 
     def _attend_static(self, q, k, v, scale, softcap=None) -> torch.Tensor:
         """Write at slot `filled` (device) and attend over the whole preallocated buffer with the slots past it
@@ -641,17 +653,18 @@ class LosslessLayer(CacheLayer):
 
     def advance_static(self) -> None:
         self.length += 1
+        self.kept += 1
 
     def held(self) -> dict[str, int]:
         rows = 0 if self.k_buf is None else self.k_buf.shape[0]
-        return {"compressed_tokens": 0, "compressed_bytes": 0, "fp_tokens": self.length * rows,
+        return {"compressed_tokens": 0, "compressed_bytes": 0, "fp_tokens": self.kept * rows,
                 "fp_bytes": self.nbytes()[1]}
 
     def nbytes(self) -> tuple[int, int]:
         if self.k_buf is None:
             return 0, 0
         per_token = 2 * self.k_buf[:, :, :1].numel() * self.k_buf.element_size()
-        return per_token * self.k_buf.shape[2], per_token * self.length
+        return per_token * self.k_buf.shape[2], per_token * self.kept
 
     def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None,
                        hidden=0):
@@ -659,7 +672,7 @@ class LosslessLayer(CacheLayer):
         self._reserve(tokens + headroom, like)
         self.k_buf[:, :, :tokens].normal_(generator=generator)
         self.v_buf[:, :, :tokens].normal_(generator=generator)
-        self.length = tokens
+        self.length = self.kept = tokens
         self.is_initialized = True
 
 

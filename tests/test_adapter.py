@@ -239,18 +239,18 @@ def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(
 
 def test_bits_per_element_counts_local_layers_as_their_fp16_window():
     """tiny-gemma3: layers local, local, global, window 8, reference 4096 tokens: fp16 holds 16 bits in the global
-    layer and 16 x 8 / 4096 in each local one, over three layers."""
+    layer and 16 x 7 / 4096 in each local one (its window - 1 newest tokens between steps), over three layers."""
     from kvcal.accounting import bits_per_element
     from kvcal.methods import build_method
     from kvcal.models.dims import model_dims
 
     dims = model_dims("tiny-gemma3")
     report = bits_per_element(build_method("fp16"), dims)
-    assert report.bits_per_element == pytest.approx((16 + 2 * 16 * 8 / 4096) / 3, rel=1e-12)
-    assert report.parts["local_window"] == pytest.approx(2 * 16 * 8 / 4096 / 3, rel=1e-12)
+    assert report.bits_per_element == pytest.approx((16 + 2 * 16 * 7 / 4096) / 3, rel=1e-12)
+    assert report.parts["local_window"] == pytest.approx(2 * 16 * 7 / 4096 / 3, rel=1e-12)
     rtn = bits_per_element(build_method("rtn", {"bits": 4}), dims)
     uniform = bits_per_element(build_method("rtn", {"bits": 4}), model_dims("tiny-qwen3"))  # same shapes, all global
-    assert rtn.bits_per_element == pytest.approx(uniform.bits_per_element / 3 + 2 * 16 * 8 / 4096 / 3, rel=1e-12)
+    assert rtn.bits_per_element == pytest.approx(uniform.bits_per_element / 3 + 2 * 16 * 7 / 4096 / 3, rel=1e-12)
 
 
 def test_soft_capped_mixed_attention_is_attention_over_the_chosen_copies():

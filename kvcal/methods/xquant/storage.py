@@ -88,7 +88,7 @@ class XQuantStorage(Rematerialized, Storage):
 
     def bind(self, projection) -> None:
         if projection.k_norm:
-            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
+            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3, Gemma 3); use "
                              "--mode simulate")
         # kept in the model's dtype (float32 copies of float64 weights would move a float64 run by ~1e-9)
         if self.variant == "x":  # K = X W_k^T: the latent is X, R its projection
@@ -267,7 +267,7 @@ class XQuantChainStorage(Rematerialized, Storage):
 
     def bind(self, projection) -> None:
         if projection.k_norm:
-            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3); use "
+            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3, Gemma 3); use "
                              "--mode simulate")
         self.w_k, self.w_v, self.b_k, self.b_v = projection.w_k, projection.w_v, projection.b_k, projection.b_v
         self._cast.clear()
@@ -390,6 +390,7 @@ class XQuantMath:
         self.plan = method.layer_plan(dims.num_layers)
         self.factors = {name: t.to(torch.float32) for name, t in tensors.items() if t.is_floating_point()}
         self.family, self.hidden = dims.family, dims.hidden_size
+        self.qk_norm = getattr(dims, "qk_norm", dims.family == "qwen3")
 
     def ablation(self) -> str | None:
         """Why this setting has no packed storage (an ablation kept as its reconstruction), or None."""
@@ -400,8 +401,9 @@ class XQuantMath:
             return "xquant open-loop cross-layer deltas (an ablation)"
         if m.variant == "kv":
             return "xquant variant kv (the KIVI* baseline; kvcal's kivi method has a packed storage)"
-        if self.family == "qwen3":
-            return "xquant on Qwen3 (the packed storage cannot rebuild keys through its per-head k_norm)"
+        if self.qk_norm:
+            return (f"xquant on {self.family} (the packed storage cannot rebuild keys through its per-head k_norm: "
+                    "Qwen3, Gemma 3)")
         return None
 
     def storages(self, num_layers: int) -> Storages:

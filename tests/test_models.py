@@ -187,7 +187,7 @@ def _bad_gguf(kind, tmp_path, qwen_tiny, tiny_gguf):
     elif kind == "header":
         path.write_bytes(tiny_gguf.read_bytes()[:300])
     elif kind == "arch":
-        write_gguf(qwen_tiny, path, arch="gemma3")
+        write_gguf(qwen_tiny, path, arch="phi3")
     elif kind == "sliding":
         write_gguf(qwen_tiny, path, extra={"attention.sliding_window": 64})
     elif kind == "mla":
@@ -201,7 +201,7 @@ BAD_GGUF = {
     "junk": "is not a GGUF file",
     "truncated": "is a truncated GGUF file: its tensors need",
     "header": "ends inside its header",
-    "arch": "unsupported architecture 'gemma3'",
+    "arch": "unsupported architecture 'phi3'",
     "sliding": "sliding-window attention (window 64) is not supported",
     "mla": "multi-head latent attention (MLA)",
     "head_dim": "do not support head_dim 48 (a power of two >= 32",

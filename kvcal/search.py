@@ -23,6 +23,7 @@ OUT/NAME.safetensors.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -39,7 +40,7 @@ from kvcal.calib.run import run_calibrations
 from kvcal.data import load_eval_windows, load_text
 from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError, first_line
-from kvcal.eval.passkey import DEFAULT_DEPTHS, MODES, build_prompt, passkey_record
+from kvcal.eval.passkey import DEFAULT_DEPTHS, build_prompt, check_grid, passkey_record
 from kvcal.eval.run import check_protocol, ppl_record, protocol_setting
 from kvcal.methods.registry import all_methods, build_method, storages_for_artifact
 from kvcal.progress import stderr_console
@@ -165,23 +166,7 @@ def check_passkey(grid: PasskeyGrid | None, min_passkey: float | None) -> None:
             raise KvcalError(f"--min-passkey is a passkey accuracy in [0, 1], got {min_passkey}")
     if grid is None:
         return
-    if grid.lengths is not None:
-        if not grid.lengths:
-            raise KvcalError("--passkey-lengths: give at least one length")
-        for n in grid.lengths:
-            if n < 2:
-                raise KvcalError(f"--passkey-lengths must be at least 2 tokens, got {n}")
-    if not grid.depths:
-        raise KvcalError("--passkey-depths: give at least one depth")
-    for d in grid.depths:
-        if not 0 <= d <= 100:
-            raise KvcalError(f"--passkey-depths are percentages in [0, 100], got {d}")
-    if grid.trials < 1:
-        raise KvcalError(f"--passkey-trials must be positive, got {grid.trials}")
-    if grid.max_new_tokens < 1:
-        raise KvcalError(f"--passkey-max-new-tokens must be positive, got {grid.max_new_tokens}")
-    if grid.mode not in MODES:
-        raise KvcalError(f"unknown --passkey-mode '{grid.mode}' (choose from {', '.join(MODES)})")
+    check_grid(grid.lengths, grid.depths, grid.trials, grid.max_new_tokens, grid.mode, "--passkey-")
     if grid.backend not in BACKENDS:
         raise KvcalError(f"unknown --passkey-backend '{grid.backend}' (choose from {', '.join(BACKENDS)})")
     if grid.backend != "packed" and grid.mode != "decode":
@@ -204,8 +189,7 @@ def fit_passkey_grid(loaded, grid: PasskeyGrid, seqlen: int) -> PasskeyGrid:
             build_prompt(loaded.tokenizer, n, 50, "12345")
         except KvcalError as exc:
             raise KvcalError(f"--passkey-lengths: {exc}") from None
-    return PasskeyGrid(list(lengths), list(grid.depths), grid.trials, grid.seed, grid.mode, grid.max_new_tokens,
-                       grid.backend)
+    return dataclasses.replace(grid, lengths=list(lengths))
 
 
 def rule(min_passkey: float | None) -> str:

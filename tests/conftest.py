@@ -42,3 +42,18 @@ def smollm2():
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+def package_model_marks(alias: str) -> list:
+    """pytestmark of an opt-in end-to-end test on a model that packages ship (`make setup` leaves them out,
+    `make test-models` installs them): slow, models, and skipped with the missing packages named."""
+    import importlib.util
+
+    from kvcal.models.registry import ALIASES
+
+    modules = [item.split(":", 1)[0] for item in ALIASES[alias].source.split("+")]
+    missing = sorted(m.replace("_", "-") for m in modules if importlib.util.find_spec(m) is None)
+    return [pytest.mark.slow, pytest.mark.models,
+            pytest.mark.skipif(bool(missing), reason=f"{alias}'s packages are not installed ({', '.join(missing)}): "
+                               "`make test-models` installs them and runs this test")]
+

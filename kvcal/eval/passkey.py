@@ -87,21 +87,26 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> dict:
             "filler_sentences_before": cut, "filler_sentences": len(bounds) - 1, "filler_tokens": n_fill}
 
 
-def _check_grid(lengths, depths, trials, max_new_tokens, mode):
+def check_grid(lengths, depths, trials, max_new_tokens, mode, flags: str = "--") -> None:
+    """One-line refusal of a grid `run_passkey` cannot run, naming the options as `flags` + name (`kvcal eval passkey`:
+    --lengths; `kvcal search`: --passkey-lengths). lengths None: a default the caller settles later (not checked)."""
     if mode not in MODES:
-        raise KvcalError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
-    if not lengths:
-        raise KvcalError("--lengths: give at least one length")
-    for n in lengths:
-        if n < 2:
-            raise KvcalError(f"--lengths must be at least 2 tokens, got {n}")
+        raise KvcalError(f"unknown {'mode' if flags == '--' else flags + 'mode'} '{mode}' (choose from {', '.join(MODES)})")
+    if lengths is not None:
+        if not lengths:
+            raise KvcalError(f"{flags}lengths: give at least one length")
+        for n in lengths:
+            if n < 2:
+                raise KvcalError(f"{flags}lengths must be at least 2 tokens, got {n}")
+    if not depths:
+        raise KvcalError(f"{flags}depths: give at least one depth")
     for d in depths:
         if not 0 <= d <= 100:
-            raise KvcalError(f"--depths are percentages in [0, 100], got {d}")
+            raise KvcalError(f"{flags}depths are percentages in [0, 100], got {d}")
     if trials < 1:
-        raise KvcalError(f"--trials must be positive, got {trials}")
+        raise KvcalError(f"{flags}trials must be positive, got {trials}")
     if max_new_tokens < 1:
-        raise KvcalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        raise KvcalError(f"{flags}max-new-tokens must be positive, got {max_new_tokens}")
 
 
 def decode_trial(loaded, storages, ids: list[int], max_new_tokens: int, backend: str = "packed") -> list[int]:
@@ -125,7 +130,7 @@ def run_passkey(loaded, storages, lengths, depths, trials: int, seed: int = 0, m
                 max_new_tokens: int = 8, backend: str = "packed", label: str = "passkey") -> list[dict]:
     """One cell per (length, depth): {'length', 'depth', 'trials', 'correct', 'accuracy', 'results': [{key,
     needle_start, output, correct}]}."""
-    _check_grid(lengths, depths, trials, max_new_tokens, mode)
+    check_grid(lengths, depths, trials, max_new_tokens, mode)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise KvcalError(f"{loaded.name} has no tokenizer")
@@ -190,7 +195,7 @@ def passkey_record(loaded, method, storages, setting: str, artifact_record, dtyp
 def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, lengths, depths, trials, seed, mode,
                              max_new_tokens, backend, dtype, device, device_map=None, max_memory=None,
                              fp_window: int | None = None) -> dict:
-    _check_grid(lengths or DEFAULT_LENGTHS, depths, trials, max_new_tokens, mode)
+    check_grid(lengths or DEFAULT_LENGTHS, depths, trials, max_new_tokens, mode)
     backend_ran(backend, "cpu")
     if backend != "packed" and mode != "decode":
         raise KvcalError("--backend applies to --mode decode only")

@@ -64,8 +64,7 @@ def attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float |
     softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2), written out (SDPA has no such step)."""
     if softcap is not None:
         bias = additive_mask(mask, q.shape[2], k.shape[2], q.device)
-        return remapped_attention(q, k, v, bias, torch.zeros((), dtype=torch.bool, device=q.device), scale,
-                                  capped(softcap))
+        return capped_attention(q, k, v, bias, scale, softcap)
     if mask is None and q.shape[2] == k.shape[2]:  # plain causal: let SDPA skip the mask entirely
         return _sdpa(q, k, v, None, scale)
     if mask is None and q.shape[2] == 1:  # one new token sees every cached key: no mask at all
@@ -79,14 +78,15 @@ def decode_attention_masked(q, k, v, valid: torch.Tensor, scale: float, softcap:
     valid, so a CUDA graph can replay it at every length."""
     bias = torch.where(valid, 0.0, NEG)[None, None, None, :]
     if softcap is not None:
-        return remapped_attention(q, k, v, bias, torch.zeros((), dtype=torch.bool, device=q.device), scale,
-                                  capped(softcap))
+        return capped_attention(q, k, v, bias, scale, softcap)
     return _sdpa(q, k, v, bias, scale, MASKED_DECODE_BACKENDS)
 
 
-def capped(softcap: float):
-    """The score map of a soft-capped model (Gemma 2): s -> softcap * tanh(s / softcap), for remapped_attention."""
-    return lambda scores, _: softcap * torch.tanh(scores / softcap)
+def capped_attention(q, k, v, bias: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """remapped_attention with the score map of a soft-capped model (Gemma 2), s -> softcap * tanh(s / softcap), on
+    every key."""
+    return remapped_attention(q, k, v, bias, torch.zeros((), dtype=torch.bool, device=q.device), scale,
+                              lambda scores, _: softcap * torch.tanh(scores / softcap))
 
 
 def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: float,
@@ -101,8 +101,7 @@ def mixed_attention(q, k_fp, v_fp, k_hat, v_hat, full_precision, mask, scale: fl
     fp = full_precision[None, None]
     both = torch.cat([torch.where(fp, bias, NEG), torch.where(fp, NEG, bias)], dim=-1)
     if softcap is not None:
-        return remapped_attention(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both,
-                                  torch.zeros((), dtype=torch.bool, device=q.device), scale, capped(softcap))
+        return capped_attention(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both, scale, softcap)
     return _sdpa(q, torch.cat([k_fp, k_hat], 2), torch.cat([v_fp, v_hat], 2), both, scale)
 
 

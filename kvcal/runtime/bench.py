@@ -20,6 +20,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvcal.models.attention import NEG, remapped_attention
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import FullPrecision
 from kvcal.runtime.storage import Packed, SharedState, Storage
@@ -175,15 +176,9 @@ def naive_attention(storage, packed: Packed, q: torch.Tensor, fp: FullPrecision 
                                                                enable_gqa=True)
         return out[:, :, 0]
     # a storage that remaps the compressed keys' scores (CalibQuant's logit remap): the softmax written out
-    compute = torch.promote_types(q.dtype, torch.float32)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1).to(compute), v.repeat_interleave(group, 1).to(compute)
-    scores = (q[:, :, None].to(compute) @ k.transpose(-1, -2)) * scale  # [B, Hq, 1, T]
+    bias = torch.zeros((), device=q.device) if mask is None else torch.where(mask, 0.0, NEG)
     compressed = torch.arange(k.shape[2], device=q.device) < rows[0][0].shape[1]
-    scores = storage.remap_scores(scores, compressed)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v)[:, :, 0].to(q.dtype)
+    return remapped_attention(q[:, :, None], k, v, bias, compressed, scale, storage.remap_scores)[:, :, 0]
 
 
 def bench_inputs(storage, batch, hq, hkv, dim, tokens, window, dtype, device, inv_freq):

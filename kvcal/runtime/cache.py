@@ -722,9 +722,9 @@ class KvcalCache(Cache):
         return layer.attend(inp)
 
     def _layer_policy(self, i: int, dims):
-        """On a model with sliding-window layers (Gemma 2/3), a local layer keeps its tokens exact and attends to its
-        window (a LosslessLayer with the window: every token is kept, so its memory is not bounded by the window yet);
-        a global layer keeps the method's storage. Soft-capped scores (Gemma 2) have no packed kernel yet."""
+        """On a model with sliding-window layers (Gemma 2/3), a local layer keeps its window of exact tokens (a
+        LosslessLayer with the window) and a global layer the method's storage. Soft-capped scores (Gemma 2) have no
+        packed kernel yet."""
         if not dims.hybrid:
             return self.layers[i]
         if dims.layer_types[i] == LOCAL:

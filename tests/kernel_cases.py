@@ -133,8 +133,9 @@ GPU_CASES = [("fp_only_fp16", None, 4, torch.float16, {}, {}, {})] + [
 PACKED_KEYS = ("poison", "misaligned_scales")  # cache kwargs for build_packed; the rest are the storage's
 
 
-def run_attention_case(case, *, small=True, device="cpu"):
-    """Kernel vs reference for one case; returns the relative error."""
+def run_attention_case(case, *, small=True, device="cpu", shape: tuple[int, int, int] | None = None):
+    """Kernel vs reference for one case; returns the relative error. shape (head_dim, KV heads, query heads) replaces
+    the large case's Llama-3.1-8B heads (e.g. Gemma 3's 256-channel heads)."""
     name, method, bits, dtype, cache_kw, kernel_kw, step_kw = case
     cases = method_cases()[method] if method is not None else None
     if small:
@@ -150,6 +151,8 @@ def run_attention_case(case, *, small=True, device="cpu"):
     hq = step_kw.get("hq", 4 * hkv if small else 32)
     if small and "hq" in step_kw:
         hq = step_kw["hq"] if step_kw["hq"] != 2 else hkv
+    if shape is not None and not small:
+        d, hkv, hq = shape
     nfp = step_kw.get("nfp", nfp)
     q, fp = build_step(len(lengths), hq, hkv, d, nfp, dtype, device=device)
     scale = d**-0.5

@@ -170,10 +170,11 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
             bt //= 2
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles except on
-        # the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)
+        # the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens); 8-token tiles for 256-channel
+        # heads (at 16 the product needs 256 KiB of shared memory on the H200, more than it has)
         default_warps = 4
         if not generic:
-            bt = 16
+            bt = 16 if d <= 128 else 8
             while block % bt and bt > 1:
                 bt //= 2
     nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, kc.shape[2], bt)

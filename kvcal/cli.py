@@ -647,6 +647,12 @@ def search_command(
     min_passkey: float | None = typer.Option(None, "--min-passkey", help="Choose no candidate whose passkey accuracy "
                                              "(mean over the grid, 0-1) is below this (needs --passkey); default: "
                                              "the lowest perplexity whatever its passkey accuracy."),
+    speed: bool | None = typer.Option(None, "--speed/--no-speed", help="Also time decoding (tokens/s through the "
+                                      "model and the packed cache, as kvcal bench generate) of fp16 and every measured "
+                                      "candidate; default: on with a CUDA device, off on a CPU."),
+    speed_context: int = typer.Option(4096, "--speed-context", help="--speed: synthetic tokens in every row's cache."),
+    speed_batch: int = typer.Option(1, "--speed-batch", help="--speed: rows decoded together."),
+    speed_steps: int = typer.Option(32, "--speed-steps", help="--speed: timed decode steps."),
 ):
     """The best recipe for this model at this budget, chosen by measurement: every recipe that fits is calibrated and
     evaluated on held-out windows, on equal footing (--passkey: and runs the passkey grid); prints the Pareto front
@@ -659,8 +665,10 @@ def search_command(
     from kvcal.search import (
         PasskeyGrid,
         Plan,
+        SpeedSetting,
         check_methods,
         check_passkey,
+        check_speed,
         list_candidates,
         make_budget,
         parse_duration,
@@ -711,8 +719,14 @@ def search_command(
     seconds = parse_duration(time_budget)
     if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
         raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
-    check_model_args(model, dtype, device)
     on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+    timing = None
+    if speed or (speed is None and not on_cpu):
+        timing = SpeedSetting(speed_context, speed_batch, speed_steps)
+    elif speed_context != 4096 or speed_batch != 1 or speed_steps != 32:
+        raise KvcalError("--speed-context, --speed-batch and --speed-steps apply with --speed (a CUDA device) only")
+    check_speed(timing, on_cpu)
+    check_model_args(model, dtype, device)
 
     def plan_candidates(dims):
         budget = make_budget(dims, bits, memory, context, batch, seqlen)
@@ -740,15 +754,25 @@ def search_command(
     loaded = load_model(model, dtype, device)
     budget, candidates, skipped = planned or plan_candidates(loaded.dims)
     result = run_search(loaded, plan, budget, candidates, skipped, folder, seconds, invoked_command(), grid,
-                        min_passkey)
+                        min_passkey, timing)
 
     def accuracy(row):
         if row.get("passkey_error"):
             return "failed"
         return "-" if row["passkey_accuracy"] is None else f"{row['passkey_accuracy']:.2f}"
 
-    reference = f"fp16 PPL {result['fp16']['ppl']:.4f}" + (f", passkey {accuracy(result['fp16'])}" if grid else "")
-    table = Table("recipe", "method", "bits/elem", "PPL", "vs fp16", *(["passkey"] if grid else []), "front", "status",
+    def tokens(row):
+        if row.get("speed_error"):
+            return "failed"
+        if row.get("tokens_per_s") is None:
+            return "-"
+        ratio = "" if row.get("x_fp16_speed") is None else f" ({row['x_fp16_speed']:.2f}x)"
+        return f"{row['tokens_per_s']:.0f}{ratio}"
+
+    reference = f"fp16 PPL {result['fp16']['ppl']:.4f}" + (f", passkey {accuracy(result['fp16'])}" if grid else "") + (
+        f", {tokens(result['fp16'])} tokens/s at {timing.context} x {timing.batch}" if timing else "")
+    table = Table("recipe", "method", "bits/elem", "PPL", "vs fp16", *(["passkey"] if grid else []),
+                  *(["tokens/s (x fp16)", "speed front"] if timing else []), "front", "status",
                   title=f"{model}: {len(candidates)} candidates at <= {budget.bits:.3f} bits per element, "
                   f"{protocol} protocol ({reference})")
     chosen = (result["chosen"] or {}).get("recipe")
@@ -756,7 +780,9 @@ def search_command(
         table.add_row(("* " if row["recipe"] == chosen else "") + row["recipe"], row["method"], f"{row['bits']:.3f}",
                       "-" if row["ppl"] is None else f"{row['ppl']:.4f}",
                       "-" if row["increase_pct"] is None else f"{row['increase_pct']:+.2f}%",
-                      *([accuracy(row)] if grid else []), "yes" if row["on_front"] else "", row["status"])
+                      *([accuracy(row)] if grid else []),
+                      *([tokens(row), "yes" if row.get("on_speed_front") else ""] if timing else []),
+                      "yes" if row["on_front"] else "", row["status"])
     console.print(table)
     console.print(f"covered {result['covered']}; rule: {result['rule']}", soft_wrap=True)
     if result["chosen"] is None:

@@ -16,7 +16,14 @@ number depends on (model, dtype and device type, recipe and config, calibration 
 protocol, kvcal version): a re-run, after an interruption or with a larger budget, measures only what is new, and an
 interrupted calibration resumes from its checkpoints. A passkey record is
 OUT/candidates/NAME-KEY/passkey-PKEY.json, PKEY a hash of KEY and the grid: a re-run with another grid runs only the
-grid, on the artifact already there. OUT/search.json explains the choice (every candidate's
+grid, on the artifact already there.
+
+On a CUDA device the search also times decoding (`--speed`, on by default there): fp16 and every measured candidate
+decode `steps` greedy tokens through the real model and kvcal's packed cache filled with `context` synthetic tokens
+per row (kvcal.runtime.bench_generate.run_case, as `kvcal bench generate` times it; one captured CUDA graph per step
+where the cache allows it, else eager), and tokens/s goes into the table, search.json and a second front (bits,
+perplexity and tokens/s: no other candidate at least as good in all three and better in one). Its record is
+OUT/candidates/NAME-KEY/speed-SKEY.json, SKEY a hash of KEY, the settings and the GPU with the library versions. OUT/search.json explains the choice (every candidate's
 numbers, the skipped ones with their reason, the rule, the Pareto front); the chosen artifact is copied to
 OUT/NAME.safetensors.
 """
@@ -51,6 +58,7 @@ RULE = "the lowest perplexity among the candidates that fit the budget; ties: fe
 MEMORY_UNIT = 1 << 30  # --memory is in GiB
 PASSKEY_TRIALS = 2  # the search's default grid: --seqlen tokens x DEFAULT_DEPTHS x 2 trials, simulated
 PASSKEY_MODE = "simulate"
+SPEED_HEADROOM = 8  # positions the timed decode takes beyond its steps (warm-up steps and the capture)
 
 
 @dataclass
@@ -104,6 +112,18 @@ class PasskeyGrid:
 
 
 @dataclass
+class SpeedSetting:
+    """The decode timing run on fp16 and every measured candidate on a GPU: `kvcal bench generate`'s settings."""
+
+    context: int = 4096
+    batch: int = 1
+    steps: int = 32
+
+    def settings(self) -> dict:
+        return {"context": self.context, "batch": self.batch, "steps": self.steps}
+
+
+@dataclass
 class Candidate:
     name: str  # the recipe
     method: object  # its setting for this model (and the allowance)
@@ -115,6 +135,10 @@ class Candidate:
     passkey: dict | None = None  # the passkey record
     passkey_status: str = "pending"  # measured, reused, failed (passkey_error says why)
     passkey_error: str | None = None
+    speed: dict | None = None  # the speed record
+    speed_path: str | None = None
+    speed_status: str = "pending"  # measured, reused, failed (speed_error says why)
+    speed_error: str | None = None
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -365,6 +389,101 @@ def measure_passkey(loaded, plan: Plan, grid: PasskeyGrid, candidate: Candidate,
     candidate.passkey, candidate.passkey_status = record, "measured"
 
 
+def check_speed(speed: SpeedSetting | None, on_cpu: bool) -> None:
+    """One-line errors for the decode timing's settings, before any model loads."""
+    if speed is None:
+        return
+    if on_cpu:
+        raise KvcalError("--speed times decoding on a CUDA device (--device cuda); on a CPU the search has no speed")
+    for flag, value in (("--speed-context", speed.context), ("--speed-batch", speed.batch),
+                        ("--speed-steps", speed.steps)):
+        if value < 1:
+            raise KvcalError(f"{flag} must be >= 1, got {value}")
+
+
+def fit_speed(loaded, speed: SpeedSetting) -> None:
+    """The timed context, its decode steps and their warm-up within the model's positions (one line if not)."""
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if limit and speed.context + speed.steps + SPEED_HEADROOM > limit:
+        raise KvcalError(f"--speed-context {speed.context} + {speed.steps + SPEED_HEADROOM} decode steps exceeds "
+                         f"{loaded.name}'s max_position_embeddings ({limit})")
+
+
+def speed_key(candidate: Candidate, speed: SpeedSetting, device: str) -> str:
+    """A hash of the candidate's key, the timing's settings and where it runs (GPU and library versions)."""
+    import torch
+    import triton
+
+    parts = {"candidate": candidate.key, "speed": speed.settings(), "device": device, "torch": torch.__version__,
+             "triton": triton.__version__}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate, out: Path) -> None:
+    """Decode tokens/s of the candidate's artifact (or reuse its record), as `kvcal bench generate` times it: the
+    packed cache filled with speed.context synthetic tokens per row, speed.steps greedy steps through the model,
+    replayed from one CUDA graph where the cache allows it, else eager (the record says which). A candidate that
+    cannot be timed (no kernel on this GPU, out of memory) is marked failed with the reason and the search goes on."""
+    import torch
+
+    from kvcal.runtime.bench_generate import capture_refusal, run_case_or_oom
+
+    folder = candidate_folder(out, candidate)
+    gpu = torch.cuda.get_device_name(loaded.device)
+    path = folder / f"speed-{speed_key(candidate, speed, gpu)}.json"
+    candidate.speed_path = str(path)
+    if path.is_file():
+        candidate.speed, candidate.speed_status = json.loads(path.read_text()), "reused"
+        return
+    artifact_path = folder / "artifact.safetensors"
+    method, storages = storages_for_artifact(load_artifact(artifact_path), loaded, artifact_path, None,
+                                             plan.fp_window)
+    try:
+        refusal = capture_refusal(loaded, storages)
+        mode = "eager" if refusal else "graph"
+        record, oom = run_case_or_oom(loaded, candidate.name, method, storages, speed.batch, speed.context,
+                                      speed.steps, mode=mode)
+    except KvcalError as exc:
+        record, oom = None, first_line(str(exc))
+    if record is None:
+        candidate.speed_error, candidate.speed_status = oom, "failed"
+        stderr_console.print(f"search: speed of {candidate.name} failed: {oom}", markup=False, highlight=False,
+                             soft_wrap=True)
+        return
+    command = (f"kvcal bench generate --artifact {artifact_path} --model {plan.model} --dtype {plan.dtype} "
+               f"--context {speed.context} --batch {speed.batch} --steps {speed.steps} --mode {mode} --no-max-batch")
+    record.update(device=gpu, why_eager=refusal, settings=speed.settings(),
+                  command=command if plan.fp_window is None else None)
+    write_json(path, record)
+    candidate.speed, candidate.speed_status = record, "measured"
+
+
+def speed_columns(candidate: Candidate, fp16: Candidate) -> dict:
+    """A candidate's decode tokens/s, its ratio to fp16's, mode, record path and status, for search.json."""
+    tps = candidate.speed["tokens_per_s"] if candidate.speed else None
+    ref = fp16.speed["tokens_per_s"] if fp16.speed else None
+    columns = {"tokens_per_s": tps, "x_fp16_speed": tps / ref if tps and ref else None,
+               "speed_mode": candidate.speed["mode"] if candidate.speed else None,
+               "speed_record": candidate.speed_path if candidate.speed else None,
+               "speed_status": candidate.speed_status if candidate.record else "not started (time budget)"}
+    if candidate.speed_error:
+        columns["speed_error"] = candidate.speed_error
+    return columns
+
+
+def speed_front(rows: list[dict]) -> set[str]:
+    """Names of the timed rows that no other timed row dominates on (fewer bits, lower perplexity, more tokens/s):
+    at least as good in all three and better in one."""
+    timed = [r for r in rows if r.get("tokens_per_s")]
+
+    def dominates(a, b):
+        no_worse = a["bits"] <= b["bits"] and a["ppl"] <= b["ppl"] and a["tokens_per_s"] >= b["tokens_per_s"]
+        better = a["bits"] < b["bits"] or a["ppl"] < b["ppl"] or a["tokens_per_s"] > b["tokens_per_s"]
+        return no_worse and better
+
+    return {r["recipe"] for r in timed if not any(dominates(o, r) for o in timed if o is not r)}
+
+
 def passkey_columns(candidate: Candidate, out: Path) -> dict:
     """A candidate's passkey accuracy (mean over the grid), its record's path and status, for search.json."""
     columns = {"passkey_accuracy": candidate.passkey["accuracy"] if candidate.passkey else None,
@@ -388,12 +507,16 @@ def pareto_front(rows: list[dict]) -> set[str]:
 
 def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], skipped: list[dict], out: Path,
                time_budget: float | None = None, command: str = "", passkey: PasskeyGrid | None = None,
-               min_passkey: float | None = None) -> dict:
+               min_passkey: float | None = None, speed: SpeedSetting | None = None) -> dict:
     """Measure the candidates in order (none started after `time_budget` seconds), each with the passkey grid when
-    one is given, choose, and write OUT/search.json and the chosen artifact. Returns the search's record."""
+    one is given and timed when `speed` is given, choose, and write OUT/search.json and the chosen artifact. Returns
+    the search's record."""
     check_passkey(passkey, min_passkey)
+    check_speed(speed, loaded.device.type != "cuda")
     if passkey is not None:
         passkey = fit_passkey_grid(loaded, passkey, plan.seqlen)
+    if speed is not None:
+        fit_speed(loaded, speed)
     out.mkdir(parents=True, exist_ok=True)
     calib_text = load_text(plan.dataset, "calib", plan.data_dir)
     text, windows = load_eval_windows(loaded.tokenizer, plan.dataset, plan.data_dir, plan.seqlen, plan.eval_nsamples)
@@ -414,6 +537,8 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
         measure(loaded, plan, candidate, out, text, windows)
         if passkey is not None:
             measure_passkey(loaded, plan, passkey, candidate, out)
+        if speed is not None:
+            measure_speed(loaded, plan, speed, candidate, out)
     reference = fp16.record["ppl"]
     rows = [{"recipe": c.name, "method": c.method.name, "bits": c.bits,
              "bits_at_4096": c.record["bits_per_element"] if c.record else None,
@@ -422,12 +547,16 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
              "status": c.status, "key": c.key,
              "record": str(candidate_folder(out, c) / "record.json") if c.record else None,
              "command": c.record["command"] if c.record else None,
-             **(passkey_columns(c, out) if passkey is not None else {})}
+             **(passkey_columns(c, out) if passkey is not None else {}),
+             **(speed_columns(c, fp16) if speed is not None else {})}
             for c in candidates]
     measured = [r for r in rows if r["ppl"] is not None]
     front = pareto_front(measured)
+    fast = speed_front(measured) if speed is not None else set()
     for row in rows:
         row["on_front"] = row["recipe"] in front
+        if speed is not None:
+            row["on_speed_front"] = row["recipe"] in fast
     chosen = choose(measured, min_passkey)
     result = {
         "command": command, "model": loaded.identity, "dtype": plan.dtype, "device": loaded.device_label,
@@ -437,9 +566,12 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
         "calibration": {**calib_text.provenance, "nsamples": plan.nsamples, "seqlen": plan.seqlen, "seed": plan.seed},
         "evaluation": {**text.provenance, "nsamples": int(windows.shape[0]), "seqlen": plan.seqlen},
         "passkey": None if passkey is None else {**passkey.settings(), "min_accuracy": min_passkey},
+        "speed": None if speed is None else {**speed.settings(), "what": "decode tokens/s through the model and the "
+                                             "packed cache filled with synthetic tokens (kvcal bench generate)"},
         "rule": rule(min_passkey),
         "fp16": {"ppl": reference, "record": str(candidate_folder(out, fp16) / "record.json"),
-                 **(passkey_columns(fp16, out) if passkey is not None else {})},
+                 **(passkey_columns(fp16, out) if passkey is not None else {}),
+                 **(speed_columns(fp16, fp16) if speed is not None else {})},
         "candidates": rows, "skipped": skipped,
         "covered": f"{len(measured)} of {len(rows)} candidates" + (
             "" if len(measured) == len(rows) else " (the time budget stopped the rest)"),

@@ -2,7 +2,8 @@
 the chosen artifact's `kvcal eval ppl` reproduces the search's number exactly, an interrupted search measures only
 what it had not finished, and bad input is one line before the model loads. With --passkey: each candidate's passkey
 record equals `kvcal eval passkey` on its artifact, a new grid re-runs only the grid, an interrupted search re-runs
-no finished grid, and --min-passkey leaves out the candidates below it."""
+no finished grid, and --min-passkey leaves out the candidates below it. With --speed (a GPU; faked here): tokens/s
+records per candidate, reused on a re-run, and the speed front."""
 
 from __future__ import annotations
 
@@ -306,3 +307,70 @@ def test_a_grid_the_model_cannot_hold_is_one_line_before_any_measurement(length,
     assert_one_line_error(kvcal("search", *ARGS, "--passkey", "--passkey-lengths", length, "--dataset", text_file,
                                 "--out", out), needle)
     assert not (out / "candidates").exists()
+
+
+def test_speed_front_by_hand():
+    rows = [{"recipe": "a", "bits": 2.0, "ppl": 30.0, "tokens_per_s": 100.0},
+            {"recipe": "b", "bits": 2.0, "ppl": 30.0, "tokens_per_s": 90.0},  # a is as good and faster
+            {"recipe": "c", "bits": 3.0, "ppl": 25.0, "tokens_per_s": 80.0},
+            {"recipe": "d", "bits": 4.0, "ppl": 26.0, "tokens_per_s": 200.0},  # more bits, worse ppl, fastest
+            {"recipe": "e", "bits": 4.0, "ppl": 27.0, "tokens_per_s": 150.0},  # d beats it everywhere
+            {"recipe": "f", "bits": 1.0, "ppl": 50.0, "tokens_per_s": None}]  # not timed
+    assert search.speed_front(rows) == {"a", "c", "d"}
+    assert search.pareto_front([r for r in rows if r["recipe"] != "f"]) == {"a", "c"}
+
+
+def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path, monkeypatch):
+    """The GPU part faked (this suite has no GPU): the search times fp16 and every candidate once, writes their
+    records, computes x fp16 and the speed front from them, marks a failure with its reason, and a re-run reuses
+    every record. The timing itself is run_case (tests/test_bench.py and the GPU runs)."""
+    import torch
+
+    from kvcal.models import load_model
+    from kvcal.runtime import bench_generate
+
+    loaded = load_model("tiny-llama")
+    plan = search.Plan("tiny-llama", "float32", "cpu", str(text_file), None, 2, 128, 0, 2)
+    budget = search.make_budget(loaded.dims, 4.6, None, None, 1, 128)
+    candidates, skipped = search.list_candidates(loaded.dims, budget, plan, ["xquant", "rtn"], False, True)
+    names = [c.name for c in candidates]
+    assert len(names) == 2
+    rates = {"fp16": 100.0, names[0]: 150.0}
+    timed = []
+
+    def fake_run(loaded_, name, method, storages, batch, context, steps, mode="eager"):
+        timed.append((name, batch, context, steps, mode))
+        if name not in rates:
+            return None, "CUDA out of memory. Tried to allocate 2.00 GiB"
+        return {"codec": name, "mode": bench_generate.MODES[mode], "tokens_per_s": rates[name]}, None
+
+    monkeypatch.setattr(search, "check_speed", lambda speed, on_cpu: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(bench_generate, "capture_refusal", lambda loaded_, storages: None)
+    monkeypatch.setattr(bench_generate, "run_case_or_oom", fake_run)
+    speed = search.SpeedSetting(context=64, batch=2, steps=3)
+    result = search.run_search(loaded, plan, budget, candidates, skipped, tmp_path, speed=speed)
+    assert timed == [(n, 2, 64, 3, "graph") for n in ["fp16", *names]]
+    rows = {c["recipe"]: c for c in result["candidates"]}
+    assert rows[names[0]]["tokens_per_s"] == 150.0 and rows[names[0]]["x_fp16_speed"] == 1.5
+    assert rows[names[0]]["speed_status"] == "measured" and rows[names[0]]["on_speed_front"]
+    assert rows[names[1]]["speed_status"] == "failed" and "out of memory" in rows[names[1]]["speed_error"]
+    assert rows[names[1]]["tokens_per_s"] is None and not rows[names[1]]["on_speed_front"]
+    record = json.loads(open(rows[names[0]]["speed_record"]).read())
+    assert record["device"] == "Fake GPU" and record["settings"] == speed.settings()
+    assert record["command"].startswith("kvcal bench generate --artifact ") and "--context 64" in record["command"]
+    assert result["fp16"]["tokens_per_s"] == 100.0 and result["speed"]["context"] == 64
+    timed.clear()
+    again = search.run_search(loaded, plan, budget, *search.list_candidates(loaded.dims, budget, plan, ["xquant", "rtn"],
+                                                                            False, True), tmp_path, speed=speed)
+    assert [t[0] for t in timed] == [names[1]]  # only the failed one is tried again
+    assert {c["recipe"]: c["speed_status"] for c in again["candidates"]}[names[0]] == "reused"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--speed", "--device", "cpu"], "--speed times decoding on a CUDA device"),
+    (["--speed-context", "1024", "--device", "cpu"], "apply with --speed (a CUDA device) only"),
+])
+def test_bad_speed_input_is_one_line_before_the_model(args, needle, text_file, tmp_path):
+    assert_one_line_error(kvcal("search", "--model", tmp_path / "no-model", "--bits", "3", "--dataset", text_file,
+                                *args), needle)

@@ -423,7 +423,8 @@ def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate,
     """Decode tokens/s of the candidate's artifact (or reuse its record), as `kvcal bench generate` times it: the
     packed cache filled with speed.context synthetic tokens per row, speed.steps greedy steps through the model,
     replayed from one CUDA graph where the cache allows it, else eager (the record says which). A candidate that
-    cannot be timed (no kernel on this GPU, out of memory) is marked failed with the reason and the search goes on."""
+    cannot be timed (no kernel on this GPU, a kernel that fails to compile, out of memory) is marked failed with the
+    reason, said on stderr, and the search goes on."""
     import torch
 
     from kvcal.runtime.bench_generate import capture_refusal, run_case_or_oom
@@ -443,8 +444,8 @@ def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate,
         mode = "eager" if refusal else "graph"
         record, oom = run_case_or_oom(loaded, candidate.name, method, storages, speed.batch, speed.context,
                                       speed.steps, mode=mode)
-    except KvcalError as exc:
-        record, oom = None, first_line(str(exc))
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails to build or run fails this candidate's column
+        record, oom = None, f"{type(exc).__name__}: {first_line(str(exc))}"
     if record is None:
         candidate.speed_error, candidate.speed_status = oom, "failed"
         stderr_console.print(f"search: speed of {candidate.name} failed: {oom}", markup=False, highlight=False,

@@ -336,12 +336,14 @@ def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path,
     names = [c.name for c in candidates]
     assert len(names) == 2
     rates = {"fp16": 100.0, names[0]: 150.0}
-    timed = []
+    timed, rerun = [], []
 
     def fake_run(loaded_, name, method, storages, batch, context, steps, mode="eager"):
         timed.append((name, batch, context, steps, mode))
-        if name not in rates:
+        if name not in rates and not rerun:  # run_case_or_oom's answer to an out-of-memory error
             return None, "CUDA out of memory. Tried to allocate 2.00 GiB"
+        if name not in rates:  # on the re-run: a kernel that does not compile
+            raise RuntimeError("PassManager::run failed\nthe MLIR dump")
         return {"codec": name, "mode": bench_generate.MODES[mode], "tokens_per_s": rates[name]}, None
 
     monkeypatch.setattr(search, "check_speed", lambda speed, on_cpu: None)
@@ -361,9 +363,12 @@ def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path,
     assert record["command"].startswith("kvcal bench generate --artifact ") and "--context 64" in record["command"]
     assert result["fp16"]["tokens_per_s"] == 100.0 and result["speed"]["context"] == 64
     timed.clear()
+    rerun.append(True)
     again = search.run_search(loaded, plan, budget, *search.list_candidates(loaded.dims, budget, plan, ["xquant", "rtn"],
                                                                             False, True), tmp_path, speed=speed)
     assert [t[0] for t in timed] == [names[1]]  # only the failed one is tried again
+    failed = {c["recipe"]: c for c in again["candidates"]}[names[1]]
+    assert failed["speed_status"] == "failed" and failed["speed_error"] == "RuntimeError: PassManager::run failed"
     assert {c["recipe"]: c["speed_status"] for c in again["candidates"]}[names[0]] == "reused"
 
 

@@ -34,6 +34,7 @@ ATTENTION = [
     ("skvq_k8v4_d128_bf16", 8, torch.bfloat16, {"v_bits": 4.0, "groups": 9}, {}, {"d": 128}),
     ("skvq_k2v2_fp32", 2, torch.float32, {"sink": 2}, {}, {}),
     ("skvq_k2v1.5_fp64", 2, torch.float64, {"v_bits": 1.5}, {}, {}),
+    ("skvq_k2v2_one_group_bf16", 2, torch.bfloat16, {"groups": 1}, {}, {}),  # a group wider than the layer's heads
 ]
 
 GPU_ATTENTION = [
@@ -42,4 +43,6 @@ GPU_ATTENTION = [
     ("skvq_k2v1.5_fp16", 2, torch.float16, {"v_bits": 1.5, "groups": 8}, {}, {}),
     ("skvq_k4v4_fp8_bf16", 4, torch.bfloat16, {"v_bits": 4.0, "param_dtype": "fp8", "groups": 16}, {}, {}),
     ("skvq_k2v2_fp32", 2, torch.float32, {"groups": 8}, {}, {}),
+    # one group over all channels (smollm2's 192 channels at g128): the parameters broadcast, no gather
+    ("skvq_k2v2_one_group_bf16", 2, torch.bfloat16, {"groups": 1}, {}, {}),
 ]

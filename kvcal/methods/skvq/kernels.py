@@ -72,6 +72,9 @@ if triton is not None:
             codes = unpack_trits_tile(rowptr, tm, C0, NC)
         else:
             codes = unpack_tile(rowptr, tm, C0, NC, D, BITS, BLOCK_T)
+        if scale.shape[1] == 1:  # one group over every channel (e.g. g128 on 192 channels): no gather, whose
+            # lowering asserts on a 1-wide source in Triton 3.6 (OptimizeThreadLocality, isWarpLocal)
+            return codes.to(tl.float32) * scale + zero
         idx = tl.broadcast_to(group[None, :], (BLOCK_T, NC))
         return codes.to(tl.float32) * tl.gather(scale, idx, 1) + tl.gather(zero, idx, 1)
 

@@ -33,7 +33,10 @@ def test_capture_and_fisher_match_autograd(name, budget):
     with capture(loaded, windows, {"k", "v", "q", "x", "fisher"}, budget_bytes=budget, batch_size=2) as store:
         assert (len(store.spilled) > 0) == (budget == 0)
         layer = store.layer(1)
+        only = store.layer(1, ("k", "fisher_k"))  # a stage reads back only what it names, the same rows
         positions = store.token_positions
+    assert set(only) == {"k", "fisher_k"}
+    torch.testing.assert_close(only["k"], layer["k"], rtol=0, atol=0)
     assert layer["k"].shape == (72, loaded.dims.kv_channels)
     assert layer["q"].shape == (72, loaded.dims.num_heads * loaded.dims.head_dim)
     assert layer["x"].shape == (72, loaded.dims.hidden_size)

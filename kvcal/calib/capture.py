@@ -122,17 +122,19 @@ class CaptureStore:
     def token_positions(self) -> torch.Tensor:
         return torch.cat(self.positions)
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """All captured rows of layer i: names k, v, q, x, fisher_k, fisher_v (those captured)."""
+    def layer(self, i: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """All captured rows of layer i: names k, v, q, x, fisher_k, fisher_v (those captured; `names`: only these,
+        so that a stage reads back only what it uses)."""
         parts: dict[str, list[torch.Tensor]] = {}
         for chunk in self.memory:
             for name, t in chunk[i].items():
-                parts.setdefault(name, []).append(t)
+                if names is None or name in names:
+                    parts.setdefault(name, []).append(t)
         for path in self.spilled:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     layer, name = key.split(".", 1)
-                    if int(layer) == i:
+                    if int(layer) == i and (names is None or name in names):
                         parts.setdefault(name, []).append(f.get_tensor(key))
         return {name: torch.cat(ts) for name, ts in parts.items()}
 

@@ -462,7 +462,7 @@ def fit_values(store, layers: list[int], windows, held, modules, loaded, device,
     """The value encoders and codebooks of `layers` (on `device`), trained together (train_value_coders): for each
     layer a dict of tensors named as VALUE_PARAMS and its diagnostics. The training state is checkpointed as
     `values.<first>-<last>.state`."""
-    data = [store.layer(i) for i in layers]
+    data = [store.layer(i, ("v", "q", "k") if fit.loss == "attention" else ("v",)) for i in layers]
     v = torch.stack([d["v"].to(device, torch.float32) for d in data])
     train_windows = [w for j, w in enumerate(windows) if j not in held]
     train_rows = torch.cat([torch.arange(s, e) for s, e in train_windows]).to(device)
@@ -563,7 +563,7 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
             def fit_layer(i=i):
                 device = loaded.layer_device(i)  # each layer's fit runs where that layer is
                 with device_scope(device):
-                    theta, info = fit_keys(store.layer(i)["k"], train_rows, held_rows, i, dims, device, advance, keys,
+                    theta, info = fit_keys(store.layer(i, ("k",))["k"], train_rows, held_rows, i, dims, device, advance, keys,
                                            seed)
                 return {"theta": theta, "stage_mse": torch.tensor(info.pop("stage_mse_groups"),
                                                                   dtype=torch.float32)}, info

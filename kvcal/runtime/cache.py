@@ -123,6 +123,7 @@ class PackedLayer(CacheLayer):
                  shared: SharedState | None = None):
         super().__init__(layer_idx)
         self.storage = storage
+        self.softcap = None  # the model's score soft-cap (Gemma 2), taken from the layer's first inputs
         self.policy = storage.policy
         self.keys_pre_rope = storage.keys_pre_rope
         self.kernels_asked = kernels  # None: Triton kernels on CUDA, torch references elsewhere
@@ -198,7 +199,7 @@ class PackedLayer(CacheLayer):
         if self.keys_pre_rope:  # tables may be longer than this layer needs (the kernels bound their reads)
             self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self.policy.sink + cap)
         self._packed = Packed(self.buffers, self.lengths, self.heads, self.dim, self.capacity, self.policy.sink,
-                              self.rope_cos, self.rope_sin, self.inv_freq, self.shared)
+                              self.rope_cos, self.rope_sin, self.inv_freq, self.shared, softcap=self.softcap)
 
     def _grow_fp(self, ring_needed: int) -> None:
         """Bulk policies: room for `ring_needed` full-precision tokens after the sinks (the ring never wraps there, so
@@ -344,13 +345,14 @@ class PackedLayer(CacheLayer):
 
     def _decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         packed = self.packed() if self.buffers else None
-        return decode_attention(q, self.storage, packed, self._full_precision(), scale, self.kernels)
+        return decode_attention(q, self.storage, packed, self._full_precision(), scale, self.kernels, self.softcap)
 
     # ---- attention --------------------------------------------------------------------------------------------
     def attend(self, inp) -> torch.Tensor:
         batch, _, length, _ = inp.q.shape
         if self.length == 0:
             adapter = inp.module._kvcal_binding[0]
+            self.softcap = inp.softcap  # before _init, which makes the layer's Packed
             self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device,
                        adapter.inv_freq_on(inp.v.device),
                        inp.x.shape[-1])
@@ -364,7 +366,7 @@ class PackedLayer(CacheLayer):
         k_rot = apply_rope(inp.k_pre, inp.cos, inp.sin)
         src = self._sources(inp.k_pre, k_rot, inp.v, inp.x)
         if self.length == 0 and length > 1:  # prefill: full-precision attention, then bulk compression
-            out = attention(q, k_rot, inp.v, inp.mask, inp.scale)
+            out = attention(q, k_rot, inp.v, inp.mask, inp.scale, inp.softcap)
             for b, pad in enumerate(_left_padding(inp.mask, batch, length)):
                 self._prefill_row(b, pad, src, k_rot, inp.v)
             self.length = length
@@ -723,15 +725,16 @@ class KvcalCache(Cache):
 
     def _layer_policy(self, i: int, dims):
         """On a model with sliding-window layers (Gemma 2/3), a local layer keeps its window of exact tokens (a
-        LosslessLayer with the window) and a global layer the method's storage. Soft-capped scores (Gemma 2) have no
-        packed kernel yet."""
+        LosslessLayer with the window) and a global layer the method's storage. Soft-capped scores (Gemma 2) run
+        through the storages' torch references (the decode kernels refuse them in one line); a storage that remaps
+        its scores itself (CalibQuant) is refused on such a model, as in the simulation."""
+        if dims.attn_softcap is not None and self.storages.remaps_scores:
+            raise KvcalError(f"a method that remaps attention scores (CalibQuant) on {dims.family}, whose scores are "
+                             "soft-capped, is not supported yet (the simulation refuses it too)")
         if not dims.hybrid:
             return self.layers[i]
         if dims.layer_types[i] == LOCAL:
             self.layers[i] = LosslessLayer(i, self.capacity_hint, dims.sliding_window)
-        elif dims.attn_softcap is not None and not self.storages.lossless:
-            raise KvcalError(f"kvcal's packed cache on {dims.family} (soft-capped attention scores) is not supported "
-                             "yet: the simulation (kvcal eval ppl --mode simulate) runs")
         return self.layers[i]
 
     def graph_refusal(self) -> str | None:

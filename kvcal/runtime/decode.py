@@ -28,10 +28,16 @@ LOG2E = 1.4426950408889634
 # ---- torch references ------------------------------------------------------------------------------------------
 
 
-def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int, remap=None) -> Partials:
+SOFTCAP_REFUSAL = "soft-capped attention scores (Gemma 2): no decode kernel applies the cap yet"
+
+
+def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int, remap=None,
+                       softcap: float | None = None) -> Partials:
     """Partials (one split) of q [B, Hq, D] over each row's keys and values: rows[b] = (k, v) [Hkv, T_b, D] in the
     compute dtype, or None for a row with no tokens (m = -inf, l = 0, acc = 0). remap: a storage's remap_scores,
-    applied to the scores q.k x scale [1, Hq, 1, T_b] of these (compressed) keys before the softmax."""
+    applied to the scores q.k x scale [1, Hq, 1, T_b] of these (compressed) keys before the softmax. softcap: the
+    model's soft-cap of every score, s -> softcap tanh(s / softcap) (Gemma 2; a storage that remaps is refused on
+    such a model)."""
     batch, hq, d = q.shape
     group = hq // heads
     parts = Partials.empty(batch * heads, 1, group, d, q.dtype, q.device)
@@ -44,7 +50,12 @@ def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int, re
             continue
         k, v = kv
         qg = q[b].to(compute).reshape(heads, group, d)
-        if remap is None:
+        if softcap is not None:
+            if remap is not None:
+                raise KvcalError("a storage that remaps its scores (CalibQuant) cannot also soft-cap them (Gemma 2)")
+            s = qg @ k.to(compute).transpose(1, 2) * scale
+            s = softcap * torch.tanh(s / softcap) * LOG2E
+        elif remap is None:
             s = qg @ k.to(compute).transpose(1, 2) * (scale * LOG2E)  # [Hkv, G, T]
         else:
             s = (qg @ k.to(compute).transpose(1, 2) * scale).reshape(1, hq, 1, -1)
@@ -58,15 +69,16 @@ def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int, re
     return parts
 
 
-def fp_partials_reference(q: torch.Tensor, fp: FullPrecision, scale: float) -> Partials:
+def fp_partials_reference(q: torch.Tensor, fp: FullPrecision, scale: float, softcap: float | None = None) -> Partials:
     compute = torch.promote_types(q.dtype, torch.float32)
     rows = [(fp.k[b][:, fp.valid[b]].to(compute), fp.v[b][:, fp.valid[b]].to(compute)) for b in range(q.shape[0])]
-    return partials_from_rows(q, rows, scale, fp.k.shape[1])
+    return partials_from_rows(q, rows, scale, fp.k.shape[1], softcap=softcap)
 
 
-def with_fp_reference(parts: Partials, q: torch.Tensor, fp: FullPrecision | None, scale: float) -> Partials:
+def with_fp_reference(parts: Partials, q: torch.Tensor, fp: FullPrecision | None, scale: float,
+                      softcap: float | None = None) -> Partials:
     """`parts` of the packed tokens followed by the full-precision part's split (what a reference attend returns)."""
-    return parts if fp is None else parts.cat(fp_partials_reference(q, fp, scale))
+    return parts if fp is None else parts.cat(fp_partials_reference(q, fp, scale, softcap))
 
 
 def merge_reference(parts: Partials, batch: int, out_dtype) -> torch.Tensor:
@@ -102,15 +114,17 @@ def one_cpu_thread():
 
 
 def decode_attention(q: torch.Tensor, storage, packed, fp: FullPrecision | None, scale: float,
-                     kernels: bool) -> torch.Tensor:
+                     kernels: bool, softcap: float | None = None) -> torch.Tensor:
     """q [B, Hq, D] (after RoPE) over the packed tokens of `storage` (packed: runtime.storage.Packed, or None before
     the storage holds anything) and the full-precision part -> [B, Hq, D] in q's dtype. kernels: the Triton kernels
     (the storage's and the generic ones); a storage whose kernel cannot take these inputs raises one line naming why
-    (pass the cache's reference backend to run the torch references on purpose)."""
+    (pass the cache's reference backend to run the torch references on purpose). softcap: the model's score soft-cap
+    (Gemma 2; the storage's references read it from packed.softcap), which no Triton kernel applies yet."""
     if fp is not None and fp.slots == 0:
         fp = None
     if kernels:
-        reason = K.unsupported(q) or (storage.supports_triton(q, packed) if packed is not None else None)
+        reason = (SOFTCAP_REFUSAL if softcap is not None else None) or K.unsupported(q) or (
+            storage.supports_triton(q, packed) if packed is not None else None)
         if reason:
             raise KvcalError(f"{type(storage).__name__}: no Triton decode kernel for this call ({reason}); "
                              "run the torch reference on purpose with backend='reference' (--backend reference)")
@@ -124,7 +138,7 @@ def decode_attention(q: torch.Tensor, storage, packed, fp: FullPrecision | None,
     if packed is not None:
         parts = storage.attend_reference(q, packed, scale, fp)
     elif fp is not None:
-        parts = fp_partials_reference(q, fp, scale)
+        parts = fp_partials_reference(q, fp, scale, softcap)
     else:
         return torch.zeros_like(q)
     return merge_reference(parts, q.shape[0], q.dtype)

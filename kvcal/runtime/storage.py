@@ -157,6 +157,7 @@ class Packed:
     # the row lengths as the host knows them, where it does (benchmarks): `length` then reads no device tensor, so
     # `Storage.read` can be captured in a CUDA graph
     host_lengths: tuple[int, ...] | None = None
+    softcap: float | None = None  # the model's score soft-cap, s -> softcap tanh(s / softcap) (Gemma 2), else None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.buffers[name]
@@ -279,7 +280,8 @@ class Storage:
         `fp` (runtime.decode.FullPrecision, or None), from `read` (float32, float64 for float64 queries)."""
         compute = torch.promote_types(q.dtype, torch.float32)
         rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
-        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads), q, fp, scale)
+        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads, softcap=packed.softcap), q, fp,
+                                 scale, packed.softcap)
 
     def attend_triton(self, q: torch.Tensor, packed: Packed, scale: float, fp):
         """attend_reference's partials from the method's kernel: the packed splits and the full-precision part's
@@ -381,7 +383,8 @@ class ReconstructionStorage(Storage):
         compute = torch.promote_types(q.dtype, torch.float32)
         rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
         remap = self.remap_scores if self.remaps_scores else None
-        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads, remap), q, fp, scale)
+        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads, remap, packed.softcap), q, fp,
+                                 scale, packed.softcap)
 
 
 class RematerializeRows(dict):

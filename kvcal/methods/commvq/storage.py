@@ -451,7 +451,10 @@ class CommVQStorage(Storage):
                 cos, sin = packed.rope_cos[pos, :half], packed.rope_sin[pos, :half]
                 scores.append(fused_key_scores(qb, codes[None], norms[None], pos, t["theta"], packed.inv_freq, hkv,
                                                scale, cos=cos, sin=sin))
-            s = torch.cat(scores, -1) * LOG2E  # [1, Hq, 1, T]
+            s = torch.cat(scores, -1)  # [1, Hq, 1, T]
+            if packed.softcap is not None:
+                s = packed.softcap * torch.tanh(s / packed.softcap)
+            s = s * LOG2E
             m = s.amax(-1, keepdim=True)
             p = torch.exp2(s - m)
             _, _, bits, rho = self.codes_of(packed, b)
@@ -461,7 +464,7 @@ class CommVQStorage(Storage):
             parts.m[at, 0] = m.view(hkv, group)
             parts.l[at, 0] = p.sum(-1).view(hkv, group)
             parts.acc[at, 0] = acc.view(hkv, group, d)
-        return with_fp_reference(parts, q, fp, scale)
+        return with_fp_reference(parts, q, fp, scale, packed.softcap)
 
     def reconstruct(self, k, v):
         return self.book.reconstruct(self.layer, k, v)

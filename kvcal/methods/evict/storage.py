@@ -46,7 +46,7 @@ class EvictStorage(Storage):
         exp2(-inf) = 0 in the merge, nothing added)."""
         if fp is None:
             return partials_from_rows(q, [None] * q.shape[0], scale, packed.heads)
-        return fp_partials_reference(q, fp, scale)
+        return fp_partials_reference(q, fp, scale, packed.softcap)
 
     def attend_triton(self, q, packed, scale, fp):
         """attend_reference's partials from the generic full-precision kernel."""

@@ -23,12 +23,15 @@ from tests.kernel_cases import GPU_CASES, TOL_GPU, run_attention_case  # noqa: E
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", action="append", help="head_dim,kv_heads,query_heads (repeatable)")
+    parser.add_argument("--case", action="append", help="only cases whose name contains this (repeatable)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["256,4,8"])]
     rows = []
     for shape in shapes:
         for case in GPU_CASES:
+            if args.case and not any(c in case[0] for c in args.case):
+                continue
             t0 = time.time()
             try:
                 err, error = run_attention_case(case, small=False, device="cuda", shape=shape), None

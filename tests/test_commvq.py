@@ -831,3 +831,30 @@ def test_a_layer_trains_the_same_whichever_layers_train_beside_it(tiny, tiny_sto
             torch.testing.assert_close(p_t[name], p_a[name], rtol=1e-4, atol=1e-5)
         assert info_t["train_loss"] == pytest.approx(info_a["train_loss"], rel=1e-4)
     assert not torch.equal(together[0][0]["fc1_weight"], together[1][0]["fc1_weight"])
+
+
+def test_value_layers_stack_only_while_a_step_is_launch_bound():
+    """value_step_flops by hand at smollm2-135m's and Llama-3.1-8B's shapes (the 2-bit recipe: n_e = C, hidden 4 n_e
+    capped at 4096, 512 tokens, attention loss), and value_chunks: smollm2's 30 layers train in one stack, Llama's
+    one layer at a time, and memory still caps a stack."""
+    from types import SimpleNamespace
+
+    from kvcal.methods.commvq.calibrate import ValueFit, value_chunks, value_step_flops
+
+    def loaded(channels, heads, dim, hidden):
+        dims = SimpleNamespace(kv_channels=channels, num_heads=heads, head_dim=dim, hidden_size=hidden)
+        return SimpleNamespace(dims=dims, layer_device=lambda i: torch.device("cpu"))
+
+    def fit(groups, hidden):
+        return ValueFit(bits=2, groups=groups, hidden=hidden, loss="attention", steps=1, batch_tokens=512,
+                        attn_tokens=256, lr=1e-3, weight_decay=0.1, warmup=0, gumbel_tau=1.0)
+
+    small, large = loaded(192, 9, 64, 576), loaded(1024, 32, 128, 4096)
+    f_small = value_step_flops(small, fit(192, 768))
+    f_large = value_step_flops(large, fit(1024, 4096))
+    assert f_small == 6 * 512 * (192 * 768 + 768 * 768) + 4 * 512 * 576 * 576  # 2.94 GFLOP
+    assert f_large == 6 * 512 * (1024 * 4096 + 4096 * 4096) + 4 * 512 * 4096 * 4096  # 98.8 GFLOP
+    assert value_chunks(small, list(range(30)), 1, f_small) == [list(range(30))]
+    assert value_chunks(large, list(range(4)), 1, f_large) == [[0], [1], [2], [3]]
+    per_layer = (4 << 30) // 3  # three layers' memory fill the CPU's stacking budget
+    assert value_chunks(small, list(range(7)), per_layer, f_small) == [[0, 1, 2], [3, 4, 5], [6]]

@@ -44,6 +44,11 @@ HELD_OUT_VALUE_TOKENS = 32768  # tokens of the held-out windows used for value d
 ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks kept, for all layers trained together
 ATTENTION_CACHE_BYTES_GPU = 8 << 30  # on a GPU (the rest is recomputed per step, batched over the layers)
 VALUE_CHUNK_BYTES_CPU = 4 << 30  # on the CPU: memory of the layers whose value coders train together
+# Layers train stacked while a step of the stack stays under this many FLOPs (value_step_flops): stacking pays while
+# a step is bound by kernel launches, not arithmetic. Measured (docs/commvq.md): smollm2-135m's 2-bit step (2.9 GFLOP)
+# takes 5.2 ms alone and 15.6 ms for 30 layers stacked (88 GFLOP, 3.4x faster per layer); a Llama-3.1-8B-shaped step
+# (99 GFLOP) takes 5.9 ms alone (H100) and 9.8 ms per layer with 8 stacked (H200): already arithmetic.
+VALUE_STACK_FLOPS = 100e9
 
 
 def derived_seed(*parts) -> int:
@@ -438,17 +443,30 @@ def value_layer_bytes(loaded, rows: int, fit: ValueFit) -> int:
     return total + 4 * params * 4 + tokens * (8 * fit.hidden + 32 * fit.groups + 8 * channels) * 4
 
 
-def value_chunks(loaded, layers: list[int], per_layer_bytes: int) -> list[list[int]]:
+def value_step_flops(loaded, fit: ValueFit) -> float:
+    """FLOPs of one layer's value step, forward and backward: the encoder (C -> hidden -> 4 n_e) on the step's tokens
+    and, with the attention loss, o_proj and its input gradient."""
+    dims = loaded.dims
+    tokens = max(fit.batch_tokens, fit.attn_tokens)
+    flops = 6 * tokens * (dims.kv_channels * fit.hidden + fit.hidden * 4 * fit.groups)
+    if fit.loss == "attention":
+        flops += 4 * tokens * dims.num_heads * dims.head_dim * dims.hidden_size
+    return float(flops)
+
+
+def value_chunks(loaded, layers: list[int], per_layer_bytes: int, per_layer_flops: float = 0.0) -> list[list[int]]:
     """The layers trained together: consecutive layers on one device, as many as half of the device's free memory
-    (VALUE_CHUNK_BYTES_CPU on the CPU) holds."""
+    (VALUE_CHUNK_BYTES_CPU on the CPU) holds and while a stacked step stays under VALUE_STACK_FLOPS (one layer at
+    least)."""
     chunks = []
+    by_flops = max(1, int(VALUE_STACK_FLOPS // per_layer_flops)) if per_layer_flops > 0 else len(layers)
     for i in layers:
         device = loaded.layer_device(i)
         if device.type == "cuda":
             budget = torch.cuda.mem_get_info(device)[0] // 2
         else:
             budget = VALUE_CHUNK_BYTES_CPU
-        most = max(1, budget // max(1, per_layer_bytes))
+        most = min(by_flops, max(1, budget // max(1, per_layer_bytes)))
         if chunks and loaded.layer_device(chunks[-1][-1]) == device and len(chunks[-1]) < most and \
                 chunks[-1][-1] == i - 1:
             chunks[-1].append(i)
@@ -585,7 +603,7 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
                 fitted[i] = saved
                 advance(values.steps)
         per_layer = value_layer_bytes(loaded, positions.numel(), values)
-        for chunk in value_chunks(loaded, todo, per_layer):
+        for chunk in value_chunks(loaded, todo, per_layer, value_step_flops(loaded, values)):
             device = loaded.layer_device(chunk[0])
             with device_scope(device):
                 results = fit_values(store, chunk, windows, held, modules, loaded, device, advance, values, seed,

@@ -139,6 +139,11 @@ def unsupported(q: torch.Tensor, packed, bits: int, block: int) -> str | None:
         return reason
     if block % 16 and d < 64:
         return f"key blocks of {block} tokens (not a multiple of 16: the generic key path) need head_dim >= 64"
+    group = q.shape[1] // packed.heads
+    if q.dtype == torch.float64 and not K.INTERPRET and d * pow2(group) > 512:
+        # the float64 exactness mode's broadcast products: 256 KiB of shared memory at head_dim 256 with 4 query heads
+        # per KV head on an H200 (232 KiB there; results/bench/head-dim-256-h200.log)
+        return f"float64 queries at head_dim {d} with {group} query heads per KV head (shared memory)"
     return None
 
 
@@ -170,11 +175,10 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
             bt //= 2
     if q.dtype == torch.float64 and num_warps is None and block_t is None:
         # the float64 dot is a broadcast product: keep its [M, K, N] block small (4 warps; 16-token tiles except on
-        # the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens); 8-token tiles for 256-channel
-        # heads (at 16 the product needs 256 KiB of shared memory on the H200, more than it has)
+        # the generic path, where Triton 3.6 fails to compile 2-bit tables at 16 tokens)
         default_warps = 4
         if not generic:
-            bt = 16 if d <= 128 else 8
+            bt = 16
             while block % bt and bt > 1:
                 bt //= 2
     nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, kc.shape[2], bt)

@@ -15,7 +15,7 @@ from kvcal.runtime.storage import Packed, SharedState
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 # (name, variant, bits, dtype, options): options hidden, hkv, d, hq, lengths, tcap, nfp, outlier, bias, group_tokens,
-# group_channels, num_splits
+# group_channels, num_splits (fused path), chunk_tokens (gemm path)
 CASES = [
     ("svd2_fp16", "svd", 2, torch.float16, {}),
     ("svd3_outlier_bias_bf16", "svd", 3, torch.bfloat16, {"outlier": True, "bias": True}),
@@ -25,7 +25,12 @@ CASES = [
     ("svd16_raw_fp32", "svd", 16, torch.float32, {}),
     ("x2_bias_fp16", "x", 2, torch.float16, {"bias": True, "hq": 8}),
     ("x3_fp64", "x", 3, torch.float64, {}),
+    # the gemm path in chunks of 16 slots (several splits, an empty row in some), and smollm2's 192-wide latents
+    ("svd2_chunks16_outlier_bias_bf16", "svd", 2, torch.bfloat16, {"chunk_tokens": 16, "outlier": True, "bias": True}),
+    ("svd2_width192_fp64", "svd", 2, torch.float64, {"hkv": 3, "d": 64, "hq": 9, "hidden": 128,
+                                                     "group_channels": 64, "chunk_tokens": 32}),
 ]
+PATHS = ("gemm", "fused")  # attend_triton's paths; a case's name gets "_fused" on the fused one
 
 
 def _inputs(gen, n, hidden, device):
@@ -79,16 +84,18 @@ def make_case(variant, bits, dtype, *, hidden=96, hkv=2, d=32, hq=None, lengths=
     return storage, packed, q, fp
 
 
-def run_case(case, device="cpu", **shape) -> float:
-    """Largest relative error per (row, query head) of the kernel's output against the reference's."""
+def run_case(case, device="cpu", path="gemm", **shape) -> float:
+    """Largest relative error per (row, query head) of the kernel's output against the reference's (attend_triton's
+    `path`; num_splits is the fused path's knob, chunk_tokens the gemm path's)."""
     name, variant, bits, dtype, options = case
     options = {**options, **shape}
     storage, packed, q, fp = make_case(variant, bits, dtype, device=device, **options)
     scale = q.shape[-1] ** -0.5
     assert storage.supports_triton(q, packed) is None, storage.supports_triton(q, packed)
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), q.shape[0], q.dtype)
-    knobs = {"num_splits": options["num_splits"]} if "num_splits" in options else {}
-    out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, **knobs), q)
+    knob = "chunk_tokens" if path == "gemm" else "num_splits"
+    knobs = {knob: options[knob]} if knob in options else {}
+    out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, path=path, **knobs), q)
     if not torch.isfinite(out.float()).all():
         return float("nan")
     out, ref = out.double(), ref.double()
@@ -100,7 +107,8 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_xquant.py
     import time
 
     t0 = time.time()
-    out = {case[0]: run_case(case) for case in CASES}
+    out = {case[0] + ("" if path == "gemm" else "_fused"): run_case(case, path=path) for path in PATHS
+           for case in CASES}
     out["seconds"] = time.time() - t0
     print("XQUANT_KERNELS " + json.dumps(out))
 

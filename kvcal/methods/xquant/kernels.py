@@ -30,7 +30,9 @@ from collections import namedtuple
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
+from kvcal.quant.rope import apply_rope
 from kvcal.runtime import kernels as K
+from kvcal.runtime.decode import LOG2E
 
 try:
     import triton
@@ -206,6 +208,24 @@ if triton is not None:
         tl.store(out_ptr + off, acc, mask=(rg < G)[:, None])
 
 
+    @triton.jit
+    def _latent_kernel(codes_ptr, scb, sct, s_ptr, z_ptr, ssb, sst, ko_ptr, skob, out_ptr, sob, sot, T0, T1,
+                       BITS: tl.constexpr, RW: tl.constexpr, TDIV: tl.constexpr, CDIV: tl.constexpr,
+                       OUTLIER: tl.constexpr, BLOCK_T: tl.constexpr, C: tl.constexpr):
+        """Latent entries of slots [T0, T1) of every row, dequantized once (_dequant) into out [B, T1 - T0, RW] in
+        out's dtype; grid (B, token tiles, RW / C)."""
+        b = tl.program_id(0)
+        t = T0 + tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T1
+        ch = tl.program_id(2) * C + tl.arange(0, C)
+        z = _dequant(codes_ptr + b * scb, s_ptr + b * ssb, z_ptr + b * ssb, t, tm, ch, sct, sst, BITS, RW, TDIV, CDIV)
+        if OUTLIER:  # latent channel 0 from its fp16 copy
+            o = tl.load(ko_ptr + b * skob + t, mask=tm, other=0.0).to(tl.float32)
+            z = tl.where((ch == 0)[None, :], o[:, None], z)
+        tl.store(out_ptr + b * sob + (t - T0)[:, None] * sot + ch[None, :], z.to(out_ptr.dtype.element_ty),
+                 mask=tm[:, None])
+
+
 def _chunk(width: int, want: int) -> int:
     """The largest power of two <= want dividing width."""
     c = want
@@ -233,13 +253,103 @@ def unsupported(storage, q: torch.Tensor, packed) -> str | None:
     return None
 
 
+GEMM_CHUNK_BYTES = 64 << 20  # one chunk's dequantized key latents (the value latents and rebuilt keys: as many)
+
+
+def latent_chunk(storage, packed, side: str, t0: int, t1: int, dtype) -> torch.Tensor:
+    """Dequantized latents Z_k (side "k") or Z_v ("v") of slots [t0, t1) of every row, [B, t1 - t0, width] in dtype
+    (one Triton launch: _latent_kernel; slots past a row's length hold whatever the buffer holds, finite)."""
+    x = storage.variant == "x"
+    width, bits = storage.width, storage.bits
+    batch = packed.batch
+    dummy, _ = K.placeholders(packed.lengths.device)
+    keys = side == "k" and not x
+    if bits == 16:
+        codes = packed["k_raw" if keys else "v_raw"]
+        sc = zc = dummy
+        s_strides, tdiv, cdiv = (0, 0), 1, 1
+    else:
+        codes = packed["k_codes" if keys else "v_codes"]
+        sc, zc = (packed["k_scale"], packed["k_zero"]) if keys else (packed["v_scale"], packed["v_zero"])
+        s_strides = (sc.stride(0), sc.stride(2))
+        tdiv, cdiv = (storage.group_tokens, 1) if keys else (1, storage.group_channels)
+    outlier = keys and storage.outlier
+    ko = packed["k_outlier"] if outlier else dummy
+    out = torch.empty(batch, t1 - t0, width, dtype=dtype, device=codes.device)
+    bt, c = (16, _chunk(width, 16)) if K.INTERPRET else (32, _chunk(width, 64))
+    with launch_device(out):
+        _latent_kernel[(batch, triton.cdiv(t1 - t0, bt), width // c)](
+            codes, codes.stride(0), codes.stride(2), sc, zc, *s_strides, ko, ko.stride(0) if outlier else 0, out,
+            out.stride(0), out.stride(1), t0, t1, BITS=bits, RW=width, TDIV=tdiv, CDIV=cdiv, OUTLIER=int(outlier),
+            BLOCK_T=bt, C=c, num_warps=4)
+    return out
+
+
+def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tokens: int | None = None):
+    """attend_triton's partials by dense products (tensor cores through cuBLAS for fp16/bf16 queries): the packed
+    slots in chunks of `chunk_tokens` (default: the chunk whose dequantized key latents take GEMM_CHUNK_BYTES), each
+    chunk one split. Per chunk the latents are dequantized once for all KV heads (_latent_kernel, fp16 for fp16/bf16
+    queries as the fused path's operands, else the query dtype); keys are rebuilt for every KV head at once, K = Z_k
+    R_k (+ b_k), rotated at their positions, scored in float32 (float64 for float64 queries) against every query
+    head; the softmax partials in the log2 domain with the row lengths masked on the device (no host sync: CUDA
+    graphs replay it); values stay in latent space, P Z_v for every query head at once, then R_v per KV head and l
+    b_v (exact by linearity). The full-precision part goes into the last splits (runtime.kernels.fp_partials_into)."""
+    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    operand = torch.float16 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    width, cap = storage.width, packed.capacity
+    if chunk_tokens is None:
+        chunk_tokens = max(256, GEMM_CHUNK_BYTES // max(1, batch * width * torch.finfo(operand).bits // 8))
+    chunk = min(cap, max(1, chunk_tokens))
+    nsplit = triton.cdiv(cap, chunk)
+    parts = K.Partials.empty(batch * hkv, nsplit + K.fp_splits(fp), group, d, q.dtype, dev)
+    r_k = storage.factor("r_k", operand)
+    r_v = storage.factor("r_v", acc_dtype).view(width, hkv, d).transpose(0, 1)  # [Hkv, width, D]
+    b_k, b_v = storage.factor("b_k", acc_dtype), storage.factor("b_v", acc_dtype)
+    qg = q.view(batch, hkv, group, d).to(acc_dtype) * (scale * LOG2E)
+    lengths = packed.lengths.to(torch.int64)
+    x = storage.variant == "x"
+    for split, t0 in enumerate(range(0, cap, chunk)):
+        t1 = min(cap, t0 + chunk)
+        z_v = latent_chunk(storage, packed, "v", t0, t1, operand)
+        z_k = z_v if x else latent_chunk(storage, packed, "k", t0, t1, operand)
+        k = (z_k @ r_k).to(acc_dtype)  # [B, n, Hkv D]
+        if b_k is not None:
+            k = k + b_k
+        pos = packed.pos_offset + torch.arange(t0, t1, device=dev)
+        k = apply_rope(k.view(batch, t1 - t0, hkv, d).transpose(1, 2), packed.rope_cos[pos][None].to(acc_dtype),
+                       packed.rope_sin[pos][None].to(acc_dtype))  # [B, Hkv, n, D]
+        s = qg @ k.transpose(-1, -2)  # [B, Hkv, G, n], log2 domain
+        valid = torch.arange(t0, t1, device=dev)[None, :] < lengths[:, None]  # [B, n]
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m = s.amax(-1)
+        p = torch.exp2(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
+        lat = (p.reshape(batch, hkv * group, t1 - t0).to(operand) @ z_v).to(acc_dtype)  # [B, Hq, width]
+        acc = lat.view(batch, hkv, group, width) @ r_v[None]  # [B, Hkv, G, D]
+        l_sum = p.sum(-1)
+        if b_v is not None:
+            acc = acc + l_sum[..., None] * b_v.view(hkv, 1, d)
+        parts.m[:, split] = m.reshape(batch * hkv, group)
+        parts.l[:, split] = l_sum.reshape(batch * hkv, group)
+        parts.acc[:, split] = acc.reshape(batch * hkv, group, d)
+    if fp is not None:
+        K.fp_partials_into(q, fp, scale, parts, nsplit)
+    return parts
+
+
 def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: int | None = None,
                   num_splits: int | None = None, num_warps: int | None = None, chunk: int | None = None,
-                  value_chunk: int | None = None, programs_per_sm: int | None = None):
+                  value_chunk: int | None = None, programs_per_sm: int | None = None, path: str = "gemm",
+                  chunk_tokens: int | None = None):
     """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`.
-    Keyword-only tuning knobs: block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
+    path "gemm" (the default): attend_gemm (chunk_tokens its knob); path "fused": the two fused kernels below, whose
+    keyword-only tuning knobs are block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
     (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
     program)."""
+    if path == "gemm":
+        return attend_gemm(storage, q, packed, scale, fp, chunk_tokens=chunk_tokens)
+    if path != "fused":
+        raise ValueError(f"path must be gemm or fused, got {path!r}")
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     prec = PREC.get(q.dtype, 16)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

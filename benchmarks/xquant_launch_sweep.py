@@ -1,10 +1,10 @@
-"""XQuant-SVD-2's decode kernel (kvcal/methods/xquant/kernels.py) under launch variants at Llama-3.1-8B attention
+"""XQuant-SVD-2's decode attention (kvcal/methods/xquant/kernels.py) under launch variants at Llama-3.1-8B attention
 shapes (synthetic latents and factors, bf16 queries, 128-token window): each variant checked once against the torch
 reference (relative error per row and query head, as tests/kernel_cases.rel_err) and timed as `kvcal bench decode`
 times (CUDA graph replays, L2 flushed), beside bf16 SDPA and the naive step (dequantize everything, SDPA).
 
     python benchmarks/xquant_launch_sweep.py --json xquant-launch-sweep.json
-    python benchmarks/xquant_launch_sweep.py --variants '[{"block_t": 64, "num_warps": 8}]' --json out.json
+    python benchmarks/xquant_launch_sweep.py --variants '[{"chunk_tokens": 4096}]' --json out.json
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ from kvcal.runtime import kernels as K  # noqa: E402
 from kvcal.runtime.bench import bench_inputs, time_naive, time_sdpa, time_storage  # noqa: E402
 from kvcal.runtime.decode import merge_reference  # noqa: E402
 
-VARIANTS = [  # attend_triton's knobs; {} = the defaults
-    {}, {"block_t": 64}, {"block_t": 64, "num_warps": 8}, {"block_t": 128, "num_warps": 8},
-    {"block_t": 128, "num_warps": 8, "chunk": 32}, {"block_t": 64, "num_warps": 8, "chunk": 128},
-    {"block_t": 128, "num_warps": 8, "programs_per_sm": 1}, {"block_t": 128, "num_warps": 8, "programs_per_sm": 2},
-    {"block_t": 64, "num_warps": 8, "value_chunk": 128}, {"block_t": 128, "num_warps": 8, "value_chunk": 256},
-]
+VARIANTS = [{}, {"chunk_tokens": 2048}, {"chunk_tokens": 8192}, {"chunk_tokens": 32768}]  # attend_triton's knobs
 SHAPES = [(32768, 8), (32768, 1)]  # (context, batch)
 
 

@@ -313,17 +313,17 @@ def test_packed_bytes_per_token_by_hand():
 
 
 def test_interpreted_kernels_match_the_reference():
-    """Both decode paths (gemm: latents dequantized once per chunk, keys rebuilt by one product for every KV head;
-    fused: scores with keys rebuilt tile by tile, values summed in latent space then R_v) against
-    XQuantStorage.attend_reference under the Triton interpreter: 192-wide latents (smollm2), chunks of 16 slots, svd at 2/3/4/8/16 bits, the fp16 outlier
+    """The decode path (latents dequantized once per chunk of slots, keys rebuilt by one product for every KV head,
+    scores with bias and RoPE in a kernel, values summed in latent space then R_v) against
+    XQuantStorage.attend_reference under the Triton interpreter: 192-wide latents (smollm2), chunks of 16 and 24 slots, svd at 2/3/4/8/16 bits, the fp16 outlier
     channel, k/v bias, the x variant, empty rows, several splits, with and without a full-precision part. Wrong RoPE
-    positions, a dropped bias or outlier channel gave 0.73, 1.07 and 0.03."""
+    positions (off by one), a dropped key bias or outlier channel gave 0.76, 0.37 and 0.03 (svd2_outlier_bias_fp64)."""
     import json
     import os
     import subprocess
     import sys
 
-    from tests.xquant_kernel_cases import CASES, PATHS, TOL
+    from tests.xquant_kernel_cases import CASES, TOL, WRITE_CASES
 
     pytest.importorskip("triton")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -333,10 +333,12 @@ def test_interpreted_kernels_match_the_reference():
     lines = [x for x in proc.stdout.splitlines() if x.startswith("XQUANT_KERNELS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     errors = json.loads(lines[-1][len("XQUANT_KERNELS "):])
-    for path in PATHS:
-        for name, _, _, dtype, _ in CASES:
-            key = name + ("" if path == "gemm" else "_fused")
-            assert errors[key] == errors[key] and errors[key] <= TOL[dtype], f"{key}: {errors[key]}"
+    for name, _, _, dtype, _ in CASES:
+        assert errors[name] == errors[name] and errors[name] <= TOL[dtype], f"{name}: {errors[name]}"
+    # latents whose width the quantize kernels take only in pieces (smollm2's 192): written bit for bit as the
+    # torch reference writes them
+    bad = [name for name, *_ in WRITE_CASES if errors[name] is not True]
+    assert not bad, bad
 
 
 @pytest.mark.gpu

@@ -15,22 +15,21 @@ from kvcal.runtime.storage import Packed, SharedState
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 # (name, variant, bits, dtype, options): options hidden, hkv, d, hq, lengths, tcap, nfp, outlier, bias, group_tokens,
-# group_channels, num_splits (fused path), chunk_tokens (gemm path)
+# group_channels, chunk_tokens
 CASES = [
     ("svd2_fp16", "svd", 2, torch.float16, {}),
     ("svd3_outlier_bias_bf16", "svd", 3, torch.bfloat16, {"outlier": True, "bias": True}),
-    ("svd4_splits5_fp32", "svd", 4, torch.float32, {"num_splits": 5, "outlier": True}),
+    ("svd4_chunks24_fp32", "svd", 4, torch.float32, {"chunk_tokens": 24, "outlier": True}),
     ("svd8_no_fp_fp16", "svd", 8, torch.float16, {"nfp": 0}),
     ("svd2_outlier_bias_fp64", "svd", 2, torch.float64, {"outlier": True, "bias": True}),
     ("svd16_raw_fp32", "svd", 16, torch.float32, {}),
     ("x2_bias_fp16", "x", 2, torch.float16, {"bias": True, "hq": 8}),
     ("x3_fp64", "x", 3, torch.float64, {}),
-    # the gemm path in chunks of 16 slots (several splits, an empty row in some), and smollm2's 192-wide latents
+    # chunks of 16 slots (several splits, an empty row in some), and smollm2's 192-wide latents
     ("svd2_chunks16_outlier_bias_bf16", "svd", 2, torch.bfloat16, {"chunk_tokens": 16, "outlier": True, "bias": True}),
-    ("svd2_width192_fp64", "svd", 2, torch.float64, {"hkv": 3, "d": 64, "hq": 9, "hidden": 128,
+    ("svd2_width192_fp64", "svd", 2, torch.float64, {"hkv": 3, "d": 64, "hq": 9, "hidden": 256,
                                                      "group_channels": 64, "chunk_tokens": 32}),
 ]
-PATHS = ("gemm", "fused")  # attend_triton's paths; a case's name gets "_fused" on the fused one
 
 
 def _inputs(gen, n, hidden, device):
@@ -84,22 +83,49 @@ def make_case(variant, bits, dtype, *, hidden=96, hkv=2, d=32, hq=None, lengths=
     return storage, packed, q, fp
 
 
-def run_case(case, device="cpu", path="gemm", **shape) -> float:
-    """Largest relative error per (row, query head) of the kernel's output against the reference's (attend_triton's
-    `path`; num_splits is the fused path's knob, chunk_tokens the gemm path's)."""
+def run_case(case, device="cpu", **shape) -> float:
+    """Largest relative error per (row, query head) of the kernel's output against the reference's."""
     name, variant, bits, dtype, options = case
     options = {**options, **shape}
     storage, packed, q, fp = make_case(variant, bits, dtype, device=device, **options)
     scale = q.shape[-1] ** -0.5
     assert storage.supports_triton(q, packed) is None, storage.supports_triton(q, packed)
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), q.shape[0], q.dtype)
-    knob = "chunk_tokens" if path == "gemm" else "num_splits"
-    knobs = {knob: options[knob]} if knob in options else {}
-    out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, path=path, **knobs), q)
+    knobs = {"chunk_tokens": options["chunk_tokens"]} if "chunk_tokens" in options else {}
+    out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, **knobs), q)
     if not torch.isfinite(out.float()).all():
         return float("nan")
     out, ref = out.double(), ref.double()
     return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max())
+
+
+WRITE_CASES = [  # (name, variant, bits, options): widths the quantize kernels take only in pieces (head_split)
+    ("write_svd2_width192_outlier", "svd", 2, {"hkv": 3, "d": 64, "hidden": 256, "group_channels": 64,
+                                               "outlier": True}),
+    ("write_svd4_width192", "svd", 4, {"hkv": 3, "d": 64, "hidden": 256, "group_channels": 64}),
+    ("write_x2_hidden192", "x", 2, {"hkv": 2, "d": 32, "hidden": 192, "group_channels": 64}),
+]
+
+
+def write_checks(device="cpu") -> dict:
+    """The storage's Triton write (write_triton, in pieces) against its torch reference on the same tokens: every
+    buffer equal, bit for bit."""
+    out = {}
+    for name, variant, bits, options in WRITE_CASES:
+        storage, packed, _, _ = make_case(variant, bits, torch.float32, device=device, lengths=(40, 24), **options)
+        assert storage.head_split() is not None, name
+        mine = {n: torch.zeros_like(t) for n, t in packed.buffers.items()}
+        gen = torch.Generator(device="cpu").manual_seed(5)
+        x = _inputs(gen, 64, options["hidden"], "cpu").to(device)
+        rows = torch.tensor([0] * 40 + [1] * 24, device=device)
+        slots = torch.cat([torch.arange(40), torch.arange(24)]).to(device)
+        ref = {n: torch.zeros_like(t) for n, t in packed.buffers.items()}
+        import dataclasses
+
+        storage.write_reference(dataclasses.replace(packed, buffers=ref), x, None, rows, slots)
+        storage.write_triton(dataclasses.replace(packed, buffers=mine), x, None, rows, slots)
+        out[name] = all(torch.equal(mine[n], ref[n]) for n in ref) and any(t.any() for t in ref.values())
+    return out
 
 
 def main():  # pragma: no cover - run in a subprocess by tests/test_xquant.py
@@ -107,8 +133,8 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_xquant.py
     import time
 
     t0 = time.time()
-    out = {case[0] + ("" if path == "gemm" else "_fused"): run_case(case, path=path) for path in PATHS
-           for case in CASES}
+    out = {case[0]: run_case(case) for case in CASES}
+    out.update(write_checks())
     out["seconds"] = time.time() - t0
     print("XQUANT_KERNELS " + json.dumps(out))
 

@@ -169,8 +169,7 @@ if triton is not None:
         - VALUES(args, C, st, tile, acc, p, alpha, t, tm) -> acc: acc rescaled by alpha [GPK] plus p [BLOCK_T, GPK]
           times the tile's values (p and alpha are 0 on padding heads);
         - FINISH(args, C, st, acc, m, l) -> (out, channels, cols, m, l): the weighted value sum [D, GPV] with its
-          rows' channels and its columns' heads (HEADS_FIRST: [GPV, D], rows the heads), and the softmax state; FINISH None: the method writes the
-          sums elsewhere, only m and l are stored;
+          rows' channels and its columns' heads (HEADS_FIRST: [GPV, D], rows the heads), and the softmax state;
         - SOFTMAX(C, st, s, m, l, ok) -> (p, alpha, m, l), or None for the online softmax (softmax_tile): a method's
           own weights of a tile (CalibQuant's fixed reference).
         TAIL: a split's whole tiles run without masks (tm a constant true), its last, partial tile after them.
@@ -205,12 +204,8 @@ if triton is not None:
             else:
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, end, end, qk_scale, rk, SCORES,
                                                    VALUES, SOFTMAX, G, BLOCK_T, True)
-            if FINISH is None:
-                tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
-                tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
-            else:
-                out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
-                store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk, HEADS_FIRST)
+            out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
+            store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk, HEADS_FIRST)
         if HAS_FP:
             if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
                 fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F = fp

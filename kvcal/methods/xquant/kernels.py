@@ -1,36 +1,32 @@
-"""XQuant's decode kernels: attention of one query per row over cached latents (X U_k and X U_v, or X itself),
-keys and values rematerialized inside the kernels. The torch reference is XQuantStorage.attend_reference (the
-storage's `read`: dequantize, multiply by the factors, add the bias, RoPE at the original positions; kvcal/methods/
-xquant/storage.py), with the same signature as `attend_triton` below.
+"""XQuant's decode attention: one query per row over cached latents (X U_k and X U_v, or X itself), keys and
+values rematerialized at attention time. The torch reference is XQuantStorage.attend_reference (the storage's `read`:
+dequantize, multiply by the factors, add the bias, RoPE at the original positions; kvcal/methods/xquant/storage.py),
+with the same signature as `attend_triton` below.
 
-Two launches and one product, the split-K partials of runtime/decode.py:
+attend_gemm: the packed slots in chunks (each chunk one split of runtime/decode.py's partials), per chunk
 
-- the scores pass (the split-K skeleton runtime/kernels.split_k_kernel with `_prepare`, `_scores` and no value
-  step), grid (B * Hkv, NSPLIT): program (row, KV head, split) walks its share of the row's tokens in
-  tiles of BLOCK_T; per tile it dequantizes the key latent chunk by chunk (C latent channels at a time: per-channel
-  parameters for the svd variant, per-token groups for x; latent channel 0 from its fp16 copy with the outlier
-  channel), multiplies each chunk by the head's columns of R_k (two tl.dot, one per RoPE half), adds b_k, rotates
-  the tile at its positions (pos_offset + slot) and scores it against the G query heads of the group (log2 domain).
-  It writes the scores [R, T, G] and the split's running max m and sum l.
-- `_values_kernel`, grid (B * Hkv, NSPLIT, width / CV): P = exp2(s - m) of the split times the dequantized value
-  latent, accumulated in latent space: acc_lat [R, NSPLIT, G, width]. No value is rematerialized per token.
-- one product per (row, KV head): acc = acc_lat R_v[:, head] + l b_v (exact by linearity: sum_t p_t (z_t R_v + b_v)
-  = (sum_t p_t z_t) R_v + l b_v), a batched matmul (torch) into the partials' acc; the full-precision part (the
-  residual window) goes into the last splits through runtime.kernels.fp_partials_into.
+- `_latent_kernel` dequantizes the key and the value latents once for every KV head, [B, n, width] in the operand
+  type (fp16 for fp16 and bf16 queries, else the query dtype; per-channel parameters for the svd variant's keys,
+  per-token groups otherwise, latent channel 0 from its fp16 copy with the outlier channel; codes unpacked by a gather
+  over their words, bits 16 reads the raw latents);
+- one dense product K = Z_k R_k for every KV head at once (tensor cores through cuBLAS for fp16 operands);
+- `_rope_scores_kernel` reads each key tile once, adds b_k, rotates it at its positions and scores it against the
+  group's query heads (float32, float64 for float64 queries; log2 domain);
+- the softmax partials in torch with each row's length masked on the device (no host sync: a CUDA graph replays it);
+- values in latent space for every query head at once, P Z_v (a dense product), then R_v per KV head and l b_v (exact
+  by linearity: sum_t p_t (z_t R_v + b_v) = (sum_t p_t z_t) R_v + l b_v).
 
-Latent tiles are dequantized in float32 (as the reference) and rounded to the dot's operand type (fp16 for fp16 and
-bf16 queries, float32 / float64 otherwise); codes are unpacked by a gather over their words (any 2/3/4/8-bit width
-that is a multiple of 32 for 3 bits, 16 for the others), bits 16 reads the raw latents.
+The full-precision part (the residual window) goes into the last splits (runtime.kernels.fp_partials_into). An
+earlier design fused everything into split-K programs per (row, KV head): each program rebuilt its head's keys from
+the whole latent tile by tile, so R_k's head slice was re-read for every tile and each latent was dequantized once
+per KV head; it was an order of magnitude slower (docs/xquant.md).
 """
 
 from __future__ import annotations
 
-from collections import namedtuple
-
 import torch
 
 from kvcal.quant.packing import launch_device, pow2
-from kvcal.quant.rope import apply_rope
 from kvcal.runtime import kernels as K
 from kvcal.runtime.decode import LOG2E
 
@@ -40,20 +36,9 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-PREC = {torch.float32: 32, torch.float64: 64}  # rounded dot operands: fp16 for fp16 and bf16 queries
 BITS = (2, 3, 4, 8, 16)
-# Not tuned on a GPU yet. 32-token tiles keep every dot's M at 32 (mma.sync: kivi_kernels' note on Triton 3.6's
-# wgmma with 64-token tiles); 4 programs per SM for the splits: each scores program is compute-heavy (a 32 x 64 x 64
-# dot pair per 64 latent channels and tile), and the value pass's latent partials, splits x G x d_kv floats per (row,
-# KV head), stay small (Llama-3.1-8B 32K x 1: 66 splits, 8.7 MB; 16 per SM would make them larger than the cache)
-DEFAULTS = {"block_t": 32, "chunk": 64, "value_chunk": 64, "num_warps": 4, "programs_per_sm": 4}
-# float64 dots are broadcast products ([M, K, N] in registers, quant/tiles.dot): small blocks
-DEFAULTS_FP64 = {**DEFAULTS, "block_t": 16, "chunk": 16, "value_chunk": 16}
-Consts = namedtuple("Consts", "D G GP RW C BITS TDIV CDIV OUTLIER HAS_BIAS BLOCK_T INTERP PREC")  # the scores pass's C
-
 if triton is not None:
-    from kvcal.quant.tiles import dot, operand
-    from kvcal.runtime.kernels import split_bounds
+    from kvcal.quant.tiles import dot
 
     @triton.jit
     def _dequant(codes_base, s_base, z_base, t, tm, ch, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,
@@ -93,121 +78,6 @@ if triton is not None:
             z = tl.load(z_base + poff, mask=m2, other=0.0).to(tl.float32)
             return code.to(tl.float32) * s + z
 
-    # ---- the scores pass: tile functions of runtime/kernels.split_k_kernel (no value step: FINISH None, only m and
-    # l are stored). args: (key latent codes, their row and token strides, its scales, zeros, their row and token
-    # strides, the outlier channel's copy, its row stride, R_k, b_k, RoPE cos and sin tables, the first packed token's
-    # position, the scores buffer, its row and token strides, the KV heads); C: (D, G, GP, RW, C, BITS, TDIV, CDIV, OUTLIER,
-    # HAS_BIAS, BLOCK_T, INTERP, PREC)
-
-    @triton.jit
-    def _prepare(args, C: tl.constexpr, q_row, sqh, b, h, pid, start, end, qk_scale):
-        """The query halves as dot operands."""
-        D: tl.constexpr = C[0]
-        G: tl.constexpr = C[1]
-        GP: tl.constexpr = C[2]
-        PREC: tl.constexpr = C[12]
-        HD: tl.constexpr = D // 2
-        rg = tl.arange(0, GP)
-        hh = tl.arange(0, HD)
-        qm = (rg < G)[None, :]
-        q1 = operand(tl.load(q_row + rg[None, :] * sqh + hh[:, None], mask=qm, other=0.0), PREC)  # [HD, GP]
-        q2 = operand(tl.load(q_row + rg[None, :] * sqh + HD + hh[:, None], mask=qm, other=0.0), PREC)
-        return (q1, q2, b, h, pid), 0
-
-    @triton.jit
-    def _scores(args, C: tl.constexpr, st, t0, t, tm, end, qk_scale):
-        """Per tile: the key latent dequantized chunk by chunk, times the head's columns of R_k (two dots, one per
-        RoPE half), plus b_k, rotated at the tokens' positions, scored against the group's heads; written to the
-        scores buffer for the value pass."""
-        D: tl.constexpr = C[0]
-        G: tl.constexpr = C[1]
-        GP: tl.constexpr = C[2]
-        RW: tl.constexpr = C[3]
-        CH: tl.constexpr = C[4]
-        BITS: tl.constexpr = C[5]
-        TDIV: tl.constexpr = C[6]
-        CDIV: tl.constexpr = C[7]
-        OUTLIER: tl.constexpr = C[8]
-        HAS_BIAS: tl.constexpr = C[9]
-        BLOCK_T: tl.constexpr = C[10]
-        INTERP: tl.constexpr = C[11]
-        PREC: tl.constexpr = C[12]
-        ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
-        kc_ptr, skcb, skct, ks_ptr, kz_ptr, sksb, skst, ko_ptr, skob, rk_ptr, bk_ptr, cos_ptr, sin_ptr, POS0, s_ptr, \
-            ssr, sst, HKV = args
-        q1, q2, b, h, pid = st
-        HD: tl.constexpr = D // 2
-        rg = tl.arange(0, GP)
-        hh = tl.arange(0, HD)
-        col = h * D + hh  # this head's columns of R_k (row stride HKV * D)
-        k1 = tl.zeros((BLOCK_T, HD), ACC)
-        k2 = tl.zeros((BLOCK_T, HD), ACC)
-        for c0 in range(0, RW, CH):
-            ch = c0 + tl.arange(0, CH)
-            z = _dequant(kc_ptr + b * skcb, ks_ptr + b * sksb, kz_ptr + b * sksb, t, tm, ch, skct, skst, BITS, RW, TDIV,
-                         CDIV)
-            if OUTLIER:  # latent channel 0 from its fp16 copy
-                o = tl.load(ko_ptr + b * skob + t, mask=tm, other=0.0).to(tl.float32)
-                z = tl.where((ch == 0)[None, :], o[:, None], z)
-            za = operand(z, PREC)
-            roff = ch[:, None] * (HKV * D) + col[None, :]
-            k1 += dot(za, operand(tl.load(rk_ptr + roff), PREC), INTERP).to(ACC)
-            k2 += dot(za, operand(tl.load(rk_ptr + roff + HD), PREC), INTERP).to(ACC)
-        if HAS_BIAS:
-            k1 += tl.load(bk_ptr + col).to(ACC)[None, :]
-            k2 += tl.load(bk_ptr + col + HD).to(ACC)[None, :]
-        # RoPE at the tokens' positions: (k1 c1 - k2 s1, k2 c2 + k1 s2)
-        pos = POS0 + t
-        toff = pos[:, None] * D + hh[None, :]
-        c1 = tl.load(cos_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
-        s1 = tl.load(sin_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
-        c2 = tl.load(cos_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
-        s2 = tl.load(sin_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
-        r1 = k1 * c1 - k2 * s1
-        r2 = k2 * c2 + k1 * s2
-        s = (dot(operand(r1, PREC), q1, INTERP).to(ACC) + dot(operand(r2, PREC), q2, INTERP).to(ACC)) * qk_scale
-        s = tl.where(tm[:, None], s, float("-inf"))
-        tl.store(s_ptr + pid * ssr + t[:, None] * sst + rg[None, :], s, mask=tm[:, None] & (rg < G)[None, :])
-        return s, 0, st
-
-    @triton.jit
-    def _no_values(args, C: tl.constexpr, st, tile, acc, p, alpha, t, tm):
-        """The value pass is its own kernel (_values_kernel)."""
-        return acc
-
-    @triton.jit
-    def _values_kernel(
-        len_ptr, vc_ptr, svcb, svct, vs_ptr, vz_ptr, svsb, svst,
-        s_ptr, ssr, sst, m_ptr, out_ptr, HKV, NSPLIT, S_TOTAL,
-        G: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, CV: tl.constexpr, BITS: tl.constexpr,
-        CDIV: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-    ):
-        ACC: tl.constexpr = m_ptr.dtype.element_ty
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        chunk = tl.program_id(2)
-        b = pid // HKV
-        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-        rg = tl.arange(0, GP)
-        m = tl.load(m_ptr + (pid * S_TOTAL + split) * G + rg, mask=rg < G, other=0.0)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        ch = chunk * CV + tl.arange(0, CV)
-        acc = tl.zeros((GP, CV), ACC)
-        vc_base = vc_ptr + b * svcb
-        vs_base = vs_ptr + b * svsb
-        vz_base = vz_ptr + b * svsb
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < end
-            s = tl.load(s_ptr + pid * ssr + t[:, None] * sst + rg[None, :], mask=tm[:, None] & (rg < G)[None, :],
-                        other=float("-inf"))
-            p = tl.exp2(s - m_use[None, :])  # [BLOCK_T, GP], 0 where masked
-            z = _dequant(vc_base, vs_base, vz_base, t, tm, ch, svct, svst, BITS, RW, 1, CDIV)
-            acc += dot(tl.trans(operand(p, PREC)), operand(z, PREC), INTERP).to(ACC)
-        off = ((pid * NSPLIT + split) * G + rg)[:, None] * RW + ch[None, :]
-        tl.store(out_ptr + off, acc, mask=(rg < G)[:, None])
-
-
     @triton.jit
     def _latent_kernel(codes_ptr, scb, sct, s_ptr, z_ptr, ssb, sst, ko_ptr, skob, out_ptr, sob, sot, T0, T1,
                        BITS: tl.constexpr, RW: tl.constexpr, TDIV: tl.constexpr, CDIV: tl.constexpr,
@@ -224,6 +94,42 @@ if triton is not None:
             z = tl.where((ch == 0)[None, :], o[:, None], z)
         tl.store(out_ptr + b * sob + (t - T0)[:, None] * sot + ch[None, :], z.to(out_ptr.dtype.element_ty),
                  mask=tm[:, None])
+
+
+    @triton.jit
+    def _rope_scores_kernel(k_ptr, skb, skt, bias_ptr, cos_ptr, sin_ptr, POS0, q_ptr, s_ptr, N, HKV,
+                            D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        """Scores of one (row, KV head) over a tile of rebuilt keys: K [B, N, Hkv D] (Z_k R_k, the dot's operand
+        type) plus b_k, rotated at positions POS0 + t, against the group's queries q [B Hkv, G, D] (scaled, log2
+        domain, float32 or float64) -> s [B Hkv, G, N]; grid (B Hkv, token tiles). Keys are read once."""
+        pid = tl.program_id(0)
+        b = pid // HKV
+        h = pid % HKV
+        ACC: tl.constexpr = q_ptr.dtype.element_ty
+        HD: tl.constexpr = D // 2
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < N
+        hh = tl.arange(0, HD)
+        rg = tl.arange(0, GP)
+        base = k_ptr + b * skb + t[:, None] * skt + h * D + hh[None, :]
+        k1 = tl.load(base, mask=tm[:, None], other=0.0).to(ACC)
+        k2 = tl.load(base + HD, mask=tm[:, None], other=0.0).to(ACC)
+        if HAS_BIAS:
+            k1 += tl.load(bias_ptr + h * D + hh).to(ACC)[None, :]
+            k2 += tl.load(bias_ptr + h * D + HD + hh).to(ACC)[None, :]
+        toff = (POS0 + t)[:, None] * D + hh[None, :]
+        c1 = tl.load(cos_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
+        s1 = tl.load(sin_ptr + toff, mask=tm[:, None], other=0.0).to(ACC)
+        c2 = tl.load(cos_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
+        s2 = tl.load(sin_ptr + toff + HD, mask=tm[:, None], other=0.0).to(ACC)
+        r1 = k1 * c1 - k2 * s1
+        r2 = k2 * c2 + k1 * s2
+        qm = (rg < G)[None, :]
+        q1 = tl.load(q_ptr + pid * G * D + rg[None, :] * D + hh[:, None], mask=qm, other=0.0)  # [HD, GP]
+        q2 = tl.load(q_ptr + pid * G * D + rg[None, :] * D + HD + hh[:, None], mask=qm, other=0.0)
+        s = dot(r1, q1, INTERP).to(ACC) + dot(r2, q2, INTERP).to(ACC)  # [BLOCK_T, GP]
+        tl.store(s_ptr + pid * G * N + rg[None, :] * N + t[:, None], s, mask=tm[:, None] & qm)
 
 
 def _chunk(width: int, want: int) -> int:
@@ -253,7 +159,8 @@ def unsupported(storage, q: torch.Tensor, packed) -> str | None:
     return None
 
 
-GEMM_CHUNK_BYTES = 64 << 20  # one chunk's dequantized key latents (the value latents and rebuilt keys: as many)
+GEMM_CHUNK_BYTES = 512 << 20  # one chunk's dequantized key latents (the value latents and rebuilt keys: as many);
+# larger chunks launch fewer products (docs/xquant.md compares chunk sizes)
 
 
 def latent_chunk(storage, packed, side: str, t0: int, t1: int, dtype) -> torch.Tensor:
@@ -291,7 +198,7 @@ def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tok
     chunk one split. Per chunk the latents are dequantized once for all KV heads (_latent_kernel, fp16 for fp16/bf16
     queries as the fused path's operands, else the query dtype); keys are rebuilt for every KV head at once, K = Z_k
     R_k (+ b_k), rotated at their positions, scored in float32 (float64 for float64 queries) against every query
-    head; the softmax partials in the log2 domain with the row lengths masked on the device (no host sync: CUDA
+    head (_rope_scores_kernel: each key tile read once, bias and RoPE in registers); the softmax partials in the log2 domain with the row lengths masked on the device (no host sync: CUDA
     graphs replay it); values stay in latent space, P Z_v for every query head at once, then R_v per KV head and l
     b_v (exact by linearity). The full-precision part goes into the last splits (runtime.kernels.fp_partials_into)."""
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
@@ -306,20 +213,28 @@ def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tok
     r_k = storage.factor("r_k", operand)
     r_v = storage.factor("r_v", acc_dtype).view(width, hkv, d).transpose(0, 1)  # [Hkv, width, D]
     b_k, b_v = storage.factor("b_k", acc_dtype), storage.factor("b_v", acc_dtype)
-    qg = q.view(batch, hkv, group, d).to(acc_dtype) * (scale * LOG2E)
+    qg = (q.view(batch, hkv, group, d).to(acc_dtype) * (scale * LOG2E)).contiguous()
     lengths = packed.lengths.to(torch.int64)
+    cos, sin = packed.rope_cos.float().contiguous(), packed.rope_sin.float().contiguous()
+    if acc_dtype == torch.float64:
+        cos, sin = packed.rope_cos.double().contiguous(), packed.rope_sin.double().contiguous()
+    dummy, _ = K.placeholders(dev)
+    bt = 16 if K.INTERPRET or acc_dtype == torch.float64 else 32
+    gp = max(pow2(group), 16)
     x = storage.variant == "x"
     for split, t0 in enumerate(range(0, cap, chunk)):
         t1 = min(cap, t0 + chunk)
         z_v = latent_chunk(storage, packed, "v", t0, t1, operand)
         z_k = z_v if x else latent_chunk(storage, packed, "k", t0, t1, operand)
-        k = (z_k @ r_k).to(acc_dtype)  # [B, n, Hkv D]
-        if b_k is not None:
-            k = k + b_k
-        pos = packed.pos_offset + torch.arange(t0, t1, device=dev)
-        k = apply_rope(k.view(batch, t1 - t0, hkv, d).transpose(1, 2), packed.rope_cos[pos][None].to(acc_dtype),
-                       packed.rope_sin[pos][None].to(acc_dtype))  # [B, Hkv, n, D]
-        s = qg @ k.transpose(-1, -2)  # [B, Hkv, G, n], log2 domain
+        k = z_k @ r_k  # [B, n, Hkv D], the keys before bias and RoPE, in the operand type
+        n = t1 - t0
+        s = torch.empty(batch * hkv, group, n, dtype=acc_dtype, device=dev)
+        with launch_device(k):
+            _rope_scores_kernel[(batch * hkv, triton.cdiv(n, bt))](
+                k, k.stride(0), k.stride(1), b_k if b_k is not None else dummy, cos, sin, packed.pos_offset + t0,
+                qg, s, n, hkv, D=d, G=group, GP=gp, HAS_BIAS=int(b_k is not None), BLOCK_T=bt,
+                INTERP=K.INTERPRET, num_warps=4)
+        s = s.view(batch, hkv, group, n)  # log2 domain
         valid = torch.arange(t0, t1, device=dev)[None, :] < lengths[:, None]  # [B, n]
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
         m = s.amax(-1)
@@ -337,75 +252,7 @@ def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tok
     return parts
 
 
-def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: int | None = None,
-                  num_splits: int | None = None, num_warps: int | None = None, chunk: int | None = None,
-                  value_chunk: int | None = None, programs_per_sm: int | None = None, path: str = "gemm",
-                  chunk_tokens: int | None = None):
-    """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`.
-    path "gemm" (the default): attend_gemm (chunk_tokens its knob); path "fused": the two fused kernels below, whose
-    keyword-only tuning knobs are block_t (tokens per tile), num_splits (default: programs_per_sm, 4, x SMs over the
-    (row, KV head) pairs), num_warps, chunk (latent channels per key dot) and value_chunk (latent channels per value
-    program)."""
-    if path == "gemm":
-        return attend_gemm(storage, q, packed, scale, fp, chunk_tokens=chunk_tokens)
-    if path != "fused":
-        raise ValueError(f"path must be gemm or fused, got {path!r}")
-    q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
-    prec = PREC.get(q.dtype, 16)
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    operand_dtype = {16: torch.float16, 32: torch.float32, 64: torch.float64}[prec]
-    width, bits = storage.width, storage.bits
-    x = storage.variant == "x"
-    defaults = DEFAULTS_FP64 if q.dtype == torch.float64 else DEFAULTS
-    bt = block_t or (16 if K.INTERPRET else defaults["block_t"])
-    c = _chunk(width, chunk or defaults["chunk"])
-    cv = _chunk(width, value_chunk or defaults["value_chunk"])
-    gp = max(pow2(group), 16)
-    tcap = packed.capacity
-    nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * hkv, tcap, bt, defaults["programs_per_sm"])
-    dummy, _ = K.placeholders(dev)
-    # key latent: per-channel blocks (svd) or per-token groups (x; the same buffers as the values)
-    if bits == 16:
-        kc = packed["v_raw"] if x else packed["k_raw"]
-        ks = kz = vs = vz = dummy
-        ks_strides = vs_strides = (0, 0)
-        tdiv, cdiv_k, cdiv_v = 1, 1, 1
-    else:
-        kc = packed["v_codes"] if x else packed["k_codes"]
-        ks, kz = (packed["v_scale"], packed["v_zero"]) if x else (packed["k_scale"], packed["k_zero"])
-        vs, vz = packed["v_scale"], packed["v_zero"]
-        ks_strides, vs_strides = (ks.stride(0), ks.stride(2)), (vs.stride(0), vs.stride(2))
-        tdiv = 1 if x else storage.group_tokens
-        cdiv_k = storage.group_channels if x else 1
-        cdiv_v = storage.group_channels
-    vc = packed["v_raw"] if bits == 16 else packed["v_codes"]
-    ko = packed["k_outlier"] if storage.outlier else dummy
-    r_k = storage.factor("r_k", operand_dtype)
-    b_k = storage.factor("b_k", acc_dtype)
-    scores = torch.empty(batch * hkv, tcap, group, dtype=acc_dtype, device=dev)
-    lat = torch.empty(batch * hkv, nsplit, group, width, dtype=acc_dtype, device=dev)
-    opts = K.launch_options(q, num_warps or defaults["num_warps"])
-    args = (kc, kc.stride(0), kc.stride(2), ks, kz, *ks_strides, ko, ko.stride(0) if storage.outlier else 0, r_k,
-            b_k if b_k is not None else dummy, packed.rope_cos, packed.rope_sin, packed.pos_offset, scores,
-            scores.stride(0), scores.stride(1), hkv)
-    consts = Consts(d, group, gp, width, c, bits, tdiv, cdiv_k, int(storage.outlier), int(b_k is not None), bt,
-                    K.INTERPRET, prec)
-    # the full-precision part by the generic kernel into the last splits
-    parts = K.launch_split_k((_prepare, _scores, _no_values, None), q, packed.lengths, scale, fp, nsplit, hkv, args,
-                             consts, gpk=gp, block_t=bt, prec=prec, opts=opts, fp_in_kernel=False)
-    with launch_device(q):
-        _values_kernel[(batch * hkv, nsplit, width // cv)](
-            packed.lengths, vc, vc.stride(0), vc.stride(2), vs, vz, *vs_strides,
-            scores, scores.stride(0), scores.stride(1), parts.m, lat, hkv, nsplit, parts.splits,
-            G=group, GP=gp, RW=width, CV=cv, BITS=bits, CDIV=cdiv_v, BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec,
-            **opts,
-        )
-    # one product with R_v per (row, KV head): [B, Hkv, S G, width] x [Hkv, width, D], plus l b_v
-    r_v = storage.factor("r_v", acc_dtype).view(width, hkv, d).transpose(0, 1)
-    out = torch.matmul(lat.view(batch, hkv, nsplit * group, width), r_v).view(batch * hkv, nsplit, group, d)
-    b_v = storage.factor("b_v", acc_dtype)
-    if b_v is not None:
-        out = out + parts.l[:, :nsplit, :, None] * b_v.view(1, hkv, 1, 1, d).expand(
-            batch, hkv, 1, 1, d).reshape(batch * hkv, 1, 1, d)
-    parts.acc[:, :nsplit] = out
-    return parts
+def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tokens: int | None = None):
+    """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`
+    (attend_gemm; its knob chunk_tokens)."""
+    return attend_gemm(storage, q, packed, scale, fp, chunk_tokens=chunk_tokens)

@@ -59,8 +59,8 @@ class XQuantStorage(Rematerialized, Storage):
     - "x": X itself per token (KIVI's value format, width = hidden); K = X W_k^T (+ b_k), V = X W_v^T (+ b_v), the
       weights taken from the layer at bind().
     bits 16 keeps the latents in RAW_DTYPE. Keys are rebuilt before RoPE and rotated at their positions. Kernels:
-    kvcal/methods/xquant/kernels.py (scores with the keys rebuilt tile by tile; values summed in latent space, then
-    one product with R_v per query-head group)."""
+    kvcal/methods/xquant/kernels.py (latents dequantized once per chunk of slots, keys rebuilt by one product for every
+    KV head; values summed in latent space, then one product with R_v per KV head)."""
 
     keys_pre_rope = True
     source = "x"
@@ -166,8 +166,39 @@ class XQuantStorage(Rematerialized, Storage):
                     None if self.kivi is None else self.kivi.write_reference)
 
     def write_triton(self, packed, x, values, rows, slots):
-        self._write(packed, x, rows, slots, quantize_per_token_into_triton,
-                    None if self.kivi is None else self.kivi.write_triton)
+        split = self.head_split()
+        if split is None:
+            self._write(packed, x, rows, slots, quantize_per_token_into_triton,
+                        None if self.kivi is None else self.kivi.write_triton)
+            return
+        # a width the quantize kernels cannot take in one piece (smollm2's 192): `heads` pieces of `per` channels,
+        # each the kernels' size, over views of the same buffers (the same bits: see head_split)
+        heads, per = split
+        view = dataclasses.replace(packed, heads=heads, dim=per,
+                                   buffers={n: _heads_view(t, heads) for n, t in packed.buffers.items()
+                                            if n != "k_outlier"})
+        z_k, z_v = self.latents(x)
+        m = z_v.shape[0]
+        if self.variant == "x":
+            quantize_per_token_into_triton(z_v.view(m, heads, per), self.bits, self.group_channels, view["v_codes"],
+                                           view["v_scale"], view["v_zero"], rows, slots)
+        else:
+            self.kivi.write_triton(view, z_k.view(m, heads, per), z_v.view(m, heads, per), rows, slots)
+        if self.outlier:
+            packed["k_outlier"][rows, :, slots] = z_k[:, :, 0].to(torch.float16)
+
+    def head_split(self) -> tuple[int, int] | None:
+        """(pieces, channels each) when the Triton quantize kernels cannot take the latent's width in one piece (not
+        a power of two) but can take it as width / group_channels pieces of group_channels (a power of two >= 32):
+        at 2, 4 and 8 bits a piece's codes fill whole words in stream order, and per-channel ranges and per-token
+        groups of group_channels do not cross pieces, so the pieces' codes and ranges are the whole width's, bit for
+        bit. None: the width goes in one piece (or no kernel takes it: the quantize kernel says so)."""
+        width, per = self.width, self.group_channels
+        if self.bits == 16 or not width & (width - 1):
+            return None
+        if self.bits in (2, 4, 8) and per >= 32 and not per & (per - 1) and not width % per:
+            return width // per, per
+        return None
 
     # ---- read ---------------------------------------------------------------------------------------------------
     def latent_rows(self, packed, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +256,13 @@ class XQuantStorage(Rematerialized, Storage):
         for name in ("k_raw", "v_raw", "k_outlier"):
             if name in packed.buffers:
                 packed[name].normal_(generator=generator)
+
+
+def _heads_view(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """A buffer [B, 1, T, C] seen as [B, heads, T, C / heads] (the same memory: piece h is columns [h C / heads,
+    (h + 1) C / heads) of every slot)."""
+    b, _, n, c = t.shape
+    return t.as_strided((b, heads, n, c // heads), (t.stride(0), c // heads, t.stride(2), 1), t.storage_offset())
 
 
 class XQuantChain:

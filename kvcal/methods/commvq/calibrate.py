@@ -45,9 +45,8 @@ ATTENTION_CACHE_BYTES = 1 << 30  # attention weights of the value loss's blocks 
 ATTENTION_CACHE_BYTES_GPU = 8 << 30  # on a GPU (the rest is recomputed per step, batched over the layers)
 VALUE_CHUNK_BYTES_CPU = 4 << 30  # on the CPU: memory of the layers whose value coders train together
 # Layers train stacked while a step of the stack stays under this many FLOPs (value_step_flops): stacking pays while
-# a step is bound by kernel launches, not arithmetic. Measured (docs/commvq.md): smollm2-135m's 2-bit step (2.9 GFLOP)
-# takes 5.2 ms alone and 15.6 ms for 30 layers stacked (88 GFLOP, 3.4x faster per layer); a Llama-3.1-8B-shaped step
-# (99 GFLOP) takes 5.9 ms alone (H100) and 9.8 ms per layer with 8 stacked (H200): already arithmetic.
+# a step is bound by kernel launches, not arithmetic (smollm2-135m's 30 layers stack; a Llama-3.1-8B-shaped layer's
+# step is already arithmetic: docs/commvq.md has the measurements that place the threshold).
 VALUE_STACK_FLOPS = 100e9
 
 

@@ -141,8 +141,8 @@ def unsupported(q: torch.Tensor, packed, bits: int, block: int) -> str | None:
         return f"key blocks of {block} tokens (not a multiple of 16: the generic key path) need head_dim >= 64"
     group = q.shape[1] // packed.heads
     if q.dtype == torch.float64 and not K.INTERPRET and d * pow2(group) > 512:
-        # the float64 exactness mode's broadcast products: 256 KiB of shared memory at head_dim 256 with 4 query heads
-        # per KV head on an H200 (232 KiB there; results/bench/head-dim-256-h200.log)
+        # the float64 exactness mode's broadcast products outgrow the shared memory there (head_dim 256 with 4 query
+        # heads per KV head on an H200: docs/models.md)
         return f"float64 queries at head_dim {d} with {group} query heads per KV head (shared memory)"
     return None
 

@@ -723,7 +723,7 @@ def search_command(
     timing = None
     if speed or (speed is None and not on_cpu):
         timing = SpeedSetting(speed_context, speed_batch, speed_steps)
-    elif speed_context != 4096 or speed_batch != 1 or speed_steps != 32:
+    elif SpeedSetting(speed_context, speed_batch, speed_steps) != SpeedSetting():
         raise KvcalError("--speed-context, --speed-batch and --speed-steps apply with --speed (a CUDA device) only")
     check_speed(timing, on_cpu)
     check_model_args(model, dtype, device)

@@ -3,7 +3,7 @@ values rematerialized at attention time. The torch reference is XQuantStorage.at
 dequantize, multiply by the factors, add the bias, RoPE at the original positions; kvcal/methods/xquant/storage.py),
 with the same signature as `attend_triton` below.
 
-attend_gemm: the packed slots in chunks (each chunk one split of runtime/decode.py's partials), per chunk
+attend_triton: the packed slots in chunks (each chunk one split of runtime/decode.py's partials), per chunk
 
 - `_latent_kernel` dequantizes the key and the value latents once for every KV head, [B, n, width] in the operand
   type (fp16 for fp16 and bf16 queries, else the query dtype; per-channel parameters for the svd variant's keys,
@@ -192,15 +192,16 @@ def latent_chunk(storage, packed, side: str, t0: int, t1: int, dtype) -> torch.T
     return out
 
 
-def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tokens: int | None = None):
-    """attend_triton's partials by dense products (tensor cores through cuBLAS for fp16/bf16 queries): the packed
-    slots in chunks of `chunk_tokens` (default: the chunk whose dequantized key latents take GEMM_CHUNK_BYTES), each
-    chunk one split. Per chunk the latents are dequantized once for all KV heads (_latent_kernel, fp16 for fp16/bf16
-    queries as the fused path's operands, else the query dtype); keys are rebuilt for every KV head at once, K = Z_k
-    R_k (+ b_k), rotated at their positions, scored in float32 (float64 for float64 queries) against every query
-    head (_rope_scores_kernel: each key tile read once, bias and RoPE in registers); the softmax partials in the log2 domain with the row lengths masked on the device (no host sync: CUDA
-    graphs replay it); values stay in latent space, P Z_v for every query head at once, then R_v per KV head and l
-    b_v (exact by linearity). The full-precision part goes into the last splits (runtime.kernels.fp_partials_into)."""
+def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tokens: int | None = None):
+    """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`, by
+    dense products (tensor cores through cuBLAS for fp16/bf16 queries): the packed slots in chunks of `chunk_tokens`
+    (default: the chunk whose dequantized key latents take GEMM_CHUNK_BYTES), each chunk one split. Per chunk the
+    latents are dequantized once for all KV heads (_latent_kernel: fp16 for fp16/bf16 queries, else the query dtype);
+    keys are rebuilt for every KV head at once, K = Z_k R_k, then _rope_scores_kernel reads each key tile once, adds
+    b_k, rotates it and scores it against every query head of its group (float32, float64 for float64 queries); the
+    softmax partials in the log2 domain with the row lengths masked on the device (no host sync: CUDA graphs replay
+    it); values stay in latent space, P Z_v for every query head at once, then R_v per KV head and l b_v (exact by
+    linearity). The full-precision part goes into the last splits (runtime.kernels.fp_partials_into)."""
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     operand = torch.float16 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -215,9 +216,7 @@ def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tok
     b_k, b_v = storage.factor("b_k", acc_dtype), storage.factor("b_v", acc_dtype)
     qg = (q.view(batch, hkv, group, d).to(acc_dtype) * (scale * LOG2E)).contiguous()
     lengths = packed.lengths.to(torch.int64)
-    cos, sin = packed.rope_cos.float().contiguous(), packed.rope_sin.float().contiguous()
-    if acc_dtype == torch.float64:
-        cos, sin = packed.rope_cos.double().contiguous(), packed.rope_sin.double().contiguous()
+    cos, sin = (t.to(acc_dtype).contiguous() for t in (packed.rope_cos, packed.rope_sin))
     dummy, _ = K.placeholders(dev)
     bt = 16 if K.INTERPRET or acc_dtype == torch.float64 else 32
     gp = max(pow2(group), 16)
@@ -251,8 +250,3 @@ def attend_gemm(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tok
         K.fp_partials_into(q, fp, scale, parts, nsplit)
     return parts
 
-
-def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, chunk_tokens: int | None = None):
-    """Partials of q [B, Hq, D] (after RoPE) over the storage's packed latents and the full-precision part `fp`
-    (attend_gemm; its knob chunk_tokens)."""
-    return attend_gemm(storage, q, packed, scale, fp, chunk_tokens=chunk_tokens)

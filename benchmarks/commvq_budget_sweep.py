@@ -69,8 +69,8 @@ class Point:
 GRID = {
     "smollm2-135m": [
         # value-training budget (x steps at 512 tokens a step), 64 windows of WikiText-2 validation
-        *[Point("commvq-2bit", values=x) for x in (1, 4, 16)],
-        *[Point("commvq-1bit", values=x) for x in (1, 4, 16)],
+        *[Point("commvq-2bit", values=x) for x in (1, 4, 16, 64)],
+        *[Point("commvq-1bit", values=x) for x in (1, 4, 16, 32, 64)],
         # the same training tokens as x4 by larger steps instead of more steps
         Point("commvq-2bit", tokens=4), Point("commvq-1bit", tokens=4),
         # more calibration text for the value encoder (all of WikiText-2 validation, ~250K tokens)
@@ -85,7 +85,8 @@ GRID = {
 
 
 def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool) -> list[str]:
-    cmd = ["kvcal", "calibrate", "--recipe", p.recipe, "--model", model, "--dataset", p.dataset,
+    cmd = [sys.executable, "-m", "kvcal", "calibrate", "--recipe", p.recipe, "--model", model,
+           "--dataset", p.dataset,
            "--nsamples", str(p.nsamples), "--out", str(artifact), "--device", "cuda", "--capture-budget-gb", "24"]
     if p.dataset == "wikitext2":
         cmd += ["--data-dir", data_dir]
@@ -95,7 +96,8 @@ def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resum
 
 
 def eval_command(model: str, artifact: Path, data_dir: str, rule: str, record: Path) -> list[str]:
-    return ["kvcal", "eval", "ppl", "--artifact", str(artifact), "--model", model, "--data-dir", data_dir,
+    return [sys.executable, "-m", "kvcal", "eval", "ppl", "--artifact", str(artifact), "--model", model,
+            "--data-dir", data_dir,
             "--nsamples", "16", "--seqlen", "2048", *RULES[rule], "--batch-size", "4", "--device", "cuda",
             "--dtype", "float32", "--json", str(record)]
 

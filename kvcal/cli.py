@@ -653,6 +653,8 @@ def search_command(
     speed_context: int = typer.Option(4096, "--speed-context", help="--speed: synthetic tokens in every row's cache."),
     speed_batch: int = typer.Option(1, "--speed-batch", help="--speed: rows decoded together."),
     speed_steps: int = typer.Option(32, "--speed-steps", help="--speed: timed decode steps."),
+    speed_dtype: str = typer.Option("bfloat16", "--speed-dtype", help="--speed: the dtype the model decodes in "
+                                    "(bfloat16, float16 or float32); one other than --dtype loads the model again."),
 ):
     """The best recipe for this model at this budget, chosen by measurement: every recipe that fits is calibrated and
     evaluated on held-out windows, on equal footing (--passkey: and runs the passkey grid); prints the Pareto front
@@ -722,9 +724,10 @@ def search_command(
     on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
     timing = None
     if speed or (speed is None and not on_cpu):
-        timing = SpeedSetting(speed_context, speed_batch, speed_steps)
-    elif SpeedSetting(speed_context, speed_batch, speed_steps) != SpeedSetting():
-        raise KvcalError("--speed-context, --speed-batch and --speed-steps apply with --speed (a CUDA device) only")
+        timing = SpeedSetting(speed_context, speed_batch, speed_steps, speed_dtype)
+    elif SpeedSetting(speed_context, speed_batch, speed_steps, speed_dtype) != SpeedSetting():
+        raise KvcalError("--speed-context, --speed-batch, --speed-steps and --speed-dtype apply with --speed (a CUDA "
+                         "device) only")
     check_speed(timing, on_cpu)
     check_model_args(model, dtype, device)
 
@@ -770,7 +773,7 @@ def search_command(
         return f"{row['tokens_per_s']:.0f}{ratio}"
 
     reference = f"fp16 PPL {result['fp16']['ppl']:.4f}" + (f", passkey {accuracy(result['fp16'])}" if grid else "") + (
-        f", {tokens(result['fp16'])} tokens/s at {timing.context} x {timing.batch}" if timing else "")
+        f", {tokens(result['fp16'])} tokens/s at {timing.context} x {timing.batch} in {timing.dtype}" if timing else "")
     table = Table("recipe", "method", "bits/elem", "PPL", "vs fp16", *(["passkey"] if grid else []),
                   *(["tokens/s (x fp16)", "speed front"] if timing else []), "front", "status",
                   title=f"{model}: {len(candidates)} candidates at <= {budget.bits:.3f} bits per element, "

@@ -58,6 +58,7 @@ RULE = "the lowest perplexity among the candidates that fit the budget; ties: fe
 MEMORY_UNIT = 1 << 30  # --memory is in GiB
 PASSKEY_TRIALS = 2  # the search's default grid: --seqlen tokens x DEFAULT_DEPTHS x 2 trials, simulated
 PASSKEY_MODE = "simulate"
+SPEED_DTYPES = ("bfloat16", "float16", "float32")  # --speed-dtype
 SPEED_HEADROOM = 8  # positions the timed decode takes beyond its steps (warm-up steps and the capture)
 
 
@@ -113,14 +114,17 @@ class PasskeyGrid:
 
 @dataclass
 class SpeedSetting:
-    """The decode timing run on fp16 and every measured candidate on a GPU: `kvcal bench generate`'s settings."""
+    """The decode timing run on fp16 and every measured candidate on a GPU: `kvcal bench generate`'s settings. The
+    model decodes in `dtype` (a serving dtype: the search's perplexity may run in float32, where SDPA and the kernels
+    are not what a server runs); a dtype other than the search's loads the model a second time in it."""
 
     context: int = 4096
     batch: int = 1
     steps: int = 32
+    dtype: str = "bfloat16"
 
     def settings(self) -> dict:
-        return {"context": self.context, "batch": self.batch, "steps": self.steps}
+        return {"context": self.context, "batch": self.batch, "steps": self.steps, "dtype": self.dtype}
 
 
 @dataclass
@@ -399,6 +403,19 @@ def check_speed(speed: SpeedSetting | None, on_cpu: bool) -> None:
                         ("--speed-steps", speed.steps)):
         if value < 1:
             raise KvcalError(f"{flag} must be >= 1, got {value}")
+    if speed.dtype not in SPEED_DTYPES:
+        raise KvcalError(f"--speed-dtype must be one of {', '.join(SPEED_DTYPES)}, got '{speed.dtype}'")
+
+
+def timing_model(loaded, plan: Plan, speed: SpeedSetting):
+    """The model the decode timing runs: the search's own when it is in speed.dtype, else loaded again in it."""
+    if plan.dtype == speed.dtype:
+        return loaded
+    from kvcal.models import load_model
+
+    stderr_console.print(f"search: loading {plan.model} again in {speed.dtype} for the decode timing (the "
+                         f"perplexity runs in {plan.dtype})", markup=False, highlight=False, soft_wrap=True)
+    return load_model(plan.model, speed.dtype, plan.device)
 
 
 def fit_speed(loaded, speed: SpeedSetting) -> None:
@@ -419,12 +436,13 @@ def speed_key(candidate: Candidate, speed: SpeedSetting, device: str) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate, out: Path) -> None:
+def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate, out: Path, timed=None):
     """Decode tokens/s of the candidate's artifact (or reuse its record), as `kvcal bench generate` times it: the
     packed cache filled with speed.context synthetic tokens per row, speed.steps greedy steps through the model,
     replayed from one CUDA graph where the cache allows it, else eager (the record says which). A candidate that
     cannot be timed (no kernel on this GPU, a kernel that fails to compile, out of memory) is marked failed with the
-    reason, said on stderr, and the search goes on."""
+    reason, said on stderr, and the search goes on. `timed`: the model in speed.dtype if already loaded; returns it
+    (loaded here at the first timing that is not reused)."""
     import torch
 
     from kvcal.runtime.bench_generate import capture_refusal, run_case_or_oom
@@ -435,14 +453,15 @@ def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate,
     candidate.speed_path = str(path)
     if path.is_file():
         candidate.speed, candidate.speed_status = json.loads(path.read_text()), "reused"
-        return
+        return timed
+    timed = timed or timing_model(loaded, plan, speed)
     artifact_path = folder / "artifact.safetensors"
-    method, storages = storages_for_artifact(load_artifact(artifact_path), loaded, artifact_path, None,
+    method, storages = storages_for_artifact(load_artifact(artifact_path), timed, artifact_path, None,
                                              plan.fp_window)
     try:
-        refusal = capture_refusal(loaded, storages)
+        refusal = capture_refusal(timed, storages)
         mode = "eager" if refusal else "graph"
-        record, oom = run_case_or_oom(loaded, candidate.name, method, storages, speed.batch, speed.context,
+        record, oom = run_case_or_oom(timed, candidate.name, method, storages, speed.batch, speed.context,
                                       speed.steps, mode=mode)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails to build or run fails this candidate's column
         record, oom = None, f"{type(exc).__name__}: {first_line(str(exc))}"
@@ -450,13 +469,14 @@ def measure_speed(loaded, plan: Plan, speed: SpeedSetting, candidate: Candidate,
         candidate.speed_error, candidate.speed_status = oom, "failed"
         stderr_console.print(f"search: speed of {candidate.name} failed: {oom}", markup=False, highlight=False,
                              soft_wrap=True)
-        return
-    command = (f"kvcal bench generate --artifact {artifact_path} --model {plan.model} --dtype {plan.dtype} "
+        return timed
+    command = (f"kvcal bench generate --artifact {artifact_path} --model {plan.model} --dtype {speed.dtype} "
                f"--context {speed.context} --batch {speed.batch} --steps {speed.steps} --mode {mode} --no-max-batch")
     record.update(device=gpu, why_eager=refusal, settings=speed.settings(),
                   command=command if plan.fp_window is None else None)
     write_json(path, record)
     candidate.speed, candidate.speed_status = record, "measured"
+    return timed
 
 
 def speed_columns(candidate: Candidate, fp16: Candidate) -> dict:
@@ -516,6 +536,7 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
     check_speed(speed, loaded.device.type != "cuda")
     if passkey is not None:
         passkey = fit_passkey_grid(loaded, passkey, plan.seqlen)
+    timed = None  # the model in speed.dtype, loaded at the first timing that is not reused
     if speed is not None:
         fit_speed(loaded, speed)
     out.mkdir(parents=True, exist_ok=True)
@@ -539,7 +560,7 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
         if passkey is not None:
             measure_passkey(loaded, plan, passkey, candidate, out)
         if speed is not None:
-            measure_speed(loaded, plan, speed, candidate, out)
+            timed = measure_speed(loaded, plan, speed, candidate, out, timed)
     reference = fp16.record["ppl"]
     rows = [{"recipe": c.name, "method": c.method.name, "bits": c.bits,
              "bits_at_4096": c.record["bits_per_element"] if c.record else None,

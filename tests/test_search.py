@@ -336,10 +336,11 @@ def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path,
     names = [c.name for c in candidates]
     assert len(names) == 2
     rates = {"fp16": 100.0, names[0]: 150.0}
-    timed, rerun = [], []
+    timed, rerun, dtypes = [], [], set()
 
     def fake_run(loaded_, name, method, storages, batch, context, steps, mode="eager"):
         timed.append((name, batch, context, steps, mode))
+        dtypes.add(loaded_.model.dtype)
         if name not in rates and not rerun:  # run_case_or_oom's answer to an out-of-memory error
             return None, "CUDA out of memory. Tried to allocate 2.00 GiB"
         if name not in rates:  # on the re-run: a kernel that does not compile
@@ -353,6 +354,7 @@ def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path,
     speed = search.SpeedSetting(context=64, batch=2, steps=3)
     result = search.run_search(loaded, plan, budget, candidates, skipped, tmp_path, speed=speed)
     assert timed == [(n, 2, 64, 3, "graph") for n in ["fp16", *names]]
+    assert dtypes == {torch.bfloat16}  # the perplexity in float32, the timing in the serving dtype
     rows = {c["recipe"]: c for c in result["candidates"]}
     assert rows[names[0]]["tokens_per_s"] == 150.0 and rows[names[0]]["x_fp16_speed"] == 1.5
     assert rows[names[0]]["speed_status"] == "measured" and rows[names[0]]["on_speed_front"]
@@ -360,6 +362,7 @@ def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path,
     assert rows[names[1]]["tokens_per_s"] is None and not rows[names[1]]["on_speed_front"]
     record = json.loads(open(rows[names[0]]["speed_record"]).read())
     assert record["device"] == "Fake GPU" and record["settings"] == speed.settings()
+    assert record["settings"]["dtype"] == "bfloat16" and "--dtype bfloat16" in record["command"]
     assert record["command"].startswith("kvcal bench generate --artifact ") and "--context 64" in record["command"]
     assert result["fp16"]["tokens_per_s"] == 100.0 and result["speed"]["context"] == 64
     timed.clear()
@@ -375,6 +378,8 @@ def test_speed_records_are_written_reused_and_failures_said(text_file, tmp_path,
 @pytest.mark.parametrize("args, needle", [
     (["--speed", "--device", "cpu"], "--speed times decoding on a CUDA device"),
     (["--speed-context", "1024", "--device", "cpu"], "apply with --speed (a CUDA device) only"),
+    (["--speed-dtype", "float16", "--device", "cpu"], "apply with --speed (a CUDA device) only"),
+    (["--speed", "--device", "cuda", "--speed-dtype", "int8"], "--speed-dtype must be one of bfloat16, float16"),
 ])
 def test_bad_speed_input_is_one_line_before_the_model(args, needle, text_file, tmp_path):
     assert_one_line_error(kvcal("search", "--model", tmp_path / "no-model", "--bits", "3", "--dataset", text_file,

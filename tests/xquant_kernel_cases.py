@@ -83,15 +83,23 @@ def make_case(variant, bits, dtype, *, hidden=96, hkv=2, d=32, hq=None, lengths=
     return storage, packed, q, fp
 
 
-def run_case(case, device="cpu", **shape) -> float:
-    """Largest relative error per (row, query head) of the kernel's output against the reference's."""
+TC_KNOBS = ("block_t", "chunk", "heads_per_program", "staged_latents", "value_block_t", "value_chunk", "num_splits")
+
+
+def run_case(case, device="cpu", path="tc", **shape) -> float:
+    """Largest relative error per (row, query head) of the kernel's output (path "tc" with the case's TC_KNOBS, or
+    "gemm" with its chunk_tokens) against the reference's."""
     name, variant, bits, dtype, options = case
     options = {**options, **shape}
     storage, packed, q, fp = make_case(variant, bits, dtype, device=device, **options)
     scale = q.shape[-1] ** -0.5
     assert storage.supports_triton(q, packed) is None, storage.supports_triton(q, packed)
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), q.shape[0], q.dtype)
-    knobs = {"chunk_tokens": options["chunk_tokens"]} if "chunk_tokens" in options else {}
+    if path == "tc":
+        knobs = {k: options[k] for k in TC_KNOBS if k in options}
+    else:
+        knobs = {"chunk_tokens": options["chunk_tokens"]} if "chunk_tokens" in options else {}
+    knobs["path"] = path
     out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, **knobs), q)
     if not torch.isfinite(out.float()).all():
         return float("nan")

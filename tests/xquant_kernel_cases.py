@@ -15,7 +15,7 @@ from kvcal.runtime.storage import Packed, SharedState
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 # (name, variant, bits, dtype, options): options hidden, hkv, d, hq, lengths, tcap, nfp, outlier, bias, group_tokens,
-# group_channels, chunk_tokens
+# group_channels, chunk_tokens (path gemm), and path tc's knobs (TC_KNOBS)
 CASES = [
     ("svd2_fp16", "svd", 2, torch.float16, {}),
     ("svd3_outlier_bias_bf16", "svd", 3, torch.bfloat16, {"outlier": True, "bias": True}),
@@ -29,6 +29,19 @@ CASES = [
     ("svd2_chunks16_outlier_bias_bf16", "svd", 2, torch.bfloat16, {"chunk_tokens": 16, "outlier": True, "bias": True}),
     ("svd2_width192_fp64", "svd", 2, torch.float64, {"hkv": 3, "d": 64, "hq": 9, "hidden": 256,
                                                      "group_channels": 64, "chunk_tokens": 32}),
+    # path tc's knobs: two KV heads per scores program, 32-token tiles and chunks, several value splits (a split
+    # over several tiles: the online softmax's rescaling), fp16 latents staged first
+    ("svd2_tc_knobs_outlier_bias_fp64", "svd", 2, torch.float64,
+     {"outlier": True, "bias": True, "hkv": 4, "heads_per_program": 2, "block_t": 32, "chunk": 32,
+      "value_chunk": 32, "value_block_t": 16, "num_splits": 2, "lengths": (40, 0, 72, 64)}),
+    ("svd2_tc_knobs_fp16", "svd", 2, torch.float16,
+     {"heads_per_program": 2, "block_t": 32, "chunk": 32, "num_splits": 3, "hq": 8}),
+    ("svd4_staged_outlier_bias_fp64", "svd", 4, torch.float64,
+     {"outlier": True, "bias": True, "staged_latents": True, "heads_per_program": 2, "num_splits": 3}),
+    ("x2_staged_fp32", "x", 2, torch.float32, {"staged_latents": True, "num_splits": 2}),
+    ("svd2_width192_splits_bf16", "svd", 2, torch.bfloat16,
+     {"hkv": 3, "d": 64, "hq": 9, "hidden": 256, "group_channels": 64, "outlier": True, "bias": True,
+      "chunk": 64, "value_chunk": 64, "num_splits": 2}),
 ]
 
 
@@ -142,6 +155,7 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_xquant.py
 
     t0 = time.time()
     out = {case[0]: run_case(case) for case in CASES}
+    out.update({case[0] + "@gemm": run_case(case, path="gemm") for case in CASES})
     out.update(write_checks())
     out["seconds"] = time.time() - t0
     print("XQUANT_KERNELS " + json.dumps(out))

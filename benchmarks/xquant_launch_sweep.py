@@ -4,7 +4,7 @@ reference (relative error per row and query head, as tests/kernel_cases.rel_err)
 times (CUDA graph replays, L2 flushed), beside bf16 SDPA and the naive step (dequantize everything, SDPA).
 
     python benchmarks/xquant_launch_sweep.py --json xquant-launch-sweep.json
-    python benchmarks/xquant_launch_sweep.py --variants '[{"chunk_tokens": 4096}]' --json out.json
+    python benchmarks/xquant_launch_sweep.py --variants '[{"path": "gemm", "chunk_tokens": 4096}]' --json out.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from kvcal.runtime import kernels as K  # noqa: E402
 from kvcal.runtime.bench import bench_inputs, time_naive, time_sdpa, time_storage  # noqa: E402
 from kvcal.runtime.decode import merge_reference  # noqa: E402
 
-VARIANTS = [{}, {"chunk_tokens": 2048}, {"chunk_tokens": 8192}, {"chunk_tokens": 32768}]  # attend_triton's knobs
+VARIANTS = [{"path": "gemm"}, {"path": "gemm", "chunk_tokens": 2048}, {"path": "gemm", "chunk_tokens": 8192},
+            {"path": "gemm", "chunk_tokens": 32768}]  # attend_triton's knobs
 SHAPES = [(32768, 8), (32768, 1)]  # (context, batch)
 
 

@@ -9,10 +9,12 @@ tests' exactness modes):
 
 1. `_scores_tc_kernel`, grid (Hkv / HB, token tiles, B), the KV-head block fastest so the programs that share a token
    tile run together and find its codes in L2. A program rebuilds the keys of HB KV heads over BLOCK_T tokens:
-   for each chunk of CHUNK latent channels it dequantizes Z_k[tile, chunk] once (float32, as the reference, then the
-   operand type) and multiplies it by R_k[chunk, HB heads' columns] split into the two RoPE halves (two dots of M =
-   BLOCK_T, N = HB x D / 2, K = CHUNK, accumulated in float32 registers). Then b_k, RoPE at positions pos_offset + t
-   in registers, and the scores of the HB heads' query heads by one dot against a block-diagonal query operand
+   for each chunk of CHUNK latent channels it dequantizes Z_k[tile, chunk] once (`_dequant_tile`: each code word
+   loaded once and split in registers, the key block's scales and zeros one vector per tile; float32 as the
+   reference, then the operand type) and multiplies it by R_k[chunk, HB heads' columns] split into the two RoPE
+   halves (two dots of M = BLOCK_T, N = HB x D / 2, K = CHUNK, accumulated in float32 registers; R_k's chunk is
+   loaded asynchronously by the software pipeline, `num_stages`). Then b_k, RoPE at positions pos_offset + t in
+   registers, and the scores of the HB heads' query heads by one dot against a block-diagonal query operand
    [HB D / 2, HB GP] per half (fp16 queries; the rotated keys as an fp16 pair hi + lo, so the scores keep ~22
    bits). Scores [B, Hq, T] (float32, float64 for float64 queries, log2 domain) go to global memory (Hq x 4 bytes a
    token, against the latent's 256 B at Llama shapes and 2 bits).
@@ -20,22 +22,37 @@ tests' exactness modes):
    scores kernel reads it with plain loads instead of dequantizing.
 2. `_values_tc_kernel`, grid (B, splits, width / VC): for one row, one split of its tokens and VC latent channels,
    an online softmax over the split's scores of every query head and P[T, Hq]^T Z_v[T, VC] by `tl.dot` (M = Hq padded
-   to 16, fp16 P and Z_v for fp16/bf16 queries): Z_v is dequantized once per token for all query heads. Then in
-   torch: acc_lat R_v per KV head and l b_v (exact by linearity: sum_t p_t (z_t R_v + b_v) = (sum_t p_t z_t) R_v +
-   l b_v), written in runtime/decode.py's partials layout ([B Hkv, S, G, D]); the full-precision window goes into the
-   last splits (runtime.kernels.fp_partials_into).
+   to 16, fp16 P and Z_v for fp16/bf16 queries): Z_v is dequantized once per token for all query heads (one scale
+   and zero per token when a per-token group covers the VC channels). Then in torch: acc_lat R_v per KV head and
+   l b_v (exact by linearity: sum_t p_t (z_t R_v + b_v) = (sum_t p_t z_t) R_v + l b_v), written in
+   runtime/decode.py's partials layout ([B Hkv, S, G, D]); the full-precision window goes into the last splits
+   (runtime.kernels.fp_partials_into).
 
-Design choice, predicted from instruction counts (not measured: **this path has run under TRITON_INTERPRET=1 only,
-never on a GPU**; benchmarks/xquant_kernel_tune.py times its knobs). Per latent element the key product does 2 x
-HB x D tensor FLOPs while the dequantization costs ~8-10 CUDA-core instructions (code word gather, shift, mask,
-convert, scale and zero); on an H100/H200 SM that is ~0.06 clock per element either way at HB = 1, so a program per
-single KV head would spend about as long dequantizing as multiplying (each latent dequantized Hkv times). HB KV
-heads per program (`heads_per_program`, default 2) reuse one dequantized chunk HB times at the price of HB x
-BLOCK_T x D float32 accumulators (128 KB of registers at HB = 2 and BLOCK_T = 128: 8 warps); `staged_latents` removes
-the repetition altogether at the cost of writing and reading the fp16 latents once (2 KB a token at width 1024). Each
-R_k chunk loaded feeds M = BLOCK_T rows (arithmetic intensity BLOCK_T FLOP per byte of R_k, which stays in L2: 2 MB
-in fp16). The scores' block-diagonal query operand wastes (HB - 1) / HB of a product that is ~1/(2 width / G) of the
-key product's size (a few percent at HB <= 4).
+Design choice (**this path has run under TRITON_INTERPRET=1 only, never on a GPU**; benchmarks/xquant_kernel_tune.py
+times its knobs). The defaults are predicted from the kernels compiled for sm_90 on a CPU (Triton 3.9 with the
+launch's 16-divisibility of pointers and strides, ptxas's resource use and the SASS of the main loop;
+benchmarks/xquant_kernel_sass.py), at Llama-3.1-8B shapes and 2 bits:
+- Key product. A 64-channel chunk step of a 128-token tile of one KV head is 2.1 MFLOP, 512 clocks of an H100/H200
+  SM's tensor cores. One KV head per program (HB = 1, BLOCK_T = 128, 8 warps, the default) compiles to 222
+  registers, no spills, and 411 instructions a thread per step (8 wgmma): 822 issue clocks (8 warps over 4
+  schedulers), so the loop is issue-bound at ~1.6x the tensor time (~0.8 ms for the 0.55 TFLOP of keys at 32K x 8,
+  one program per SM at a time). R_k's chunk is re-read from L2 for every tile: BLOCK_T FLOP per byte, ~4.3 GB a
+  step at 32K x 8 with 128-token tiles.
+- HB = 2 reuses each dequantized chunk twice. Its accumulators (HB x BLOCK_T x D float32) must stay near 64
+  registers a thread: at BLOCK_T = 128 and 8 warps it spills 1.2 KB a thread; at BLOCK_T = 64 (8 warps) it compiles
+  to 230 registers, no spills, 302 instructions a step for the same tensor work (604 issue clocks), but each R_k
+  chunk then feeds M = 64 rows, twice the L2 traffic (~8.6 GB a step at 32K x 8, above the L2's bandwidth at that
+  speed). 16 warps at HB = 1: 122 registers, 285 instructions a step (1140 issue clocks over 16 warps). Hence the
+  default HB = 1 at 128-token tiles; the others are in the tuning grid, and the warps default to ~64 accumulator
+  registers a thread (min(16, BLOCK_T HB D / 2048), at least 4).
+- `staged_latents` removes the per-head dequantization at the cost of writing and reading the fp16 latents once
+  (2 KB a token at width 1024: ~1 GB of HBM traffic at 32K x 8, ~0.2 ms): its scores loop compiles to 114
+  instructions a step (228 issue clocks, under the 512 of the tensor cores: the only tensor-bound variant).
+- Value pass: 64-token tiles of 128 channels at 4 warps compile to 188 registers, no spills, ~11 instructions a
+  thread per latent element (~0.1 ms of issue at 32K x 8); 256 channels spill 1 KB a thread at 4 warps and 96 B at 8
+  (value_num_warps defaults to 8 from 64 x 256 elements a tile).
+- The scores' block-diagonal query operand wastes (HB - 1) / HB of a product that is ~1/(2 width / G) of the key
+  product's size (a few percent at HB <= 4).
 
 **path "gemm"** (`attend_gemm`): the packed slots in chunks, each one split; per chunk the latents dequantized once
 for every KV head (`_latent_kernel`), K = Z_k R_k by cuBLAS, `_rope_scores_kernel` for bias, RoPE and scores, the
@@ -58,7 +75,8 @@ except ImportError:  # pragma: no cover
 
 BITS = (2, 3, 4, 8, 16)
 if triton is not None:
-    from kvcal.quant.tiles import dot, operand
+    from kvcal.quant.packing import _split_bits
+    from kvcal.quant.tiles import dot, mma_operand, operand
     from kvcal.runtime.kernels import softmax_tile, split_bounds
 
     @triton.jit
@@ -98,6 +116,43 @@ if triton is not None:
             s = tl.load(s_base + poff, mask=m2, other=0.0).to(tl.float32)
             z = tl.load(z_base + poff, mask=m2, other=0.0).to(tl.float32)
             return code.to(tl.float32) * s + z
+
+    @triton.jit
+    def _dequant_tile(codes_base, s_base, z_base, t, tm, t0, c0, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,
+                      TDIV: tl.constexpr, CDIV: tl.constexpr, BLOCK_T: tl.constexpr, C: tl.constexpr):
+        """_dequant of channels [c0, c0 + C) of tokens t = t0 + arange(BLOCK_T) (valid where tm), for the tensor-core
+        kernels: at 2, 4 and 8 bits each code word is loaded once and split in registers (_split_bits: a tl.join
+        tree, no data movement between threads) instead of once per code, and the scales and zeros are loaded as a
+        vector where they are constant along one axis of the tile: per row when a per-token group covers the chunk
+        (CDIV % C == 0: values, variant x), per column when a per-channel block covers the tile (TDIV % BLOCK_T ==
+        0: keys; tiles start at multiples of BLOCK_T). Masked tokens read as zero (codes and parameters), as in
+        _dequant, except per column, where they read as the block's zero point (finite: the tile's first token is
+        valid, so its block was written; each token's row only reaches its own key, which is not stored). 3 bits
+        and raw latents: _dequant."""
+        if BITS == 16 or BITS == 3:
+            return _dequant(codes_base, s_base, z_base, t, tm, c0 + tl.arange(0, C), sct, sst, BITS, RW, TDIV, CDIV)
+        else:
+            PER: tl.constexpr = 32 // BITS
+            NW: tl.constexpr = C // PER
+            w = tl.load(codes_base + t[:, None] * sct + (c0 // PER + tl.arange(0, NW))[None, :], mask=tm[:, None],
+                        other=0).to(tl.uint32, bitcast=True)
+            code = tl.reshape(_split_bits(w, 32, BITS), (BLOCK_T, C)).to(tl.float32)
+            ch = c0 + tl.arange(0, C)
+            if CDIV % C == 0 and TDIV == 1:  # one group per token over the chunk
+                poff = t * sst + c0 // CDIV
+                s = tl.load(s_base + poff, mask=tm, other=0.0).to(tl.float32)
+                z = tl.load(z_base + poff, mask=tm, other=0.0).to(tl.float32)
+                return code * s[:, None] + z[:, None]
+            elif TDIV % BLOCK_T == 0 and CDIV == 1:  # one block of tokens over the tile
+                poff = (t0 // TDIV) * sst + ch
+                s = tl.load(s_base + poff).to(tl.float32)
+                z = tl.load(z_base + poff).to(tl.float32)
+                return code * s[None, :] + z[None, :]
+            else:
+                poff = (t // TDIV)[:, None] * sst + (ch // CDIV)[None, :]
+                s = tl.load(s_base + poff, mask=tm[:, None], other=0.0).to(tl.float32)
+                z = tl.load(z_base + poff, mask=tm[:, None], other=0.0).to(tl.float32)
+                return code * s + z
 
     @triton.jit
     def _latent_kernel(codes_ptr, scb, sct, s_ptr, z_ptr, ssb, sst, ko_ptr, skob, out_ptr, sob, sot, T0, T1,
@@ -195,13 +250,14 @@ if triton is not None:
                 ch = c0 + tl.arange(0, CHUNK)
                 if STAGED:
                     z = tl.load(zs_ptr + b * szb + t[:, None] * szt + ch[None, :], mask=tm[:, None], other=0.0)
+                    z = operand(z, PREC)
                 else:
-                    z = _dequant(codes_ptr + b * scb, sc_ptr + b * ssb, zc_ptr + b * ssb, t, tm, ch, sct, sst, BITS,
-                                 RW, TDIV, CDIV)
+                    z = _dequant_tile(codes_ptr + b * scb, sc_ptr + b * ssb, zc_ptr + b * ssb, t, tm, t0, c0, sct,
+                                      sst, BITS, RW, TDIV, CDIV, BLOCK_T, CHUNK)
                     if OUTLIER:  # latent channel 0 from its fp16 copy
                         o = tl.load(ko_ptr + b * skob + t, mask=tm, other=0.0).to(tl.float32)
                         z = tl.where((ch == 0)[None, :], o[:, None], z)
-                z = operand(z, PREC)
+                    z = mma_operand(z, PREC, INTERP)
                 r = rk_ptr + ch[:, None] * (HKV * D) + col[None, :]
                 acc1 += dot(z, tl.load(r), INTERP).to(ACC)
                 acc2 += dot(z, tl.load(r + HD), INTERP).to(ACC)
@@ -252,9 +308,9 @@ if triton is not None:
             s = tl.load(s_ptr + b * sob + rh[None, :] * soh + t[:, None], mask=tm[:, None] & ok[None, :],
                         other=float("-inf"))
             p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, ok)
-            z = _dequant(codes_ptr + b * scb, sc_ptr + b * ssb, zc_ptr + b * ssb, t, tm, ch, sct, sst, BITS, RW, 1,
-                         CDIV)
-            acc = acc * alpha[:, None] + dot(tl.trans(operand(p, PREC)), operand(z, PREC), INTERP).to(ACC)
+            z = _dequant_tile(codes_ptr + b * scb, sc_ptr + b * ssb, zc_ptr + b * ssb, t, tm, t0, cb * VC, sct, sst,
+                              BITS, RW, 1, CDIV, BLOCK_T, VC)
+            acc = acc * alpha[:, None] + dot(tl.trans(operand(p, PREC)), mma_operand(z, PREC, INTERP), INTERP).to(ACC)
         part = b * NSPLIT + split
         tl.store(lat_ptr + (part * HQ + rh)[:, None] * RW + ch[None, :], acc, mask=ok[:, None])
         if cb == 0:
@@ -335,14 +391,16 @@ def _pow2_divisor(n: int, want: int) -> int:
 def attend_tc(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: int | None = None,
               chunk: int | None = None, heads_per_program: int | None = None, staged_latents: bool = False,
               value_block_t: int | None = None, value_chunk: int | None = None, num_warps: int | None = None,
-              value_num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int | None = None,
-              num_splits: int | None = None):
+              value_num_warps: int | None = None, num_stages: int | None = None, max_registers: int | None = None,
+              programs_per_sm: int | None = None, num_splits: int | None = None):
     """attend_triton's partials by the two tensor-core kernels (the module docstring). Knobs: block_t tokens per
     scores program, chunk latent channels per key-product step (a power of two dividing the width, at least 16),
     heads_per_program KV heads per scores program (a power of two dividing Hkv), staged_latents (Z_k dequantized
     once into fp16 first), value_block_t / value_chunk tokens per step and latent channels per value program,
-    num_warps / value_num_warps / num_stages of the two kernels, and the value pass's token splits (num_splits, or
-    programs_per_sm programs per SM over the (row, channel block) pairs)."""
+    num_warps / value_num_warps / num_stages / max_registers (a register cap per thread) of the two kernels, and the
+    value pass's token splits (num_splits, or programs_per_sm programs per SM over the (row, channel block) pairs).
+    Defaults on the GPU for fp16/bf16 queries: 128-token tiles, chunks of 64, one KV head per program, 8 warps; value
+    tiles of 64 tokens by 128 channels, 4 warps (the module docstring says why)."""
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     hq = hkv * group
     prec = {torch.float64: 64, torch.float32: 32}.get(q.dtype, 16)
@@ -352,17 +410,18 @@ def attend_tc(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: in
     interp = K.INTERPRET
     bt = block_t or (16 if interp else (128 if prec == 16 else 32))
     c = _chunk(width, chunk or (16 if interp else 64))
-    hb = _pow2_divisor(hkv, heads_per_program or (1 if interp or prec != 16 else 2))
+    hb = _pow2_divisor(hkv, heads_per_program or 1)
     gp = max(pow2(group), pow2(-(-16 // hb)))
     vbt = value_block_t or (16 if interp else 64)
     vc = _chunk(width, value_chunk or (16 if interp else 128))
-    warps = num_warps or (8 if bt * hb >= 256 else 4)
+    warps = num_warps or min(16, max(4, bt * hb * d // 2048))  # <= 64 float32 accumulator registers a thread
+    value_warps = value_num_warps or (8 if vbt * vc >= 16384 else 4)
     dummy, _ = K.placeholders(dev)
     lengths = packed.lengths
 
     # scores
     if prec == 16:
-        qs, qscale = q.to(torch.float16), float(scale) * LOG2E
+        qs, qscale = q.to(torch.float16).contiguous(), float(scale) * LOG2E
     else:
         qs, qscale = (q.to(acc_dtype) * (scale * LOG2E)).contiguous(), 1.0
     cos, sin = (packed.rope_cos.to(acc_dtype).contiguous(), packed.rope_sin.to(acc_dtype).contiguous())
@@ -381,7 +440,7 @@ def attend_tc(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: in
             s, s.stride(0), s.stride(1), hkv, BITS=bits, RW=width, TDIV=tdiv, CDIV=cdiv,
             OUTLIER=int(outlier and not staged_latents), STAGED=int(staged_latents), HAS_BIAS=int(b_k is not None),
             D=d, G=group, GP=gp, HB=hb, BLOCK_T=bt, CHUNK=c, INTERP=interp, PREC=prec,
-            **K.launch_options(q, warps, num_stages))
+            **K.launch_options(q, warps, num_stages, max_registers))
 
     # values in latent space, every query head at once
     nsplit = K.split_count(num_splits, programs_per_sm, dev, batch * (width // vc), cap, vbt, default_programs=4)
@@ -393,7 +452,7 @@ def attend_tc(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: in
         _values_tc_kernel[(batch, nsplit, width // vc)](
             codes, codes.stride(0), codes.stride(2), sc, zc, *s_strides, s, s.stride(0), s.stride(1), lengths, nsplit,
             lat, m, l_sum, BITS=bits, RW=width, CDIV=cdiv, HQ=hq, HQP=max(pow2(hq), 16), BLOCK_T=vbt, VC=vc,
-            INTERP=interp, PREC=prec, **K.launch_options(q, value_num_warps or 4, num_stages))
+            INTERP=interp, PREC=prec, **K.launch_options(q, value_warps, num_stages, max_registers))
 
     # R_v once per KV head over every (row, split, query head): one batched product of M = B S G rows
     total = nsplit + K.fp_splits(fp)

@@ -319,7 +319,10 @@ def test_interpreted_kernels_match_the_reference():
     value splits, staged fp16 latents), and path gemm; 192-wide latents (smollm2), svd at 2/3/4/8/16 bits, the fp16
     outlier channel, k/v bias, the x variant, empty rows, with and without a full-precision part. On path tc, dropping
     the online softmax's rescaling, a query operand that is not block diagonal, or RoPE positions off by one gave
-    0.88 (svd2_fp16), 1.7 (svd2_tc_knobs_outlier_bias_fp64) and 0.71 (svd4_staged_outlier_bias_fp64); on path gemm
+    0.88 (svd2_fp16), 1.7 (svd2_tc_knobs_outlier_bias_fp64) and 0.71 (svd4_staged_outlier_bias_fp64); a key block's
+    scale and zero vector read one block late (key blocks that cover a token tile) gave nan and 0.99
+    (svd4_keyblocks16_outlier_bias_fp64, svd2_keyblocks32_bf16), per-token value parameters read from the chunk's
+    first group only failed 14 of the 18 cases; on path gemm
     wrong RoPE positions, a dropped key bias or outlier channel gave 0.76, 0.37 and 0.03 (svd2_outlier_bias_fp64)."""
     import json
     import os

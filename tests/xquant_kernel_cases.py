@@ -39,6 +39,12 @@ CASES = [
     ("svd4_staged_outlier_bias_fp64", "svd", 4, torch.float64,
      {"outlier": True, "bias": True, "staged_latents": True, "heads_per_program": 2, "num_splits": 3}),
     ("x2_staged_fp32", "x", 2, torch.float32, {"staged_latents": True, "num_splits": 2}),
+    # key blocks at least as long as the scores' token tile (one scale and zero vector per tile), 8 bits in x
+    ("svd4_keyblocks16_outlier_bias_fp64", "svd", 4, torch.float64,
+     {"outlier": True, "bias": True, "group_tokens": 16, "block_t": 16, "lengths": (48, 0, 80), "num_splits": 2}),
+    ("svd2_keyblocks32_bf16", "svd", 2, torch.bfloat16,
+     {"group_tokens": 32, "block_t": 16, "heads_per_program": 2, "lengths": (64, 96, 32)}),
+    ("x8_groups32_fp64", "x", 8, torch.float64, {"group_channels": 32, "chunk": 32, "value_chunk": 32}),
     ("svd2_width192_splits_bf16", "svd", 2, torch.bfloat16,
      {"hkv": 3, "d": 64, "hq": 9, "hidden": 256, "group_channels": 64, "outlier": True, "bias": True,
       "chunk": 64, "value_chunk": 64, "num_splits": 2}),

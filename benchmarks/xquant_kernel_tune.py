@@ -34,7 +34,9 @@ HQ, HKV, D, WINDOW = 32, 8, 128, 128
 SHAPES = [(32768, 8), (32768, 1), (4096, 1)]  # (context, batch)
 CONFIGS = [  # attend_triton's keywords; {} is path tc's defaults (128-token tiles, chunks of 64, one KV head a
     # program, 8 warps; value tiles of 64 tokens x 128 channels, 4 warps). The scores kernel's configurations keep its
-    # accumulators <= 64 registers a thread (benchmarks/xquant_kernel_sass.py: more spills)
+    # accumulators <= 64 registers a thread (benchmarks/xquant_kernel_sass.py: more spills); two of them spill on
+    # purpose, as data points: 2 KV heads over 128 tokens at 16 warps (128 registers a thread) and a 128-register cap
+    # (two programs per SM)
     {"path": "gemm"},
     {},
     {"num_warps": 16},

@@ -400,7 +400,8 @@ def attend_tc(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: in
     num_warps / value_num_warps / num_stages / max_registers (a register cap per thread) of the two kernels, and the
     value pass's token splits (num_splits, or programs_per_sm programs per SM over the (row, channel block) pairs).
     Defaults on the GPU for fp16/bf16 queries: 128-token tiles, chunks of 64, one KV head per program, 8 warps; value
-    tiles of 64 tokens by 128 channels, 4 warps (the module docstring says why)."""
+    tiles of 64 tokens by 128 channels, 4 warps (the module docstring says why); float32 queries 32 x 32 and float64
+    16 x 16 scores steps, float64 value tiles of 16 tokens by 32 channels."""
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     hq = hkv * group
     prec = {torch.float64: 64, torch.float32: 32}.get(q.dtype, 16)
@@ -408,12 +409,15 @@ def attend_tc(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t: in
     operand = torch.float16 if prec == 16 else q.dtype
     width, cap, bits = storage.width, packed.capacity, storage.bits
     interp = K.INTERPRET
-    bt = block_t or (16 if interp else (128 if prec == 16 else 32))
-    c = _chunk(width, chunk or (16 if interp else 64))
+    # exactness modes on the GPU: float32 in 32 x 32 steps, float64 (products summed on the FP64 units, tiles.dot) in
+    # 16 x 16 steps and 16 x 32 value tiles, where larger ones spill kilobytes a thread (compiled for sm_90 as
+    # benchmarks/xquant_kernel_sass.py does: 47 KB of stack at 32 x 64, 30 KB for 64 x 128 value tiles)
+    bt = block_t or (16 if interp else {16: 128, 32: 32, 64: 16}[prec])
+    c = _chunk(width, chunk or (16 if interp else {16: 64, 32: 32, 64: 16}[prec]))
     hb = _pow2_divisor(hkv, heads_per_program or 1)
     gp = max(pow2(group), pow2(-(-16 // hb)))
-    vbt = value_block_t or (16 if interp else 64)
-    vc = _chunk(width, value_chunk or (16 if interp else 128))
+    vbt = value_block_t or (16 if interp or prec == 64 else 64)
+    vc = _chunk(width, value_chunk or (16 if interp else (32 if prec == 64 else 128)))
     warps = num_warps or min(16, max(4, bt * hb * d // 2048))  # <= 64 float32 accumulator registers a thread
     value_warps = value_num_warps or (8 if vbt * vc >= 16384 else 4)
     dummy, _ = K.placeholders(dev)

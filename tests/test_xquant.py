@@ -313,11 +313,16 @@ def test_packed_bytes_per_token_by_hand():
 
 
 def test_interpreted_kernels_match_the_reference():
-    """The decode path (latents dequantized once per chunk of slots, keys rebuilt by one product for every KV head,
-    scores with bias and RoPE in a kernel, values summed in latent space then R_v) against
-    XQuantStorage.attend_reference under the Triton interpreter: 192-wide latents (smollm2), chunks of 16 and 24 slots, svd at 2/3/4/8/16 bits, the fp16 outlier
-    channel, k/v bias, the x variant, empty rows, several splits, with and without a full-precision part. Wrong RoPE
-    positions (off by one), a dropped key bias or outlier channel gave 0.76, 0.37 and 0.03 (svd2_outlier_bias_fp64)."""
+    """The decode kernels against XQuantStorage.attend_reference under the Triton interpreter: the scores kernel over
+    token tiles and KV-head blocks, keys rebuilt chunk by chunk with bias and RoPE in registers; the value kernel in
+    latent space for every query head, then R_v; with their knobs (KV-head blocks, tiles, chunks, several value
+    splits, staged fp16 latents); 192-wide latents (smollm2), svd at 2/3/4/8/16 bits, the fp16
+    outlier channel, k/v bias, the x variant, empty rows, with and without a full-precision part. Dropping
+    the online softmax's rescaling, a query operand that is not block diagonal, or RoPE positions off by one gave
+    0.88 (svd2_fp16), 1.7 (svd2_tc_knobs_outlier_bias_fp64) and 0.71 (svd4_staged_outlier_bias_fp64); a key block's
+    scale and zero vector read one block late (key blocks that cover a token tile) gave nan and 0.99
+    (svd4_keyblocks16_outlier_bias_fp64, svd2_keyblocks32_bf16), per-token value parameters read from the chunk's
+    first group only failed 14 of the 18 cases."""
     import json
     import os
     import subprocess

@@ -15,20 +15,39 @@ from kvcal.runtime.storage import Packed, SharedState
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 # (name, variant, bits, dtype, options): options hidden, hkv, d, hq, lengths, tcap, nfp, outlier, bias, group_tokens,
-# group_channels, chunk_tokens
+# group_channels, and the kernels' knobs (KNOBS)
 CASES = [
     ("svd2_fp16", "svd", 2, torch.float16, {}),
     ("svd3_outlier_bias_bf16", "svd", 3, torch.bfloat16, {"outlier": True, "bias": True}),
-    ("svd4_chunks24_fp32", "svd", 4, torch.float32, {"chunk_tokens": 24, "outlier": True}),
+    ("svd4_outlier_fp32", "svd", 4, torch.float32, {"outlier": True}),
     ("svd8_no_fp_fp16", "svd", 8, torch.float16, {"nfp": 0}),
     ("svd2_outlier_bias_fp64", "svd", 2, torch.float64, {"outlier": True, "bias": True}),
     ("svd16_raw_fp32", "svd", 16, torch.float32, {}),
     ("x2_bias_fp16", "x", 2, torch.float16, {"bias": True, "hq": 8}),
     ("x3_fp64", "x", 3, torch.float64, {}),
-    # chunks of 16 slots (several splits, an empty row in some), and smollm2's 192-wide latents
-    ("svd2_chunks16_outlier_bias_bf16", "svd", 2, torch.bfloat16, {"chunk_tokens": 16, "outlier": True, "bias": True}),
+    # several value splits (an empty row in some), and smollm2's 192-wide latents
+    ("svd2_splits4_outlier_bias_bf16", "svd", 2, torch.bfloat16, {"num_splits": 4, "outlier": True, "bias": True}),
     ("svd2_width192_fp64", "svd", 2, torch.float64, {"hkv": 3, "d": 64, "hq": 9, "hidden": 256,
-                                                     "group_channels": 64, "chunk_tokens": 32}),
+                                                     "group_channels": 64}),
+    # the knobs: two KV heads per scores program, 32-token tiles and chunks, several value splits (a split
+    # over several tiles: the online softmax's rescaling), fp16 latents staged first
+    ("svd2_tc_knobs_outlier_bias_fp64", "svd", 2, torch.float64,
+     {"outlier": True, "bias": True, "hkv": 4, "heads_per_program": 2, "block_t": 32, "chunk": 32,
+      "value_chunk": 32, "value_block_t": 16, "num_splits": 2, "lengths": (40, 0, 72, 64)}),
+    ("svd2_tc_knobs_fp16", "svd", 2, torch.float16,
+     {"heads_per_program": 2, "block_t": 32, "chunk": 32, "num_splits": 3, "hq": 8}),
+    ("svd4_staged_outlier_bias_fp64", "svd", 4, torch.float64,
+     {"outlier": True, "bias": True, "staged_latents": True, "heads_per_program": 2, "num_splits": 3}),
+    ("x2_staged_fp32", "x", 2, torch.float32, {"staged_latents": True, "num_splits": 2}),
+    # key blocks at least as long as the scores' token tile (one scale and zero vector per tile), 8 bits in x
+    ("svd4_keyblocks16_outlier_bias_fp64", "svd", 4, torch.float64,
+     {"outlier": True, "bias": True, "group_tokens": 16, "block_t": 16, "lengths": (48, 0, 80), "num_splits": 2}),
+    ("svd2_keyblocks32_bf16", "svd", 2, torch.bfloat16,
+     {"group_tokens": 32, "block_t": 16, "heads_per_program": 2, "lengths": (64, 96, 32)}),
+    ("x8_groups32_fp64", "x", 8, torch.float64, {"group_channels": 32, "chunk": 32, "value_chunk": 32}),
+    ("svd2_width192_splits_bf16", "svd", 2, torch.bfloat16,
+     {"hkv": 3, "d": 64, "hq": 9, "hidden": 256, "group_channels": 64, "outlier": True, "bias": True,
+      "chunk": 64, "value_chunk": 64, "num_splits": 2}),
 ]
 
 
@@ -83,15 +102,19 @@ def make_case(variant, bits, dtype, *, hidden=96, hkv=2, d=32, hq=None, lengths=
     return storage, packed, q, fp
 
 
+KNOBS = ("block_t", "chunk", "heads_per_program", "staged_latents", "value_block_t", "value_chunk", "num_splits")
+
+
 def run_case(case, device="cpu", **shape) -> float:
-    """Largest relative error per (row, query head) of the kernel's output against the reference's."""
+    """Largest relative error per (row, query head) of the kernels' output (with the case's KNOBS) against the
+    reference's."""
     name, variant, bits, dtype, options = case
     options = {**options, **shape}
     storage, packed, q, fp = make_case(variant, bits, dtype, device=device, **options)
     scale = q.shape[-1] ** -0.5
     assert storage.supports_triton(q, packed) is None, storage.supports_triton(q, packed)
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), q.shape[0], q.dtype)
-    knobs = {"chunk_tokens": options["chunk_tokens"]} if "chunk_tokens" in options else {}
+    knobs = {k: options[k] for k in KNOBS if k in options}
     out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, **knobs), q)
     if not torch.isfinite(out.float()).all():
         return float("nan")

@@ -59,8 +59,8 @@ class XQuantStorage(Rematerialized, Storage):
     - "x": X itself per token (KIVI's value format, width = hidden); K = X W_k^T (+ b_k), V = X W_v^T (+ b_v), the
       weights taken from the layer at bind().
     bits 16 keeps the latents in RAW_DTYPE. Keys are rebuilt before RoPE and rotated at their positions. Kernels:
-    kvcal/methods/xquant/kernels.py (latents dequantized once per chunk of slots, keys rebuilt by one product for every
-    KV head; values summed in latent space, then one product with R_v per KV head)."""
+    kvcal/methods/xquant/kernels.py (keys rebuilt per token tile and KV-head block on tensor cores, RoPE and scores
+    in registers; values summed in latent space for every query head, then one product with R_v per KV head)."""
 
     keys_pre_rope = True
     source = "x"

@@ -1,0 +1,118 @@
+"""Static look at XQuant's tensor-core decode kernels (kvcal/methods/xquant/kernels.py) without a GPU: each
+configuration compiled for sm_90 on the CPU (triton.compile with a GPUTarget; the bundled cuobjdump), printing
+ptxas's registers and stack (spills) per thread, shared memory, and the instruction mix of the main loop's SASS
+(the key product's chunk loop; the value kernel's token loop). Llama-3.1-8B shapes, 2 bits, fp16 operands:
+
+    python benchmarks/xquant_kernel_sass.py
+    python benchmarks/xquant_kernel_sass.py --configs '[{"kernel": "scores", "hb": 2, "block_t": 64, "warps": 8}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvcal.methods.xquant import kernels as X  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+CONFIGS = [
+    {"kernel": "scores", "hb": 1, "block_t": 128, "warps": 8},
+    {"kernel": "scores", "hb": 2, "block_t": 128, "warps": 8},
+    {"kernel": "scores", "hb": 2, "block_t": 64, "warps": 8},
+    {"kernel": "scores", "hb": 1, "block_t": 128, "warps": 16},
+    {"kernel": "scores", "hb": 1, "block_t": 64, "warps": 4},
+    {"kernel": "scores", "hb": 1, "block_t": 128, "warps": 8, "staged": 1},
+    {"kernel": "values", "block_t": 64, "vc": 128, "warps": 4},
+    {"kernel": "values", "block_t": 64, "vc": 256, "warps": 4},
+    {"kernel": "values", "block_t": 64, "vc": 256, "warps": 8},
+]
+
+
+def compile_sass(fn, types: dict, consts: dict, warps: int, stages: int, maxnreg: int | None):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # as a launch specializes them at these shapes: pointers and strides divisible by 16 (not the KV heads, 8, the
+    # position offset or the split count)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in ("HKV", "POS0", "NSPLIT"))}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    return k.metadata.shared, usage, sass
+
+
+def loop_mix(sass: str) -> dict:
+    """Opcode counts of the longest loop (a backward branch's body) of the SASS."""
+    flat = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in flat]
+    best: list[str] = []
+    for i, line in enumerate(flat):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
+            body = flat[addr.index(int(m.group(1), 16)):i + 1]
+            best = body if len(body) > len(best) else best
+    ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0]
+                              for b in best)
+    keep = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "LDL", "STL", "HGMMA", "HMMA", "FFMA", "I2FP", "F2FP", "BAR")
+    return {"instructions": len(best), **{k: ops[k] for k in keep if ops[k]}}
+
+
+def run(cfg: dict) -> dict:
+    cfg = dict(cfg)
+    kind = cfg.pop("kernel")
+    warps, stages, maxnreg = cfg.pop("warps", 4), cfg.pop("stages", 3), cfg.pop("maxnreg", None)
+    bits, width, d, hkv, hq = cfg.pop("bits", 2), cfg.pop("width", 1024), 128, 8, 32
+    g = hq // hkv
+    if kind == "scores":
+        hb, bt, chunk = cfg.pop("hb", 1), cfg.pop("block_t", 128), cfg.pop("chunk", 64)
+        types = dict(codes_ptr="*i32", sc_ptr="*fp16", zc_ptr="*fp16", ko_ptr="*fp16", zs_ptr="*fp16", rk_ptr="*fp16",
+                     bias_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", len_ptr="*i32", q_ptr="*fp16",
+                     out_ptr="*fp32", QSCALE="fp32")
+        consts = dict(BITS=bits, RW=width, TDIV=128, CDIV=1, OUTLIER=0, STAGED=int(cfg.pop("staged", 0)), HAS_BIAS=0,
+                      D=d, G=g, GP=max(triton.next_power_of_2(g), triton.next_power_of_2(-(-16 // hb))), HB=hb,
+                      BLOCK_T=bt, CHUNK=chunk, INTERP=False, PREC=16)
+        fn = X._scores_tc_kernel
+    else:
+        types = dict(codes_ptr="*i32", sc_ptr="*fp16", zc_ptr="*fp16", s_ptr="*fp32", len_ptr="*i32",
+                     lat_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
+        consts = dict(BITS=bits, RW=width, CDIV=128, HQ=hq, HQP=max(triton.next_power_of_2(hq), 16),
+                      BLOCK_T=cfg.pop("block_t", 64), VC=cfg.pop("vc", 128), INTERP=False, PREC=16)
+        fn = X._values_tc_kernel
+    if cfg:
+        raise ValueError(f"unknown keys {sorted(cfg)}")
+    shared, usage, sass = compile_sass(fn, types, consts, warps, stages, maxnreg)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)), "shared_bytes": shared,
+            "loop": loop_mix(sass)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", help="JSON list of configurations (default: CONFIGS)")
+    args = parser.parse_args()
+    for cfg in json.loads(args.configs) if args.configs else CONFIGS:
+        print(json.dumps(cfg), json.dumps(run(cfg)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

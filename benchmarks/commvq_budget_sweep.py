@@ -29,7 +29,8 @@ RULES = {  # record name -> kvcal eval ppl options (the equal-footing rules)
     "gptq-fp128": ["--fp-window", "128"],
     "tail-fp0": ["--protocol", "tail", "--fp-window", "0"],
 }
-RECIPE_STEPS = {"commvq-1bit": 1500, "commvq-2bit": 3000}  # the shipped recipes' value steps
+RECIPE_STEPS = {"commvq-1bit": 1500, "commvq-2bit": 3000}  # x1: the digest's minimal value steps (every point
+# sets them: the shipped recipes train 16 times as long)
 RECIPE_TOKENS = 512  # the shipped recipes' value_batch_tokens
 RECIPE_VECTORS = 16384  # the shipped recipes' key_train_vectors
 RECIPE_WINDOWS = 64  # the shipped recipes' calibration windows of 1024 tokens
@@ -51,9 +52,7 @@ class Point:
         return f"{self.recipe}-v{self.values}-t{self.tokens}-k{self.keys}-{data}{self.nsamples}"
 
     def overrides(self) -> list[str]:
-        out = []
-        if self.values != 1:
-            out.append(f"value_steps={RECIPE_STEPS[self.recipe] * self.values}")
+        out = [f"value_steps={RECIPE_STEPS[self.recipe] * self.values}"]
         if self.tokens != 1:
             out += [f"value_batch_tokens={RECIPE_TOKENS * self.tokens}"]
         if self.keys != 1:

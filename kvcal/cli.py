@@ -251,6 +251,9 @@ def eval_ppl_command(
                                        "value outliers in fixed point, slower)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON (one artifact)."),
     json_dir: Path | None = typer.Option(None, help="Write one JSON record per artifact, named after it."),
+    compress_local: bool = typer.Option(False, "--compress-local", help="On a model with sliding-window layers "
+                                        "(Gemma 2 and 3): compress their windows too, not only the global layers "
+                                        "(simulate mode)."),
 ):
     """Perplexity of a compressed model (protocols: the README's Conventions)."""
     from kvcal.eval.run import evaluate_ppl_command
@@ -265,7 +268,7 @@ def eval_ppl_command(
             check_writable(path, folder, flag=flag)
     records = evaluate_ppl_command(model, artifact, method, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                    protocol, prompt_len, batch_size, dtype, device, mode, backend, deterministic,
-                                   prefix_len, block_len, device_map, caps, fp_window)
+                                   prefix_len, block_len, device_map, caps, fp_window, compress_local)
     table = Table("method", "setting", "protocol", "fp window", "mode", "windows", "tokens", "PPL", "bits/elem")
     for record in records:
         record["command"] = invoked_command()

@@ -330,3 +330,85 @@ def test_a_window_layers_static_decode_step_attends_to_its_window():
         keys, values = (torch.cat([h, new], 2) for h, new in zip(history, (k, v)))
         start = 0 if window is None else 11 - window
         torch.testing.assert_close(got, attention(q, keys[:, :, start:], values[:, :, start:], None, 0.25))
+
+
+def test_compress_local_compresses_the_sliding_window_layers_too(text_file, tmp_path):
+    """`--compress-local`: in the simulation every layer goes through the method, the local ones still bounded by the
+    model's window mask: on tiny-gemma2 (one RoPE for both kinds of layer) each layer's output equals that of the same
+    model whose adapter treats every layer as global, bit for bit, and layer 0 no longer equals the exact attention.
+    Bits: the local layers hold their window - 1 newest tokens in the method's format (the footprint an all-global
+    model of the same shapes has at 7 tokens). Through the CLI the record says so, and decode mode and a model without
+    sliding-window layers are refused in one line."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvcal.accounting import bits_per_element
+    from kvcal.eval.simulate import SimulatedAttention
+    from kvcal.methods import build_method
+    from kvcal.models.dims import model_dims
+    from kvcal.models.loaded import GLOBAL
+
+    loaded = load_model("tiny-gemma2")
+    dims = loaded.dims
+    assert dims.local_rope is None
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    fp16, rtn = build_method("fp16").build_storages({}, dims), build_method("rtn", {"bits": 2}).build_storages({}, dims)
+
+    def layer_outputs(storages):
+        outputs, handler = [], SimulatedAttention(storages)
+        real = handler.attend
+        handler.attend = lambda inp: outputs.append(real(inp)) or outputs[-1]
+        with torch.inference_mode(), loaded.adapter.use(handler):
+            loaded.model(ids, use_cache=False)
+        return outputs
+
+    exact = layer_outputs(fp16)
+    rtn.compress_local = True
+    local_too = layer_outputs(rtn)
+    rtn.compress_local = False
+    loaded.adapter.dims = dataclasses.replace(dims, layer_types=(GLOBAL,) * dims.num_layers)
+    try:
+        all_global = layer_outputs(rtn)
+    finally:
+        loaded.adapter.dims = dims
+    assert all(torch.equal(a, b) for a, b in zip(local_too, all_global))
+    assert not torch.allclose(local_too[0], exact[0], atol=1e-3)
+    assert torch.equal(layer_outputs(rtn)[0], exact[0])  # the flag off again: the local layer exact
+
+    dims = model_dims("tiny-gemma3")  # local, local, global; window 8
+    method = build_method("rtn", {"bits": 4})
+    uniform = model_dims("tiny-qwen3")  # the same shapes, every layer global
+    got = bits_per_element(method, dims, compress_local=True).bits_per_element
+    want = (bits_per_element(method, uniform).bits_per_element / 3
+            + bits_per_element(method, uniform, 7).bits_per_element * 7 / 4096 * 2 / 3)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got < bits_per_element(method, dims).bits_per_element  # 4-bit windows instead of fp16 ones
+
+    env = dict(os.environ, COLUMNS="200")
+
+    def kvcal(*args):
+        return subprocess.run([sys.executable, "-m", "kvcal.cli", *map(str, args)], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    base = ["eval", "ppl", "--model", "tiny-gemma3", "--method", "rtn", "--set", "bits=2", "--dataset", text_file,
+            "--nsamples", "1", "--seqlen", "24"]
+    records = {}
+    for flag in ([], ["--compress-local"]):
+        out = tmp_path / f"r{len(flag)}.json"
+        run = kvcal(*base, *flag, "--json", out)
+        assert run.returncode == 0, run.stderr
+        records[bool(flag)] = json.loads(out.read_text())
+    on, off = records[True], records[False]
+    assert on["compress_local"] is True and "compress_local" not in off and on["setting"].endswith("-compress-local")
+    assert on["ppl"] != off["ppl"]
+    assert on["bits_per_element"] == pytest.approx(
+        bits_per_element(build_method("rtn", {"bits": 2}), dims, compress_local=True).bits_per_element, rel=1e-12)
+    for args, needle in (([*base, "--compress-local", "--mode", "decode"], "--compress-local runs in the simulation"),
+                         (["eval", "ppl", "--model", "tiny-llama", "--method", "rtn", "--dataset", text_file,
+                           "--nsamples", "1", "--seqlen", "24", "--compress-local"], "tiny-llama has none")):
+        run = kvcal(*args)
+        assert run.returncode == 2 and run.stderr.strip().startswith("error:") and needle in run.stderr
+        assert "\n" not in run.stderr.strip(), run.stderr

@@ -33,14 +33,14 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
                          protocol, prompt_len, batch_size, dtype, device, mode="simulate", backend="packed",
                          deterministic: bool = False, prefix_len: int | None = None,
                          block_len: int | None = None, device_map=None, max_memory=None,
-                         fp_window: int | None = None) -> list[dict]:
+                         fp_window: int | None = None, compress_local: bool = False) -> list[dict]:
     """One record per artifact (or one for --method/--recipe); the model and the windows are loaded once.
     deterministic: the whole evaluation, model load included, in torch's deterministic mode (kvcal.determinism).
     fp_window: the full-precision allowance every setting runs under (None: each method's own window)."""
     with deterministic_algorithms(deterministic):
         records = _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                                 protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len, block_len,
-                                device_map, max_memory, fp_window)
+                                device_map, max_memory, fp_window, compress_local)
     for record in records:
         record["deterministic"] = deterministic
     return records
@@ -48,7 +48,8 @@ def evaluate_ppl_command(model, artifact_paths, method_name, recipe, sets, datas
 
 def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, data_dir, seqlen, nsamples,
                   protocol, prompt_len, batch_size, dtype, device, mode, backend, prefix_len=None,
-                  block_len=None, device_map=None, max_memory=None, fp_window=None) -> list[dict]:
+                  block_len=None, device_map=None, max_memory=None, fp_window=None,
+                  compress_local=False) -> list[dict]:
     if mode not in MODES:
         raise KvcalError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
     if protocol not in PROTOCOLS:
@@ -75,6 +76,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     backend_ran(backend, "cpu")  # a one-line error for an unknown backend, before any loading
     if backend != "packed" and mode != "decode":
         raise KvcalError("--backend applies to --mode decode only")
+    check_compress_local(compress_local, mode)
     artifact_paths = list(artifact_paths or [])
     if artifact_paths and (method_name or recipe):
         raise KvcalError("give either --artifact or --method/--recipe, not both")
@@ -99,6 +101,7 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     check_text(dataset, "eval", data_dir)  # a missing dataset fails here, before the model loads
     loaded = load_model(model or "smollm2-135m", dtype, device, device_map=device_map, max_memory=max_memory)
     check_context(loaded, seqlen, "--seqlen")
+    check_compress_local(compress_local, mode, loaded)
     targets = []  # (method, storages, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
         m, storages = storages_for_artifact(art, loaded, path, sets, fp_window)
@@ -110,9 +113,24 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
         targets.append((method, method.build_storages({}, loaded.dims), protocol_setting(setting, fp_window), None))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
-    return [ppl_record(loaded, method, storages, setting, artifact_record, text, windows, dtype, protocol, prompt_len,
-                       batch_size, mode, backend, prefix_len, fp_window)
+    return [ppl_record(loaded, method, storages, setting + ("-compress-local" if compress_local else ""),
+                       artifact_record, text, windows, dtype, protocol, prompt_len, batch_size, mode, backend, prefix_len,
+                       fp_window, compress_local)
             for method, storages, setting, artifact_record in targets]
+
+
+def check_compress_local(compress_local: bool, mode: str, loaded=None) -> None:
+    """One-line refusals of --compress-local: outside the simulation (the packed cache keeps a sliding-window layer's
+    window in fp16: its storages and kernels attend to every token they hold), and, once the model is loaded, on a
+    model without sliding-window layers."""
+    if not compress_local:
+        return
+    if mode != "simulate":
+        raise KvcalError("--compress-local runs in the simulation (--mode simulate): kvcal's packed cache keeps the "
+                         "sliding-window layers' windows in fp16")
+    if loaded is not None and not loaded.dims.hybrid:
+        raise KvcalError(f"--compress-local applies to models with sliding-window layers (Gemma 2 and 3); "
+                         f"{loaded.name} has none")
 
 
 def protocol_setting(setting: str, fp_window: int | None) -> str:
@@ -140,10 +158,13 @@ def record_head(method, setting: str, artifact_record: dict | None, loaded, dtyp
 
 def ppl_record(loaded, method, storages, setting: str, artifact_record: dict | None, text, windows, dtype: str,
                protocol: str = "gptq", prompt_len: int = 0, batch_size: int = 1, mode: str = "simulate",
-               backend: str = "packed", prefix_len: int = 0, fp_window: int | None = None) -> dict:
+               backend: str = "packed", prefix_len: int = 0, fp_window: int | None = None,
+               compress_local: bool = False) -> dict:
     """Evaluate one setting on the windows and return `kvcal eval ppl`'s JSON record (without its command). Under the
     tail protocol prompt_len is the full-precision prefill S + P and prefix_len is S. fp_window: the allowance named
-    (--fp-window; the method already carries it), None for each method's own window."""
+    (--fp-window; the method already carries it), None for each method's own window. compress_local: a hybrid
+    model's sliding-window layers hold the method's format too (the simulation only; check_compress_local)."""
+    storages.compress_local = compress_local
     allowance = effective_fp_window(method, protocol, fp_window)
     # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window
     total, unit = ((scored_tokens(windows, protocol, prompt_len), "tokens") if mode == "decode"
@@ -155,7 +176,7 @@ def ppl_record(loaded, method, storages, setting: str, artifact_record: dict | N
         else:
             result = simulated_nll(loaded, storages, windows, protocol, prompt_len, batch_size, advance, prefix_len,
                                    fp_window=allowance)
-    bits = bits_per_element(method, loaded.dims)
+    bits = bits_per_element(method, loaded.dims, compress_local=compress_local)
     return {
         **record_head(method, setting, artifact_record, loaded, dtype),
         "dataset": text.provenance,
@@ -180,7 +201,9 @@ def ppl_record(loaded, method, storages, setting: str, artifact_record: dict | N
         "bits": bits.to_dict(),
         # the same count at the evaluated window's length: what the cache held at its end (an eviction budget or an
         # fp16 window weighs more in a shorter window)
-        "bits_at_seqlen": bits_per_element(method, loaded.dims, int(windows.shape[1])).bits_per_element,
+        "bits_at_seqlen": bits_per_element(method, loaded.dims, int(windows.shape[1]),
+                                           compress_local).bits_per_element,
+        **({"compress_local": True} if compress_local else {}),
         "kvcal_version": __version__,
         "software": software_versions(),
     }

@@ -42,12 +42,14 @@ def reconstruct(storages, inp: AttentionInputs, k_fp: torch.Tensor, state: dict,
     return k_hat, v_hat
 
 
-def local_layer(inp: AttentionInputs) -> bool:
-    """Whether this is a sliding-window layer of a hybrid model (Gemma 2/3): it keeps its bounded window of exact
-    tokens (the model's own attention, the window in transformers' mask), and the method compresses the global
-    layers only."""
+def exact_local_layer(inp: AttentionInputs, storages) -> bool:
+    """Whether this is a sliding-window layer of a hybrid model (Gemma 2/3) that keeps its bounded window of exact
+    tokens (the model's own attention, the window in transformers' mask): the method compresses the global layers
+    only, unless storages.compress_local (then a local layer's window is compressed too, the mask still bounding
+    it)."""
     binding = getattr(inp.module, "_kvcal_binding", None)
-    return binding is not None and binding[0].dims.hybrid and binding[0].dims.layer_types[inp.layer_idx] == LOCAL
+    return (binding is not None and binding[0].dims.hybrid and binding[0].dims.layer_types[inp.layer_idx] == LOCAL
+            and not storages.compress_local)
 
 
 def refuse_remap_with_softcap(storages, inp: AttentionInputs) -> None:
@@ -68,7 +70,7 @@ class SimulatedAttention:
         if inp.cache is not None:
             raise RuntimeError("the gptq simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
-        if self.storages.lossless or local_layer(inp):
+        if self.storages.lossless or exact_local_layer(inp, self.storages):
             return attention(q, k_fp, inp.v, inp.mask, inp.scale, inp.softcap)
         refuse_remap_with_softcap(self.storages, inp)
         if self.storages.bulk_only:
@@ -126,7 +128,7 @@ class TailAttention:
         if inp.cache is not None:
             raise RuntimeError("the tail simulation runs whole windows without a cache (use_cache=False)")
         q, k_fp = inp.rotated()
-        if self.storages.lossless or local_layer(inp):
+        if self.storages.lossless or exact_local_layer(inp, self.storages):
             return attention(q, k_fp, inp.v, inp.mask, inp.scale, inp.softcap)
         refuse_remap_with_softcap(self.storages, inp)
         length = k_fp.shape[2]

@@ -733,6 +733,9 @@ class KvcalCache(Cache):
                              "soft-capped, is not supported yet (the simulation refuses it too)")
         if not dims.hybrid:
             return self.layers[i]
+        if self.storages.compress_local:
+            raise KvcalError("compressed sliding-window layers (--compress-local) run in the simulation only: the "
+                             "packed cache keeps their windows in fp16")
         if dims.layer_types[i] == LOCAL:
             self.layers[i] = LosslessLayer(i, self.capacity_hint, dims.sliding_window)
         return self.layers[i]

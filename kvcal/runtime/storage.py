@@ -409,6 +409,10 @@ class Storages(tuple):
                                  f"differs from {type(first).__name__}")
         return super().__new__(cls, storages)
 
+    # on a model with sliding-window layers (Gemma 2/3): whether the local layers hold the method's format too
+    # (`--compress-local`, the simulation only) or keep their window of exact tokens (the default)
+    compress_local: bool = False
+
     policy = property(lambda self: self[0].policy)
     keys_pre_rope = property(lambda self: self[0].keys_pre_rope)
     source = property(lambda self: self[0].source)

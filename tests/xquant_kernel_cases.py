@@ -151,6 +151,50 @@ def write_checks(device="cpu") -> dict:
     return out
 
 
+CROSS_LAYER_CASES = [  # (name, xquant config over tiny groups): the cross-layer storage's decode kernels
+    ("cl_svd2", dict(variant="svd", cross_layer=True, base_layer=0, bits=2)),
+    ("cl_x2_base1", dict(variant="x", cross_layer=True, base_layer=1, hp_layers=1, bits=2)),
+]
+
+
+def cross_layer_checks() -> dict:
+    """XQuant-CL through kvcal's packed cache with Triton kernels (the chain of X^ rebuilt per step, the decode
+    kernels on it) against the same cache on the torch references: random 3-layer llama and qwen2 (k/v bias) models
+    with the tiny models' shapes but head_dim 32 (the kernels' smallest), float64, a 21-token prefill of two rows (one
+    left-padded) and 6 decode steps; the largest absolute difference of the logits."""
+    from kvcal.methods import build_method
+    from kvcal.models import LoadedModel, ModelDims
+    from kvcal.models.adapter import forward_with_cache, install_adapter
+    from kvcal.models.tiny import build_random_model, byte_tokenizer, tiny_config
+    from kvcal.runtime.cache import KvcalCache
+
+    out = {}
+    ids = torch.randint(0, 256, (2, 27), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    for family in ("llama", "qwen2"):
+        base = {k: v for k, v in tiny_config(family).to_dict().items() if k != "layer_types"}
+        config = type(tiny_config(family))(**{**base, "head_dim": 32, "num_hidden_layers": 3})
+        loaded = LoadedModel(f"small-{family}", build_random_model(config, torch.float64, "cpu"), byte_tokenizer(),
+                             ModelDims.from_config(config))
+        install_adapter(loaded)
+        for name, config in CROSS_LAYER_CASES:
+            method = build_method("xquant", {"group_tokens": 8, "group_channels": 16, **config})
+            tensors, _ = method.calibrate(loaded, None)
+            logits = []
+            for options in (dict(kernels=True), dict(backend="reference")):
+                cache = KvcalCache(method.build_storages(tensors, loaded.dims), loaded.dims.num_layers, **options)
+                with torch.inference_mode():
+                    steps = [forward_with_cache(loaded.model, ids[:, :21], cache, attention_mask=mask[:, :21]).logits]
+                    for t in range(21, 27):
+                        steps.append(forward_with_cache(loaded.model, ids[:, t:t + 1], cache,
+                                                        attention_mask=mask[:, :t + 1]).logits[:, -1:])
+                logits.append(torch.cat(steps, 1)[:, 20:])
+            assert type(cache.storages[1]).__name__ == "XQuantChainStorage", name
+            out[f"{name}@{family}"] = float((logits[0] - logits[1]).abs().max())
+    return out
+
+
 def main():  # pragma: no cover - run in a subprocess by tests/test_xquant.py
     import json
     import time
@@ -158,6 +202,7 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_xquant.py
     t0 = time.time()
     out = {case[0]: run_case(case) for case in CASES}
     out.update(write_checks())
+    out.update(cross_layer_checks())
     out["seconds"] = time.time() - t0
     print("XQUANT_KERNELS " + json.dumps(out))
 

@@ -78,13 +78,16 @@ if triton is not None:
     @triton.jit
     def _dequant(codes_base, s_base, z_base, t, tm, ch, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,
                  TDIV: tl.constexpr, CDIV: tl.constexpr):
-        """Latent entries [BLOCK_T, C] float32 of tokens t (valid where tm) and channels ch (runtime offsets) of one
-        row: codes_base points at its first code word (raw values for 16 bits), s_base / z_base at its parameters,
+        """Latent entries [BLOCK_T, C] float32 (float64 for float64 raw latents) of tokens t (valid where tm) and
+        channels ch (runtime offsets) of one row: codes_base points at its first code word (raw values for 16 bits), s_base / z_base at its parameters,
         indexed [t // TDIV, ch // CDIV] (per-channel blocks: TDIV = block, CDIV = 1; per-token groups: 1, group)."""
         m2 = tm[:, None]
         row = codes_base + t[:, None] * sct
         if BITS == 16:
-            return tl.load(row + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+            raw = tl.load(row + ch[None, :], mask=m2, other=0.0)
+            if raw.dtype == tl.float64:  # float64 raw latents (XQuant-CL's X^ for float64 queries) stay exact
+                return raw
+            return raw.to(tl.float32)
         else:
             if BITS == 3:  # kvcal/quant/packing.py: groups of 32 codes in three word planes (stream order if 1 group)
                 NG: tl.constexpr = RW // 32

@@ -267,11 +267,13 @@ def _heads_view(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 class XQuantChain:
     """What XQuant-CL's layers share in one cache (SharedState.state(XQuantChain)): each cross-layer layer's storage
-    and packed buffers, and per row the last reconstruction read (layer, tokens, dtype, X^ of that layer)."""
+    and packed buffers, per row the last reconstruction read (layer, tokens, dtype, X^ of that layer), and the decode
+    kernels' X^ of the last layer run."""
 
     def __init__(self):
         self.layers: dict[int, tuple] = {}
         self.last: dict[int, tuple] = {}
+        self.step: dict[int, torch.Tensor] = {}  # the decode kernels' X^ of the layer that ran last (attend_triton)
 
 
 class XQuantChainStorage(Rematerialized, Storage):
@@ -282,8 +284,12 @@ class XQuantChainStorage(Rematerialized, Storage):
     reads); a delta is taken against the reconstruction of the previous layer at the same tokens, which that layer
     wrote earlier in the same forward pass. K = X^_i W_k^T + b_k, V = X^_i W_v^T + b_v with the layer's own weights.
 
-    Torch references only (the reconstruction runs in torch, O(layers) per layer and step): on CUDA the packed
-    cache refuses it in one line and `backend="reference"` runs it on purpose."""
+    Decode on CUDA (attend_triton): the layer's term DQ(Z_i) U_i^T of every slot of every row in one dense product,
+    added to the previous layer's X^ of this step (kept in the chain: the layers of a step run in order; the base
+    starts it), then XQuant's decode kernels on X^_i as an unquantized variant-x latent with R = W^T (keys rebuilt
+    on tensor cores, RoPE in registers). X^ is [B, capacity, hidden] in float32 (float64 for float64 queries): the
+    method's own cost, a hidden-wide rematerialization per layer and step. Writes run the torch reference (the delta
+    of the new tokens against the previous layer's reconstruction)."""
 
     keys_pre_rope = True
     source = "x"
@@ -297,6 +303,7 @@ class XQuantChainStorage(Rematerialized, Storage):
         self.policy = FlushPolicy(residual=residual, block=group_tokens)
         self.u = u  # [hidden, width] float32 (None: X or its delta itself)
         self.w_k = self.w_v = self.b_k = self.b_v = None
+        self._x: XQuantStorage | None = None  # the decode kernels' view of X^ (bind)
         self._cast: dict = {}
 
     @property
@@ -309,11 +316,16 @@ class XQuantChainStorage(Rematerialized, Storage):
                              "--mode simulate")
         self.w_k, self.w_v, self.b_k, self.b_v = projection.w_k, projection.w_v, projection.b_k, projection.b_v
         self._cast.clear()
+        # the decode kernels' view of X^_i: an unquantized variant-x latent (width hidden, R = W^T)
+        self._x = XQuantStorage("x", 16, self.group_tokens, self.group_channels, 0, {}, False, self.hidden)
+        self._x.bind(projection)
 
     def to(self, device):
         if self.u is not None and self.u.device != torch.device(device):
             self.u = self.u.to(device)
         self._cast.clear()
+        if self._x is not None:
+            self._x.to(device)
         return self
 
     def _u(self, dtype) -> torch.Tensor:
@@ -370,9 +382,24 @@ class XQuantChainStorage(Rematerialized, Storage):
             acc = term if acc is None else acc + term
         return acc
 
+    def slot_terms(self, packed, dtype) -> torch.Tensor:
+        """This layer's term DQ(Z) U^T at every slot of every row, [B, capacity, hidden] in dtype (slots past a row's
+        length hold whatever the buffers hold)."""
+        if self.bits == 16:
+            z = packed["v_raw"][:, 0].to(dtype)
+        else:
+            codes, scale, zero = packed["v_codes"][:, 0], packed["v_scale"][:, 0], packed["v_zero"][:, 0]
+            batch, cap = codes.shape[:2]
+            z = dequantize_per_token(codes.reshape(batch * cap, -1), scale.reshape(batch * cap, -1),
+                                     zero.reshape(batch * cap, -1), self.bits, self.width).view(batch, cap, -1)
+            z = z.to(dtype)
+        return z if self.u is None else z @ self._u(dtype).T
+
     # ---- write ------------------------------------------------------------------------------------------------------
-    def kernel_refusal(self) -> str | None:
-        return "xquant cross-layer storage has no Triton kernels"
+    def write_triton(self, packed, x, values, rows, slots):
+        """The torch write (write_reference): a decode step writes one token a row, whose closed-loop delta needs the
+        previous layer's reconstruction at that token."""
+        self.write_reference(packed, x, values, rows, slots)
 
     def write_reference(self, packed, x, values, rows, slots):
         chain = self._register(packed)
@@ -413,8 +440,41 @@ class XQuantChainStorage(Rematerialized, Storage):
         v = v.view(-1, heads, dim).transpose(0, 1)
         return (packed.rotate_keys(k, dtype) if rotate else k), v
 
+    # ---- attend (CUDA) ----------------------------------------------------------------------------------------------
+    def _chain_x(self, packed, dtype) -> torch.Tensor:
+        """X^ of this layer at every slot: the previous layer's of this step plus this layer's term (the base: its
+        term; a layer whose predecessor has not run this step: the walk from the base)."""
+        chain = self._register(packed)
+        steps = packed.shared.state(XQuantChain).step
+        prev = steps.get(self.layer - 1) if self.layer > self.base else None
+        term = self.slot_terms(packed, dtype)
+        if self.layer == self.base:
+            acc = term
+        elif prev is not None and prev.shape == term.shape and prev.dtype == dtype:
+            acc = prev.to(term.device) + term  # a model split over devices: the previous layer's X^ moves
+        else:
+            acc = term
+            for j in range(self.layer - 1, self.base - 1, -1):
+                storage, below = chain[j]
+                acc = acc + storage.slot_terms(below, dtype).to(acc.device)
+        steps.clear()
+        if self.layer < max(chain):  # the last cross-layer layer's X^ is never read: not kept between steps
+            steps[self.layer] = acc
+        return acc
+
+    def supports_triton(self, q, packed):
+        if self._x is None:
+            return "xquant cross-layer storage not bound to its layer's weights"
+        return xquant_kernels.unsupported(self._x, q, dataclasses.replace(packed, buffers={}))
+
+    def attend_triton(self, q, packed, scale, fp, **knobs):
+        x_hat = self._chain_x(packed, torch.float64 if q.dtype == torch.float64 else torch.float32)
+        view = dataclasses.replace(packed, buffers={"v_raw": x_hat[:, None]})
+        return xquant_kernels.attend_triton(self._x, q, view, scale, fp, **knobs)
+
     def fill_synthetic(self, packed, generator):
-        raise KvcalError("xquant cross-layer storage has no kernels to benchmark")
+        raise KvcalError("xquant cross-layer storage has no synthetic fill: benchmark it on a calibrated model "
+                         "(kvcal bench generate --artifact)")
 
 
 class XQuantMath:

@@ -666,7 +666,7 @@ def search_command(
     from kvcal.eval.ppl import PROTOCOLS
     from kvcal.eval.simulate import tail_layout
     from kvcal.models import check_model_args, load_model
-    from kvcal.models.dims import model_dims
+    from kvcal.models.dims import DimsNeedTheModel, model_dims
     from kvcal.search import (
         PasskeyGrid,
         Plan,
@@ -747,10 +747,8 @@ def search_command(
 
     try:  # the shapes without loading the model, so that a budget nothing fits is said before it loads
         planned = plan_candidates(model_dims(model))
-    except KvcalError as exc:
-        if "comes from the Hub" not in str(exc):
-            raise
-        planned = None  # a Hub model: its shapes come with it
+    except DimsNeedTheModel:
+        planned = None  # a Hub model or a GGUF in parts: its shapes come with it
     folder = out or Path("search") / Path(model).name
     check_writable(folder, folder=True, flag="--out")
     if plot is not None:

@@ -157,6 +157,29 @@ def test_nothing_fits_before_the_model_loads(monkeypatch):
     assert candidates == [] and min(s.get("bits", 99) for s in skipped) > 0.01
 
 
+def test_a_model_whose_shapes_need_loading_is_planned_after_the_load(text_file, monkeypatch):
+    """A model whose shapes model_dims cannot read without loading it (a GGUF in parts, such as
+    qwen2.5-coder-0.5b's, or a Hub config) is planned once it is loaded: the search goes on to its budget check."""
+    from typer.testing import CliRunner
+
+    import kvcal.models
+    import kvcal.models.dims as dims_module
+    from kvcal.cli import app
+
+    def parts(name):
+        raise dims_module.DimsNeedTheModel(f"{name} is one GGUF file in 6 parts, whose dims are not read without "
+                                           "joining them")
+
+    loads = []
+    real = kvcal.models.load_model
+    monkeypatch.setattr(dims_module, "model_dims", parts)
+    monkeypatch.setattr(kvcal.models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    result = CliRunner().invoke(app, ["search", "--model", "tiny-llama", "--bits", "0.01", "--dataset", str(text_file),
+                                      "--device", "cpu"])
+    assert result.exit_code != 0 and loads and loads[0][0] == "tiny-llama"
+    assert "no recipe fits 0.010 bits per element on tiny-llama" in str(result.exception), result.output
+
+
 @pytest.fixture(scope="module")
 def passkey_searched(searched, text_file, tmp_path_factory):
     """The search of `searched` run again on a copy of its folder, with a passkey grid: only the grid runs."""

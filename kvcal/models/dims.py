@@ -21,6 +21,11 @@ from kvcal.models.tiny import llama31_8b_config, tiny_config
 from kvcal.quant.rope import RopeSpec
 
 
+class DimsNeedTheModel(KvcalError):
+    """model_dims cannot read these shapes without loading the model (its config on the Hub, a GGUF in parts): a
+    command that only plans before loading (kvcal search) plans after the load instead."""
+
+
 def model_dims(name: str) -> ModelDims:
     """The ModelDims of a model alias, a local single-file .gguf or a local Hugging Face folder, from its config alone
     (a GGUF header gives the rope theta but not a rope scaling: the shapes are what this is for). A model whose config
@@ -33,11 +38,11 @@ def model_dims(name: str) -> ModelDims:
     if spec is not None and spec.kind == "gguf":
         parts, _ = package_parts(spec)
         if len(parts) > 1:
-            raise KvcalError(f"{name} is one GGUF file in {len(parts)} parts, whose dims are not read without "
+            raise DimsNeedTheModel(f"{name} is one GGUF file in {len(parts)} parts, whose dims are not read without "
                              "joining them: use --model smollm2-135m, a tiny model or a local model folder")
         return gguf_dims(parts[0])
     if spec is not None:
-        raise KvcalError(f"{name}'s config comes from the Hub ({spec.source}): give its local folder instead")
+        raise DimsNeedTheModel(f"{name}'s config comes from the Hub ({spec.source}): give its local folder instead")
     path = Path(name)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return gguf_dims(path)

@@ -412,3 +412,25 @@ def test_compress_local_compresses_the_sliding_window_layers_too(text_file, tmp_
         run = kvcal(*args)
         assert run.returncode == 2 and run.stderr.strip().startswith("error:") and needle in run.stderr
         assert "\n" not in run.stderr.strip(), run.stderr
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_greedy_decoding_through_the_cache_of_a_hybrid_model(name):
+    """kvcal generate / eval passkey's decode loop on a model whose first layer is local (a LosslessLayer, no kernels
+    to ask for): greedy tokens through kvcal's cache (torch references, as on a CPU) equal transformers' generate on
+    the same cache, and the cache says why its steps are not graph-captured."""
+    from kvcal.methods import build_method
+    from kvcal.models.adapter import cache_kwargs
+    from kvcal.runtime.cache import KvcalCache
+    from kvcal.runtime.graph import greedy_decode
+
+    loaded = load_model(name)
+    storages = build_method("rtn", {"bits": 4}).build_storages({}, loaded.dims)
+    prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    cache = KvcalCache(storages, loaded.dims.num_layers, backend="reference")
+    ours = greedy_decode(loaded, cache, prompt, 6, None, "auto")
+    assert type(cache.layers[0]).__name__ == "LosslessLayer"
+    assert "synchronize with the host" in cache.graph_refusal()
+    stock = loaded.model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=258,
+                                  **cache_kwargs(loaded.model, KvcalCache(storages, loaded.dims.num_layers)))
+    assert ours["tokens"][0].tolist() == stock[0, 20:].tolist()

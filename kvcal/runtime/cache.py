@@ -743,7 +743,8 @@ class KvcalCache(Cache):
     def graph_refusal(self) -> str | None:
         """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each
         row's length on the host every step, which a capture forbids (they still run static steps eagerly)."""
-        if not self.storages.lossless and self.layers[0].kernels_asked is False:
+        # a hybrid model's local layers are LosslessLayers (no kernels to ask for): the packed layers decide
+        if not self.storages.lossless and any(getattr(layer, "kernels_asked", None) is False for layer in self.layers):
             return "the torch references (backend reference) synchronize with the host at every step"
         return None
 

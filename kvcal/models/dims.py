@@ -38,8 +38,9 @@ def model_dims(name: str) -> ModelDims:
     if spec is not None and spec.kind == "gguf":
         parts, _ = package_parts(spec)
         if len(parts) > 1:
-            raise DimsNeedTheModel(f"{name} is one GGUF file in {len(parts)} parts, whose dims are not read without "
-                             "joining them: use --model smollm2-135m, a tiny model or a local model folder")
+            raise DimsNeedTheModel(f"{name} is one GGUF file in {len(parts)} parts, whose dims are not read "
+                                   "without joining them: use --model smollm2-135m, a tiny model or a local model "
+                                   "folder")
         return gguf_dims(parts[0])
     if spec is not None:
         raise DimsNeedTheModel(f"{name}'s config comes from the Hub ({spec.source}): give its local folder instead")

@@ -222,6 +222,16 @@ def test_cross_layer_simulation_equals_decode_through_the_packed_storage(name, f
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
 
 
+def test_cross_layer_decode_steps_are_not_graph_captured():
+    """The cross-layer chain hands X^ from one layer's step to the next: the cache captures no step graphs for it and
+    says why (generation then runs eager steps); other XQuant storages keep their step graphs."""
+    loaded = load_model("tiny-llama", "float64")
+    cache = KvcalCache(codec_of(loaded, **CROSS["cl-svd"], bits=2), 2, kernels=True)
+    assert "cross-layer" in cache.graph_refusal() and all(layer.graph_pool is None for layer in cache.layers)
+    plain = KvcalCache(codec_of(loaded, variant="svd", bits=2), 2, kernels=True)
+    assert plain.graph_refusal() is None and all(layer.graph_pool is not None for layer in plain.layers)
+
+
 def test_cross_layer_left_padded_row_equals_the_row_alone():
     """generate() through the cross-layer packed storage: a left-padded row gives what it gives alone (rows are
     rebuilt across layers at their own slots)."""

@@ -89,6 +89,8 @@ def run_case(loaded, name: str, method, storages, batch: int, context: int, step
 def capture_refusal(loaded, storages) -> str | None:
     """Why decode steps of `storages` cannot be captured in a CUDA graph (None when they can): a tiny synthetic
     cache is asked, so the answer is the storages', not a batch size's."""
+    if storages.graph_refusal:
+        return storages.graph_refusal
     cache = KvcalCache(storages, loaded.dims.num_layers)
     cache.fill_synthetic(1, 256, loaded.dims, loaded.dtype, loaded.device, headroom=1)
     try:

@@ -705,7 +705,7 @@ class KvcalCache(Cache):
             layers = [PackedLayer(i, s, kernels, capacity_hint, self.shared) for i, s in enumerate(storages)]
             # step graphs replay the Triton kernels only: the torch references synchronize with the host (lengths
             # read per row), which a capture forbids
-            pool = GraphPool() if step_graphs and kernels is not False else None
+            pool = GraphPool() if step_graphs and kernels is not False and storages.graph_refusal is None else None
             for layer in layers:
                 layer.graph_pool = pool
         super().__init__(layers=layers)
@@ -743,6 +743,8 @@ class KvcalCache(Cache):
     def graph_refusal(self) -> str | None:
         """Why this cache's decode steps cannot be captured in a CUDA graph, or None: the torch references read each
         row's length on the host every step, which a capture forbids (they still run static steps eagerly)."""
+        if self.storages.graph_refusal:
+            return self.storages.graph_refusal
         # a hybrid model's local layers are LosslessLayers (no kernels to ask for): the packed layers decide
         if not self.storages.lossless and any(getattr(layer, "kernels_asked", None) is False for layer in self.layers):
             return "the torch references (backend reference) synchronize with the host at every step"

@@ -192,6 +192,8 @@ class Storage:
     # layer's attention inputs [M, 1, hidden] (a storage that rebuilds keys and values from them)
     source: str = "kv"
     lossless: bool = False  # nothing is compressed (the fp16 baseline: the cache keeps plain K/V)
+    # why this storage's decode steps are not captured in CUDA graphs (None: they are, where the kernels run)
+    graph_refusal: str | None = None
     remaps_scores: bool = False  # remap_scores is not the identity
     # non-empty for a storage that compresses a span only as a whole (its statistics span the block it is given):
     # no token-by-token flush rule, so the tail protocol only; the string says why, as the one-line refusal
@@ -419,6 +421,7 @@ class Storages(tuple):
     lossless = property(lambda self: self[0].lossless)
     remaps_scores = property(lambda self: self[0].remaps_scores)
     bulk_only = property(lambda self: self[0].bulk_only)
+    graph_refusal = property(lambda self: next((s.graph_refusal for s in self if s.graph_refusal), None))
 
     def kernel_refusal(self) -> str | None:
         """Why some layer has no Triton kernels (None: all have)."""

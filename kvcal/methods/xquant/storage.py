@@ -293,6 +293,8 @@ class XQuantChainStorage(Rematerialized, Storage):
 
     keys_pre_rope = True
     source = "x"
+    graph_refusal = ("xquant cross-layer layers hand X^ from one layer's decode step to the next, which per-layer "
+                     "CUDA graphs do not capture")
 
     def __init__(self, layer: int, base: int, bits: int, group_tokens: int, group_channels: int, residual: int,
                  hidden: int, u: torch.Tensor | None = None):
@@ -462,6 +464,18 @@ class XQuantChainStorage(Rematerialized, Storage):
             steps[self.layer] = acc
         return acc
 
+    def fill_synthetic(self, packed, generator):
+        """Random codes, scales and zeros (Storage's); unbound (a benchmark without the model's prefill) it gets random
+        weights of the layer's shapes, as variant x does."""
+        if self._x is None:
+            from kvcal.models.adapter import KVProjection
+
+            shape = (packed.heads * packed.dim, self.hidden)
+            w_k, w_v = (torch.randn(shape, generator=generator, device=generator.device) / self.hidden**0.5
+                        for _ in range(2))
+            self.bind(KVProjection(w_k, None, w_v, None, False))
+        super().fill_synthetic(packed, generator)
+
     def supports_triton(self, q, packed):
         if self._x is None:
             return "xquant cross-layer storage not bound to its layer's weights"
@@ -472,9 +486,6 @@ class XQuantChainStorage(Rematerialized, Storage):
         view = dataclasses.replace(packed, buffers={"v_raw": x_hat[:, None]})
         return xquant_kernels.attend_triton(self._x, q, view, scale, fp, **knobs)
 
-    def fill_synthetic(self, packed, generator):
-        raise KvcalError("xquant cross-layer storage has no synthetic fill: benchmark it on a calibrated model "
-                         "(kvcal bench generate --artifact)")
 
 
 class XQuantMath:

@@ -3,7 +3,7 @@
 128, 32 query heads, bf16, 128-token window) with a stand-in Triton driver that compiles every launch for sm_90
 (GPUTarget("cuda", 90, 32)) instead of running it. For each kernel it prints ptxas's registers and stack (spills) per
 thread, shared memory, and the instruction mix of the main loop's SASS (the bundled cuobjdump; the longest loop, as
-benchmarks/xquant_kernel_sass.py's loop_mix finds it: one 16-token tile of KVQuant's lookup-table path, one 32-token
+benchmarks/sass.py finds it: one 16-token tile of KVQuant's lookup-table path, one 32-token
 tile of RTN's fragment kernel), then the bytes each packed token reads or writes per KV head, by stream:
 
     python benchmarks/kvquant_kernel_sass.py
@@ -15,13 +15,9 @@ The host's choices that depend on the device (prefetch eligibility, the split co
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver as _driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from benchmarks.xquant_kernel_sass import CUOBJDUMP  # noqa: E402  (imports triton without TRITON_INTERPRET)
+from benchmarks.sass import cubin_report, instructions, loop_mix  # noqa: E402
 from kvcal.runtime import kernels as K  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -69,37 +65,13 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 
 
 def sass_of(kernel) -> dict:
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    total = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))
-    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)), "shared_bytes": kernel.metadata.shared,
-            "warps": kernel.metadata.num_warps, "sass_total": total, "loop": loop_ops(sass)}
+    registers, stack, sass = cubin_report(kernel.asm["cubin"])
+    return {"registers": registers, "stack_bytes": stack, "shared_bytes": kernel.metadata.shared,
+            "warps": kernel.metadata.num_warps, "sass_total": len(instructions(sass)), "loop": loop_mix(sass, LOOP_OPS)}
 
 
 LOOP_OPS = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "LDL", "STL", "STG", "HMMA", "SHFL", "PRMT", "SHF", "LOP3", "IMAD",
             "HFMA2", "HMUL2", "FMUL", "FFMA", "FADD", "F2FP", "MUFU", "BAR")
-
-
-def loop_ops(sass: str, names=LOOP_OPS) -> dict:
-    """Opcode counts of the longest loop (a backward branch's body, as xquant_kernel_sass.loop_mix finds it): its
-    length and the given opcodes (a tile of the decode kernels' main loop)."""
-    flat = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in flat]
-    best: list[str] = []
-    for i, line in enumerate(flat):
-        m = re.search(r"BRA\s+0x([0-9a-f]+)", line)
-        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
-            body = flat[addr.index(int(m.group(1), 16)):i + 1]
-            best = body if len(body) > len(best) else best
-    ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0]
-                              for b in best)
-    return {"instructions": len(best), **{n: ops[n] for n in names}}
 
 
 def _step(dtype=torch.bfloat16):

@@ -15,13 +15,9 @@ main loop's SASS (the longest backward branch's body: one token tile, per warp),
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,7 +30,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
-CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+from benchmarks.sass import cubin_report, loops, opcodes  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)
 # skvq-k2v2-g32-w128 on Llama-3.1-8B: 1024 channels per layer in 32 k-means groups; rtn-int2: one group per head
 CONFIGS = [
@@ -92,16 +89,11 @@ def caught_launches(call) -> list:
 
 
 def compile_sass(fn, signature, constexprs, attrs, options):
-    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=TARGET, options=options.__dict__)
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    return k.metadata.shared, usage, sass
+    """(registers, stack bytes, shared bytes, SASS) of the kernel compiled for TARGET."""
+    k = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                       options=options.__dict__)
+    registers, stack, sass = cubin_report(k.asm["cubin"])
+    return registers, stack, k.metadata.shared, sass
 
 
 KEEP = ("LDG", "LDS", "LDSM", "STS", "SHFL", "LDL", "STL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "HFMA2", "HMUL2",
@@ -109,35 +101,8 @@ KEEP = ("LDG", "LDS", "LDSM", "STS", "SHFL", "LDL", "STL", "HMMA", "HGMMA", "FFM
         "BAR", "MOV")
 
 
-def loops(sass: str) -> list[list[str]]:
-    """Every loop body (a backward branch's range) of the SASS, longest first."""
-    flat = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in flat]
-    bodies = []
-    for i, line in enumerate(flat):
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", line)
-        if m and m.group(1) and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
-            bodies.append(flat[addr.index(int(m.group(1), 16)):i + 1])
-    if not bodies:  # labels instead of addresses: match `(.L_x_N)` targets to their label lines
-        labels = {}
-        lines = sass.splitlines()
-        pos = 0
-        for line in lines:
-            lab = re.match(r"\.L_x_(\d+):", line.strip())
-            if lab:
-                labels[lab.group(1)] = pos
-            elif re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
-                pos += 1
-        for i, line in enumerate(flat):
-            m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", line)
-            if m and m.group(1) in labels and labels[m.group(1)] <= i:
-                bodies.append(flat[labels[m.group(1)]:i + 1])
-    return sorted(bodies, key=len, reverse=True)
-
-
 def mix(body: list[str]) -> dict:
-    ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0]
-                              for b in body)
+    ops = opcodes(body)
     return {"instructions": len(body), **{k: ops[k] for k in KEEP if ops[k]},
             "other": len(body) - sum(ops[k] for k in KEEP)}
 
@@ -176,13 +141,12 @@ def run(cfg: dict) -> list[dict]:
         if name in seen or name == "_fp_kernel":
             continue
         seen.add(name)
-        shared, usage, sass = compile_sass(fn, sig, consts, attrs, opts)
-        m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        registers, stack, shared, sass = compile_sass(fn, sig, consts, attrs, opts)
         bodies = loops(sass)
         block_t = next((v for k, v in consts.items() if fn.arg_names[k[0]] == "BLOCK_T"), None)
         body = mix(bodies[0]) if bodies else {}
-        row = {"kernel": name, "warps": opts.num_warps, "block_t": block_t, "registers": int(m.group(1)),
-               "stack_bytes": int(m.group(2)), "shared_bytes": shared, "loop": body}
+        row = {"kernel": name, "warps": opts.num_warps, "block_t": block_t, "registers": registers,
+               "stack_bytes": stack, "shared_bytes": shared, "loop": body}
         if body and block_t:  # the loop's instructions are each warp's: x warps for the program's
             row["warp_instructions_per_token"] = round(body["instructions"] * opts.num_warps / block_t, 1)
         out.append(row)

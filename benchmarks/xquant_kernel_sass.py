@@ -10,13 +10,9 @@ ptxas's registers and stack (spills) per thread, shared memory, and the instruct
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,9 +22,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from benchmarks.sass import cubin_report, loop_mix  # noqa: E402
 from kvcal.methods.xquant import kernels as X  # noqa: E402
 
-CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 CONFIGS = [
     {"kernel": "scores", "hb": 1, "block_t": 128, "warps": 8},
     {"kernel": "scores", "hb": 2, "block_t": 128, "warps": 8},
@@ -51,30 +47,11 @@ def compile_sass(fn, types: dict, consts: dict, warps: int, stages: int, maxnreg
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    return k.metadata.shared, usage, sass
+    registers, stack, sass = cubin_report(k.asm["cubin"])
+    return registers, stack, k.metadata.shared, sass
 
 
-def loop_mix(sass: str) -> dict:
-    """Opcode counts of the longest loop (a backward branch's body) of the SASS."""
-    flat = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in flat]
-    best: list[str] = []
-    for i, line in enumerate(flat):
-        m = re.search(r"BRA\s+0x([0-9a-f]+)", line)
-        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
-            body = flat[addr.index(int(m.group(1), 16)):i + 1]
-            best = body if len(body) > len(best) else best
-    ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0]
-                              for b in best)
-    keep = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "LDL", "STL", "HGMMA", "HMMA", "FFMA", "I2FP", "F2FP", "BAR")
-    return {"instructions": len(best), **{k: ops[k] for k in keep if ops[k]}}
+KEEP = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "LDL", "STL", "HGMMA", "HMMA", "FFMA", "I2FP", "F2FP", "BAR")
 
 
 def run(cfg: dict) -> dict:
@@ -100,10 +77,10 @@ def run(cfg: dict) -> dict:
         fn = X._values_tc_kernel
     if cfg:
         raise ValueError(f"unknown keys {sorted(cfg)}")
-    shared, usage, sass = compile_sass(fn, types, consts, warps, stages, maxnreg)
-    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)), "shared_bytes": shared,
-            "loop": loop_mix(sass)}
+    registers, stack, shared, sass = compile_sass(fn, types, consts, warps, stages, maxnreg)
+    mix = loop_mix(sass, KEEP)
+    return {"registers": registers, "stack_bytes": stack, "shared_bytes": shared,
+            "loop": {k: v for k, v in mix.items() if v or k == "instructions"}}
 
 
 def main() -> None:

@@ -18,6 +18,18 @@ def stock_model(name):
     return build_random_model(tiny_config(name.removeprefix("tiny-")), torch.float32, "cpu", 0, "eager")
 
 
+def simulated_layer_outputs(loaded, storages, ids) -> list:
+    """Each attention layer's output in the gptq simulation of `ids` through `storages`."""
+    from kvcal.eval.simulate import SimulatedAttention
+
+    outputs, handler = [], SimulatedAttention(storages)
+    real = handler.attend
+    handler.attend = lambda inp: outputs.append(real(inp)) or outputs[-1]
+    with torch.inference_mode(), loaded.adapter.use(handler):
+        loaded.model(ids, use_cache=False)
+    return outputs
+
+
 def max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -167,7 +179,6 @@ def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(
     import dataclasses
 
     from kvcal.eval.ppl import simulated_nll
-    from kvcal.eval.simulate import SimulatedAttention
     from kvcal.methods import build_method
     from kvcal.models.adapter import forward_with_cache
     from kvcal.models.loaded import GLOBAL, LOCAL
@@ -190,21 +201,13 @@ def test_hybrid_models_keep_their_layer_pattern_and_compress_only_global_layers(
     got = simulated_nll(loaded, fp16, ids, batch_size=2)
     assert abs(got.nll / got.tokens - want) < 1e-5
 
-    def layer_outputs(storages):
-        outputs, handler = [], SimulatedAttention(storages)
-        real = handler.attend
-        handler.attend = lambda inp: outputs.append(real(inp)) or outputs[-1]
-        with torch.inference_mode(), loaded.adapter.use(handler):
-            loaded.model(ids, use_cache=False)
-        return outputs
-
-    exact, compressed = layer_outputs(fp16), layer_outputs(rtn)
+    exact, compressed = simulated_layer_outputs(loaded, fp16, ids), simulated_layer_outputs(loaded, rtn, ids)
     assert torch.equal(compressed[0], exact[0])  # layer 0 is local: its window stays exact
     assert not torch.allclose(compressed[-1], exact[-1], atol=1e-3)  # the last is global: 2-bit RTN shows
     global_dims = dataclasses.replace(dims, layer_types=(GLOBAL,) * dims.num_layers)
     loaded.adapter.dims = global_dims  # the same model with every layer global: layer 0 is compressed too
     try:
-        assert not torch.allclose(layer_outputs(rtn)[0], exact[0], atol=1e-3)
+        assert not torch.allclose(simulated_layer_outputs(loaded, rtn, ids)[0], exact[0], atol=1e-3)
     finally:
         loaded.adapter.dims = dims
     # the runtime cache: a local layer attends to its window of exact tokens, a global one through the method;
@@ -346,7 +349,6 @@ def test_compress_local_compresses_the_sliding_window_layers_too(text_file, tmp_
     import sys
 
     from kvcal.accounting import bits_per_element
-    from kvcal.eval.simulate import SimulatedAttention
     from kvcal.methods import build_method
     from kvcal.models.dims import model_dims
     from kvcal.models.loaded import GLOBAL
@@ -357,26 +359,18 @@ def test_compress_local_compresses_the_sliding_window_layers_too(text_file, tmp_
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
     fp16, rtn = build_method("fp16").build_storages({}, dims), build_method("rtn", {"bits": 2}).build_storages({}, dims)
 
-    def layer_outputs(storages):
-        outputs, handler = [], SimulatedAttention(storages)
-        real = handler.attend
-        handler.attend = lambda inp: outputs.append(real(inp)) or outputs[-1]
-        with torch.inference_mode(), loaded.adapter.use(handler):
-            loaded.model(ids, use_cache=False)
-        return outputs
-
-    exact = layer_outputs(fp16)
+    exact = simulated_layer_outputs(loaded, fp16, ids)
     rtn.compress_local = True
-    local_too = layer_outputs(rtn)
+    local_too = simulated_layer_outputs(loaded, rtn, ids)
     rtn.compress_local = False
     loaded.adapter.dims = dataclasses.replace(dims, layer_types=(GLOBAL,) * dims.num_layers)
     try:
-        all_global = layer_outputs(rtn)
+        all_global = simulated_layer_outputs(loaded, rtn, ids)
     finally:
         loaded.adapter.dims = dims
     assert all(torch.equal(a, b) for a, b in zip(local_too, all_global))
     assert not torch.allclose(local_too[0], exact[0], atol=1e-3)
-    assert torch.equal(layer_outputs(rtn)[0], exact[0])  # the flag off again: the local layer exact
+    assert torch.equal(simulated_layer_outputs(loaded, rtn, ids)[0], exact[0])  # the flag off: local exact again
 
     dims = model_dims("tiny-gemma3")  # local, local, global; window 8
     method = build_method("rtn", {"bits": 4})

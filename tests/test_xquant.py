@@ -7,6 +7,8 @@ Expected numbers come from hand computations written out in each test, not from 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -422,6 +424,63 @@ def test_packed_cache_on_gpu_kernels_graphs_and_references(config):
     assert caches[0].layers[0].compressed == [384] * 3  # a block of 128 flushed during the steps
     # the same on a 1-layer CPU model under the interpreter (head_dim 64, blocks of 16): 1.0e-2 (svd2), 1.3e-2 (x4),
     # bf16 rounding of a random model's logits
+    assert worst < 5e-2
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter")
+@pytest.mark.parametrize("prec", [16, 32, 64])
+def test_raw_latent_kernels_compile_for_sm90(prec):
+    """XQuant-CL hands X^ to the decode kernels as raw 16-bit-view latents (float32; float64 for float64 queries):
+    the score and value kernels compile for sm_90 at each query precision with the launch's default tiles. The
+    interpreter runs the kernels as Python and accepts what the compiler refuses (two return types in one function)."""
+    from benchmarks.xquant_kernel_sass import compile_sass
+    from kvcal.methods.xquant import kernels as X
+
+    # attend_triton's operands: queries and R_k in fp16 (prec 16) or the queries' dtype, everything else in the
+    # accumulator's dtype; raw latents in float32, or float64 for float64 queries
+    operand, acc = {16: ("*fp16", "*fp32"), 32: ("*fp32", "*fp32"), 64: ("*fp64", "*fp64")}[prec]
+    codes = "*fp64" if prec == 64 else "*fp32"
+    bt, chunk, vbt, vc = {16: (128, 64, 64, 64), 32: (32, 32, 64, 64), 64: (16, 16, 16, 32)}[prec]
+    types = dict(codes_ptr=codes, sc_ptr="*fp16", zc_ptr="*fp16", ko_ptr=operand, zs_ptr=operand, rk_ptr=operand,
+                 bias_ptr=acc, cos_ptr=acc, sin_ptr=acc, len_ptr="*i32", q_ptr=acc if prec != 16 else operand,
+                 out_ptr=acc, QSCALE="fp32")
+    consts = dict(BITS=16, RW=1024, TDIV=128, CDIV=1, OUTLIER=0, STAGED=0, HAS_BIAS=1, D=128, G=4, GP=16, HB=1,
+                  BLOCK_T=bt, CHUNK=chunk, INTERP=False, PREC=prec)
+    registers, _, shared, _ = compile_sass(X._scores_tc_kernel, types, consts, max(4, bt * 128 // 2048), 2, None)
+    assert 0 < registers <= 255 and shared <= 232 * 1024
+    types = dict(codes_ptr=codes, sc_ptr="*fp16", zc_ptr="*fp16", s_ptr=acc, len_ptr="*i32", lat_ptr=acc,
+                 m_ptr=acc, l_ptr=acc)
+    consts = dict(BITS=16, RW=1024, CDIV=128, HQ=32, HQP=32, BLOCK_T=vbt, VC=vc, INTERP=False, PREC=prec)
+    registers, _, shared, _ = compile_sass(X._values_tc_kernel, types, consts, 4, 2, None)
+    assert 0 < registers <= 255 and shared <= 232 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cross_layer_kernels_on_gpu():
+    """XQuant-CL decoding through the compiled kernels: float64 logits equal the torch references' (the interpreter
+    case of the CPU suite, run on the GPU), and a bf16 model at Llama's head shapes decodes 100 steps (a block flush
+    among them) within bf16 rounding of the references."""
+    from tests.xquant_kernel_cases import cross_layer_checks
+
+    errors = cross_layer_checks(device="cuda")
+    assert len(errors) == 4 and all(v < 5e-8 for v in errors.values()), errors
+    loaded = _small_llama_cuda(torch.bfloat16)
+    method = build_method("xquant", {"variant": "svd", "cross_layer": True, "base_layer": 0, "bits": 2,
+                                     "group_channels": 64})
+    codec = method.build_storages(method.calibrate(loaded, None)[0], loaded.dims)
+    prompt = torch.randint(0, 512, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    caches = [KvcalCache(codec, 2, kernels=True), KvcalCache(codec, 2, backend="reference")]
+    assert "cross-layer" in caches[0].graph_refusal()
+    with torch.inference_mode():
+        for cache in caches:
+            forward_with_cache(loaded.model, prompt, cache)
+        ids, worst = prompt[:, -1:], 0.0
+        for _ in range(100):
+            launched, ref = (forward_with_cache(loaded.model, ids, c).logits.float() for c in caches)
+            worst = max(worst, float(((launched - ref).norm(dim=-1) / ref.norm(dim=-1)).max()))
+            ids = ref[:, -1:].argmax(-1)
+    assert caches[0].layers[1].compressed == [384] * 3  # a block of 128 flushed during the steps
     assert worst < 5e-2
 
 

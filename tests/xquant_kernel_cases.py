@@ -157,7 +157,7 @@ CROSS_LAYER_CASES = [  # (name, xquant config over tiny groups): the cross-layer
 ]
 
 
-def cross_layer_checks() -> dict:
+def cross_layer_checks(device: str = "cpu") -> dict:
     """XQuant-CL through kvcal's packed cache with Triton kernels (the chain of X^ rebuilt per step, the decode
     kernels on it) against the same cache on the torch references: random 3-layer llama and qwen2 (k/v bias) models
     with the tiny models' shapes but head_dim 32 (the kernels' smallest), float64, a 21-token prefill of two rows (one
@@ -169,13 +169,13 @@ def cross_layer_checks() -> dict:
     from kvcal.runtime.cache import KvcalCache
 
     out = {}
-    ids = torch.randint(0, 256, (2, 27), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, 256, (2, 27), generator=torch.Generator().manual_seed(7)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     for family in ("llama", "qwen2"):
         base = {k: v for k, v in tiny_config(family).to_dict().items() if k != "layer_types"}
         config = type(tiny_config(family))(**{**base, "head_dim": 32, "num_hidden_layers": 3})
-        loaded = LoadedModel(f"small-{family}", build_random_model(config, torch.float64, "cpu"), byte_tokenizer(),
+        loaded = LoadedModel(f"small-{family}", build_random_model(config, torch.float64, device), byte_tokenizer(),
                              ModelDims.from_config(config))
         install_adapter(loaded)
         for name, config in CROSS_LAYER_CASES:

@@ -85,9 +85,9 @@ if triton is not None:
         row = codes_base + t[:, None] * sct
         if BITS == 16:
             raw = tl.load(row + ch[None, :], mask=m2, other=0.0)
-            if raw.dtype == tl.float64:  # float64 raw latents (XQuant-CL's X^ for float64 queries) stay exact
-                return raw
-            return raw.to(tl.float32)
+            if raw.dtype != tl.float64:  # a static branch (one return: the compiler wants one type); float64 raw
+                raw = raw.to(tl.float32)  # latents (XQuant-CL's X^ for float64 queries) stay exact
+            return raw
         else:
             if BITS == 3:  # kvcal/quant/packing.py: groups of 32 codes in three word planes (stream order if 1 group)
                 NG: tl.constexpr = RW // 32

@@ -43,7 +43,7 @@ def main():
     text, windows = load_eval_windows(loaded.tokenizer, "wikitext2", os.environ.get("KVCAL_DATA_DIR"), a.seqlen,
                                       a.nsamples)
     store = capture(loaded, windows, {"x", "k", "v"})
-    weights = kv_projection_weights(loaded.model)
+    weights = kv_projection_weights(loaded.model, loaded.dims)
     layers, previous = [], None
     hits = {k: 0 for k in TOP_K}
     head_hits = {k: 0 for k in TOP_K}

@@ -6,7 +6,8 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.models import ModelDims, load_model
 
-FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-olmo2",
+            "tiny-phi3"]
 UNIFORM = [name for name in FAMILIES if "gemma" not in name]  # every layer global: kvcal's caches serve them
 HYBRID = ["tiny-gemma2", "tiny-gemma3"]  # sliding-window and global layers
 
@@ -78,6 +79,31 @@ def test_unsupported_model_type_is_one_line_error():
         ModelDims.from_config(GPT2Config())
     message = str(err.value)
     assert "gpt2" in message and "llama" in message and "\n" not in message
+
+
+def test_phi3_and_olmo2_configs_kvcal_cannot_serve_are_refused_in_one_line():
+    """Phi-3 loads where its attention is what kvcal's caches compute: a window shorter than the context (Phi-3 4k
+    models: 2047), LongRoPE (the 128k models and Phi-3.5) and partial rotary embeddings are refused; a window at
+    least as long as the context slides over nothing and is not refused for itself."""
+    from transformers import Phi3Config
+
+    from kvcal.models.tiny import tiny_config
+
+    cases = [(dict(sliding_window=2047, max_position_embeddings=4096), "sliding-window attention (phi3, window 2047)"),
+             (dict(sliding_window=262144, max_position_embeddings=131072,
+                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                                 "original_max_position_embeddings": 4096}), "unsupported rope type 'longrope'"),
+             (dict(partial_rotary_factor=0.75), "partial rotary embeddings are not supported")]
+    base = {k: v for k, v in tiny_config("phi3").to_dict().items() if k in Phi3Config().to_dict()}
+    for change, message in cases:
+        config = Phi3Config(**{**base, **change})
+        with pytest.raises(KvcalError) as err:
+            ModelDims.from_config(config)
+        assert message in str(err.value) and "\n" not in str(err.value), (change, str(err.value))
+    dims = ModelDims.from_config(Phi3Config(**{**base, "sliding_window": 8192, "max_position_embeddings": 4096}))
+    assert dims.fused_qkv and dims.sliding_window is None and not dims.qk_norm
+    olmo = ModelDims.from_config(tiny_config("olmo2"))
+    assert olmo.qk_norm and olmo.qk_norm_scope == "projection" and not olmo.fused_qkv
 
 
 def test_unknown_model_name():

@@ -521,6 +521,36 @@ def test_fused_attention_through_the_storage_equals_decode_rope_dot(tiny):
         assert scores.abs().max() > 1  # teeth: scores far from zero
 
 
+def test_sixteen_bit_queries_read_the_codewords_rounded_to_fp16(tiny):
+    """Decoding for fp16/bf16 queries uses each key codeword rounded to fp16 (what the decode kernels gather), float32
+    and float64 queries the exact codewords: the storage's attention for bf16 queries equals, bit for bit, that of a
+    storage whose codebooks were rounded to fp16 beforehand, and for float32 queries it does not; keys read back
+    in bf16 are the rounded codewords' keys; the simulation's round trip of a bf16 key follows the same rule."""
+    from kvcal.methods.commvq.storage import decode_keys, from_rows
+
+    dims = tiny.dims
+    method = CommVQ(bits=2, key_codes=12, key_stages=3, key_group_pairs=4)
+    tensors = random_tensors(dims, method)
+    rounded = {n: (t.half().float() if n.endswith("k.theta") else t) for n, t in tensors.items()}
+    assert not torch.equal(rounded["layers.0.k.theta"], tensors["layers.0.k.theta"])
+    exact, pre = method.build_storages(tensors, dims)[0], method.build_storages(rounded, dims)[0]
+    gen = torch.Generator().manual_seed(3)
+    packed = _random_packed(exact, dims, [9, 14], 50, gen)
+    q = torch.randn(2, 4, 16, generator=gen)
+    for dtype, same in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        a, b = (s.attend_reference(q.to(dtype), packed, 0.25, None) for s in (exact, pre))
+        assert torch.equal(a.acc, b.acc) == same and torch.equal(a.m, b.m) == same, dtype
+    keys_bf16, _ = exact.read(packed, 1, torch.bfloat16, rotate=False)
+    codes, norms, _, _ = exact.codes_of(packed, 1)
+    by_hand = decode_keys(codes, norms, rounded["layers.0.k.theta"], exact.channels, dims.kv_channels)
+    assert torch.equal(keys_bf16, by_hand.view(14, 2, 16).transpose(0, 1).to(torch.bfloat16))
+    k = torch.randn(1, 2, 5, 16, generator=gen)
+    c, n = exact.book.encode_keys(0, k)
+    expected = from_rows(decode_keys(c, n, rounded["layers.0.k.theta"], exact.channels, dims.kv_channels), 2)
+    assert torch.equal(exact.book.decode_keys(0, c, n, torch.bfloat16), expected)
+    assert not torch.equal(exact.book.decode_keys(0, c, n, torch.float32), expected)
+
+
 def test_storage_writes_what_the_codec_encodes(tiny):
     """write_reference stores the codec's codes and norms (the simulation's numerics), read gives back its decode;
     fill_synthetic draws only valid indices (12 codes in 4-bit fields)."""

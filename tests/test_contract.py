@@ -26,7 +26,8 @@ from kvcal.models.adapter import cache_kwargs, forward_with_cache
 from kvcal.runtime.cache import KvcalCache
 
 METHODS = sorted(all_methods())
-FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-olmo2",
+            "tiny-phi3"]
 
 
 def _method(name: str):

@@ -79,7 +79,7 @@ def test_calibrate_stores_only_the_factors_the_layers_use():
     assert sorted(plain) == sorted([f"layers.{i}.{side}.{name}" for i in range(2) for side in "kv" for name in "URS"]
                                    + [f"layers.{i}.k.outlier_pred" for i in range(2)])
     assert info["svd"]["max_relative_error"] < 1e-5
-    w_k = kv_projection_weights(loaded.model)[1][0].T  # [hidden, d_kv]
+    w_k = kv_projection_weights(loaded.model, loaded.dims)[1][0].T  # [hidden, d_kv]
     # App. B's data-free key outlier prediction: the top-k of |B_k^T[0, :]|, i.e. of row 0 of R_k (sigma_0 > 0)
     _, _, vh = torch.linalg.svd(w_k, full_matrices=False)
     assert set(plain["layers.1.k.outlier_pred"].tolist()) == set(vh[0].abs().topk(8).indices.tolist())

@@ -38,8 +38,8 @@ from kvcal.quant.rope import apply_rope, rope_cos_sin
 class AttentionInputs:
     layer_idx: int
     module: torch.nn.Module
-    q: torch.Tensor  # [B, Hq, T, D], before RoPE (after q_norm for Qwen3)
-    k_pre: torch.Tensor  # [B, Hkv, T, D], before RoPE (after k_norm for Qwen3)
+    q: torch.Tensor  # [B, Hq, T, D], before RoPE (after q_norm for Qwen3, Gemma 3, OLMo 2)
+    k_pre: torch.Tensor  # [B, Hkv, T, D], before RoPE (after k_norm for Qwen3, Gemma 3, OLMo 2)
     v: torch.Tensor  # [B, Hkv, T, D]
     x: torch.Tensor  # [B, T, hidden], the attention input (after the input layer norm)
     positions: torch.Tensor  # [B, T] absolute positions (RoPE angles)
@@ -64,15 +64,14 @@ class AttentionInputs:
     def kv_projection(self) -> KVProjection:
         """This layer's K and V projections as tensors (for storages that rebuild keys and values themselves)."""
         adapter = self.module._kvcal_binding[0]
-        k, v = self.module.k_proj, self.module.v_proj
-        return KVProjection(k.weight.detach(), None if k.bias is None else k.bias.detach(), v.weight.detach(),
-                            None if v.bias is None else v.bias.detach(), adapter.qk_norm, self.module, self.x.dtype)
+        (w_k, b_k), (w_v, b_v) = projection_weights(self.module, adapter.dims, "k", "v")
+        return KVProjection(w_k, b_k, w_v, b_v, adapter.qk_norm, self.module, self.x.dtype)
 
 
 @dataclass(frozen=True)
 class KVProjection:
     """k = x w_k^T + b_k, v = x w_v^T + b_v (weights [Hkv * D, hidden] as transformers stores them); k_norm: a
-    per-head norm follows the key projection (Qwen3, Gemma 3)."""
+    norm follows the key projection (per head: Qwen3, Gemma 3; over the whole projection: OLMo 2)."""
 
     w_k: torch.Tensor
     b_k: torch.Tensor | None
@@ -92,17 +91,11 @@ class KVProjection:
 
     def finish(self, k_lin: torch.Tensor, v_lin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (before RoPE) and values [B, Hkv, T, D] from the bias-free outputs of the K and V projections
-        [B, T, Hkv * D] (x W^T, however it was computed): the bias added, Qwen3's k_norm applied."""
+        [B, T, Hkv * D] (x W^T, however it was computed): the bias added, the key norm applied."""
         adapter = self.module._kvcal_binding[0]
-        batch, length, _ = k_lin.shape
-        out = []
-        for lin, proj in ((k_lin, self.module.k_proj), (v_lin, self.module.v_proj)):
-            lin = lin.to(self.dtype)
-            out.append((lin if proj.bias is None else lin + proj.bias).view(batch, length, -1, adapter.dims.head_dim))
-        k, v = out
-        if adapter.qk_norm:
-            k = self.module.k_norm(k)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        k, v = ((lin.to(self.dtype) if b is None else lin.to(self.dtype) + b.to(self.dtype))
+                for lin, b in ((k_lin, self.b_k), (v_lin, self.b_v)))
+        return _heads(self.module, adapter, k, v)
 
 
 class StandardAttention:
@@ -157,8 +150,9 @@ def install_adapter(loaded) -> Adapter:
     if loaded.adapter is not None:
         return loaded.adapter
     adapter = Adapter(loaded.dims, loaded.device)
+    projections = ("qkv_proj",) if loaded.dims.fused_qkv else ("q_proj", "k_proj", "v_proj")
     for idx, module in enumerate(attention_modules(loaded.model)):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if adapter.qk_norm else ()):
+        for name in projections + ("o_proj",) + (("q_norm", "k_norm") if adapter.qk_norm else ()):
             if not hasattr(module, name):
                 raise KvcalError(f"layer {idx} attention has no {name}; the model does not match its family")
         module._kvcal_binding = (adapter, idx)
@@ -167,9 +161,28 @@ def install_adapter(loaded) -> Adapter:
     return adapter
 
 
-def kv_projection_weights(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(k_proj.weight, v_proj.weight) of every layer, [out, in] as transformers stores them (detached)."""
-    return [(m.k_proj.weight.detach(), m.v_proj.weight.detach()) for m in attention_modules(model)]
+def projection_weights(module, dims, *names: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight [out, in], bias or None) of one attention module's projections `names` ("q", "k", "v"), detached:
+    its own q_proj / k_proj / v_proj, or their rows of a fused qkv_proj (Phi-3: q, k, v stacked in that order)."""
+    if not dims.fused_qkv:
+        projs = [getattr(module, f"{n}_proj") for n in names]
+        return [(p.weight.detach(), None if p.bias is None else p.bias.detach()) for p in projs]
+    fused = module.qkv_proj
+    out = []
+    for n in names:
+        rows = _qkv_rows(dims, n)
+        out.append((fused.weight.detach()[rows], None if fused.bias is None else fused.bias.detach()[rows]))
+    return out
+
+
+def _qkv_rows(dims, name: str) -> slice:
+    q, kv = dims.num_heads * dims.head_dim, dims.kv_channels
+    return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[name]
+
+
+def kv_projection_weights(model, dims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(W_k, W_v) of every layer, [out, in] as transformers stores them (detached)."""
+    return [tuple(w for w, _ in projection_weights(m, dims, "k", "v")) for m in attention_modules(model)]
 
 
 # The names under which transformers releases pass the cache to a model's and an attention module's forward,
@@ -225,15 +238,30 @@ def _received_cache(kwargs: dict):
     return None
 
 
+def _linear(module, dims, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The output [B, T, heads * D] of projection `name` ("q", "k", "v") of attention inputs x (bias included)."""
+    if not dims.fused_qkv:
+        return getattr(module, f"{name}_proj")(x)
+    (w, b), = projection_weights(module, dims, name)
+    return torch.nn.functional.linear(x, w, b)
+
+
+def _heads(module, adapter, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_pre and v [B, Hkv, T, D] of the key and value projections' outputs [B, T, Hkv * D]: the key norm applied
+    where the family has one (over the whole projection before the split into heads, or per head after it)."""
+    batch, length, _ = k.shape
+    if adapter.dims.qk_norm_scope == "projection":
+        k = module.k_norm(k)
+    k = k.view(batch, length, -1, adapter.dims.head_dim)
+    if adapter.dims.qk_norm_scope == "head":
+        k = module.k_norm(k)
+    return k.transpose(1, 2), v.view(batch, length, -1, adapter.dims.head_dim).transpose(1, 2)
+
+
 def project_kv(module, adapter, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k_pre and v [B, Hkv, T, D] of attention inputs xk and xv [B, T, hidden]."""
-    batch, length, _ = xk.shape
-    head_dim = adapter.dims.head_dim
-    k = module.k_proj(xk).view(batch, length, -1, head_dim)
-    v = module.v_proj(xv).view(batch, length, -1, head_dim)
-    if adapter.qk_norm:
-        k = module.k_norm(k)
-    return k.transpose(1, 2), v.transpose(1, 2)
+    dims = adapter.dims
+    return _heads(module, adapter, _linear(module, dims, "k", xk), _linear(module, dims, "v", xv))
 
 
 def _positions(position_ids, cache_position, batch: int, length: int, device) -> torch.Tensor:
@@ -254,13 +282,20 @@ def kvcal_attention_forward(
     **kwargs,
 ):
     adapter, layer_idx = self._kvcal_binding
+    dims = adapter.dims
     batch, length, _ = hidden_states.shape
-    head_dim = adapter.dims.head_dim
-    q = self.q_proj(hidden_states).view(batch, length, -1, head_dim)
-    if adapter.qk_norm:
+    if dims.fused_qkv:  # one product, split as the family splits it
+        qkv = self.qkv_proj(hidden_states)
+        q, k_lin, v_lin = (qkv[..., _qkv_rows(dims, n)] for n in ("q", "k", "v"))
+    else:
+        q, k_lin, v_lin = (_linear(self, dims, n, hidden_states) for n in ("q", "k", "v"))
+    if dims.qk_norm_scope == "projection":
+        q = self.q_norm(q)
+    q = q.view(batch, length, -1, dims.head_dim)
+    if dims.qk_norm_scope == "head":
         q = self.q_norm(q)
     q = q.transpose(1, 2)
-    k, v = project_kv(self, adapter, hidden_states, hidden_states)
+    k, v = _heads(self, adapter, k_lin, v_lin)
     cache = _received_cache(kwargs)
     positions = _positions(position_ids, cache_position, batch, length, hidden_states.device)
     cos, sin = rope_cos_sin(adapter.inv_freq_on(hidden_states.device, layer_idx), positions, q.dtype)

@@ -18,10 +18,12 @@ from kvcal.models.adapter import attention_modules
 from kvcal.quant.rope import RopeSpec
 from kvcal.quant.tiles import head_dim_unsupported as kernel_rule
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3")
 # families that interleave sliding-window (local) and global attention layers
 HYBRID_FAMILIES = ("gemma2", "gemma3_text")
-QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
+# a norm follows the query and key projections: per head (after the split into heads), or over the whole projection
+QK_NORM_FAMILIES = {"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}
+FUSED_QKV_FAMILIES = ("phi3",)  # one qkv_proj whose rows are q, k, v in that order
 LOCAL, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types
 
 
@@ -49,8 +51,18 @@ class ModelDims:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether a per-head RMSNorm follows the query and key projections."""
+        """Whether an RMSNorm follows the query and key projections (so keys are not linear in the layer input)."""
         return self.family in QK_NORM_FAMILIES
+
+    @property
+    def qk_norm_scope(self) -> str | None:
+        """"head" (per head: Qwen3, Gemma 3), "projection" (over all heads at once: OLMo 2) or None."""
+        return QK_NORM_FAMILIES.get(self.family)
+
+    @property
+    def fused_qkv(self) -> bool:
+        """Whether one qkv_proj computes queries, keys and values (Phi-3)."""
+        return self.family in FUSED_QKV_FAMILIES
 
     def layer_rope(self, layer: int) -> RopeSpec:
         """The RoPE of layer `layer` (a local layer of Gemma 3 has its own base)."""
@@ -80,6 +92,9 @@ class ModelDims:
                 f"unsupported model type '{family}'; kvcal supports {', '.join(SUPPORTED_FAMILIES)}"
             )
         window = sliding_window(config)
+        max_positions = getattr(config, "max_position_embeddings", None)
+        if window and family not in HYBRID_FAMILIES and max_positions and window >= max_positions:
+            window = None  # a window as long as the longest sequence slides over nothing (Phi-3.5: 262144 > 131072)
         if window and family not in HYBRID_FAMILIES:
             raise KvcalError(f"sliding-window attention ({family}, window {window}) is not supported: kvcal's caches "
                              "attend to every past token")
@@ -187,7 +202,7 @@ class LoadedModel:
     def layer_device(self, i: int) -> torch.device:
         """The device of decoder layer i: where its attention weights are (its captures, codec tensors, cache storage
         and step graphs live there)."""
-        return attention_modules(self.model)[i].q_proj.weight.device
+        return attention_modules(self.model)[i].o_proj.weight.device
 
     @property
     def devices(self) -> list[torch.device]:

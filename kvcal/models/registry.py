@@ -53,6 +53,8 @@ ALIASES: dict[str, ModelSpec] = {
                   "scores (tests)"),
         ModelSpec("tiny-gemma3", "tiny", "gemma3", "tiny random Gemma 3: q/k norm, local layers with their own RoPE "
                   "base (tests)"),
+        ModelSpec("tiny-olmo2", "tiny", "olmo2", "tiny random OLMo 2: q/k norms over the whole projection (tests)"),
+        ModelSpec("tiny-phi3", "tiny", "phi3", "tiny random Phi-3: one fused qkv projection (tests)"),
         ModelSpec(
             "random-llama-3.1-8b",
             "random",

@@ -79,6 +79,14 @@ def tiny_config(family: str):
                                 query_pre_attn_scalar=16, sliding_window=8,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                 **{**common, "num_hidden_layers": 3})
+    if family == "olmo2":  # q/k norms over the whole projection (before the split into heads)
+        from transformers import Olmo2Config
+
+        return Olmo2Config(rope_theta=500000.0, **common)
+    if family == "phi3":  # one fused qkv_proj
+        from transformers import Phi3Config
+
+        return Phi3Config(rope_theta=10000.0, sliding_window=None, **common)
     raise ValueError(family)
 
 

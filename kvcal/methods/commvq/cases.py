@@ -29,7 +29,7 @@ ATTENTION = [
     ("commvq2_bf16", 2, torch.bfloat16, {}, {}, {}),
     ("commvq1_c12_g8_fp16", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2}, {}, {}),
     ("commvq1_d128_bf16", 1, torch.bfloat16, {"stages": 2}, {}, {"d": 128}),
-    ("commvq2_fp16_codewords_bf16", 2, torch.bfloat16, {}, {"fp16_codewords": True}, {}),
+    ("commvq2_fp32_gather_bf16", 2, torch.bfloat16, {}, {"fp16_codewords": False}, {}),
     # the key pass's epilogue as tl.dot (score_dot: "mma" tf32x3 on the tensor cores, "fma" Triton's FMA dot; the
     # group padded to 16 query heads, or to score_dot_n; exact float32 dots under the interpreter)
     ("commvq2_score_mma_bf16", 2, torch.bfloat16, {}, {"score_dot": "mma"}, {}),

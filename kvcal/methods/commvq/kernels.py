@@ -87,7 +87,7 @@ VALUE_CHUNK = 256  # value-code bits per value-mass program
 SCORE_DOT = "sum"
 SCORE_DOT_N = 16
 SCORE_DOTS = {"sum": 0, "mma": 1, "fma": 2}
-FP16_CODEWORDS = False  # fp16 codewords: faster, but over the bf16 test tolerance at 32K (docs/commvq.md)
+FP16_CODEWORDS = True  # 16-bit queries: gather the (fp16-rounded) codewords as fp16, not float32 (same values)
 ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's tables are loaded once per block)
 
 
@@ -541,8 +541,9 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
     kernel its one tile: BLOCK_T, BLOCK_T_FP32 for float32 queries), num_warps (key pass / fused kernel), tiles (key
     tiles per program), value_block_t, value_chunk (value-code bits per program, a power of two >= 32), value_warps,
     num_splits (default from programs_per_sm x SMs), code_chunk (codes per codebook program, >= 16), fp16_codewords
-    (fp16/bf16 queries: gather the codewords in fp16, half the bytes; off by default: faster, but a codeword rounded
-    to 2^-11 relative moves the output past the bf16 test tolerance at Llama shapes, docs/commvq.md),
+    (fp16/bf16 queries, key_path "codewords": gather the codewords, which 16-bit queries read rounded to fp16, as fp16
+    (the default: half the bytes) or as float32 copies of the same values (False; the fused and table paths always
+    do)),
     score_dot (key_path "codewords": the key pass's dot of the rotated keys with the group's queries, "sum" (the
     default), "mma" (tf32x3 tensor cores) or "fma" (Triton's FMA dot: a token's pairs summed in one thread); the
     dots pad the group's query heads to score_dot_n (default 16, a power of two); float64 queries always sum),
@@ -563,12 +564,12 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
         raise KvcalError(f"commvq probe must be one of {sorted(p for p in PROBES if p)}, got '{probe}'")
     tables = _workspace(storage, q.dtype, dev)
     theta_heads, values = tables["theta_heads"], tables["values"]
-    if fp16_codewords is None:
-        fp16_codewords = key_path == "codewords" and FP16_CODEWORDS
-    if fp16_codewords and q.dtype in (torch.float16, torch.bfloat16):
+    if q.dtype in (torch.float16, torch.bfloat16):  # the codewords rounded to fp16 (storage.decode_codewords)
         if "theta_heads_fp16" not in tables:
             tables["theta_heads_fp16"] = theta_heads.half()
-        theta_heads = tables["theta_heads_fp16"]
+            tables["theta_heads_rounded"] = tables["theta_heads_fp16"].float()
+        use_fp16 = key_path == "codewords" and (FP16_CODEWORDS if fp16_codewords is None else fp16_codewords)
+        theta_heads = tables["theta_heads_fp16" if use_fp16 else "theta_heads_rounded"]
     codebook, channel_scale = values["codebook"], values["channel_scale"]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc, kn, vc, vr = packed["k_codes"], packed["k_norm"], packed["v_codes"], packed["v_rho"]
@@ -621,7 +622,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
             )
     else:
         if key_path == "table":
-            theta_heads = query_tables(q, tables["theta_heads"], gp, acc_dtype)
+            theta_heads = query_tables(q, theta_heads, gp, acc_dtype)
         bt = block_t or (BLOCK_T_FP32 if q.dtype == torch.float32 else BLOCK_T)
         if num_splits:
             nsplit = int(num_splits)

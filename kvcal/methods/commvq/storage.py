@@ -69,6 +69,15 @@ def math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def decode_codewords(theta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The key codewords as keys decoded for `dtype` use them, in its compute dtype: rounded to fp16 for fp16 and
+    bf16 (the decode kernels gather fp16 codewords for 16-bit queries, half the bytes; docs/commvq.md compares the
+    rounding with bf16's own), exact otherwise. Encoding always searches the exact codewords."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return theta.to(torch.float16).to(math_dtype(dtype))
+    return theta.to(math_dtype(dtype))
+
+
 # -- keys -----------------------------------------------------------------------------------------------
 
 
@@ -247,7 +256,7 @@ class CommVQTables:
     def decode_keys(self, layer: int, codes: torch.Tensor, norms: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """-> pre-RoPE keys [B, Hkv, T, D]."""
         theta, channels = self._key_tables(layer, codes.device, math_dtype(dtype))
-        rows = decode_keys(codes, norms, theta, channels, self.dims.kv_channels)
+        rows = decode_keys(codes, norms, decode_codewords(theta, dtype), channels, self.dims.kv_channels)
         return from_rows(rows, self.dims.num_kv_heads)
 
     def encode_values(self, layer: int, v: torch.Tensor):
@@ -279,7 +288,8 @@ class CommVQTables:
     # references of the attention over codes
     def key_scores(self, layer: int, q_rot, codes, norms, positions, inv_freq, scale) -> torch.Tensor:
         theta, _ = self._key_tables(layer, q_rot.device, math_dtype(q_rot.dtype))
-        return fused_key_scores(q_rot, codes, norms, positions, theta, inv_freq, self.dims.num_kv_heads, scale)
+        return fused_key_scores(q_rot, codes, norms, positions, decode_codewords(theta, q_rot.dtype), inv_freq,
+                                self.dims.num_kv_heads, scale)
 
     def value_attention(self, layer: int, probs, bits, rho) -> torch.Tensor:
         p = self._value_params(layer, probs.device, math_dtype(probs.dtype))
@@ -417,7 +427,7 @@ class CommVQStorage(Storage):
         compute = math_dtype(dtype)
         t = self.constants(compute)
         codes, norms, bits, rho = self.codes_of(packed, row)
-        k = decode_keys(codes, norms, t["theta"], self.channels, dims.kv_channels)
+        k = decode_keys(codes, norms, decode_codewords(t["theta"], dtype), self.channels, dims.kv_channels)
         v = decode_values(bits, rho, t["values"])
         n = codes.shape[0]
         k = k.view(n, dims.num_kv_heads, dims.head_dim).transpose(0, 1)
@@ -438,6 +448,7 @@ class CommVQStorage(Storage):
         parts.l.zero_()
         parts.acc.zero_()
         t = self.constants(compute)
+        theta = decode_codewords(t["theta"], q.dtype)
         for b in range(batch):
             n = int(packed.lengths[b])
             if n == 0:
@@ -449,7 +460,7 @@ class CommVQStorage(Storage):
                 codes, norms, _, _ = self.codes_of(packed, b, s0, s1)
                 pos = torch.arange(packed.pos_offset + s0, packed.pos_offset + s1, device=q.device)
                 cos, sin = packed.rope_cos[pos, :half], packed.rope_sin[pos, :half]
-                scores.append(fused_key_scores(qb, codes[None], norms[None], pos, t["theta"], packed.inv_freq, hkv,
+                scores.append(fused_key_scores(qb, codes[None], norms[None], pos, theta, packed.inv_freq, hkv,
                                                scale, cos=cos, sin=sin))
             s = torch.cat(scores, -1)  # [1, Hq, 1, T]
             if packed.softcap is not None:

@@ -185,7 +185,7 @@ class XQuant(Method):
         if self.variant != "svd":
             return {}, {}
         roles = [role for role, _ in self.layer_plan(loaded.dims.num_layers)]
-        return svd_factors(kv_projection_weights(loaded.model), roles, self.base_repr)
+        return svd_factors(kv_projection_weights(loaded.model, loaded.dims), roles, self.base_repr)
 
     def build_storages(self, tensors, dims) -> Storages:
         self.check_model(dims)

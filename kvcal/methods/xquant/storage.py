@@ -88,7 +88,7 @@ class XQuantStorage(Rematerialized, Storage):
 
     def bind(self, projection) -> None:
         if projection.k_norm:
-            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3, Gemma 3); use "
+            raise KvcalError("xquant packed storage cannot rebuild keys through a k_norm (Qwen3, Gemma 3, OLMo 2); use "
                              "--mode simulate")
         # kept in the model's dtype (float32 copies of float64 weights would move a float64 run by ~1e-9)
         if self.variant == "x":  # K = X W_k^T: the latent is X, R its projection
@@ -314,7 +314,7 @@ class XQuantChainStorage(Rematerialized, Storage):
 
     def bind(self, projection) -> None:
         if projection.k_norm:
-            raise KvcalError("xquant packed storage cannot rebuild keys through a per-head k_norm (Qwen3, Gemma 3); use "
+            raise KvcalError("xquant packed storage cannot rebuild keys through a k_norm (Qwen3, Gemma 3, OLMo 2); use "
                              "--mode simulate")
         self.w_k, self.w_v, self.b_k, self.b_v = projection.w_k, projection.w_v, projection.b_k, projection.b_v
         self._cast.clear()
@@ -511,8 +511,8 @@ class XQuantMath:
         if m.variant == "kv":
             return "xquant variant kv (the KIVI* baseline; kvcal's kivi method has a packed storage)"
         if self.qk_norm:
-            return (f"xquant on {self.family} (the packed storage cannot rebuild keys through its per-head k_norm: "
-                    "Qwen3, Gemma 3)")
+            return (f"xquant on {self.family} (the packed storage cannot rebuild keys through its k_norm: "
+                    "Qwen3, Gemma 3, OLMo 2)")
         return None
 
     def storages(self, num_layers: int) -> Storages:

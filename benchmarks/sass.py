@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
@@ -71,3 +73,16 @@ def loop_mix(sass: str, names: tuple[str, ...]) -> dict:
     body = bodies[0] if bodies else []
     ops = opcodes(body)
     return {"instructions": len(body), **{n: ops[n] for n in names}}
+
+
+def compile_sass(fn, types: dict, consts: dict, warps: int, stages: int, maxnreg: int | None):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # as a launch specializes them at these shapes: pointers and strides divisible by 16 (not the KV heads, 8, the
+    # position offset or the split count)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in ("HKV", "POS0", "NSPLIT"))}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    registers, stack, sass = cubin_report(k.asm["cubin"])
+    return registers, stack, k.metadata.shared, sass

@@ -19,10 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from benchmarks.sass import cubin_report, loop_mix  # noqa: E402
+from benchmarks.sass import compile_sass, loop_mix  # noqa: E402
 from kvcal.methods.xquant import kernels as X  # noqa: E402
 
 CONFIGS = [
@@ -36,19 +34,6 @@ CONFIGS = [
     {"kernel": "values", "block_t": 64, "vc": 256, "warps": 4},
     {"kernel": "values", "block_t": 64, "vc": 256, "warps": 8},
 ]
-
-
-def compile_sass(fn, types: dict, consts: dict, warps: int, stages: int, maxnreg: int | None):
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    # as a launch specializes them at these shapes: pointers and strides divisible by 16 (not the KV heads, 8, the
-    # position offset or the split count)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n not in ("HKV", "POS0", "NSPLIT"))}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    registers, stack, sass = cubin_report(k.asm["cubin"])
-    return registers, stack, k.metadata.shared, sass
 
 
 KEEP = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "LDL", "STL", "HGMMA", "HMMA", "FFMA", "I2FP", "F2FP", "BAR")

@@ -126,7 +126,8 @@ TOL_GPU = {**TOL, torch.float16: 6e-3, torch.float32: 2e-5}
 
 # (name, method, bits, dtype, storage and cache kwargs, kernel kwargs, step kwargs): the generic full-precision kernel
 # alone (method None), then every method's own cases
-ATTENTION_CASES = [("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {})] + [
+ATTENTION_CASES = [("fp_only_bf16", None, 4, torch.bfloat16, {}, {}, {}),
+                   ("fp_only_softcap_fp16", None, 4, torch.float16, {}, {}, {"softcap": 2.0})] + [
     (name, method, *rest) for method, cases in method_cases().items() for name, *rest in cases.ATTENTION]
 GPU_CASES = [("fp_only_fp16", None, 4, torch.float16, {}, {}, {})] + [
     (name, method, *rest) for method, cases in method_cases().items() for name, *rest in cases.GPU_ATTENTION]
@@ -156,15 +157,23 @@ def run_attention_case(case, *, small=True, device="cpu", shape: tuple[int, int,
     nfp = step_kw.get("nfp", nfp)
     q, fp = build_step(len(lengths), hq, hkv, d, nfp, dtype, device=device)
     scale = d**-0.5
+    softcap = step_kw.get("softcap")  # the model's score soft-cap (Gemma 2), on the packed cache and the fp part
     if method is None:  # the full-precision part alone: the generic kernel
-        ref = merge_reference(fp_partials_reference(q, fp, scale), len(lengths), q.dtype)
-        out = K.merge_triton(K.fp_partials_triton(q, fp, scale), q)
+        ref = merge_reference(fp_partials_reference(q, fp, scale, softcap), len(lengths), q.dtype)
+        if softcap is not None:  # teeth: the cap changes the output of these scores
+            assert rel_err(merge_reference(fp_partials_reference(q, fp, scale), len(lengths), q.dtype), ref) > 0.05
+        out = K.merge_triton(K.fp_partials_triton(q, fp, scale, softcap), q)
         return rel_err(out, ref, per_head=True)
     storage = cases.random_storage(bits, hkv, d, device=device,
                                    **{k: v for k, v in cache_kw.items() if k not in PACKED_KEYS})
     packed = build_packed(storage, lengths, hkv, d, tcap=tcap, device=device,
                           **{k: v for k, v in cache_kw.items() if k in PACKED_KEYS})
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), len(lengths), q.dtype)
+    if softcap is not None:
+        packed.softcap = softcap
+        capped = merge_reference(storage.attend_reference(q, packed, scale, fp), len(lengths), q.dtype)
+        assert rel_err(ref, capped) > 0.05, f"{name}: the cap must change this case's output"  # teeth
+        ref = capped
     assert storage.supports_triton(q, packed) is None, f"{name}: {storage.supports_triton(q, packed)}"
     if hasattr(cases, "check_case"):
         cases.check_case(name, storage, q, packed, bits, kernel_kw)

@@ -245,6 +245,23 @@ def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     assert len(res) == 192
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter")
+@pytest.mark.parametrize("dtype", ["bf16", "fp64"])
+def test_soft_capped_full_precision_kernel_compiles_for_sm90(dtype):
+    """The score soft-cap (runtime/kernels.soft_cap, Gemma 2: in the split-K skeleton and the full-precision kernels)
+    compiles for sm_90 in the generic full-precision kernel, bf16 and float64 queries, and changes its code (the
+    *_softcap_* interpreter cases check its numbers; the interpreter runs what the compiler may refuse)."""
+    from benchmarks.sass import compile_sass
+    from kvcal.runtime import kernels as K
+
+    q, acc = f"*{dtype}", "*fp32" if dtype == "bf16" else "*fp64"
+    types = dict(q_ptr=q, fk_ptr=q, fv_ptr=q, fval_ptr="*i8", m_ptr=acc, l_ptr=acc, acc_ptr=acc, qk_scale="fp32")
+    consts = dict(D=128, G=4, GPF=16, BLOCK_F=16, INTERP=False, WAIT_PRIOR=0)
+    capped = compile_sass(K._fp_kernel, types, {**consts, "CAP": 50 * K.LOG2E}, 1, 2, None)
+    plain = compile_sass(K._fp_kernel, types, {**consts, "CAP": 0.0}, 1, 2, None)
+    assert 0 < capped[0] <= 255 and capped[3] != plain[3]
+
+
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
 def test_interpreted_decode_attention(interpreted, case):
     err = interpreted["attention"][case[0]]

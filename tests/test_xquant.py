@@ -433,7 +433,7 @@ def test_raw_latent_kernels_compile_for_sm90(prec):
     """XQuant-CL hands X^ to the decode kernels as raw 16-bit-view latents (float32; float64 for float64 queries):
     the score and value kernels compile for sm_90 at each query precision with the launch's default tiles. The
     interpreter runs the kernels as Python and accepts what the compiler refuses (two return types in one function)."""
-    from benchmarks.xquant_kernel_sass import compile_sass
+    from benchmarks.sass import compile_sass
     from kvcal.methods.xquant import kernels as X
 
     # attend_triton's operands: queries and R_k in fp16 (prec 16) or the queries' dtype, everything else in the

@@ -28,7 +28,7 @@ LOG2E = 1.4426950408889634
 # ---- torch references ------------------------------------------------------------------------------------------
 
 
-SOFTCAP_REFUSAL = "soft-capped attention scores (Gemma 2): no decode kernel applies the cap yet"
+SOFTCAP_REFUSAL = "soft-capped attention scores (Gemma 2): this kernel does not apply the cap"
 
 
 def partials_from_rows(q: torch.Tensor, rows: list, scale: float, heads: int, remap=None,
@@ -119,19 +119,19 @@ def decode_attention(q: torch.Tensor, storage, packed, fp: FullPrecision | None,
     the storage holds anything) and the full-precision part -> [B, Hq, D] in q's dtype. kernels: the Triton kernels
     (the storage's and the generic ones); a storage whose kernel cannot take these inputs raises one line naming why
     (pass the cache's reference backend to run the torch references on purpose). softcap: the model's score soft-cap
-    (Gemma 2; the storage's references read it from packed.softcap), which no Triton kernel applies yet."""
+    (Gemma 2); storages read it from packed.softcap, and a storage whose kernel does not apply it says so in
+    supports_triton."""
     if fp is not None and fp.slots == 0:
         fp = None
     if kernels:
-        reason = (SOFTCAP_REFUSAL if softcap is not None else None) or K.unsupported(q) or (
-            storage.supports_triton(q, packed) if packed is not None else None)
+        reason = K.unsupported(q) or (storage.supports_triton(q, packed) if packed is not None else None)
         if reason:
             raise KvcalError(f"{type(storage).__name__}: no Triton decode kernel for this call ({reason}); "
                              "run the torch reference on purpose with backend='reference' (--backend reference)")
         if packed is not None:
             parts = storage.attend_triton(q, packed, scale, fp)
         elif fp is not None:
-            parts = K.fp_partials_triton(q, fp, scale)
+            parts = K.fp_partials_triton(q, fp, scale, softcap)
         else:
             return torch.zeros_like(q)
         return K.merge_triton(parts, q)

@@ -125,6 +125,16 @@ if triton is not None:
         return start, tl.minimum(start + share, length)
 
     @triton.jit
+    def soft_cap(s, CAP: tl.constexpr):
+        """Log2-domain scores s -> CAP tanh(s / CAP), the model's score soft-cap (Gemma 2: 50 tanh(x / 50) on the
+        natural scores, so CAP = 50 log2(e)); CAP 0: s unchanged. tanh(x) = 1 - 2 / (e^(2x) + 1): +-1 at +-inf;
+        -inf (a masked score) stays -inf."""
+        if CAP > 0:
+            e = tl.exp2(s * (2.8853900817779268 / CAP))  # 2 log2(e) / CAP: e^(2 s / CAP) in natural units
+            s = tl.where(s == float("-inf"), s, CAP * (1.0 - 2.0 / (e + 1.0)))  # a masked score stays masked
+        return s
+
+    @triton.jit
     def softmax_tile(s, m_i, l_i, ok):
         """Online softmax over one tile of scores s [BLOCK_T, heads] (log2 domain; -inf where masked) for the heads
         whose `ok` is set: returns (p [BLOCK_T, heads], alpha [heads], the new max, the new sum). Padding heads get
@@ -153,7 +163,8 @@ if triton is not None:
                        NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
                        VALUES: tl.constexpr, FINISH: tl.constexpr, SOFTMAX: tl.constexpr, TAIL: tl.constexpr,
                        HEADS_FIRST: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                       CAP: tl.constexpr = 0.0):
         """The split-K decode skeleton: program (row b and KV head h, split) over all G query heads of the KV head.
         Splits < NSPLIT walk an equal BLOCK_T-aligned share of row b's packed tokens (split_bounds: no host sync, a
         share past the row's end writes a neutral partial) with an online softmax (softmax_tile) in float32 (float64
@@ -173,6 +184,9 @@ if triton is not None:
         - SOFTMAX(C, st, s, m, l, ok) -> (p, alpha, m, l), or None for the online softmax (softmax_tile): a method's
           own weights of a tile (CalibQuant's fixed reference).
         TAIL: a split's whole tiles run without masks (tm a constant true), its last, partial tile after them.
+        CAP: the model's score soft-cap in log2 units (soft_cap; 0: none), applied to every tile's scores and the
+        full-precision part's before the softmax, to the scores SCORES returns (one that also writes its scores out
+        caps that copy itself: KVQuant's value pass).
         A tile function reads its constants as `X: tl.constexpr = C[i]` (Triton 3.6 drops constexpr-ness when a
         tuple is unpacked), and no assignment unpacks a nested tuple (3.6's dependency finder fails on one)."""
         ACC: tl.constexpr = m_ptr.dtype.element_ty  # softmax state and sums: float64 for float64, else float32
@@ -198,24 +212,24 @@ if triton is not None:
             if TAIL:  # whole tiles without masks, then the split's last, partial tile (splits start on tile bounds)
                 full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, full, end, qk_scale, rk, SCORES,
-                                                   VALUES, SOFTMAX, G, BLOCK_T, False)
+                                                   VALUES, SOFTMAX, G, BLOCK_T, False, CAP)
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, full, end, end, qk_scale, rk, SCORES,
-                                                   VALUES, SOFTMAX, G, BLOCK_T, True)
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True, CAP)
             else:
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, end, end, qk_scale, rk, SCORES,
-                                                   VALUES, SOFTMAX, G, BLOCK_T, True)
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True, CAP)
             out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
             store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk, HEADS_FIRST)
         if HAS_FP:
             if split == NSPLIT:  # the full-precision part (sinks, window, residual), post-RoPE
                 fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F = fp
                 fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, 0, F, b, h, part, m_ptr, l_ptr,
-                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP)
+                           acc_ptr, qk_scale, D, G, GPF, BLOCK_F, INTERP, CAP)
 
     @triton.jit
     def _split_k_tiles(args, C: tl.constexpr, st, acc, m_i, l_i, lo, hi, end, qk_scale, rk, SCORES: tl.constexpr,
                        VALUES: tl.constexpr, SOFTMAX: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
-                       MASKED: tl.constexpr):
+                       MASKED: tl.constexpr, CAP: tl.constexpr):
         """split_k_kernel's tiles t0 in [lo, hi) of a split ending at `end` (MASKED False: whole tiles, no masks)."""
         for t0 in range(lo, hi, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
@@ -224,6 +238,7 @@ if triton is not None:
             else:
                 tm = tl.full((BLOCK_T,), 1, tl.int1)
             s, tile, st = SCORES(args, C, st, t0, t, tm, end, qk_scale)
+            s = soft_cap(s, CAP)
             if MASKED:
                 s = tl.where(tm[:, None], s, float("-inf"))
             if SOFTMAX is None:
@@ -266,7 +281,7 @@ if triton is not None:
     @triton.jit
     def fp_segment(q_row, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F0, F, b, h, part, m_ptr, l_ptr,
                     acc_ptr, qk_scale, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    INTERP: tl.constexpr, CAP: tl.constexpr = 0.0):
         """Tokens [F0, F) of the full-precision segment (sinks, window, residual; post-RoPE) of one (row, KV head):
         their softmax partial (m, l, acc) into partial `part`. Shared by the packed-cache kernels."""
         DT: tl.constexpr = q_row.dtype.element_ty
@@ -284,7 +299,7 @@ if triton is not None:
             fo = b * sfb + h * sfh + f[:, None] * sft + dd[None, :]
             kf = tl.load(fk_ptr + fo, mask=fin[:, None], other=0.0).to(DT)
             vf = tl.load(fv_ptr + fo, mask=fin[:, None], other=0.0).to(DT)  # issued with the keys: one wait, not two
-            s = tl.where(ok[None, :], dot(qx, tl.trans(kf), INTERP) * qk_scale, float("-inf"))
+            s = tl.where(ok[None, :], soft_cap(dot(qx, tl.trans(kf), INTERP) * qk_scale, CAP), float("-inf"))
             m_new = tl.maximum(mf, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(mf - m_use)
@@ -301,7 +316,7 @@ if triton is not None:
     @triton.jit
     def _fp_kernel(q_ptr, sqb, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, F, m_ptr, l_ptr, acc_ptr, HKV,
                    qk_scale, S, CHUNK, D: tl.constexpr, G: tl.constexpr, GPF: tl.constexpr, BLOCK_F: tl.constexpr,
-                   INTERP: tl.constexpr, WAIT_PRIOR: tl.constexpr):
+                   INTERP: tl.constexpr, WAIT_PRIOR: tl.constexpr, CAP: tl.constexpr = 0.0):
         """The full-precision segment alone, where the packed kernel should not carry the segment's shared-memory
         tiles (attention_frag): program (row and KV head, j) takes tokens [j CHUNK, (j + 1) CHUNK), into partial
         S - num_programs(1) + j of the row and head's S (chunks of a few tiles: one program walking a whole window tile
@@ -313,7 +328,7 @@ if triton is not None:
         f0 = j * CHUNK
         fp_segment(q_ptr + b * sqb + h * G * sqh, sqh, fk_ptr, fv_ptr, sfb, sfh, sft, fval_ptr, sfvb, f0,
                     tl.minimum(F, f0 + CHUNK), b, h, pid * S + S - tl.num_programs(1) + j, m_ptr, l_ptr, acc_ptr,
-                    qk_scale, D, G, GPF, BLOCK_F, INTERP)
+                    qk_scale, D, G, GPF, BLOCK_F, INTERP, CAP)
         if WAIT_PRIOR:  # launched to overlap the fragment kernel: finish only after it, so the reduction sees both
             wait_prior_grid()
 
@@ -562,13 +577,14 @@ def code_rows(kc: torch.Tensor, vc: torch.Tensor, dev):
 def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, fp, nsplit: int, heads: int, args,
                    consts, *, gpk: int, block_t: int, opts: dict, prec: int, block_f: int | None = None,
                    fp_in_kernel: bool = True, merge_warps: int | None = None, softmax=None,
-                   whole_tiles: bool = False, heads_first: bool = False) -> Partials:
+                   whole_tiles: bool = False, heads_first: bool = False, softcap: float | None = None) -> Partials:
     """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
     FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
     readers see the names), over `nsplit` splits of each row's packed tokens (`lengths` [B]) and the full-precision
     part `fp` (runtime.decode.FullPrecision or None): as the kernel's last split (fp_in_kernel) or by the generic
     full-precision kernel into splits of their own (fp_partials_into). softmax: the method's SOFTMAX tile function
-    (None: the online softmax); whole_tiles: TAIL; heads_first: FINISH returns the sums heads first (HEADS_FIRST)."""
+    (None: the online softmax); whole_tiles: TAIL; heads_first: FINISH returns the sums heads first (HEADS_FIRST);
+    softcap: the model's score soft-cap (Gemma 2: s -> softcap tanh(s / softcap)), None for none."""
     q, batch, heads, group, d, dev = decode_dims(q, heads)
     has_fp = fp is not None and fp_in_kernel
     splits = nsplit + (1 if has_fp else fp_splits(fp))
@@ -587,18 +603,23 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
             C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, SOFTMAX=softmax,
             TAIL=int(whole_tiles), HEADS_FIRST=int(heads_first), D=d, G=group, GPK=gpk,
             GPF=max(pow2(group), 16), HAS_FP=int(has_fp), BLOCK_T=block_t, BLOCK_F=block_f or 16,
-            INTERP=INTERPRET, PREC=prec, **opts,
+            INTERP=INTERPRET, PREC=prec, CAP=cap_log2(softcap), **opts,
         )
     if fp is not None and not fp_in_kernel:
-        fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16)
+        fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16, softcap=softcap)
     return parts
 
 
+def cap_log2(softcap: float | None) -> float:
+    """The CAP constant of the kernels (soft_cap) for a model's score soft-cap: softcap log2(e), 0.0 for none."""
+    return 0.0 if softcap is None else float(softcap) * LOG2E
+
+
 def fp_partials_into(q: torch.Tensor, fp, scale: float, parts, first: int, pdl: bool = False,
-                     block_f: int = 16) -> None:
+                     block_f: int = 16, softcap: float | None = None) -> None:
     """The full-precision part's partials into splits [first, first + fp_splits(fp)) of `parts` (runtime.decode.
     Partials with S splits per (row, KV head)): one program per FP_CHUNK tokens. pdl (sm_90): launched to overlap the
-    kernel before it (launched with launch_dependents), finishing only after it."""
+    kernel before it (launched with launch_dependents), finishing only after it. softcap: as launch_split_k's."""
     batch, hq, d = q.shape
     hkv = fp.k.shape[1]
     group = hq // hkv
@@ -613,7 +634,8 @@ def fp_partials_into(q: torch.Tensor, fp, scale: float, parts, first: int, pdl: 
         _fp_kernel[(batch * hkv, fp_splits(fp))](
             q, q.stride(0), q.stride(1), fk, fv, *f_strides, fval, sfvb, nf, parts.m, parts.l, parts.acc, hkv,
             float(scale) * LOG2E, splits, FP_CHUNK, D=d, G=group, GPF=max(pow2(group), 16), BLOCK_F=block_f,
-            INTERP=INTERPRET, WAIT_PRIOR=int(pdl), num_warps=1, **({"launch_pdl": True} if pdl else {}))
+            INTERP=INTERPRET, WAIT_PRIOR=int(pdl), CAP=cap_log2(softcap), num_warps=1,
+            **({"launch_pdl": True} if pdl else {}))
 
 
 def fp_splits(fp) -> int:
@@ -621,12 +643,12 @@ def fp_splits(fp) -> int:
     return 0 if fp is None else triton.cdiv(fp.slots, FP_CHUNK)
 
 
-def fp_partials_triton(q: torch.Tensor, fp, scale: float):
+def fp_partials_triton(q: torch.Tensor, fp, scale: float, softcap: float | None = None):
     """Partials of the full-precision part alone (a cache whose storage holds no token yet)."""
     batch, hq, d = q.shape
     hkv = fp.k.shape[1]
     parts = Partials.empty(batch * hkv, fp_splits(fp), hq // hkv, d, q.dtype, q.device)
-    fp_partials_into(q, fp, scale, parts, 0)
+    fp_partials_into(q, fp, scale, parts, 0, softcap=softcap)
     return parts
 
 

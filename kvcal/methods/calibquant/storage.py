@@ -22,7 +22,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods.base import FlushPolicy
 from kvcal.methods.calibquant import kernels as calibquant_kernels
 from kvcal.quant.packing import pack_codes, unpack_codes, words_per_vector
-from kvcal.runtime.decode import LOG2E, Partials, with_fp_reference
+from kvcal.runtime.decode import LOG2E, SOFTCAP_REFUSAL, Partials, with_fp_reference
 from kvcal.runtime.storage import BufferSpec, ReconstructionStorage, Storage
 
 STAT_BYTES = 4  # fp32 step and minimum per range (§7.14)
@@ -253,6 +253,8 @@ class CalibQuantStorage(CalibQuantMath, Storage):
         return with_fp_reference(parts, q, fp, scale)
 
     def supports_triton(self, q, packed):
+        if packed.softcap is not None:
+            return SOFTCAP_REFUSAL
         return calibquant_kernels.unsupported(q, packed, self.bits, self.group)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):

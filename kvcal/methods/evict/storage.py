@@ -52,4 +52,4 @@ class EvictStorage(Storage):
         """attend_reference's partials from the generic full-precision kernel."""
         if fp is None:
             return partials_from_rows(q, [None] * q.shape[0], scale, packed.heads)
-        return K.fp_partials_triton(q, fp, scale)
+        return K.fp_partials_triton(q, fp, scale, packed.softcap)

@@ -25,6 +25,7 @@ CACHE_CONFIGS = [("kivi_1bit", {**KIVI.test_config, "bits": 1})]
 
 ATTENTION = [
     ("kivi4_b16_bf16", 4, torch.bfloat16, {"key_block": 16}, {}, {"lengths": [32, 0, 64]}),
+    ("kivi2_b16_softcap_fp16", 2, torch.float16, {"key_block": 16}, {}, {"lengths": [32, 0, 64], "softcap": 2.0}),
     ("kivi3_block_t64_fp16", 3, torch.float16, {}, {"block_t": 64}, {"lengths": [32, 0, 64]}),  # 32-token tiles
     # blocks of 8 tokens (not a multiple of 16): the generic key path
     ("kivi2_b8_generic_bf16", 2, torch.bfloat16, {"key_block": 8}, {}, {"lengths": [24, 0, 72]}),

@@ -39,6 +39,9 @@ ATTENTION = [
     ("nuq4_prerope_outliers_bf16", 4, torch.bfloat16, {"kcap": 3, "per_side": 2, "sink": 3}, {}, {}),
     ("nuq3_prerope_table_fp16", 3, torch.float16, {"kcap": 9, "per_side": 1}, {"rope_mode": "table"}, {}),
     ("nuq2_bf16", 2, torch.bfloat16, {"kcap": 1, "per_side": 1}, {}, {}),
+    # Gemma 2's score soft-cap: the value pass reads the capped scores (bf16), the outliers inside (float64)
+    ("nuq4_outliers_softcap_bf16", 4, torch.bfloat16, {"kcap": 3, "per_side": 2}, {}, {"softcap": 2.0}),
+    ("nuq4_outliers_softcap_fp64", 4, torch.float64, {"kcap": 3, "per_side": 2}, {}, {"softcap": 2.0}),
     # 12 value-outlier slots per token
     ("nuq2_value_slots12_fp16", 2, torch.float16, {"kcap": 3, "per_side": 6}, {}, {}),
     ("nuq4_vhead_fp16", 4, torch.float16, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
@@ -65,7 +68,7 @@ ATTENTION = [
     ("nuq3_vhead_fp64", 3, torch.float64, {"kcap": 2, "per_side": 1, "value_per_head": True}, {}, {}),
 ]
 
-GPU_ATTENTION = [
+GPU_ATTENTION = [("kvquant4_softcap_bf16", 4, torch.bfloat16, NUQ, {}, {"softcap": 2.0})] + [  # capped
     (f"kvquant{bits}_{str(dtype)[6:]}", bits, dtype, NUQ, {}, {})
     for bits in (4, 3, 2) for dtype in ((torch.bfloat16, torch.float16) if bits == 4 else (torch.bfloat16,))
 ] + [(f"kvquant4_{str(dtype)[6:]}", 4, dtype, NUQ, {}, {}) for dtype in (torch.float32, torch.float64)] + [

@@ -129,7 +129,7 @@ def value_outlier_sums_ref(scores, m_part, out_idx, out_val, lengths, num_splits
 if triton is not None:
     from kvcal.quant.packing import lane_entry, load_words, mma_channels, unpack_lut_words, unpack_tile
     from kvcal.quant.tiles import dot, mma_operand, operand, regroup
-    from kvcal.runtime.kernels import prefetch_tiles, rotate_query, split_share_tl
+    from kvcal.runtime.kernels import prefetch_tiles, rotate_query, soft_cap, split_share_tl
 
     @triton.jit
     def _key_outlier_kernel(q_ptr, sqb, sqh, len_ptr, oi_ptr, ov_ptr, sob, sot, soh, cos_ptr, sin_ptr, if_ptr,
@@ -426,6 +426,7 @@ if triton is not None:
         LUT_AHEAD: tl.constexpr = C[19]
         KCORR: tl.constexpr = C[20]
         SAVE_S: tl.constexpr = C[21]
+        CAP: tl.constexpr = C[22]
         ACC: tl.constexpr = tl.float64 if PREC == 64 else tl.float32
         HD: tl.constexpr = D // 2
         skt = args[3]
@@ -502,10 +503,10 @@ if triton is not None:
                 s += tl.load(rows, mask=rows_ok, other=0.0)
             tile = (vs_cur, vz_cur, 0, 0, 0)
         s = s * qk_scale
-        if SAVE_S:  # for the value pass (over the key pass's terms: same elements)
-            s = tl.where(tm[:, None], s, float("-inf"))
+        if SAVE_S:  # for the value pass (over the key pass's terms: same elements), soft-capped as the skeleton
+            s = tl.where(tm[:, None], s, float("-inf"))  # caps the scores returned
             rows, rows_ok = _pass_rows(sc_row, t, tm, GPK, GPQ)
-            tl.store(rows, s, mask=rows_ok)
+            tl.store(rows, soft_cap(s, CAP), mask=rows_ok)
         st = (q1, q2, qa, qb, kscl1, kzer1, kscl2, kzer2, cj, sj, vtab, kent, vent, vp_s, vp_z, krow0, vrow0, vs_base,
               vz_base, sc_row, ko, vo, voff, kw_n, h)
         return s, tile, st
@@ -574,7 +575,7 @@ if triton is not None:
 KEY_PASS_TOKENS, KEY_PASS_WARPS = 32, 1
 # the tile functions' C
 Consts = namedtuple("Consts", "D G GPK GPV GPQ KALIGN VALIGN KBITS KCAP ROPE VBITS VCAP BLOCK_T INTERP PREC PREFETCH "
-                              "KROW VROW LUT_MMA LUT_AHEAD KCORR SAVE_S")
+                              "KROW VROW LUT_MMA LUT_AHEAD KCORR SAVE_S CAP")
 VALUE_PASS_TOKENS, VALUE_PASS_WARPS = 32, 4
 
 # Fixed-point value sums (an int64 out; torch's deterministic mode): terms rounded to multiples of 2^-FIXED_BITS, far
@@ -727,11 +728,11 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
                 cos, sin, packed.pos_offset, cos.shape[0], scores, scores.stride(0))
         consts = Consts(d, group, gpk, gpv, gp, kalign, valign, kbits, kcap, rope, vbits, vcap, bt, K.INTERPRET, prec,
                         prefetch_tiles, krow, vrow, int(use_lut), int(use_lut and lut_ahead is not False),
-                        int(pass_kcap > 0), int(pass_vcap > 0))
+                        int(pass_kcap > 0), int(pass_vcap > 0), K.cap_log2(packed.softcap))
         # block_f small: the fp tiles' buffers count against every program
         parts = K.launch_split_k((_prepare, _scores, _values, _finish), q, lengths, scale, fp, nsplit, hkv, args,
                                  consts, gpk=gpk, block_t=bt, block_f=block_f, prec=prec, merge_warps=MERGE_WARPS,
-                                 opts=K.launch_options(q, warps, num_stages, max_registers))
+                                 opts=K.launch_options(q, warps, num_stages, max_registers), softcap=packed.softcap)
         if pass_vcap:
             # float32 sums, or int64 fixed point (the same bits in any order) in torch's deterministic mode
             fixed = VALUE_PASS_FIXED or torch.are_deterministic_algorithms_enabled()

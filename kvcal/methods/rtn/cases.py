@@ -32,6 +32,9 @@ CACHE_CONFIGS = [("rtn_1bit", {"bits": 1, "group_size": 32})]  # two levels per 
 
 ATTENTION = [
     ("int4_bf16", 4, torch.bfloat16, {}, {}, {}),
+    # Gemma 2's score soft-cap (here 2: scores of a few units are bent), applied by the tile kernel
+    ("int4_softcap_bf16", 4, torch.bfloat16, {}, {}, {"softcap": 2.0}),
+    ("int2_softcap_fp64", 2, torch.float64, {}, {}, {"softcap": 2.0}),
     # the register-fragment kernel (one scale per token and head), asked for explicitly (its default needs 64 (row,
     # KV head) pairs): head_dim 64 and 128, GQA groups of 4 and 3, with the full-precision part
     ("int4_frag_bf16", 4, torch.bfloat16, {}, {"frag": True}, {}),
@@ -70,7 +73,7 @@ ATTENTION = [
     ("int3_fp64", 3, torch.float64, {}, {}, {}),
 ]
 
-GPU_ATTENTION = [
+GPU_ATTENTION = [("rtn4_softcap_bf16", 4, torch.bfloat16, {}, {}, {"softcap": 2.0})] + [  # Gemma 2's cap
     (f"rtn{bits}_{str(dtype)[6:]}", bits, dtype, {}, {}, {})
     for bits in (4, 3, 2) for dtype in ((torch.bfloat16, torch.float16) if bits == 4 else (torch.bfloat16,))
 ] + [(f"rtn4_{str(dtype)[6:]}", 4, dtype, {}, {}, {}) for dtype in (torch.float32, torch.float64)] + [

@@ -52,6 +52,7 @@ from collections import namedtuple
 
 import torch
 
+from kvcal.errors import KvcalError
 from kvcal.quant.packing import launch_device, pow2
 from kvcal.quant.uniform_kernels import TOKEN_GROUP_CONSTS, token_groups_unsupported
 from kvcal.runtime import kernels as K
@@ -526,6 +527,11 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     tile_knobs = any(x is not None for x in (block_t, num_warps, num_stages, prefetch))
     want_frag = frag if frag is not None else batch * hkv >= FRAG_MIN_ROWS and not tile_knobs
+    if want_frag and packed.softcap is not None:  # the fragment kernel does not soft-cap: the tile kernel does
+        if frag:
+            raise KvcalError("rtn frag=True: the fragment kernel does not apply the model's score soft-cap (Gemma 2); "
+                             "the tile kernel does (frag=False)")
+        want_frag = False
     if want_frag and _frag_applies(q, packed, bits, group):
         return _attend_frag(q, packed, scale, fp, bits, hkv, group, num_splits, programs_per_sm, block_f,
                             max_registers, frag_vector)
@@ -558,7 +564,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     return K.launch_split_k(tiles, q, packed.lengths, scale, fp,
                             nsplit, hkv, args, consts, gpk=gpk, block_t=bt, block_f=block_f,
                             opts=K.launch_options(q, warps, num_stages, max_registers), prec=PREC.get(q.dtype, 16),
-                            merge_warps=TILE_MERGE_WARPS)
+                            merge_warps=TILE_MERGE_WARPS, softcap=packed.softcap)
 
 
 def _frag_applies(q, packed, bits: int, group: int) -> bool:

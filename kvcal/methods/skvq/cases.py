@@ -28,6 +28,7 @@ def random_storage(bits: float, heads: int, dim: int, *, v_bits: float = 2.0, gr
 ATTENTION = [
     # SKVQ: groups across heads, keys before RoPE; ternary values in base-3 bytes or 2-bit slots; fp8 parameters
     ("skvq_k2v2_bf16", 2, torch.bfloat16, {"sink": 3}, {}, {}),
+    ("skvq_k2v2_softcap_bf16", 2, torch.bfloat16, {"sink": 3}, {}, {"softcap": 2.0}),
     ("skvq_k2v1.5_base3_fp16", 2, torch.float16, {"v_bits": 1.5}, {}, {}),
     ("skvq_k1.5v1.5_slots_bf16", 1.5, torch.bfloat16, {"v_bits": 1.5, "ternary_storage": "2bit"}, {}, {}),
     ("skvq_k4v3_fp8_fp16", 4, torch.float16, {"v_bits": 3.0, "param_dtype": "fp8", "groups": 3}, {}, {}),

@@ -329,4 +329,5 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     consts = Consts(d, group, gp, storage.slot_bits("k"), storage.slot_bits("v"), kng, pow2(kng), vng, pow2(vng),
                     int(fp8), bt, K.INTERPRET, prec, 1 if rope_mode == "angle" else 2)
     return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
-                            consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=K.launch_options(q, warps))
+                            consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=K.launch_options(q, warps),
+                            softcap=packed.softcap)

@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--key-stages", type=int, default=0, help="0: the method's R (time scales with R)")
     ap.add_argument("--value-steps", type=int, default=3000)
     ap.add_argument("--value-loss", default="attention")
+    ap.add_argument("--value-precision", default="float32", help="float32 or bfloat16 (autocast of the value step)")
     ap.add_argument("--layers", type=int, default=1, help="value encoders trained together (the same synthetic data)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -48,7 +49,8 @@ def main():
     layers, hq, hkv, d, hidden, rope_theta = SHAPES[args.shape]
     dims = SimpleNamespace(num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
     method = CommVQ(bits=args.bits, key_train_vectors=args.key_train_vectors, key_em_steps=args.key_em_steps,
-                    key_stages=args.key_stages, value_steps=args.value_steps, value_loss=args.value_loss)
+                    key_stages=args.key_stages, value_steps=args.value_steps, value_loss=args.value_loss,
+                    value_precision=args.value_precision)
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     tokens = args.nsamples * args.seqlen
@@ -80,7 +82,7 @@ def main():
                            method.key_fit(dims), method.seed)
     sync()
     t1 = time.perf_counter()
-    store = SimpleNamespace(layer=lambda i: data)
+    store = SimpleNamespace(layer=lambda i, names=None: data)
     chunk = list(range(args.layers))
     value_info = fit_values(store, chunk, windows, held, [module] * args.layers, loaded, device, lambda n=1: None,
                             method.value_fit(dims), method.seed)[0][1]
@@ -92,6 +94,7 @@ def main():
         "shape": args.shape, "bits": args.bits, "device": torch.cuda.get_device_name() if device.type == "cuda"
         else "cpu", "groups": method.num_groups(dims), "stages": stages, "key_train_vectors": args.key_train_vectors,
         "key_em_steps": args.key_em_steps, "value_steps": args.value_steps, "value_loss": args.value_loss,
+        "value_precision": args.value_precision,
         "key_s": round(t1 - t0, 2), "value_s": round(t2 - t1, 2),
         "key_e_steps_per_group": e_steps / method.num_groups(dims),
         "key_ms_per_batched_e_step": round(1e3 * (t1 - t0) / max(1, e_steps / method.num_groups(dims)), 2),

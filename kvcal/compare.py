@@ -21,6 +21,7 @@ compared), and the folder of a local calibration text whose content hash matches
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,13 +205,26 @@ def _numbers(value) -> list[float] | None:
     return None
 
 
+def _config_default(artifact: Artifact, key: str):
+    """What a config key absent from an artifact stands for: the registered method's default for it (an artifact
+    written before the key existed calibrated with that behaviour), else "<absent>"."""
+    cls = all_methods().get(artifact.method)
+    name = key.removeprefix("config.")
+    if cls is not None and key.startswith("config.") and "." not in name and dataclasses.is_dataclass(cls):
+        for f in dataclasses.fields(cls):
+            if f.name == name and f.default is not dataclasses.MISSING:
+                return f.default
+    return "<absent>"
+
+
 def _header_differences(a: Artifact, b: Artifact, diagnostic: Tolerance) -> list[Difference]:
     out = []
     ha, hb = flatten(a.header), flatten(b.header)
     for key in sorted(set(ha) | set(hb)):
         if key.startswith(MAY_DIFFER) or key == "tensor_kinds" or key.startswith("tensor_kinds."):
             continue
-        va, vb = ha.get(key, "<absent>"), hb.get(key, "<absent>")
+        va = ha[key] if key in ha else _config_default(a, key)
+        vb = hb[key] if key in hb else _config_default(b, key)
         if va == vb:
             continue
         if key == "calibration.dataset" and ha.get("calibration.sha256") == hb.get("calibration.sha256") and \

@@ -93,6 +93,15 @@ def test_compare(tmp_path, tiny):
     c = load_artifact(save_artifact(tmp_path / "c.safetensors", make(tiny, bits=3)))
     where = {d.what.split(":")[0] for d in compare_artifacts(a, c).failures}
     assert {"config.bits", "bits_per_element"} <= where
+    # a config key an older artifact lacks stands for the method's default (kivi's residual, 128): equal when the
+    # other artifact holds the default, a difference when it holds another value
+    for residual, differs in ((128, False), (8, True)):
+        new = make(tiny)
+        new.header["config"]["residual"] = residual
+        old = make(tiny)
+        del old.header["config"]["residual"]
+        found = [d.what for d in compare_artifacts(new, old).failures]
+        assert bool(found) == differs and all(w.startswith("config.residual") for w in found), found
 
 
 def test_calibrating_twice_gives_the_same_bytes_whatever_the_clock_host_and_folder(tmp_path, tiny, monkeypatch):

@@ -17,6 +17,7 @@ never the global RNG.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class ValueFit:
     weight_decay: float
     warmup: int
     gumbel_tau: float
+    precision: str = "float32"  # "bfloat16": the training step's forward under bf16 autocast (the matrix products)
 
 
 def window_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
@@ -331,7 +333,10 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
     it, up to float rounding. Nothing syncs the host inside the loop (the tail loss is summed on the device).
 
     checkpoints (kvcal/calib/checkpoint.Checkpoints): the training state is saved there as entry `name` whenever it
-    is due, and a saved state is continued from (the same parameters, bit for bit, as an uninterrupted run)."""
+    is due, and a saved state is continued from (the same parameters, bit for bit, as an uninterrupted run).
+
+    fit.precision "bfloat16" runs each step's forward (encoder, Gumbel codes, decode, the attention loss's products)
+    under torch.autocast to bf16; parameters, AdamW state and the loss's sums stay float32."""
     trainable = [t for n, t in params.items() if n != "channel_scale"]
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
@@ -352,6 +357,11 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
         restore_training(saved[0], params, optimizer, gen, noise, tail)
         first = int(saved[1]["step"])
         advance(first * layers)
+    def forward():
+        if fit.precision == "bfloat16":
+            return torch.autocast(v.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     with torch.enable_grad():
         for step in range(first, fit.steps):
             for group in optimizer.param_groups:
@@ -362,15 +372,20 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
                 for index in picks:
                     lo, hi = attention.span(index)
                     x = v[:, lo:hi]
-                    v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
                     with torch.no_grad():
                         probs = attention.probabilities(index)
-                    mse = (v_hat - x).square().mean(dim=(1, 2))
-                    loss = loss + (0.5 * mse + attention.loss(probs, v_hat - x)) / len(picks)
+                    with forward():
+                        v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
+                        diff = v_hat - x
+                        term = attention.loss(probs, diff)
+                    mse = diff.float().square().mean(dim=(1, 2))
+                    loss = loss + (0.5 * mse + term.float()) / len(picks)
             else:
                 pick = torch.randint(train_rows.numel(), (fit.batch_tokens,), generator=gen)
                 x = v[:, train_rows[pick.to(train_rows.device)]]
-                loss = (reconstruct_training(params, x, fit.gumbel_tau, noise) - x).square().mean(dim=(1, 2))
+                with forward():
+                    v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
+                loss = (v_hat.float() - x).square().mean(dim=(1, 2))
             optimizer.zero_grad(set_to_none=True)
             loss.sum().backward()
             clip_per_layer(trainable, 1.0)

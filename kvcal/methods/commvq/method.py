@@ -56,6 +56,7 @@ from kvcal.methods.registry import register
 
 QUANTIZE = ("kv", "k", "v")
 VALUE_LOSSES = ("attention", "mse")
+VALUE_PRECISIONS = ("float32", "bfloat16")
 FP_FLUSH = ("sliding", "block")
 ROPE_PAIRINGS = ("rotate_half",)
 NORM_BYTES = FP16_BYTES  # kappa (keys) and rho (values): one fp16 per token, layer and tensor
@@ -110,6 +111,9 @@ class CommVQ(Method):
     value_lr: float = 1e-3  # [C] AdamW lr 1e-3, wd 0.1, betas (0.9, 0.95), clip 1.0, warmup + cosine
     value_weight_decay: float = 0.1
     value_warmup: int = 100
+    # the value step's forward in float32 (as the paper's code) or under bf16 autocast (faster matrix products on a
+    # GPU: docs/commvq.md measures what it changes)
+    value_precision: str = "float32"
     gumbel_tau: float = 1.0
     holdout: float = 0.1  # fraction of calibration windows held out for the reported MSE
     seed: int = 0
@@ -142,6 +146,7 @@ class CommVQ(Method):
         if not 0 <= self.holdout < 1:
             raise KvcalError(f"commvq holdout is a fraction in [0, 1), got {self.holdout}")
         for key, value, allowed in (("quantize", self.quantize, QUANTIZE), ("value_loss", self.value_loss, VALUE_LOSSES),
+                                    ("value_precision", self.value_precision, VALUE_PRECISIONS),
                                     ("fp_flush", self.fp_flush, FP_FLUSH),
                                     ("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)):
             if value not in allowed:
@@ -241,7 +246,7 @@ class CommVQ(Method):
         return ValueFit(bits=self.bits, groups=self.value_groups(dims), hidden=self.hidden(dims), loss=self.value_loss,
                         steps=self.value_steps, batch_tokens=self.value_batch_tokens,
                         attn_tokens=self.value_attn_tokens, lr=self.value_lr, weight_decay=self.value_weight_decay,
-                        warmup=self.value_warmup, gumbel_tau=self.gumbel_tau)
+                        warmup=self.value_warmup, gumbel_tau=self.gumbel_tau, precision=self.value_precision)
 
     def calibrate(self, loaded, store):
         dims = loaded.dims

@@ -24,33 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver as _driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from benchmarks.sass import cubin_report, instructions, loop_mix  # noqa: E402
+from benchmarks.sass import Sm90Driver, cubin_report, instructions, loop_mix  # noqa: E402
 from kvcal.runtime import kernels as K  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132
 BATCH, HKV, HQ, D, TCAP, WINDOW = 8, 8, 32, 128, 32768, 128
 SPLITS = 16 * SMS // (BATCH * HKV)  # split_count's default: 16 programs per SM over the (row, KV head) pairs
-
-
-class CompileOnlyDriver:
-    """Just enough of a Triton driver for JITFunction.run to compile for TARGET; launches are recorded, not run."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return TARGET
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
 
 
 COMPILED: list[tuple[str, object, tuple]] = []
@@ -156,7 +138,7 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="*", default=["rtn-int4", "nuq4", "nuq2"])
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    _driver.set_active(CompileOnlyDriver())
+    _driver.set_active(Sm90Driver())
     JITFunction.run = _compile_only
     K.sm90_or_newer = lambda device: True  # prefetch and dependent launches as on an sm_90 GPU
     results = []

@@ -16,6 +16,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class Sm90Driver:
+    """Just enough of a Triton driver for JITFunction.run to specialize a launch and compile it for TARGET on a
+    machine without a GPU (the tools catch the launch before anything runs)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
 
 
@@ -83,6 +103,6 @@ def compile_sass(fn, types: dict, consts: dict, warps: int, stages: int, maxnreg
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in ("HKV", "POS0", "NSPLIT"))}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    k = triton.compile(src, target=TARGET, options=options)
     registers, stack, sass = cubin_report(k.asm["cubin"])
     return registers, stack, k.metadata.shared, sass

@@ -26,13 +26,11 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
-from benchmarks.sass import cubin_report, loops, opcodes  # noqa: E402
+from benchmarks.sass import TARGET, Sm90Driver, cubin_report, loops, opcodes  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 # skvq-k2v2-g32-w128 on Llama-3.1-8B: 1024 channels per layer in 32 k-means groups; rtn-int2: one group per head
 CONFIGS = [
     {"method": "skvq", "bits": 2, "v_bits": 2, "groups": 32},
@@ -42,19 +40,6 @@ CONFIGS = [
     {"method": "rtn", "bits": 2, "frag": False},
     {"method": "rtn", "bits": 2},
 ]
-
-
-class _Sm90Driver:
-    """Enough of a driver for JITFunction.run to specialize and hand a launch to the cache hook."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return TARGET
 
 
 def caught_launches(call) -> list:
@@ -76,7 +61,7 @@ def caught_launches(call) -> list:
         return orig_call_hook(self, hook_fn, key, signature, target, device, constexprs, options, configs, warmup)
 
     old_driver = driver._active
-    driver.set_active(_Sm90Driver())
+    driver.set_active(Sm90Driver())
     knobs.runtime.jit_cache_hook = sentinel
     jit.JITFunction._call_hook = call_hook
     try:

@@ -395,3 +395,34 @@ def test_an_artifact_finds_its_gguf_by_sha256_in_the_cache_then_at_its_path(cach
         artifact_model(art.header["model"], out)
     result = kvcal("eval", "ppl", "--artifact", out, "--dataset", text, "--nsamples", 1, "--seqlen", 32)
     assert_one_line_error(result, "pass --model FILE.gguf")
+
+
+class _ProbeTokenizer:
+    """A stand-in tokenizer: `per` characters a token, a vocabulary of `vocab`, BOS id 2 added or not."""
+
+    def __init__(self, per: int, vocab: int = 50000, bos: bool = True):
+        self.per, self.vocab, self.bos = per, vocab, bos
+        self.bos_token_id, self.all_special_ids = 2, [0, 1, 2]
+
+    def __len__(self):
+        return self.vocab
+
+    def __call__(self, text):
+        ids = [10 + i for i in range(0, len(text), self.per)]
+        return {"input_ids": ([2] if self.bos else []) + ids}
+
+
+def test_a_gguf_tokenizer_converted_to_characters_or_without_its_bos_is_refused():
+    """transformers 5.17 reads Gemma 3's GGUF tokenizer back as single characters, and 5.18-5.22 drop its BOS: either
+    is refused in one line before the converted model is kept; a byte vocabulary (the tiny GGUFs) and a tokenizer
+    without BOS where the file asks for none pass."""
+    from kvcal.models.gguf import TOKENIZER_PROBE, check_converted_tokenizer
+
+    assert len(TOKENIZER_PROBE) == 88
+    check_converted_tokenizer(_ProbeTokenizer(3), "g.gguf", add_bos=True)
+    check_converted_tokenizer(_ProbeTokenizer(1, vocab=300), "tiny.gguf", add_bos=False)
+    check_converted_tokenizer(_ProbeTokenizer(3, bos=False), "s.gguf", add_bos=False)
+    with pytest.raises(KvcalError, match=r"to single characters \(88 tokens for a 88-character sentence\)"):
+        check_converted_tokenizer(_ProbeTokenizer(1), "g.gguf", add_bos=True)
+    with pytest.raises(KvcalError, match="without the BOS token its GGUF file says every sequence starts with"):
+        check_converted_tokenizer(_ProbeTokenizer(3, bos=False), "g.gguf", add_bos=True)

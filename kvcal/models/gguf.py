@@ -262,7 +262,7 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
                         shutil.copyfileobj(f, out, 1 << 22)
             info = inspect_gguf(gguf_path)
             check_gguf_servable(info, Path(label))
-        _convert(gguf_path, staging / "model", label, target)
+        _convert(gguf_path, staging / "model", label, target, bool(info.metadata.get("tokenizer.ggml.add_bos_token")))
         # what loading the folder itself needs (--model FOLDER, or an artifact whose GGUF is found by its sha256):
         # the hash, and the name kvcal gives the model (a local file's stem, or the alias)
         loaded_as = Path(label).stem if label.lower().endswith(".gguf") else label
@@ -280,7 +280,30 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
     return target, sha
 
 
-def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
+# a sentence every tokenizer of a real vocabulary splits into sub-words: one that gives a token a character lost its
+# merges (transformers 5.17 builds Gemma 3's GGUF tokenizer as a character-level Unigram model)
+TOKENIZER_PROBE = "The tower is 324 metres (1,063 ft) tall, about the same height as an 81-storey building."
+
+
+def check_converted_tokenizer(tokenizer, label: str, add_bos: bool) -> None:
+    """Refuse a tokenizer that transformers converted from a GGUF file wrongly, before anything is written: one
+    that splits the probe sentence into (nearly) single characters, or one that drops the BOS token the file says every
+    sequence starts with (Gemma's). Either makes every perplexity and passkey result of the model meaningless."""
+    version = importlib.metadata.version("transformers")
+    ids = tokenizer(TOKENIZER_PROBE)["input_ids"]
+    words = [i for i in ids if i not in tokenizer.all_special_ids]
+    if len(tokenizer) > 1024 and len(words) > 0.6 * len(TOKENIZER_PROBE):  # (a vocabulary of bytes splits so itself)
+        raise KvcalError(f"transformers {version} converts the tokenizer of {label} to single characters ({len(words)} "
+                         f"tokens for a {len(TOKENIZER_PROBE)}-character sentence): use another transformers release "
+                         "(kvcal's tests pass with the one constraints.txt pins)")
+    bos = tokenizer.bos_token_id
+    if add_bos and bos is not None and (not ids or ids[0] != bos):
+        raise KvcalError(f"transformers {version} converts the tokenizer of {label} without the BOS token its GGUF "
+                         "file says every sequence starts with: use another transformers release (kvcal's tests pass "
+                         "with the one constraints.txt pins)")
+
+
+def _convert(gguf_path: Path, out: Path, label: str, target: Path, add_bos: bool = False) -> None:
     # gguf and accelerate: imported only here, to say in one line which one a conversion lacks
     try:
         import gguf  # noqa: F401
@@ -296,6 +319,7 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
     os.environ["TQDM_DISABLE"] = "1"  # transformers' per-tensor bar (plain tqdm): kvcal said what it does above
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        check_converted_tokenizer(tokenizer, label, add_bos)
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
         raise KvcalError(f"transformers could not convert {label} ({type(exc).__name__}: "
@@ -311,8 +335,10 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict(), strict=True)
     del gguf_model
-    plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # what kvcal loads is the saved tokenizer, which some releases read back differently from the one they converted
+    check_converted_tokenizer(AutoTokenizer.from_pretrained(out), label, add_bos)
+    plain.save_pretrained(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

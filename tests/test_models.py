@@ -426,3 +426,100 @@ def test_a_gguf_tokenizer_converted_to_characters_or_without_its_bos_is_refused(
         check_converted_tokenizer(_ProbeTokenizer(1), "g.gguf", add_bos=True)
     with pytest.raises(KvcalError, match="without the BOS token its GGUF file says every sequence starts with"):
         check_converted_tokenizer(_ProbeTokenizer(3, bos=False), "g.gguf", add_bos=True)
+
+
+def tiny_gemma2_for_gguf():
+    """A random Gemma 2 (sliding and global layers, 1 KV head of 32) whose score soft-cap (20) and query scale (32)
+    differ from what transformers' GGUF reader assumes (50 and 256), and whose norms are not zero."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from kvcal.models.tiny import tiny_config
+
+    base = {k: v for k, v in tiny_config("gemma2").to_dict().items()
+            if k not in ("architectures", "model_type", "transformers_version")}
+    config = Gemma2Config(**{**base, "head_dim": 32, "hidden_size": 64, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "tie_word_embeddings": True, "query_pre_attn_scalar": 32,
+                             "attn_logit_softcapping": 20.0})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+    return model
+
+
+def write_gemma2_gguf(model, path) -> None:
+    """The model as an F32 Gemma 2 GGUF file as llama.cpp writes one: its tensor names, norms stored as 1 + w, the
+    soft-caps and the window in the metadata, the embedding tied (no output tensor); a byte-level tokenizer."""
+    import gguf
+
+    from kvcal.models.tiny import BYTE_VOCAB, TINY_VOCAB, byte_tokenizer
+
+    cfg, arch = model.config, "gemma2"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+    w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    vocab = sorted(byte_tokenizer().get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([1] * BYTE_VOCAB + [3] * (TINY_VOCAB - BYTE_VOCAB))
+    w.add_token_scores([0.0] * TINY_VOCAB)
+    w.add_token_merges([])
+    w.add_bos_token_id(BYTE_VOCAB)
+    w.add_eos_token_id(BYTE_VOCAB + 1)
+    w.add_pad_token_id(BYTE_VOCAB + 2)
+    w.add_unk_token_id(BYTE_VOCAB + 2)  # the Gemma tokenizer transformers builds needs one
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+                 "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+                 "self_attn.o_proj.weight": "attn_output.weight",
+                 "post_attention_layernorm.weight": "post_attention_norm.weight",
+                 "pre_feedforward_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in per_layer.items()})
+    for name, tensor in model.state_dict().items():
+        if name != "lm_head.weight":  # tied
+            w.add_tensor(names[name], np.ascontiguousarray((tensor + 1 if "norm" in name else tensor).numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gemma2_gguf_keeps_its_soft_caps_and_query_scale(cache, tmp_path):
+    """transformers' GGUF reader leaves Gemma 2's soft-caps and query scale at its defaults (50, 30, 256; its logits
+    then differ from the source model's); kvcal sets them from the file, so the converted model is the source model:
+    the same logits (F32 in the file), a hybrid of sliding and global layers, the file's score soft-cap."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcal.models import load_model
+
+    source = tiny_gemma2_for_gguf()
+    path = tmp_path / "tiny-gemma2.gguf"
+    write_gemma2_gguf(source, path)
+    ids = torch.tensor([[256, 72, 101, 108, 108, 111, 32, 119] * 3])
+    with torch.no_grad():
+        stock = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+        assert (stock.config.attn_logit_softcapping, stock.config.query_pre_attn_scalar) == (50.0, 256)
+        assert (stock(ids).logits - source(ids).logits).abs().max() > 0.1  # teeth: what the defaults give
+        loaded = load_model(str(path))
+        assert (loaded.dims.family, loaded.dims.attn_softcap, loaded.dims.head_dim) == ("gemma2", 20.0, 32)
+        assert loaded.dims.hybrid
+        assert torch.equal(loaded.model(ids).logits, source(ids).logits)

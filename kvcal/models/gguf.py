@@ -36,9 +36,10 @@ from kvcal.models.registry import ALIASES
 SOURCE_FILE = "kvcal_source.json"
 SHA_INDEX = "gguf-sha256.json"
 # GGUF architectures kvcal serves, and the transformers family each becomes (llama.cpp writes Mistral models as llama).
-GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                 "gemma3": "gemma3_text"}
 # GGUF architectures whose sliding-window layers kvcal serves (ModelDims.hybrid: local layers keep their window)
-GGUF_HYBRID = ("gemma3",)
+GGUF_HYBRID = ("gemma2", "gemma3")
 # GGUF value types: struct format of the scalars (8: string, 9: array).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MAX_STRING = 1 << 26  # a length past this is corruption, not a string
@@ -262,7 +263,7 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
                         shutil.copyfileobj(f, out, 1 << 22)
             info = inspect_gguf(gguf_path)
             check_gguf_servable(info, Path(label))
-        _convert(gguf_path, staging / "model", label, target, bool(info.metadata.get("tokenizer.ggml.add_bos_token")))
+        _convert(gguf_path, staging / "model", label, target, info)
         # what loading the folder itself needs (--model FOLDER, or an artifact whose GGUF is found by its sha256):
         # the hash, and the name kvcal gives the model (a local file's stem, or the alias)
         loaded_as = Path(label).stem if label.lower().endswith(".gguf") else label
@@ -278,6 +279,24 @@ def converted_gguf_dir(parts: list[Path], label: str) -> tuple[Path, str]:
         shutil.rmtree(staging, ignore_errors=True)
     remember_sha256(parts, sha)
     return target, sha
+
+
+def gguf_attention_config(config, info: GGUFInfo) -> None:
+    """What transformers' GGUF reader leaves at its defaults for Gemma 2 (its config mapping has no entry for them),
+    set from the file: the score and final-logit soft-caps (llama.cpp writes both) and the query scale, which
+    llama.cpp's Gemma 2 graph derives as 1/sqrt(head_dim), except for the 46-layer (27B) layout's
+    1/sqrt(hidden / heads)."""
+    if info.architecture != "gemma2":
+        return
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = info.get(key)
+        if value is not None:
+            setattr(config, key, float(value))
+    heads, hidden = info.get("attention.head_count"), info.get("embedding_length")
+    if info.get("block_count") == 46 and heads and hidden:
+        config.query_pre_attn_scalar = hidden // heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
 
 
 # a sentence every tokenizer of a real vocabulary splits into sub-words: one that gives a token a character lost its
@@ -303,7 +322,8 @@ def check_converted_tokenizer(tokenizer, label: str, add_bos: bool) -> None:
                          "with the one constraints.txt pins)")
 
 
-def _convert(gguf_path: Path, out: Path, label: str, target: Path, add_bos: bool = False) -> None:
+def _convert(gguf_path: Path, out: Path, label: str, target: Path, info: GGUFInfo) -> None:
+    add_bos = bool(info.metadata.get("tokenizer.ggml.add_bos_token"))
     # gguf and accelerate: imported only here, to say in one line which one a conversion lacks
     try:
         import gguf  # noqa: F401
@@ -332,6 +352,7 @@ def _convert(gguf_path: Path, out: Path, label: str, target: Path, add_bos: bool
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    gguf_attention_config(config, info)
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict(), strict=True)
     del gguf_model

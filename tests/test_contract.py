@@ -154,6 +154,11 @@ GOLDEN = Path(__file__).parent / "golden"
 # what two calibrations of the same artifact may differ by on two CPUs (float64 tiny models: BLAS kernels round
 # differently); diagnostics are listed, never a difference
 GOLDEN_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-9)
+# CommVQ's key EM assigns each vector to its nearest codeword: near ties flip with that rounding, and the flipped
+# assignments move the codebooks and the value coder trained after them further (measured: 5.8e-5 in a codebook,
+# 2e-4 of its largest entry, and 8e-7 in the coder's weights, the same code on an AVX-512 CPU against the golden's)
+GOLDEN_KIND_TOLERANCE = {"commvq": {"codebook": Tolerance(rtol=1e-2, atol=1e-3),  # largest |entry|: 0.29
+                                    "weights": Tolerance(rtol=1e-4, atol=1e-7)}}
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -163,8 +168,8 @@ def test_calibration_reproduces_the_golden_artifact(name, artifacts):
     shows here. If the change is meant, regenerate: python tests/golden/regenerate.py"""
     golden = GOLDEN / f"{name}-tiny-llama.safetensors"
     assert golden.is_file(), f"no golden artifact for {name}: python tests/golden/regenerate.py {name}"
-    result = compare_artifacts(load_artifact(artifacts(name, "tiny-llama")), load_artifact(golden), {},
-                               GOLDEN_TOLERANCE)
+    result = compare_artifacts(load_artifact(artifacts(name, "tiny-llama")), load_artifact(golden),
+                               GOLDEN_KIND_TOLERANCE.get(name, {}), GOLDEN_TOLERANCE)
     assert not result.failures, result.summary() + "; " + "; ".join(f"{d.where}: {d.what}" for d in result.failures)
 
 

@@ -427,6 +427,13 @@ def test_a_gguf_tokenizer_converted_to_characters_or_without_its_bos_is_refused(
     with pytest.raises(KvcalError, match="without the BOS token its GGUF file says every sequence starts with"):
         check_converted_tokenizer(_ProbeTokenizer(3, bos=False), "g.gguf", add_bos=True)
 
+    class Broken(_ProbeTokenizer):
+        def __call__(self, text):
+            raise Exception("Unk token `None` not found in the vocabulary")
+
+    with pytest.raises(KvcalError, match=r"into one that cannot encode text \(Unk token `None` not found"):
+        check_converted_tokenizer(Broken(3), "g.gguf", add_bos=True)
+
 
 def tiny_gemma2_for_gguf():
     """A random Gemma 2 (sliding and global layers, 1 KV head of 32) whose score soft-cap (20) and query scale (32)

@@ -309,7 +309,11 @@ def check_converted_tokenizer(tokenizer, label: str, add_bos: bool) -> None:
     that splits the probe sentence into (nearly) single characters, or one that drops the BOS token the file says every
     sequence starts with (Gemma's). Either makes every perplexity and passkey result of the model meaningless."""
     version = importlib.metadata.version("transformers")
-    ids = tokenizer(TOKENIZER_PROBE)["input_ids"]
+    try:
+        ids = tokenizer(TOKENIZER_PROBE)["input_ids"]
+    except Exception as exc:  # the tokenizers library raises plain Exceptions (a vocabulary without its unk token)
+        raise KvcalError(f"transformers {version} converts the tokenizer of {label} into one that cannot encode text "
+                         f"({first_line(str(exc), 120)})") from None
     words = [i for i in ids if i not in tokenizer.all_special_ids]
     if len(tokenizer) > 1024 and len(words) > 0.6 * len(TOKENIZER_PROBE):  # (a vocabulary of bytes splits so itself)
         raise KvcalError(f"transformers {version} converts the tokenizer of {label} to single characters ({len(words)} "

@@ -45,9 +45,8 @@ def tiny_qwen2(head_dim: int = 32):
     return model
 
 
-def write_gguf(model, path, arch: str = "qwen2", extra: dict | None = None) -> None:
-    """The model as an F32 GGUF file with llama.cpp's tensor names and a byte-level gpt2 tokenizer (what llama.cpp's
-    converter writes for a Qwen2 model, at toy size)."""
+def _gguf_writer(model, path, arch: str, tokenizer_pre: str):
+    """A GGUFWriter holding what every tiny test GGUF has: the model's sizes and a byte-level gpt2 tokenizer."""
     import gguf
 
     from kvcal.models.tiny import BYTE_VOCAB, TINY_VOCAB, byte_tokenizer
@@ -61,13 +60,10 @@ def write_gguf(model, path, arch: str = "qwen2", extra: dict | None = None) -> N
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    for key, value in (extra or {}).items():
-        w.add_uint32(f"{arch}.{key}", value)
     vocab = sorted(byte_tokenizer().get_vocab().items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([1] * BYTE_VOCAB + [3] * (TINY_VOCAB - BYTE_VOCAB))
     w.add_token_scores([0.0] * TINY_VOCAB)
@@ -75,16 +71,32 @@ def write_gguf(model, path, arch: str = "qwen2", extra: dict | None = None) -> N
     w.add_bos_token_id(BYTE_VOCAB)
     w.add_eos_token_id(BYTE_VOCAB + 1)
     w.add_pad_token_id(BYTE_VOCAB + 2)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    for i in range(cfg.num_hidden_layers):
-        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in GGUF_NAMES.items()})
-    for name, tensor in model.state_dict().items():
-        w.add_tensor(names[name], np.ascontiguousarray(tensor.numpy()))
+    return w
+
+
+def _write_tensors(w, tensors: dict) -> None:
+    """The GGUF tensors (llama.cpp name -> tensor), then the file."""
+    for name, tensor in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(tensor.numpy()))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_gguf(model, path, arch: str = "qwen2", extra: dict | None = None) -> None:
+    """The model as an F32 GGUF file with llama.cpp's tensor names and a byte-level gpt2 tokenizer (what llama.cpp's
+    converter writes for a Qwen2 model, at toy size)."""
+    cfg = model.config
+    w = _gguf_writer(model, path, arch, "qwen2")
+    w.add_rope_freq_base(1000000.0)
+    for key, value in (extra or {}).items():
+        w.add_uint32(f"{arch}.{key}", value)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in GGUF_NAMES.items()})
+    _write_tensors(w, {names[name]: tensor for name, tensor in model.state_dict().items()})
 
 
 @pytest.fixture()
@@ -460,37 +472,17 @@ def tiny_gemma2_for_gguf():
 def write_gemma2_gguf(model, path) -> None:
     """The model as an F32 Gemma 2 GGUF file as llama.cpp writes one: its tensor names, norms stored as 1 + w, the
     soft-caps and the window in the metadata, the embedding tied (no output tensor); a byte-level tokenizer."""
-    import gguf
-
-    from kvcal.models.tiny import BYTE_VOCAB, TINY_VOCAB, byte_tokenizer
+    from kvcal.models.tiny import BYTE_VOCAB
 
     cfg, arch = model.config, "gemma2"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = _gguf_writer(model, path, arch, "default")
+    w.add_unk_token_id(BYTE_VOCAB + 2)  # the Gemma tokenizer transformers builds needs one
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(cfg.sliding_window)
     w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
     w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
-    vocab = sorted(byte_tokenizer().get_vocab().items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([1] * BYTE_VOCAB + [3] * (TINY_VOCAB - BYTE_VOCAB))
-    w.add_token_scores([0.0] * TINY_VOCAB)
-    w.add_token_merges([])
-    w.add_bos_token_id(BYTE_VOCAB)
-    w.add_eos_token_id(BYTE_VOCAB + 1)
-    w.add_pad_token_id(BYTE_VOCAB + 2)
-    w.add_unk_token_id(BYTE_VOCAB + 2)  # the Gemma tokenizer transformers builds needs one
     per_layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
                  "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
                  "self_attn.o_proj.weight": "attn_output.weight",
@@ -501,13 +493,8 @@ def write_gemma2_gguf(model, path) -> None:
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     for i in range(cfg.num_hidden_layers):
         names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in per_layer.items()})
-    for name, tensor in model.state_dict().items():
-        if name != "lm_head.weight":  # tied
-            w.add_tensor(names[name], np.ascontiguousarray((tensor + 1 if "norm" in name else tensor).numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, {names[name]: tensor + 1 if "norm" in name else tensor
+                       for name, tensor in model.state_dict().items() if name != "lm_head.weight"})  # tied
 
 
 def test_a_gemma2_gguf_keeps_its_soft_caps_and_query_scale(cache, tmp_path):

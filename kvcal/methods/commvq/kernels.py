@@ -567,9 +567,12 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
     if q.dtype in (torch.float16, torch.bfloat16):  # the codewords rounded to fp16 (storage.decode_codewords)
         if "theta_heads_fp16" not in tables:
             tables["theta_heads_fp16"] = theta_heads.half()
-        theta_heads = tables["theta_heads_fp16"]
+        name = "theta_heads_fp16"
         if not (key_path == "codewords" and (FP16_CODEWORDS if fp16_codewords is None else fp16_codewords)):
-            theta_heads = theta_heads.float()  # the same values gathered as float32 (a knob, and the other paths)
+            name = "theta_heads_rounded"  # the same values gathered as float32 (a knob, and the other paths), made
+            if name not in tables:  # once, when a call first reads them
+                tables[name] = tables["theta_heads_fp16"].float()
+        theta_heads = tables[name]
     codebook, channel_scale = values["codebook"], values["channel_scale"]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc, kn, vc, vr = packed["k_codes"], packed["k_norm"], packed["v_codes"], packed["v_rho"]

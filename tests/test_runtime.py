@@ -959,3 +959,29 @@ def test_decode_steps_on_a_cpu_attend_on_one_thread(monkeypatch):
     monkeypatch.setattr(cache_module, "one_cpu_thread", contextlib.nullcontext)  # the threads as they were
     seen.clear()
     assert torch.equal(decode(), logits) and seen == [2] * (16 * loaded.dims.num_layers)
+
+
+@pytest.mark.parametrize("name,config", [("fp16", {}), ("rtn", {"bits": 4})])
+def test_synthetic_fill_keeps_a_hybrid_models_windows(name, config):
+    """On a model with sliding-window layers (tiny-gemma3: window 8) the benchmarks' synthetic fill applies the layer
+    policy a prefill does: a local layer keeps its window - 1 newest exact tokens, a global layer the method's
+    storage of every token; the bytes held equal a real prefill's, and a decode step then runs."""
+    from kvcal.models.loaded import LOCAL
+    from kvcal.runtime.cache import LosslessLayer
+
+    tiny = load_model("tiny-gemma3", dtype="bfloat16")
+    dims = tiny.dims
+    codec = build_method(name, config).build_storages({}, dims)
+    real, synthetic = KvcalCache(codec, dims.num_layers), KvcalCache(codec, dims.num_layers)
+    with torch.inference_mode():
+        forward_with_cache(tiny.model, torch.randint(0, 256, (2, 40)), real)
+    synthetic.fill_synthetic(2, 40, dims, torch.bfloat16, "cpu", headroom=4)
+    assert LOCAL in dims.layer_types and len(set(dims.layer_types)) == 2
+    for i, (want, got) in enumerate(zip(real.layers, synthetic.layers)):
+        assert type(got) is type(want) and got.length == want.length == 40, i
+        if dims.layer_types[i] == LOCAL:
+            assert isinstance(got, LosslessLayer) and got.kept == want.kept == dims.sliding_window - 1, i
+    assert synthetic.nbytes()[1] == real.nbytes()[1]
+    with torch.inference_mode():
+        out = forward_with_cache(tiny.model, torch.randint(0, 256, (2, 1)), synthetic).logits
+    assert torch.isfinite(out).all() and synthetic.get_seq_length() == 41

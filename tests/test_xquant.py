@@ -464,7 +464,9 @@ def test_cross_layer_kernels_on_gpu():
     from tests.xquant_kernel_cases import cross_layer_checks
 
     errors = cross_layer_checks(device="cuda")
-    assert len(errors) == 4 and all(v < 1e-9 for v in errors.values()), errors
+    # the storage's factors (U, R_k, R_v) and dequantized latents are float32 even in a float64 model, and a GPU sums
+    # their products in another order than cuBLAS does: float32 roundings, not the 1e-15 of the interpreter case
+    assert len(errors) == 4 and all(v < 1e-7 for v in errors.values()), errors
     loaded = _small_llama_cuda(torch.bfloat16)
     method = build_method("xquant", {"variant": "svd", "cross_layer": True, "base_layer": 0, "bits": 2,
                                      "group_channels": 64})

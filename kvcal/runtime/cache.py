@@ -671,10 +671,11 @@ class LosslessLayer(CacheLayer):
     def fill_synthetic(self, batch, tokens, heads, dim, dtype, device, inv_freq, headroom=0, generator=None,
                        hidden=0):
         like = torch.empty(batch, heads, 1, dim, dtype=dtype, device=device)
-        self._reserve(tokens + headroom, like)
-        self.k_buf[:, :, :tokens].normal_(generator=generator)
-        self.v_buf[:, :, :tokens].normal_(generator=generator)
-        self.length = self.kept = tokens
+        kept = tokens if self.window is None else min(tokens, self.window - 1)  # what a prefill leaves between steps
+        self._reserve(kept + headroom, like)
+        self.k_buf[:, :, :kept].normal_(generator=generator)
+        self.v_buf[:, :, :kept].normal_(generator=generator)
+        self.length, self.kept = tokens, kept
         self.is_initialized = True
 
 
@@ -788,10 +789,12 @@ class KvcalCache(Cache):
             layer.reserve_static(steps)
 
     def fill_synthetic(self, batch: int, tokens: int, dims, dtype, device, headroom: int = 0, seed: int = 0):
-        """Every layer holds `tokens` random tokens per row (see PackedLayer.fill_synthetic)."""
+        """Every layer holds `tokens` random tokens per row (see PackedLayer.fill_synthetic), under the layer policy a
+        prefill applies: a hybrid model's sliding-window layers keep their window of exact tokens."""
         generator = torch.Generator(device=device).manual_seed(seed)
         inv_freq = dims.rope.inv_freq(device)
-        for layer in self.layers:
+        for i in range(len(self.layers)):
+            layer = self._layer_policy(i, dims) if self.layers[i].length == 0 else self.layers[i]
             layer.fill_synthetic(batch, tokens, dims.num_kv_heads, dims.head_dim, dtype, device, inv_freq,
                                  headroom, generator, dims.hidden_size)
 

@@ -4,7 +4,7 @@ of the same kernels (attend_triton's `probe`: constant key codes, no key gathers
 knob settings, bf16 SDPA in the same process; then each compiled kernel's shared memory, registers and spills.
 
     PYTHONPATH=. python benchmarks/commvq_breakdown.py [--recipes commvq-1bit] [--contexts 32768] [--batches 1 8]
-        [--configs '[["fused", {"key_path": "fused"}], ["two-pass", {}]]' | --configs score_dot]
+        [--configs '[["two-pass", {}], ["fp32 codewords", {"fp16_codewords": false}]]' | --configs score_dot]
 
 --configs score_dot: the key pass's epilogue options (attend_triton's score_dot: "sum", "mma" (tf32x3 tensor cores),
 "fma" (Triton's FMA dot); score_dot_n: the dot's query heads, 16 or 4), each in full and without the key gathers,
@@ -28,10 +28,6 @@ from kvcal import bench as cases
 from kvcal.runtime import bench
 
 CONFIGS = [
-    ["fused", {"key_path": "fused", "fp16_codewords": False}],
-    ["fused, const codes", {"key_path": "fused", "fp16_codewords": False, "probe": "const_codes"}],
-    ["fused, no key gathers", {"key_path": "fused", "fp16_codewords": False, "probe": "no_gathers"}],
-    ["fused, no value mass", {"key_path": "fused", "fp16_codewords": False, "probe": "no_value_mass"}],
     ["two-pass", {}],
     ["two-pass, fp32 codewords", {"fp16_codewords": False}],
     ["two-pass, const codes", {"probe": "const_codes"}],
@@ -52,7 +48,7 @@ def compiled_kernels() -> list[dict]:
     from kvcal.methods.commvq import kernels as C
 
     out = []
-    for fn in (C._scores_mass_kernel, C._key_scores_kernel, C._value_mass_kernel, C._codebook_kernel):
+    for fn in (C._key_scores_kernel, C._value_mass_kernel, C._codebook_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 meta = kernel.metadata

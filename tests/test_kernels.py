@@ -220,8 +220,8 @@ def test_frag_dispatch_rules(monkeypatch):
 
 
 def test_commvq_score_dot_knob_is_checked():
-    """attend_triton refuses an unknown score_dot, score_dot on the one-kernel paths (a knob of the key pass) and a
-    dot width that is not a power of two, before launching anything."""
+    """attend_triton refuses an unknown score_dot and a dot width that is not a power of two, before launching
+    anything."""
     from kvcal.errors import KvcalError
     from kvcal.methods.commvq.kernels import attend_triton
 
@@ -230,8 +230,6 @@ def test_commvq_score_dot_knob_is_checked():
     q = build_step(1, 8, 2, 64, 0, torch.float32)[0]
     with pytest.raises(KvcalError, match="score_dot must be one of"):
         attend_triton(q, packed, 0.125, None, storage, score_dot="wgmma")
-    with pytest.raises(KvcalError, match="score_dot 'mma' is a knob of key_path 'codewords', not 'fused'"):
-        attend_triton(q, packed, 0.125, None, storage, key_path="fused", score_dot="mma")
     with pytest.raises(KvcalError, match="score_dot_n must be a power of two, got 12"):
         attend_triton(q, packed, 0.125, None, storage, score_dot="fma", score_dot_n=12)
 

@@ -37,16 +37,9 @@ ATTENTION = [
      {"score_dot": "fma"}, {}),
     ("commvq2_score_mma_fp32", 2, torch.float32, {}, {"score_dot": "mma"}, {}),
     ("commvq2_score_fma_n4_bf16", 2, torch.bfloat16, {}, {"score_dot": "fma", "score_dot_n": 4}, {}),
-    # the one-kernel walk (keys and value mass per (row, KV head, split))
-    ("commvq2_fused_bf16", 2, torch.bfloat16, {}, {"key_path": "fused"}, {}),
-    ("commvq1_c12_g8_fused_fp16", 1, torch.float16, {"codes": 12, "group_pairs": 8, "stages": 2},
-     {"key_path": "fused"}, {}),
     ("commvq2_fp32", 2, torch.float32, {}, {}, {}),
     ("commvq1_g8_fp64", 1, torch.float64, {"group_pairs": 8}, {}, {}),
-    # the paper's key path: a per-step table of q against the codebooks, gathered by the indices
-    ("commvq2_table_fp16", 2, torch.float16, {}, {"key_path": "table"}, {}),
-    ("commvq1_c12_g8_table_fp64", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {"key_path": "table"},
-     {}),
+    ("commvq1_c12_g8_fp64", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {}, {}),
 ]
 
 GPU_ATTENTION = [
@@ -55,9 +48,6 @@ GPU_ATTENTION = [
     ("commvq2_bf16", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {}, {}),
     ("commvq1_fp16", 1, torch.float16, {"codes": 64, "stages": 11}, {}, {}),
     ("commvq2_fp32", 2, torch.float32, {"codes": 64, "stages": 21}, {}, {}),
-    ("commvq1_table_bf16", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"key_path": "table"}, {}),
-    # the one-kernel walk (the two passes are the default)
-    ("commvq2_fused_fp16", 2, torch.float16, {"codes": 64, "stages": 21}, {"key_path": "fused"}, {}),
     # the key pass's epilogue as a tensor-core dot (tf32x3) and as Triton's FMA dot
     ("commvq1_score_mma_bf16", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {"score_dot": "mma"}, {}),
     ("commvq2_score_fma_bf16", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {"score_dot": "fma"}, {}),

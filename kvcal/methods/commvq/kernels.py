@@ -1,7 +1,7 @@
 """CommVQ's Triton kernels, beside their torch references in kvcal/methods/commvq/storage.py (CommVQStorage).
 
-Decode attention (`attend_triton`, reference CommVQStorage.attend_reference). The default (key_path "codewords") is
-two passes over the tokens, then the codebook product and the generic merge:
+Decode attention (`attend_triton`, reference CommVQStorage.attend_reference): two passes over the tokens, then the
+codebook product and the generic merge:
 
 1. `_key_scores_kernel`, grid (token tiles, B, Hkv), the KV head slowest (the programs resident together gather from
    one KV head's codebook): per tile of BLOCK_T tokens, for every stage r and code e in (a, b) the token's index is
@@ -27,12 +27,6 @@ two passes over the tokens, then the codebook product and the generic merge:
    generic merge adds the chunks' products (sum_c w acc_c / sum w l).
 4. the full-precision window: runtime/kernels.fp_partials_into into the last splits; runtime/kernels.merge_triton
    merges all (decode_attention calls it).
-
-key_path "fused" (and "table", the paper's key path) runs passes 1 and 2 as one kernel instead,
-`_scores_mass_kernel`, grid (B * Hkv, NSPLIT): program (row b, KV head h, split s) walks its share of row b's tokens
-(runtime/kernels.split_bounds: no host sync), the keys as above, then the value mass of its 4 query heads (the tile's
-bits unpacked per KV head, the dot padded to 16 columns); kept to measure the two against each other (docs/commvq.md
-compares them; the default is the two passes).
 
 Key encoding (`encode_keys_triton`, reference storage.encode_keys): one program per (block of 16 tokens, group) runs
 the greedy residual search over the stages with the fast distance decomposition of quant/vq.py
@@ -60,18 +54,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 PREC = {torch.float32: 32, torch.float64: 64}  # fp16 hi + lo value dots for fp16 and bf16 queries
-BLOCK_T = 32  # tokens per tile
-# Tokens per tile for float32 queries. Their value dot (PREC 32: ieee float32 operands, no tensor cores) stages the
-# tile's bits [N_c, BLOCK_T] and rho p [BLOCK_T, 16] in shared memory as float32: at 2 bits on Llama-3.1-8B shapes
-# (N_c 2048) _scores_mass_kernel needed 264192 B with 32-token tiles (2048 x 32 x 4 + 32 x 16 x 4), over sm_90's
-# 232448 B (OutOfResources), and needs 132096 B with 16-token tiles. From a Triton 3.9 compile for sm_90
-# (triton.compile, no GPU run; Triton 3.6 gave the same numbers). fp16 / bf16 queries keep BLOCK_T (2 bits 133120 B,
-# 1 bit 67584 B). float64 keeps it too: at 2 bits its value sums (no dot) are over the limit at either tile (Triton
-# 3.9: 262144 B at 32 and at 16 tokens), not fixed here.
-BLOCK_T_FP32 = 16
 PROGRAMS_PER_SM = 4  # split programs per SM (each writes a mass partial of N_c x G floats)
 CODE_CHUNK = 32  # codes per program of the codebook kernel
-# the two-pass path (key_path "codewords")
 KEY_BLOCK_T = 32  # tokens per tile of the key-score pass
 KEY_TILES = 1  # tiles per key-score program
 KEY_WARPS = 4
@@ -92,7 +76,7 @@ ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's table
 
 
 if triton is not None:
-    from kvcal.quant.tiles import dot, regroup
+    from kvcal.quant.tiles import dot
     from kvcal.runtime.kernels import softmax_tile, split_bounds
 
     @triton.jit
@@ -151,103 +135,6 @@ if triton is not None:
             return dot(k, q, INTERP)  # ieee float32 (exact under the interpreter)
         else:
             return tl.dot(k, q, input_precision="tf32x3")
-
-    @triton.jit
-    def _scores_mass_kernel(
-        q_ptr, sqb, sqh, len_ptr,
-        kc_ptr, skb, skt, kn_ptr, sknb,
-        vc_ptr, svb, svt, vr_ptr, svrb,
-        th_ptr, cos_ptr, sin_ptr, pos_offset,
-        m_ptr, l_ptr, mass_ptr, HKV, qk_scale_hi, qk_scale_lo, NSPLIT,
-        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GPV: tl.constexpr, R: tl.constexpr,
-        NCODE: tl.constexpr, IB: tl.constexpr, NPH: tl.constexpr, GPAIRS: tl.constexpr, WK: tl.constexpr,
-        WV: tl.constexpr, WVP: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-        TABLE: tl.constexpr, PROBE: tl.constexpr,
-    ):
-        ACC: tl.constexpr = m_ptr.dtype.element_ty
-        if PREC == 64:
-            qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
-        else:
-            qk_scale = qk_scale_hi
-        P: tl.constexpr = D // 2
-        NCB: tl.constexpr = WVP * 32
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
-        part = pid * NSPLIT + split
-        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
-        rk = tl.arange(0, GP)
-        jj = tl.arange(0, P)
-        q_row = q_ptr + b * sqb + h * G * sqh
-        q1 = tl.load(q_row + rk[None, :] * sqh + jj[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)  # [P, GP]
-        q2 = tl.load(q_row + rk[None, :] * sqh + P + jj[:, None], mask=(rk < G)[None, :], other=0.0).to(ACC)
-        m_i = tl.full((GP,), float("-inf"), ACC)
-        l_i = tl.zeros((GP,), ACC)
-        mass = tl.zeros((NCB, GPV), ACC)
-        xy = tl.arange(0, 2)
-        th_head = th_ptr + h * (R * NCODE * P * 2)
-        wv = tl.arange(0, WVP)
-        sh32 = tl.arange(0, 32).to(tl.uint32)
-        tab_head = th_ptr + pid * (R * NCODE * P * GP * 2)  # TABLE: this row's table of q against the codebook
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < end
-            krow = kc_ptr + b * skb + t * skt  # [BLOCK_T] code rows
-            kx = tl.zeros((BLOCK_T, P), ACC)
-            ky = tl.zeros((BLOCK_T, P), ACC)
-            if TABLE:
-                big_a = tl.zeros((BLOCK_T, P, GP), ACC)
-                big_b = tl.zeros((BLOCK_T, P, GP), ACC)
-            for r in range(R * (PROBE != 2)):  # PROBE 2 (timing only): no key codes and no gathers
-                for e in tl.static_range(2):
-                    if PROBE == 1:  # timing only: constant codes (every gather reads the stage's row 0)
-                        code = tl.zeros((BLOCK_T, NPH), tl.int32)
-                    else:
-                        code = _key_code(krow, tm, h, r, e, R, NPH, IB, WK)  # [BLOCK_T, NPH]
-                    code = tl.reshape(tl.broadcast_to(code[:, :, None], (BLOCK_T, NPH, GPAIRS)), (BLOCK_T, P))
-                    if TABLE:  # the entries (d, c) of the group's query heads: [BLOCK_T, P, GP, 2]
-                        off = (((r * NCODE + code) * P + jj[None, :]) * GP)[:, :, None] + rk[None, None, :]
-                        dc = tl.load(tab_head + off[:, :, :, None] * 2 + xy[None, None, None, :])
-                        dd, cc = tl.split(dc)
-                        if e == 0:  # A += d[a], B += c[a]
-                            big_a += dd
-                            big_b += cc
-                        else:  # A += c[b], B -= d[b]
-                            big_a += cc
-                            big_b -= dd
-                    else:
-                        off = ((r * NCODE + code) * P + jj[None, :]) * 2  # codeword (x, y) of pair j
-                        pair = tl.load(th_head + off[:, :, None] + xy[None, None, :]).to(ACC)  # [BLOCK_T, P, 2]
-                        x, y = tl.split(pair)
-                        kx, ky = _add_codeword(kx, ky, x, y, e)
-            # one rotation per token and pair
-            c, sn = _rope_tables(cos_ptr, sin_ptr, pos_offset + t, jj, tm, D, ACC)
-            kappa = tl.load(kn_ptr + b * sknb + t, mask=tm, other=0.0).to(ACC)
-            if TABLE:  # fused_key_scores: sum_p cos A_p + sin B_p
-                s = tl.sum(c[:, :, None] * big_a + sn[:, :, None] * big_b, 1)  # [BT, GP]
-            else:
-                k1 = kx * c - ky * sn
-                k2 = ky * c + kx * sn
-                s = tl.sum(k1[:, :, None] * q1[None, :, :], 1) + tl.sum(k2[:, :, None] * q2[None, :, :], 1)
-            s = tl.where(tm[:, None], s * (kappa * qk_scale)[:, None], float("-inf"))
-            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, rk < G)
-            # ---- values: probability mass per code bit (Eq. 22)
-            rho = tl.load(vr_ptr + b * svrb + t, mask=tm, other=0.0).to(ACC)
-            pv = regroup(p * rho[:, None], GP, GPV, BLOCK_T)  # [BLOCK_T, GPV], padding heads 0
-            av = tl.reshape(regroup(alpha[None, :], GP, GPV, 1), (GPV,))
-            words = tl.load(vc_ptr + b * svb + t[None, :] * svt + wv[:, None],
-                            mask=tm[None, :] & (wv < WV)[:, None], other=0).to(tl.uint32, bitcast=True)  # [WVP, BT]
-            bits = tl.reshape((words[:, None, :] >> sh32[None, :, None]) & 1, (NCB, BLOCK_T))
-            if PROBE == 3:  # timing only: no value mass
-                mass = mass * av[None, :]
-            else:
-                mass = mass * av[None, :] + _value_dot(bits, pv, PREC, INTERP)
-        rv = tl.arange(0, GPV)
-        nn = tl.arange(0, NCB)
-        tl.store(mass_ptr + (part * G + rv[None, :]) * NCB + nn[:, None], mass, mask=(rv < G)[None, :])
-        tl.store(m_ptr + part * G + rk, m_i, mask=rk < G)
-        tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
 
     @triton.jit
     def _codebook_kernel(
@@ -507,56 +394,31 @@ def encode_keys_triton(rows: torch.Tensor, theta: torch.Tensor, channels: torch.
     return pack_stream(codes.reshape(m, -1), index_bits), norms.clamp(max=FP16_MAX).half()
 
 
-def query_tables(q: torch.Tensor, theta_heads: torch.Tensor, gp: int, dtype) -> torch.Tensor:
-    """The per-step table of Eq. 19 for key_path="table": q [B, Hq, D] (after RoPE) against theta_heads [Hkv, R, N, P,
-    2] -> [B, Hkv, R, N, P, GP, 2] entries (d, c) = (qx x + qy y, qy x - qx y) of each of the KV head's query heads
-    (padded to GP with zeros), as fused_key_scores builds them."""
-    batch, hq, d = q.shape
-    hkv, half = theta_heads.shape[0], d // 2
-    qg = q.to(dtype).view(batch, hkv, hq // hkv, d)
-    if gp > hq // hkv:
-        qg = torch.nn.functional.pad(qg, (0, 0, 0, gp - hq // hkv))
-    qx, qy = qg[..., :half], qg[..., half:]  # [B, Hkv, GP, P]
-    x, y = theta_heads[..., 0].to(dtype), theta_heads[..., 1].to(dtype)  # [Hkv, R, N, P]
-    table_d = torch.einsum("bhgp,hrnp->bhrnpg", qx, x) + torch.einsum("bhgp,hrnp->bhrnpg", qy, y)
-    table_c = torch.einsum("bhgp,hrnp->bhrnpg", qy, x) - torch.einsum("bhgp,hrnp->bhrnpg", qx, y)
-    return torch.stack((table_d, table_c), -1).contiguous()
-
-
 PROBES = {None: 0, "const_codes": 1, "no_gathers": 2, "no_value_mass": 3, "no_key_pass": 4}
 
 
-def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_path: str = "codewords",
-                  block_t: int | None = None, num_warps: int | None = None, tiles: int | None = None,
-                  value_block_t: int | None = None, value_chunk: int | None = None, value_warps: int | None = None,
-                  num_splits: int | None = None, programs_per_sm: int | None = None, code_chunk: int | None = None,
+def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t: int | None = None,
+                  num_warps: int | None = None, tiles: int | None = None, value_block_t: int | None = None,
+                  value_chunk: int | None = None, value_warps: int | None = None, num_splits: int | None = None,
+                  programs_per_sm: int | None = None, code_chunk: int | None = None,
                   fp16_codewords: bool | None = None, score_dot: str | None = None, score_dot_n: int | None = None,
                   probe: str | None = None):
     """Partials of q [B, Hq, D] (after RoPE) over CommVQ's packed tokens and the full-precision part `fp` (module
-    docstring). key_path: "codewords" (the default: two passes, _key_scores_kernel writes the scores, then
-    _value_mass_kernel), "fused" (one kernel, _scores_mass_kernel, walks the keys and the value mass per (row, KV
-    head, split)) or "table" (the fused kernel on the paper's key path: a table of q against the codebooks built per
-    step in torch, [B, Hkv, R, N', P, G, 2] entries (d, c), gathered by the indices, then cos A + sin B), for
-    measuring one against the other. Keyword-only tuning knobs: block_t (tokens per key tile, >= 16; in the fused
-    kernel its one tile: BLOCK_T, BLOCK_T_FP32 for float32 queries), num_warps (key pass / fused kernel), tiles (key
-    tiles per program), value_block_t, value_chunk (value-code bits per program, a power of two >= 32), value_warps,
-    num_splits (default from programs_per_sm x SMs), code_chunk (codes per codebook program, >= 16), fp16_codewords
-    (fp16/bf16 queries, key_path "codewords": gather the codewords, which 16-bit queries read rounded to fp16, as fp16
-    (the default: half the bytes) or as float32 copies of the same values (False; the fused and table paths always
-    do)),
-    score_dot (key_path "codewords": the key pass's dot of the rotated keys with the group's queries, "sum" (the
-    default), "mma" (tf32x3 tensor cores) or "fma" (Triton's FMA dot: a token's pairs summed in one thread); the
-    dots pad the group's query heads to score_dot_n (default 16, a power of two); float64 queries always sum),
-    probe (timing only, wrong results: "const_codes", "no_gathers", "no_value_mass", "no_key_pass")."""
+    docstring: _key_scores_kernel writes the scores, _value_mass_kernel the probability mass per code bit,
+    _codebook_kernel the partials). Keyword-only tuning knobs: block_t (tokens per key tile, >= 16), num_warps (key
+    pass), tiles (key tiles per program), value_block_t, value_chunk (value-code bits per program, a power of two >=
+    32), value_warps, num_splits (default from programs_per_sm x SMs), code_chunk (codes per codebook program, >= 16),
+    fp16_codewords (fp16/bf16 queries: gather the codewords, which 16-bit queries read rounded to fp16, as fp16 (the
+    default: half the bytes) or as float32 copies of the same values (False)), score_dot (the key pass's dot of the
+    rotated keys with the group's queries, "sum" (the default), "mma" (tf32x3 tensor cores) or "fma" (Triton's FMA
+    dot: a token's pairs summed in one thread); the dots pad the group's query heads to score_dot_n (default 16, a
+    power of two); float64 queries always sum), probe (timing only, wrong results: "const_codes", "no_gathers",
+    "no_value_mass", "no_key_pass")."""
     q, batch, hkv, group, d, dev = K.decode_dims(q, packed.heads)
     hq = hkv * group
-    if key_path not in ("codewords", "fused", "table"):
-        raise KvcalError(f"commvq key_path must be codewords, fused or table, got '{key_path}'")
     score_dot = score_dot or SCORE_DOT
     if score_dot not in SCORE_DOTS:
         raise KvcalError(f"commvq score_dot must be one of {sorted(SCORE_DOTS)}, got '{score_dot}'")
-    if score_dot != "sum" and key_path != "codewords":
-        raise KvcalError(f"commvq score_dot '{score_dot}' is a knob of key_path 'codewords', not '{key_path}'")
     dot_n = score_dot_n or SCORE_DOT_N
     if dot_n != pow2(dot_n):
         raise KvcalError(f"commvq score_dot_n must be a power of two, got {dot_n}")
@@ -568,9 +430,9 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
         if "theta_heads_fp16" not in tables:
             tables["theta_heads_fp16"] = theta_heads.half()
         name = "theta_heads_fp16"
-        if not (key_path == "codewords" and (FP16_CODEWORDS if fp16_codewords is None else fp16_codewords)):
-            name = "theta_heads_rounded"  # the same values gathered as float32 (a knob, and the other paths), made
-            if name not in tables:  # once, when a call first reads them
+        if not (FP16_CODEWORDS if fp16_codewords is None else fp16_codewords):
+            name = "theta_heads_rounded"  # the same values gathered as float32, made once, when a call first reads
+            if name not in tables:
                 tables[name] = tables["theta_heads_fp16"].float()
         theta_heads = tables[name]
     codebook, channel_scale = values["codebook"], values["channel_scale"]
@@ -590,64 +452,38 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, key_pat
     fp_count = K.fp_splits(fp)
     parts = Partials.empty(rows, nchunks + fp_count, group, d, q.dtype, dev)
     prec = PREC.get(q.dtype, 16)
-    if key_path == "codewords":
-        kbt = block_t or KEY_BLOCK_T
-        ntile = (tiles or KEY_TILES)
-        vbt = value_block_t or (VALUE_BLOCK_T_FP32 if q.dtype == torch.float32 else VALUE_BLOCK_T)
-        vcc = min(value_chunk or VALUE_CHUNK, ncb)
-        vchunks = ncb // vcc
-        if num_splits:
-            nsplit = int(num_splits)
-        else:
-            nsplit = max(1, min(triton.cdiv(target, batch * vchunks), triton.cdiv(tcap, 4 * vbt)))
-        hqp = max(pow2(hq), 16)
-        sdot = 0 if q.dtype == torch.float64 else SCORE_DOTS[score_dot]  # no float64 tl.dot (quant/tiles.dot)
-        scores = (torch.zeros if probe == "no_key_pass" else torch.empty)(batch, hq, tcap, dtype=acc_dtype, device=dev)
-        m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
-        l_s = torch.empty_like(m_s)
-        mass = torch.empty(rows, nsplit, group, ncb, dtype=acc_dtype, device=dev)
-        with launch_device(q):
-            if probe != "no_key_pass":
-                _key_scores_kernel[(triton.cdiv(tcap, kbt * ntile), batch, hkv)](
-                    q, q.stride(0), q.stride(1), packed.lengths, kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
-                    theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
-                    scores, scores.stride(0), scores.stride(1), qk_hi, qk_lo,
-                    D=d, G=group, GP=max(gp, dot_n) if sdot else gp, R=storage.stages, NCODE=storage.codes,
-                    IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
-                    BLOCK_T=kbt, TILES=ntile, PROBE=PROBES[probe] % 3, SCORE_DOT=sdot, INTERP=K.INTERPRET,
-                    num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
-                )
-            _value_mass_kernel[(vchunks, nsplit, batch)](
-                scores, scores.stride(0), scores.stride(1), packed.lengths, vc, vc.stride(0), vc.stride(1),
-                vr, vr.stride(0), m_s, l_s, mass, nsplit,
-                HQ=hq, HQP=hqp, G=group, WV=wv, NCB=ncb, NCC=vcc, BLOCK_T=vbt, INTERP=K.INTERPRET, PREC=prec,
-                PROBE=PROBES[probe], num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
-            )
+    kbt = block_t or KEY_BLOCK_T
+    ntile = (tiles or KEY_TILES)
+    vbt = value_block_t or (VALUE_BLOCK_T_FP32 if q.dtype == torch.float32 else VALUE_BLOCK_T)
+    vcc = min(value_chunk or VALUE_CHUNK, ncb)
+    vchunks = ncb // vcc
+    if num_splits:
+        nsplit = int(num_splits)
     else:
-        if key_path == "table":
-            theta_heads = query_tables(q, theta_heads, gp, acc_dtype)
-        bt = block_t or (BLOCK_T_FP32 if q.dtype == torch.float32 else BLOCK_T)
-        if num_splits:
-            nsplit = int(num_splits)
-        else:
-            nsplit = max(1, min(triton.cdiv(target, batch * hkv), triton.cdiv(tcap, 4 * bt)))
-        gpv = max(gp, 16)
-        m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
-        l_s = torch.empty_like(m_s)
-        mass = torch.empty(rows, nsplit, group, ncb, dtype=acc_dtype, device=dev)
-        warps = num_warps or max(4, min(16, ncb * gpv // 2048))
-        with launch_device(q):
-            _scores_mass_kernel[(rows, nsplit)](
-                q, q.stride(0), q.stride(1), packed.lengths,
-                kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
-                vc, vc.stride(0), vc.stride(1), vr, vr.stride(0),
+        nsplit = max(1, min(triton.cdiv(target, batch * vchunks), triton.cdiv(tcap, 4 * vbt)))
+    hqp = max(pow2(hq), 16)
+    sdot = 0 if q.dtype == torch.float64 else SCORE_DOTS[score_dot]  # no float64 tl.dot (quant/tiles.dot)
+    scores = (torch.zeros if probe == "no_key_pass" else torch.empty)(batch, hq, tcap, dtype=acc_dtype, device=dev)
+    m_s = torch.empty(rows, nsplit, group, dtype=acc_dtype, device=dev)
+    l_s = torch.empty_like(m_s)
+    mass = torch.empty(rows, nsplit, group, ncb, dtype=acc_dtype, device=dev)
+    with launch_device(q):
+        if probe != "no_key_pass":
+            _key_scores_kernel[(triton.cdiv(tcap, kbt * ntile), batch, hkv)](
+                q, q.stride(0), q.stride(1), packed.lengths, kc, kc.stride(0), kc.stride(1), kn, kn.stride(0),
                 theta_heads, packed.rope_cos, packed.rope_sin, packed.pos_offset,
-                m_s, l_s, mass, hkv, qk_hi, qk_lo, nsplit,
-                D=d, G=group, GP=gp, GPV=gpv, R=storage.stages, NCODE=storage.codes,
+                scores, scores.stride(0), scores.stride(1), qk_hi, qk_lo,
+                D=d, G=group, GP=max(gp, dot_n) if sdot else gp, R=storage.stages, NCODE=storage.codes,
                 IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
-                WV=wv, WVP=pow2(wv), BLOCK_T=bt, INTERP=K.INTERPRET, PREC=prec,
-                TABLE=int(key_path == "table"), PROBE=min(PROBES[probe], 3), num_warps=warps, **opts,
+                BLOCK_T=kbt, TILES=ntile, PROBE=PROBES[probe] % 3, SCORE_DOT=sdot, INTERP=K.INTERPRET,
+                num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
             )
+        _value_mass_kernel[(vchunks, nsplit, batch)](
+            scores, scores.stride(0), scores.stride(1), packed.lengths, vc, vc.stride(0), vc.stride(1),
+            vr, vr.stride(0), m_s, l_s, mass, nsplit,
+            HQ=hq, HQP=hqp, G=group, WV=wv, NCB=ncb, NCC=vcc, BLOCK_T=vbt, INTERP=K.INTERPRET, PREC=prec,
+            PROBE=PROBES[probe], num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
+        )
     with launch_device(q):
         _codebook_kernel[(rows, nchunks)](
             m_s, l_s, mass, codebook, channel_scale, parts.m, parts.l, parts.acc, hkv, nsplit, nchunks + fp_count,

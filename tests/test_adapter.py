@@ -342,7 +342,8 @@ def test_cache_argument_is_read_from_the_forward_signature():
 
 def test_a_window_layers_static_decode_step_attends_to_its_window():
     """LosslessLayer's static (CUDA-graph) decode step with a window: the new token sees itself and the window - 1
-    tokens before it, nothing older (the same step without a window sees them all)."""
+    tokens before it, nothing older (the same step without a window sees them all). The synthetic fill leaves what a
+    prefill of 10 tokens leaves: a window layer holds its window - 1 newest."""
     from types import SimpleNamespace
 
     from kvcal.models.attention import attention
@@ -355,7 +356,9 @@ def test_a_window_layers_static_decode_step_attends_to_its_window():
     for window in (4, None):
         layer = LosslessLayer(0, 16, window)
         layer.fill_synthetic(1, 10, 2, 16, torch.float64, "cpu", None)
-        layer.k_buf[:, :, :10], layer.v_buf[:, :, :10] = history
+        kept = layer.kept
+        assert layer.length == 10 and kept == (10 if window is None else window - 1)
+        layer.k_buf[:, :, :kept], layer.v_buf[:, :, :kept] = (h[:, :, 10 - kept:] for h in history)
         layer.begin_static()
         inp = SimpleNamespace(q=q, k_pre=k, v=v, cos=torch.ones_like(zeros), sin=zeros, scale=0.25, softcap=None)
         got = layer.attend(inp)

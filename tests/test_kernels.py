@@ -13,10 +13,7 @@ softmax over keys and values dequantized in float32 exactly as the reference doe
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -35,20 +32,13 @@ from tests.kernel_cases import (
     run_quantize_checks,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("KVCAL_DISABLE_TRITON", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.kernel_cases"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("KERNEL_CHECKS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("KERNEL_CHECKS "):])
+def interpreted(interpreter_checks):
+    """tests/kernel_cases.py's results under the Triton interpreter (a subprocess the collection started early)."""
+    return interpreter_checks("tests.kernel_cases")
 
 
 def test_word_alignment_hint_follows_strides_and_address():

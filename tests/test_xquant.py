@@ -322,7 +322,7 @@ def test_packed_bytes_per_token_by_hand():
     assert sum(got) == pytest.approx(sum(method.footprint(LLAMA8B, 128 * 64).values()) / (128 * 64))
 
 
-def test_interpreted_kernels_match_the_reference():
+def test_interpreted_kernels_match_the_reference(interpreter_checks):
     """The decode kernels against XQuantStorage.attend_reference under the Triton interpreter: the scores kernel over
     token tiles and KV-head blocks, keys rebuilt chunk by chunk with bias and RoPE in registers; the value kernel in
     latent space for every query head, then R_v; with their knobs (KV-head blocks, tiles, chunks, several value
@@ -333,21 +333,10 @@ def test_interpreted_kernels_match_the_reference():
     scale and zero vector read one block late (key blocks that cover a token tile) gave nan and 0.99
     (svd4_keyblocks16_outlier_bias_fp64, svd2_keyblocks32_bf16), per-token value parameters read from the chunk's
     first group only failed 14 of the 18 cases."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from tests.xquant_kernel_cases import CASES, CROSS_LAYER_CASES, TOL, WRITE_CASES
 
     pytest.importorskip("triton")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "tests.xquant_kernel_cases"], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("XQUANT_KERNELS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    errors = json.loads(lines[-1][len("XQUANT_KERNELS "):])
+    errors = interpreter_checks("tests.xquant_kernel_cases")  # a subprocess the collection started early
     for name, _, _, dtype, _ in CASES:
         assert errors[name] == errors[name] and errors[name] <= TOL[dtype], f"{name}: {errors[name]}"
     # latents whose width the quantize kernels take only in pieces (smollm2's 192): written bit for bit as the

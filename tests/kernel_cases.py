@@ -567,6 +567,47 @@ def run_cache_checks(dtype=torch.float16) -> dict:
     return out
 
 
+# methods whose kernels take a compressed sliding window's first slot (Packed.first): the split-K skeleton's
+WINDOW_CACHE_METHODS = ("kivi", "kvquant", "rtn", "skvq")
+
+
+def run_window_cache_checks(dtype=torch.float32) -> dict:
+    """{method: relative error}: --compress-local on a Gemma 3 of two sliding-window layers (window 8) and a global
+    one, 4 query heads over 2 KV heads of 64 channels, float32 (fp16 rounding through three layers of this random model
+    reaches 4e-2 and would hide a kernel that sees one token too many), strict (no full-precision window), decoding
+    through KvcalCache
+    with every op on the Triton kernels against the torch references (largest relative error of a step's logits per
+    row and step: batch 2, a 30-token prompt, 10 decode steps; the local layers drop and mask what leaves the window,
+    KIVI in blocks whose first slots the kernel masks)."""
+    from kvcal.calib.capture import capture
+    from kvcal.methods import build_method
+    from kvcal.methods.registry import all_methods
+    from kvcal.models import as_loaded
+    from kvcal.models.loaded import mask_implementation
+    from kvcal.models.tiny import build_random_model, tiny_config
+
+    config = tiny_config("gemma3")
+    config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads = 256, 64, 4, 2
+    config.query_pre_attn_scalar = 64
+    loaded = as_loaded(build_random_model(config, dtype, "cpu", attn_implementation=mask_implementation("gemma3")))
+    assert loaded.dims.hybrid and loaded.dims.sliding_window < 30
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    calibration = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name in WINDOW_CACHE_METHODS:
+        method = build_method(name, dict(all_methods()[name].test_config)).with_fp_window(0)
+        tensors = {}
+        if method.learns:
+            with capture(loaded, calibration, method.capture_needs()) as store:
+                tensors = method.calibrate(loaded, store)[0]
+        codec = method.build_storages(tensors, loaded.dims)
+        codec.compress_local = True
+        ref = _decode_logits(loaded, codec, ids, 30, kernels=False)
+        fast = _decode_logits(loaded, codec, ids, 30, kernels=True)
+        out[name] = float(((fast - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+    return out
+
+
 def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
     import json
     import sys
@@ -583,6 +624,7 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
         out["outliers"] = run_outlier_pass_checks()
     if which in ("all", "cache"):
         out["cache"] = run_cache_checks()
+        out["cache_window"] = run_window_cache_checks()
     out["seconds"] = time.time() - t0
     print("KERNEL_CHECKS " + json.dumps(out))
 

@@ -372,8 +372,8 @@ def test_compress_local_compresses_the_sliding_window_layers_too(text_file, tmp_
     model's window mask: on tiny-gemma2 (one RoPE for both kinds of layer) each layer's output equals that of the same
     model whose adapter treats every layer as global, bit for bit, and layer 0 no longer equals the exact attention.
     Bits: the local layers hold their window - 1 newest tokens in the method's format (the footprint an all-global
-    model of the same shapes has at 7 tokens). Through the CLI the record says so, and decode mode and a model without
-    sliding-window layers are refused in one line."""
+    model of the same shapes has at 7 tokens). Through the CLI the record says so, decode mode (the packed cache) gives
+    the simulation's perplexity, and a model without sliding-window layers is refused in one line."""
     import dataclasses
     import json
     import os
@@ -432,9 +432,12 @@ def test_compress_local_compresses_the_sliding_window_layers_too(text_file, tmp_
     assert on["ppl"] != off["ppl"]
     assert on["bits_per_element"] == pytest.approx(
         bits_per_element(build_method("rtn", {"bits": 2}), dims, compress_local=True).bits_per_element, rel=1e-12)
-    for args, needle in (([*base, "--compress-local", "--mode", "decode"], "--compress-local runs in the simulation"),
-                         (["eval", "ppl", "--model", "tiny-llama", "--method", "rtn", "--dataset", text_file,
-                           "--nsamples", "1", "--seqlen", "24", "--compress-local"], "tiny-llama has none")):
+    out = tmp_path / "decode.json"  # the packed cache compresses the windows too, as the simulation does
+    run = kvcal(*base, "--compress-local", "--mode", "decode", "--json", out)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(out.read_text())["ppl"] == pytest.approx(on["ppl"], rel=1e-4)
+    for args, needle in ((["eval", "ppl", "--model", "tiny-llama", "--method", "rtn", "--dataset", text_file,
+                           "--nsamples", "1", "--seqlen", "24", "--compress-local"], "tiny-llama has none"),):
         run = kvcal(*args)
         assert run.returncode == 2 and run.stderr.strip().startswith("error:") and needle in run.stderr
         assert "\n" not in run.stderr.strip(), run.stderr

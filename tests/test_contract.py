@@ -86,6 +86,65 @@ def test_simulation_equals_decode_through_the_packed_cache(name, family, artifac
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
 
 
+# storages the packed cache cannot window (their one-line refusals): CalibQuant remaps the scores of all of a row's
+# compressed tokens together; XQuant on Gemma 3 rebuilds keys and values from the layer inputs across layers
+WINDOW_REFUSED = {"calibquant", "xquant"}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_compressed_sliding_windows_decode_as_they_simulate(name, artifacts):
+    """--compress-local on tiny-gemma3 (two local layers with an 8-token window, then a global one), strict (no
+    full-precision window, so the local layers attend to compressed tokens): the simulation and decoding through the
+    packed cache (torch references, float64), whose local layers mask what left the window and drop it in whole
+    units, give the same NLL over 48 tokens, six windows' worth, and the flag moves it; a storage that cannot hold a
+    bounded window is refused in one line."""
+    loaded = load_model("tiny-gemma3", "float64")
+    path = artifacts(name, "tiny-gemma3")
+    _, storages = storages_for_artifact(load_artifact(path), loaded, path, fp_window=0)
+    storages.compress_local = True
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    protocol = "tail" if storages.bulk_only else "gptq"
+    kwargs = dict(prompt_len=40, prefix_len=storages.policy.sink) if protocol == "tail" else {}
+    if name in WINDOW_REFUSED:
+        with pytest.raises(KvcalError, match="--compress-local") as err:
+            decoded_nll(loaded, storages, ids, protocol, batch_size=2, backend="packed", **kwargs)
+        assert "\n" not in str(err.value)
+        return
+    simulated = simulated_nll(loaded, storages, ids, protocol, **kwargs)
+    decoded = decoded_nll(loaded, storages, ids, protocol, batch_size=2, backend="packed", **kwargs)
+    assert decoded.tokens == simulated.tokens > 0
+    assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
+    if not storages.lossless and name != "evict":  # the flag moves the NLL (eviction keeps more than the window)
+        storages.compress_local = False
+        assert abs(simulated_nll(loaded, storages, ids, protocol, **kwargs).nll - simulated.nll) > 1e-6
+
+
+@pytest.mark.parametrize("name", ["rtn", "kivi", "kvquant", "commvq"])
+def test_a_left_padded_batch_equals_each_row_alone_in_compressed_windows(name, artifacts):
+    """--compress-local with rows of different lengths (the second left-padded by 6): each row's window starts
+    elsewhere in its packed slots (Packed.first), and generate() gives that row what it gives alone (float64, torch
+    references; strict, so the windows hold compressed tokens)."""
+    loaded = load_model("tiny-gemma3", "float64")
+    path = artifacts(name, "tiny-gemma3")
+    _, codec = storages_for_artifact(load_artifact(path), loaded, path, fp_window=0)
+    codec.compress_local = True
+    prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
+    layers = loaded.dims.num_layers
+    both_cache = KvcalCache(codec, layers, "packed")
+    both = loaded.model.generate(prompt, attention_mask=mask, **cache_kwargs(loaded.model, both_cache), **kwargs)
+    for row, start in ((0, 0), (1, 6)):  # the first row's window starts past its first slot, the second's at it
+        alone = loaded.model.generate(prompt[row:row + 1, start:],
+                                      **cache_kwargs(loaded.model, KvcalCache(codec, layers, "packed")), **kwargs)
+        assert torch.equal(both.sequences[row, 15:], alone.sequences[0, 15 - start:])
+        for a, b in zip(both.logits, alone.logits):
+            torch.testing.assert_close(a[row], b[0], rtol=0, atol=1e-9)
+    local = both_cache.layers[0]
+    assert local.window == loaded.dims.sliding_window and local.first[0] != local.first[1]
+
+
 ABLATIONS = [(name, label) for name in METHODS for label in all_methods()[name].test_ablations]
 
 

@@ -76,7 +76,6 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     backend_ran(backend, "cpu")  # a one-line error for an unknown backend, before any loading
     if backend != "packed" and mode != "decode":
         raise KvcalError("--backend applies to --mode decode only")
-    check_compress_local(compress_local, mode)
     artifact_paths = list(artifact_paths or [])
     if artifact_paths and (method_name or recipe):
         raise KvcalError("give either --artifact or --method/--recipe, not both")
@@ -120,15 +119,10 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
 
 
 def check_compress_local(compress_local: bool, mode: str, loaded=None) -> None:
-    """One-line refusals of --compress-local: outside the simulation (the packed cache keeps a sliding-window layer's
-    window in fp16: its storages and kernels attend to every token they hold), and, once the model is loaded, on a
-    model without sliding-window layers."""
-    if not compress_local:
-        return
-    if mode != "simulate":
-        raise KvcalError("--compress-local runs in the simulation (--mode simulate): kvcal's packed cache keeps the "
-                         "sliding-window layers' windows in fp16")
-    if loaded is not None and not loaded.dims.hybrid:
+    """One-line refusal of --compress-local, once the model is loaded, on a model without sliding-window layers (the
+    simulation and the packed cache both honour it; the packed cache refuses a storage it cannot window when it
+    builds the layer)."""
+    if compress_local and loaded is not None and not loaded.dims.hybrid:
         raise KvcalError(f"--compress-local applies to models with sliding-window layers (Gemma 2 and 3); "
                          f"{loaded.name} has none")
 
@@ -163,7 +157,7 @@ def ppl_record(loaded, method, storages, setting: str, artifact_record: dict | N
     """Evaluate one setting on the windows and return `kvcal eval ppl`'s JSON record (without its command). Under the
     tail protocol prompt_len is the full-precision prefill S + P and prefix_len is S. fp_window: the allowance named
     (--fp-window; the method already carries it), None for each method's own window. compress_local: a hybrid
-    model's sliding-window layers hold the method's format too (the simulation only; check_compress_local)."""
+    model's sliding-window layers hold the method's format too (the simulation and the packed cache)."""
     storages.compress_local = compress_local
     allowance = effective_fp_window(method, protocol, fp_window)
     # decode mode advances per decoded token (a batch of long windows takes minutes), simulate per window

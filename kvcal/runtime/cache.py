@@ -21,6 +21,7 @@ storage plus the full-precision part) and `LosslessLayer` (the fp16 baseline's p
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import transformers
@@ -97,11 +98,17 @@ class CacheLayer(DynamicLayer):
         raise NotImplementedError
 
 
-def _left_padding(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
-    """Leading masked tokens per row, read off the prefill mask's last query row."""
+def _left_padding(mask: torch.Tensor | None, batch: int, length: int, windowed: bool = False) -> list[int]:
+    """Leading masked tokens per row, read off the prefill mask's last query row, or off its diagonal (`windowed`: a
+    sliding-window layer's last query row also masks the tokens before its window; a real token always sees itself,
+    a padding token is masked)."""
     if mask is None:
         return [0] * batch
-    last = mask[:, 0, -1, :length] if mask.dim() == 4 else mask[None, -1, :length].expand(batch, -1)
+    if windowed:
+        last = mask[:, 0, :, :length].diagonal(dim1=-2, dim2=-1) if mask.dim() == 4 else \
+            mask[:length, :length].diagonal()[None].expand(batch, -1)
+    else:
+        last = mask[:, 0, -1, :length] if mask.dim() == 4 else mask[None, -1, :length].expand(batch, -1)
     valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
     pads = []
     for row in valid.cpu():
@@ -120,9 +127,13 @@ class PackedLayer(CacheLayer):
     static_steps_on_cpu = False  # eager one-token steps as static steps on a CPU too (tests run CUDA's path there)
 
     def __init__(self, layer_idx: int, storage, kernels: bool | None, capacity_hint: int = 0,
-                 shared: SharedState | None = None):
+                 shared: SharedState | None = None, window: int | None = None):
         super().__init__(layer_idx)
         self.storage = storage
+        # a compressed sliding-window layer (--compress-local): each query attends to its `window` newest tokens; the
+        # older ones are masked (Packed.first, the fp part's validity) and dropped in whole units (_slide)
+        self.window = window
+        self.shift = 0  # packed tokens dropped from the front of every row (slot 0 holds row token sink + shift)
         self.softcap = None  # the model's score soft-cap (Gemma 2), taken from the layer's first inputs
         self.policy = storage.policy
         self.keys_pre_rope = storage.keys_pre_rope
@@ -181,7 +192,33 @@ class PackedLayer(CacheLayer):
         self.inv_freq = inv_freq.to(self.device) if self.keys_pre_rope else None
         self.rope_cos = self.rope_sin = None
         self.capacity = 0
+        if self.window is not None:
+            self._init_window(batch)
         self._grow(max(self.capacity_hint, 16))
+
+    def _init_window(self, batch: int) -> None:
+        """A compressed sliding-window layer's state: the first visible slot per row (host and device), the sink
+        slots already masked, and the unit in which tokens are dropped: the policy's block and every buffer's tokens
+        per index along its token axis (a unit's tokens leave the buffers together)."""
+        p = self.policy
+        name = type(self.storage).__name__
+        if p.bulk:
+            raise KvcalError(f"--compress-local: {name} compresses a prompt in bulk and keeps every later token in "
+                             "full precision, so its sliding-window layers cannot hold a bounded window")
+        if self.storage.window_refusal:
+            raise KvcalError(f"--compress-local: {name} {self.storage.window_refusal}")
+        if self.storage.source == "x":
+            raise KvcalError(f"--compress-local: {name} rebuilds keys and values from the layer inputs across "
+                             "layers; the packed cache does not window it (the simulation does)")
+        unit = p.block
+        probe = 4096 * p.block
+        for spec in self.storage.buffers(1, probe, self.heads, self.dim).values():
+            per_index = probe // spec.shape[spec.token_axis]
+            unit = unit * per_index // math.gcd(unit, per_index)
+        self.drop_unit = unit
+        self.first = [0] * batch
+        self.first_dev = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self.sinks_masked = [0] * batch
 
     def _grow(self, needed: int) -> None:
         block = self.policy.block
@@ -197,9 +234,56 @@ class PackedLayer(CacheLayer):
         self.capacity = cap
         self.generation += 1
         if self.keys_pre_rope:  # tables may be longer than this layer needs (the kernels bound their reads)
-            self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self.policy.sink + cap)
-        self._packed = Packed(self.buffers, self.lengths, self.heads, self.dim, self.capacity, self.policy.sink,
-                              self.rope_cos, self.rope_sin, self.inv_freq, self.shared, softcap=self.softcap)
+            self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self.policy.sink + self.shift + cap)
+        self._packed = Packed(self.buffers, self.lengths, self.heads, self.dim, self.capacity,
+                              self.policy.sink + self.shift, self.rope_cos, self.rope_sin, self.inv_freq, self.shared,
+                              softcap=self.softcap)
+        if self.window is not None:
+            self._packed.first, self._packed.host_first = self.first_dev, tuple(self.first)
+
+    # ---- a compressed sliding-window layer -----------------------------------------------------------------------
+    def _slide(self) -> None:
+        """Before a query attends: mask what has left each row's window (the next query sees its row's `window`
+        newest tokens: row tokens from count - window on), then drop the packed tokens every row has left behind, in
+        whole drop units, from the front of the buffers (slot 0 then holds a later token: pre-RoPE keys rotate from
+        pos_offset = sink + shift)."""
+        sink = self.policy.sink
+        for b in range(self.batch):
+            lo = max(0, self.count[b] - self.window)  # the row's oldest visible token
+            masked = min(sink, lo)
+            if masked > self.sinks_masked[b]:
+                self.fp_valid[b, self.sinks_masked[b]:masked] = False
+                self.sinks_masked[b] = masked
+            self.first[b] = min(max(0, lo - sink - self.shift), self.compressed[b])
+            # the residual ring's oldest tokens (row tokens sink + shift + compressed on) may have left the window too,
+            # before they are flushed: masked, their sources kept for the flush
+            gone = min(lo - sink - self.shift - self.compressed[b], self.ring_count[b])
+            if gone > 0:
+                slots = [sink + (self.ring_start[b] + i) % self.ring_capacity for i in range(gone)]
+                self.fp_valid[b, slots] = False
+        drop = min(self.first) // self.drop_unit * self.drop_unit
+        if drop:
+            self._drop_front(drop)
+        self.first_dev.copy_(torch.tensor(self.first, dtype=torch.int32), non_blocking=True)
+        self._packed.host_first = tuple(self.first)
+
+    def _drop_front(self, drop: int) -> None:
+        """Drop the `drop` oldest packed tokens of every row (a multiple of drop_unit, all of them outside every row's
+        window): each buffer moves its later slots to the front along its token axis."""
+        for name, spec in self.storage.buffers(self.batch, self.capacity, self.heads, self.dim).items():
+            buf, axis = self.buffers[name], spec.token_axis
+            n = drop * buf.shape[axis] // self.capacity  # the buffer's indices for those tokens
+            keep = buf.shape[axis] - n
+            buf.narrow(axis, 0, keep).copy_(buf.narrow(axis, n, keep).clone())
+        self.lengths -= drop
+        for b in range(self.batch):
+            self.compressed[b] -= drop
+            self.first[b] -= drop
+        self.shift += drop
+        self._packed.pos_offset = self.policy.sink + self.shift
+        if self.keys_pre_rope:
+            self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self._packed.pos_offset + self.capacity)
+            self._packed.rope_cos, self._packed.rope_sin = self.rope_cos, self.rope_sin
 
     def _grow_fp(self, ring_needed: int) -> None:
         """Bulk policies: room for `ring_needed` full-precision tokens after the sinks (the ring never wraps there, so
@@ -312,7 +396,9 @@ class PackedLayer(CacheLayer):
         block, sink = self.policy.block, self.policy.sink
         if self.policy.bulk:  # compressed at the prefill only
             return
-        rows = [b for b in range(self.batch) if self.compressed[b] < self.policy.compressed_count(self.count[b])]
+        # (compressed counts the tokens the buffers hold: a compressed sliding-window layer has dropped `shift`)
+        rows = [b for b in range(self.batch)
+                if self.compressed[b] + self.shift < self.policy.compressed_count(self.count[b])]
         if not rows:
             return
         needed = max(self.compressed[b] for b in rows) + block
@@ -354,7 +440,7 @@ class PackedLayer(CacheLayer):
             adapter = inp.module._kvcal_binding[0]
             self.softcap = inp.softcap  # before _init, which makes the layer's Packed
             self._init(batch, inp.k_pre.shape[1], inp.k_pre.shape[3], inp.v.dtype, inp.v.device,
-                       adapter.inv_freq_on(inp.v.device),
+                       adapter.inv_freq_on(inp.v.device, self.layer_idx),  # the layer's RoPE (Gemma 3: local ones)
                        inp.x.shape[-1])
             self.storage.bind(inp.kv_projection())
         # on CUDA a static step launches fewer kernels than the host ring (and replays as a graph); on a CPU the host
@@ -367,9 +453,11 @@ class PackedLayer(CacheLayer):
         src = self._sources(inp.k_pre, k_rot, inp.v, inp.x)
         if self.length == 0 and length > 1:  # prefill: full-precision attention, then bulk compression
             out = attention(q, k_rot, inp.v, inp.mask, inp.scale, inp.softcap)
-            for b, pad in enumerate(_left_padding(inp.mask, batch, length)):
+            for b, pad in enumerate(_left_padding(inp.mask, batch, length, self.window is not None)):
                 self._prefill_row(b, pad, src, k_rot, inp.v)
             self.length = length
+            if self.window is not None:
+                self._slide()
             return out
         if self.static:
             return self._attend_static(q, src, k_rot, inp.v, inp.scale)
@@ -378,6 +466,8 @@ class PackedLayer(CacheLayer):
             self._append_step([s[:, :, t] for s in src], k_rot[:, :, t], inp.v[:, :, t])
             self._flush_rows()
             self.length += 1
+            if self.window is not None:
+                self._slide()
             outs.append(self._decode(q[:, :, t], inp.scale))
         return outs[0][:, :, None] if length == 1 else torch.stack(outs, dim=2)
 
@@ -418,6 +508,9 @@ class PackedLayer(CacheLayer):
     def static_refusal(self) -> str | None:
         """Why this layer cannot take static decode steps now, or None. A static step must not depend on
         host-side state that changes from step to step (a captured graph replays fixed kernels and indices)."""
+        if self.window is not None:
+            return ("a compressed sliding-window layer (--compress-local) moves its window on the host: its decode "
+                    "steps run eagerly")
         if not self.buffers or min(self.count) < self.policy.sink:
             return "a row does not hold its sink tokens yet (static steps start after the prefill)"
         return None
@@ -734,11 +827,13 @@ class KvcalCache(Cache):
                              "soft-capped, is not supported yet (the simulation refuses it too)")
         if not dims.hybrid:
             return self.layers[i]
-        if self.storages.compress_local:
-            raise KvcalError("compressed sliding-window layers (--compress-local) run in the simulation only: the "
-                             "packed cache keeps their windows in fp16")
         if dims.layer_types[i] == LOCAL:
-            self.layers[i] = LosslessLayer(i, self.capacity_hint, dims.sliding_window)
+            old = self.layers[i]
+            if self.storages.compress_local and isinstance(old, PackedLayer):  # the method's format, windowed
+                self.layers[i] = PackedLayer(i, old.storage, old.kernels_asked, self.capacity_hint, self.shared,
+                                             window=dims.sliding_window)
+            else:
+                self.layers[i] = LosslessLayer(i, self.capacity_hint, dims.sliding_window)
         return self.layers[i]
 
     def graph_refusal(self) -> str | None:

@@ -117,11 +117,16 @@ if triton is not None:
         return tl.cdiv(tl.cdiv(length, NSPLIT), TILE) * TILE
 
     @triton.jit
-    def split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T: tl.constexpr):
-        """[start, end) of split `split` of row b's packed tokens (split_share; an empty split has end <= start)."""
+    def split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T: tl.constexpr, first_ptr=None, FIRST: tl.constexpr = 0):
+        """[start, end) of split `split` of row b's packed tokens (split_share; an empty split has end <= start). FIRST:
+        the splits share the tokens from the tile holding first_ptr[b] (a sliding window's first slot) on, not from
+        0; they still start on tile bounds."""
         length = tl.load(len_ptr + b)
-        share = split_share_tl(length, NSPLIT, BLOCK_T)
-        start = split * share
+        lo = 0
+        if FIRST:
+            lo = tl.load(first_ptr + b) // BLOCK_T * BLOCK_T
+        share = split_share_tl(length - lo, NSPLIT, BLOCK_T)
+        start = lo + split * share
         return start, tl.minimum(start + share, length)
 
     @triton.jit
@@ -159,12 +164,12 @@ if triton is not None:
         tl.store(l_ptr + part * G + rk, l_i, mask=rk < G)
 
     @triton.jit
-    def split_k_kernel(q_ptr, sqb, sqh, len_ptr, args, fp, m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi, qk_scale_lo,
-                       NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
+    def split_k_kernel(q_ptr, sqb, sqh, len_ptr, first_ptr, args, fp, m_ptr, l_ptr, acc_ptr, HKV, qk_scale_hi,
+                       qk_scale_lo, NSPLIT, S, C: tl.constexpr, PREPARE: tl.constexpr, SCORES: tl.constexpr,
                        VALUES: tl.constexpr, FINISH: tl.constexpr, SOFTMAX: tl.constexpr, TAIL: tl.constexpr,
                        HEADS_FIRST: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPK: tl.constexpr, GPF: tl.constexpr, HAS_FP: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-                       CAP: tl.constexpr = 0.0):
+                       CAP: tl.constexpr = 0.0, FIRST: tl.constexpr = 0):
         """The split-K decode skeleton: program (row b and KV head h, split) over all G query heads of the KV head.
         Splits < NSPLIT walk an equal BLOCK_T-aligned share of row b's packed tokens (split_bounds: no host sync, a
         share past the row's end writes a neutral partial) with an online softmax (softmax_tile) in float32 (float64
@@ -184,6 +189,8 @@ if triton is not None:
         - SOFTMAX(C, st, s, m, l, ok) -> (p, alpha, m, l), or None for the online softmax (softmax_tile): a method's
           own weights of a tile (CalibQuant's fixed reference).
         TAIL: a split's whole tiles run without masks (tm a constant true), its last, partial tile after them.
+        FIRST (a compressed sliding-window layer): row b attends to its slots from first_ptr[b] on; the tile holding
+        that slot is the first one walked, its earlier slots masked like those past the end (tm false; no TAIL).
         CAP: the model's score soft-cap in log2 units (soft_cap; 0: none), applied to every tile's scores and the
         full-precision part's before the softmax, to the scores SCORES returns (one that also writes its scores out
         caps that copy itself: KVQuant's value pass).
@@ -204,20 +211,24 @@ if triton is not None:
         q_row = q_ptr + b * sqb + h * G * sqh
         part = pid * S + split
         if split < NSPLIT:
-            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+            start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T, first_ptr, FIRST)
+            first = 0
+            if FIRST:
+                first = tl.load(first_ptr + b)
             rk = tl.arange(0, GPK)
             st, acc = PREPARE(args, C, q_row, sqh, b, h, pid, start, end, qk_scale)
             m_i = tl.full((GPK,), float("-inf"), ACC)
             l_i = tl.zeros((GPK,), ACC)
-            if TAIL:  # whole tiles without masks, then the split's last, partial tile (splits start on tile bounds)
+            if TAIL and not FIRST:  # whole tiles without masks, then the split's last, partial tile (splits start on
+                # tile bounds)
                 full = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, full, end, qk_scale, rk, SCORES,
-                                                   VALUES, SOFTMAX, G, BLOCK_T, False, CAP)
+                                                   VALUES, SOFTMAX, G, BLOCK_T, False, CAP, first)
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, full, end, end, qk_scale, rk, SCORES,
-                                                   VALUES, SOFTMAX, G, BLOCK_T, True, CAP)
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True, CAP, first)
             else:
                 st, acc, m_i, l_i = _split_k_tiles(args, C, st, acc, m_i, l_i, start, end, end, qk_scale, rk, SCORES,
-                                                   VALUES, SOFTMAX, G, BLOCK_T, True, CAP)
+                                                   VALUES, SOFTMAX, G, BLOCK_T, True, CAP, first)
             out, channels, cols, m_i, l_i = FINISH(args, C, st, acc, m_i, l_i)
             store_partial(m_ptr, l_ptr, acc_ptr, part, G, D, out, channels, cols, m_i, l_i, rk, HEADS_FIRST)
         if HAS_FP:
@@ -229,12 +240,13 @@ if triton is not None:
     @triton.jit
     def _split_k_tiles(args, C: tl.constexpr, st, acc, m_i, l_i, lo, hi, end, qk_scale, rk, SCORES: tl.constexpr,
                        VALUES: tl.constexpr, SOFTMAX: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
-                       MASKED: tl.constexpr, CAP: tl.constexpr):
-        """split_k_kernel's tiles t0 in [lo, hi) of a split ending at `end` (MASKED False: whole tiles, no masks)."""
+                       MASKED: tl.constexpr, CAP: tl.constexpr, first):
+        """split_k_kernel's tiles t0 in [lo, hi) of a split ending at `end` (MASKED False: whole tiles, no masks), the
+        tokens before `first` masked too (MASKED)."""
         for t0 in range(lo, hi, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             if MASKED:
-                tm = t < end
+                tm = (t < end) & (t >= first)
             else:
                 tm = tl.full((BLOCK_T,), 1, tl.int1)
             s, tile, st = SCORES(args, C, st, t0, t, tm, end, qk_scale)
@@ -577,14 +589,16 @@ def code_rows(kc: torch.Tensor, vc: torch.Tensor, dev):
 def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, fp, nsplit: int, heads: int, args,
                    consts, *, gpk: int, block_t: int, opts: dict, prec: int, block_f: int | None = None,
                    fp_in_kernel: bool = True, merge_warps: int | None = None, softmax=None,
-                   whole_tiles: bool = False, heads_first: bool = False, softcap: float | None = None) -> Partials:
+                   whole_tiles: bool = False, heads_first: bool = False, softcap: float | None = None,
+                   first: torch.Tensor | None = None) -> Partials:
     """Partials of q [B, Hq, D] by split_k_kernel with a method's tile functions `tiles` (PREPARE, SCORES, VALUES,
     FINISH), its argument tuple `args` and constants `consts` (a namedtuple: the tile functions index it, tests and
     readers see the names), over `nsplit` splits of each row's packed tokens (`lengths` [B]) and the full-precision
     part `fp` (runtime.decode.FullPrecision or None): as the kernel's last split (fp_in_kernel) or by the generic
     full-precision kernel into splits of their own (fp_partials_into). softmax: the method's SOFTMAX tile function
     (None: the online softmax); whole_tiles: TAIL; heads_first: FINISH returns the sums heads first (HEADS_FIRST);
-    softcap: the model's score soft-cap (Gemma 2: s -> softcap tanh(s / softcap)), None for none."""
+    softcap: the model's score soft-cap (Gemma 2: s -> softcap tanh(s / softcap)), None for none; first: a compressed
+    sliding-window layer's first slot per row (Packed.first), None for none."""
     q, batch, heads, group, d, dev = decode_dims(q, heads)
     has_fp = fp is not None and fp_in_kernel
     splits = nsplit + (1 if has_fp else fp_splits(fp))
@@ -597,13 +611,13 @@ def launch_split_k(tiles, q: torch.Tensor, lengths: torch.Tensor, scale: float, 
     prepare, scores, values, finish = tiles
     with launch_device(q):
         split_k_kernel[(batch * heads, nsplit + int(has_fp))](
-            q, q.stride(0), q.stride(1), lengths, tuple(args),
+            q, q.stride(0), q.stride(1), lengths, lengths if first is None else first, tuple(args),
             (fk, fv, *f_strides, fval, sfvb, fp.slots if has_fp else 0),
             parts.m, parts.l, parts.acc, heads, qk_hi, qk_lo, nsplit, splits,
             C=consts, PREPARE=prepare, SCORES=scores, VALUES=values, FINISH=finish, SOFTMAX=softmax,
             TAIL=int(whole_tiles), HEADS_FIRST=int(heads_first), D=d, G=group, GPK=gpk,
             GPF=max(pow2(group), 16), HAS_FP=int(has_fp), BLOCK_T=block_t, BLOCK_F=block_f or 16,
-            INTERP=INTERPRET, PREC=prec, CAP=cap_log2(softcap), **opts,
+            INTERP=INTERPRET, PREC=prec, CAP=cap_log2(softcap), FIRST=int(first is not None), **opts,
         )
     if fp is not None and not fp_in_kernel:
         fp_partials_into(q, fp, scale, parts, nsplit, block_f=block_f or 16, softcap=softcap)

@@ -118,7 +118,9 @@ class SharedState:
     objects a method keeps across layers (`state(cls)`: XQuant's cross-layer chain)."""
 
     _states: dict = field(default_factory=dict)  # class -> its one instance in this cache
-    _tables: dict = field(default_factory=dict)  # device -> (cos, sin): one table per device of a split model
+    # (device, frequencies) -> (cos, sin): one table per device of a split model and per RoPE of the model (Gemma 3's
+    # local layers rotate by another base)
+    _tables: dict = field(default_factory=dict)
 
     def state(self, cls):
         """This cache's one instance of `cls` (made with cls() on first use): what a method's storages share across
@@ -131,11 +133,13 @@ class SharedState:
     def rope_tables(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [positions >= length, D] in float32 (rope_cos_sin's: cos/sin(position * inv_freq), the two
         halves duplicated), on inv_freq's device."""
-        found = self._tables.get(inv_freq.device)
+        key = (inv_freq.device, inv_freq.detach().float().cpu().numpy().tobytes())  # the frequencies' values (a copy of
+        # D / 2 floats, when a layer grows)
+        found = self._tables.get(key)
         if found is None or found[0].shape[0] < length:
             positions = torch.arange(length, device=inv_freq.device)[None]
             cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
-            found = self._tables[inv_freq.device] = (cos[0], sin[0])
+            found = self._tables[key] = (cos[0], sin[0])
         return found
 
 
@@ -158,6 +162,11 @@ class Packed:
     # `Storage.read` can be captured in a CUDA graph
     host_lengths: tuple[int, ...] | None = None
     softcap: float | None = None  # the model's score soft-cap, s -> softcap tanh(s / softcap) (Gemma 2), else None
+    # a compressed sliding-window layer (--compress-local): [B] int32 on the device, the first slot of each row that
+    # the next query attends to (the slots before it have left the model's window; the cache drops them in whole
+    # blocks); None: every slot is attended to
+    first: torch.Tensor | None = None
+    host_first: tuple[int, ...] | None = None  # `first` as the host knows it (the references read it)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.buffers[name]
@@ -165,6 +174,19 @@ class Packed:
     def length(self, row: int) -> int:
         """Tokens in row `row` (from host_lengths when set, else lengths[row], a host sync on a GPU)."""
         return self.host_lengths[row] if self.host_lengths is not None else int(self.lengths[row])
+
+    def first_slot(self, row: int) -> int:
+        """The first slot of row `row` that attention sees (0 but in a compressed sliding-window layer)."""
+        if self.first is None:
+            return 0
+        return self.host_first[row] if self.host_first is not None else int(self.first[row])
+
+    def visible(self, rows: list) -> list:
+        """The references' rows (k, v) [H, T_b, D] each (or None), less the slots before each row's first_slot."""
+        if self.first is None:
+            return rows
+        return [kv if kv is None else (kv[0][:, self.first_slot(b):], kv[1][:, self.first_slot(b):])
+                for b, kv in enumerate(rows)]
 
     @property
     def batch(self) -> int:
@@ -199,6 +221,9 @@ class Storage:
     # no token-by-token flush rule, so the tail protocol only; the string says why, as the one-line refusal
     bulk_only: str = ""
     holds_format: bool = True  # the buffers hold the method's format (False: a reconstruction, not its bytes)
+    # why the packed cache cannot hold this storage as a sliding window (--compress-local: the slots before a row's
+    # Packed.first masked, whole units dropped from the front), completing "--compress-local: <Storage> ..."; None: it can
+    window_refusal: str | None = None
 
     # ---- the simulation's view ------------------------------------------------------------------------------------
     def reconstruct(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,8 +307,8 @@ class Storage:
         `fp` (runtime.decode.FullPrecision, or None), from `read` (float32, float64 for float64 queries)."""
         compute = torch.promote_types(q.dtype, torch.float32)
         rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
-        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads, softcap=packed.softcap), q, fp,
-                                 scale, packed.softcap)
+        return with_fp_reference(partials_from_rows(q, packed.visible(rows), scale, packed.heads,
+                                                    softcap=packed.softcap), q, fp, scale, packed.softcap)
 
     def attend_triton(self, q: torch.Tensor, packed: Packed, scale: float, fp):
         """attend_reference's partials from the method's kernel: the packed splits and the full-precision part's
@@ -385,8 +410,8 @@ class ReconstructionStorage(Storage):
         compute = torch.promote_types(q.dtype, torch.float32)
         rows = [self.read(packed, b, compute) if int(packed.lengths[b]) else None for b in range(packed.batch)]
         remap = self.remap_scores if self.remaps_scores else None
-        return with_fp_reference(partials_from_rows(q, rows, scale, packed.heads, remap, packed.softcap), q, fp,
-                                 scale, packed.softcap)
+        return with_fp_reference(partials_from_rows(q, packed.visible(rows), scale, packed.heads, remap,
+                                                    packed.softcap), q, fp, scale, packed.softcap)
 
 
 class RematerializeRows(dict):
@@ -412,7 +437,7 @@ class Storages(tuple):
         return super().__new__(cls, storages)
 
     # on a model with sliding-window layers (Gemma 2/3): whether the local layers hold the method's format too
-    # (`--compress-local`, the simulation only) or keep their window of exact tokens (the default)
+    # (`--compress-local`) or keep their window of exact tokens (the default)
     compress_local: bool = False
 
     policy = property(lambda self: self[0].policy)

@@ -144,6 +144,10 @@ class CalibQuantStorage(CalibQuantMath, Storage):
     full-precision part; `counts` [2] (device, int64) adds up the query rows remapped and those whose slope was
     clamped at 0 (§7.10). Kernels: kvcal/methods/calibquant/kernels.py."""
 
+    # its references and kernels read a row's ranges and remap from slot 0 on (Packed.first is not taken)
+    window_refusal = ("remaps and scales the scores of a row's compressed tokens from its first slot on; the packed "
+                      "cache does not window it (the simulation does)")
+
     def __init__(self, bits: int, group: int, sink: int, k_scale: float, v_scale: float,
                  taus: tuple[torch.Tensor, torch.Tensor] | None, fp_window: int = 0):
         self.setup(bits, group, sink, k_scale, v_scale, taus, fp_window)

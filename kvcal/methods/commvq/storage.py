@@ -450,12 +450,12 @@ class CommVQStorage(Storage):
         t = self.constants(compute)
         theta = decode_codewords(t["theta"], q.dtype)
         for b in range(batch):
-            n = int(packed.lengths[b])
-            if n == 0:
+            n, first = int(packed.lengths[b]), packed.first_slot(b)  # slots [first, n): a sliding window's
+            if n <= first:
                 continue
             qb = q[b].to(compute)[None, :, None, :]  # [1, Hq, 1, D]
             scores = []
-            for s0 in range(0, n, REFERENCE_TOKEN_CHUNK):
+            for s0 in range(first, n, REFERENCE_TOKEN_CHUNK):
                 s1 = min(n, s0 + REFERENCE_TOKEN_CHUNK)
                 codes, norms, _, _ = self.codes_of(packed, b, s0, s1)
                 pos = torch.arange(packed.pos_offset + s0, packed.pos_offset + s1, device=q.device)
@@ -468,7 +468,7 @@ class CommVQStorage(Storage):
             s = s * LOG2E
             m = s.amax(-1, keepdim=True)
             p = torch.exp2(s - m)
-            _, _, bits, rho = self.codes_of(packed, b)
+            _, _, bits, rho = self.codes_of(packed, b, first, n)
             acc = fused_value_attention(p, bits[None], rho[None], t["values"]["codebook"],
                                         t["values"]["channel_scale"], hkv)  # [1, Hq, 1, D]
             at = slice(b * hkv, (b + 1) * hkv)

@@ -200,4 +200,4 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, block: i
     tiles = (_prepare, _scores, token_group_tile_values, token_group_tile_finish)
     return K.launch_split_k(tiles, q, packed.lengths, scale, fp, nsplit, hkv, args, consts, gpk=gpk, block_t=bt,
                             block_f=block_f, prec=prec, opts=K.launch_options(q, warps, num_stages, max_registers),
-                            softcap=packed.softcap)
+                            softcap=packed.softcap, first=packed.first)

@@ -687,9 +687,13 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
     # sparse outliers as passes around the kernel for fp16 / bf16. float32 and float64 add them in it, as the
     # reference does: the value pass's atomics add in a run-dependent order, which moved float32 decodes'
     # perplexity from run to run (docs/runtime.md)
-    if q.dtype not in (torch.float32, torch.float64):
+    # A compressed sliding-window layer (packed.first) adds them in the kernel whatever the dtype: the passes split a
+    # row's tokens from slot 0, the kernel from the window's first tile (and the lookup-table path has no in-kernel
+    # residuals, so it is off there too)
+    if q.dtype not in (torch.float32, torch.float64) and packed.first is None:
         pass_kcap, pass_vcap, kcap, vcap = kcap, vcap, 0, 0
-    lut_ok = rope == 1 and q.dtype in (torch.float16, torch.bfloat16) and max(kbits, vbits) <= 4
+    lut_ok = (rope == 1 and q.dtype in (torch.float16, torch.bfloat16) and max(kbits, vbits) <= 4
+              and packed.first is None)
     use_lut = lut_ok if lut_mma is None else bool(lut_mma) and lut_ok
     path = "lut" if use_lut else "generic"
     bt = block_t or DEFAULTS["generic"][0]
@@ -732,7 +736,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
         # block_f small: the fp tiles' buffers count against every program
         parts = K.launch_split_k((_prepare, _scores, _values, _finish), q, lengths, scale, fp, nsplit, hkv, args,
                                  consts, gpk=gpk, block_t=bt, block_f=block_f, prec=prec, merge_warps=MERGE_WARPS,
-                                 opts=K.launch_options(q, warps, num_stages, max_registers), softcap=packed.softcap)
+                                 opts=K.launch_options(q, warps, num_stages, max_registers), softcap=packed.softcap,
+                                 first=packed.first)
         if pass_vcap:
             # float32 sums, or int64 fixed point (the same bits in any order) in torch's deterministic mode
             fixed = VALUE_PASS_FIXED or torch.are_deterministic_algorithms_enabled()

@@ -532,6 +532,11 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
             raise KvcalError("rtn frag=True: the fragment kernel does not apply the model's score soft-cap (Gemma 2); "
                              "the tile kernel does (frag=False)")
         want_frag = False
+    if want_frag and packed.first is not None:  # nor does it take a sliding window's first slot: the tile kernel does
+        if frag:
+            raise KvcalError("rtn frag=True: the fragment kernel does not take a compressed sliding-window layer's "
+                             "first slot (--compress-local); the tile kernel does (frag=False)")
+        want_frag = False
     if want_frag and _frag_applies(q, packed, bits, group):
         return _attend_frag(q, packed, scale, fp, bits, hkv, group, num_splits, programs_per_sm, block_f,
                             max_registers, frag_vector)
@@ -564,7 +569,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, bits: int, *, block
     return K.launch_split_k(tiles, q, packed.lengths, scale, fp,
                             nsplit, hkv, args, consts, gpk=gpk, block_t=bt, block_f=block_f,
                             opts=K.launch_options(q, warps, num_stages, max_registers), prec=PREC.get(q.dtype, 16),
-                            merge_warps=TILE_MERGE_WARPS, softcap=packed.softcap)
+                            merge_warps=TILE_MERGE_WARPS, softcap=packed.softcap, first=packed.first)
 
 
 def _frag_applies(q, packed, bits: int, group: int) -> bool:

@@ -330,4 +330,4 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
                     int(fp8), bt, K.INTERPRET, prec, 1 if rope_mode == "angle" else 2)
     return K.launch_split_k((_prepare, _scores, _values, _finish), q, packed.lengths, scale, fp, nsplit, hkv, args,
                             consts, gpk=gp, block_t=bt, block_f=block_f, prec=prec, opts=K.launch_options(q, warps),
-                            softcap=packed.softcap)
+                            softcap=packed.softcap, first=packed.first)

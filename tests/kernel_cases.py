@@ -567,6 +567,69 @@ def run_cache_checks(dtype=torch.float16) -> dict:
     return out
 
 
+# methods whose decode kernels the soft-capped cache check runs (Gemma 2; every other method's kernels meet the cap in
+# their *_softcap_* attention cases), and the cap: small enough for the random model's scores to reach the tanh's
+# curved part
+SOFTCAP_CACHE_METHODS = ("commvq", "xquant")
+SOFTCAP_CACHE_CAP = 1.0
+
+
+def _gemma2_cache_model(softcap: float):
+    """Gemma 2 with a sliding-window layer (window 8) then a global one, 4 query heads over 2 KV heads of 64 channels
+    (the kernels' smallest head_dim), score soft-cap `softcap`, random float32 weights."""
+    from kvcal.models import as_loaded
+    from kvcal.models.loaded import mask_implementation
+    from kvcal.models.tiny import build_random_model, tiny_config
+
+    config = tiny_config("gemma2")
+    config.hidden_size, config.head_dim, config.query_pre_attn_scalar = 256, 64, 64
+    config.attn_logit_softcapping = softcap
+    model = build_random_model(config, torch.float32, "cpu", attn_implementation=mask_implementation("gemma2"))
+    return as_loaded(model)
+
+
+def run_softcap_cache_checks() -> dict:
+    """{method: (error, moved)}: a float32 Gemma 2 (_gemma2_cache_model) decoding through KvcalCache at the method's
+    test_config, every op of its global layer on the Triton kernels, against the torch references (largest relative
+    error of a step's logits per row and step: batch 2, a 30-token prompt, 10 decode steps), and how far the
+    references' logits move when the model's scores are not capped (the cap's effect, which the error must stay far
+    below)."""
+    import dataclasses
+
+    from kvcal.calib.capture import capture
+    from kvcal.methods import build_method
+    from kvcal.methods.registry import all_methods
+
+    loaded = _gemma2_cache_model(SOFTCAP_CACHE_CAP)
+    dims = loaded.dims
+    assert dims.attn_softcap == SOFTCAP_CACHE_CAP and dims.hybrid
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    calibration = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
+
+    def relative(a, b):
+        return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+
+    out = {}
+    for name in SOFTCAP_CACHE_METHODS:
+        method = build_method(name, dict(all_methods()[name].test_config))
+        tensors = {}
+        if method.learns:
+            with capture(loaded, calibration, method.capture_needs()) as store:
+                tensors = method.calibrate(loaded, store)[0]
+        elif method.needs_artifact():
+            tensors = method.calibrate(loaded, None)[0]
+        codec = method.build_storages(tensors, dims)
+        ref = _decode_logits(loaded, codec, ids, 30, kernels=False)
+        fast = _decode_logits(loaded, codec, ids, 30, kernels=True)
+        loaded.adapter.dims = dataclasses.replace(dims, attn_softcap=None)  # the same model, its scores not capped
+        try:
+            plain = _decode_logits(loaded, codec, ids, 30, kernels=False)
+        finally:
+            loaded.adapter.dims = dims
+        out[name] = (relative(fast, ref), relative(plain, ref))
+    return out
+
+
 # methods whose kernels take a compressed sliding window's first slot (Packed.first): the split-K skeleton's
 WINDOW_CACHE_METHODS = ("kivi", "kvquant", "rtn", "skvq")
 
@@ -575,8 +638,7 @@ def run_window_cache_checks(dtype=torch.float32) -> dict:
     """{method: relative error}: --compress-local on a Gemma 3 of two sliding-window layers (window 8) and a global
     one, 4 query heads over 2 KV heads of 64 channels, float32 (fp16 rounding through three layers of this random model
     reaches 4e-2 and would hide a kernel that sees one token too many), strict (no full-precision window), decoding
-    through KvcalCache
-    with every op on the Triton kernels against the torch references (largest relative error of a step's logits per
+    through KvcalCache with every op on the Triton kernels against the torch references (largest relative error of a step's logits per
     row and step: batch 2, a 30-token prompt, 10 decode steps; the local layers drop and mask what leaves the window,
     KIVI in blocks whose first slots the kernel masks)."""
     from kvcal.calib.capture import capture
@@ -624,6 +686,7 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
         out["outliers"] = run_outlier_pass_checks()
     if which in ("all", "cache"):
         out["cache"] = run_cache_checks()
+        out["cache_softcap"] = run_softcap_cache_checks()
         out["cache_window"] = run_window_cache_checks()
     out["seconds"] = time.time() - t0
     print("KERNEL_CHECKS " + json.dumps(out))

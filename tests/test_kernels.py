@@ -251,6 +251,37 @@ def test_soft_capped_full_precision_kernel_compiles_for_sm90(dtype):
     assert 0 < capped[0] <= 255 and capped[3] != plain[3]
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter")
+@pytest.mark.parametrize("method", ["commvq", "xquant"])
+def test_soft_capped_score_passes_compile_for_sm90(method):
+    """The score passes that write their scores out, CommVQ's key pass and XQuant's scores kernel, compile for sm_90
+    with the score soft-cap at bf16 queries and the launch's default tiles (Llama-3.1-8B heads; CommVQ at 1 bit: 11
+    stages of 64 codes), and the cap changes their code (the *_softcap_* interpreter cases check its numbers)."""
+    from benchmarks.sass import compile_sass
+    from kvcal.runtime import kernels as K
+
+    if method == "commvq":
+        from kvcal.methods.commvq import kernels as C
+
+        fn, warps, stages = C._key_scores_kernel, C.KEY_WARPS, 2
+        types = dict(q_ptr="*bf16", len_ptr="*i32", kc_ptr="*i32", kn_ptr="*fp16", th_ptr="*fp16", cos_ptr="*fp32",
+                     sin_ptr="*fp32", s_ptr="*fp32", qk_scale_hi="fp32", qk_scale_lo="fp32")
+        consts = dict(D=128, G=4, GP=4, R=11, NCODE=64, IB=6, NPH=1, GPAIRS=64, WK=33, BLOCK_T=C.KEY_BLOCK_T,
+                      TILES=C.KEY_TILES, PROBE=0, SCORE_DOT=0, INTERP=False)
+    else:
+        from kvcal.methods.xquant import kernels as X
+
+        fn, warps, stages = X._scores_tc_kernel, 8, 2
+        types = dict(codes_ptr="*i32", sc_ptr="*fp16", zc_ptr="*fp16", ko_ptr="*fp16", zs_ptr="*fp16", rk_ptr="*fp16",
+                     bias_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", len_ptr="*i32", q_ptr="*fp16",
+                     out_ptr="*fp32", QSCALE="fp32")
+        consts = dict(BITS=2, RW=1024, TDIV=128, CDIV=1, OUTLIER=0, STAGED=0, HAS_BIAS=0, D=128, G=4, GP=16, HB=1,
+                      BLOCK_T=128, CHUNK=64, INTERP=False, PREC=16)
+    capped = compile_sass(fn, types, {**consts, "CAP": 50 * K.LOG2E}, warps, stages, None)
+    plain = compile_sass(fn, types, {**consts, "CAP": 0.0}, warps, stages, None)
+    assert 0 < capped[0] <= 255 and capped[2] <= 232 * 1024 and capped[3] != plain[3]
+
+
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
 def test_interpreted_decode_attention(interpreted, case):
     err = interpreted["attention"][case[0]]
@@ -283,6 +314,20 @@ def test_interpreted_compressed_windows_match_the_references(interpreted, codec)
     KIVI, whose 2-bit codes can round the other way at a bound)."""
     err = interpreted["cache_window"][codec]
     assert err == err and err <= 1e-3, f"{codec}: relative error {err}"
+
+
+def test_interpreted_soft_capped_gemma2_cache_decode_matches_the_references(interpreted):
+    """A float32 Gemma 2 (a sliding-window layer, then a global one, score soft-cap 1) decoding through KvcalCache
+    with CommVQ's and XQuant's kernels gives the torch references' logits: measured 3.6e-7 (commvq) and 3.0e-7
+    (xquant) per (row, step), where the same kernels without the cap on the packed tokens gave 0.20 and 0.54, and
+    the references without the cap move the logits by 0.57 and 0.78."""
+    from tests.kernel_cases import SOFTCAP_CACHE_METHODS
+
+    res = interpreted["cache_softcap"]
+    assert sorted(res) == sorted(SOFTCAP_CACHE_METHODS)
+    for method, (err, moved) in res.items():
+        assert moved > 0.1, f"{method}: the cap moves the logits by {moved} only"  # teeth
+        assert err == err and err <= 1e-5, f"{method}: relative error {err}"
 
 
 # ---- GPU (Llama-3.1-8B shapes) -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from kvcal.runtime.storage import Packed, SharedState
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 # (name, variant, bits, dtype, options): options hidden, hkv, d, hq, lengths, tcap, nfp, outlier, bias, group_tokens,
-# group_channels, and the kernels' knobs (KNOBS)
+# group_channels, softcap (the model's score soft-cap, Gemma 2), and the kernels' knobs (KNOBS)
 CASES = [
     ("svd2_fp16", "svd", 2, torch.float16, {}),
     ("svd3_outlier_bias_bf16", "svd", 3, torch.bfloat16, {"outlier": True, "bias": True}),
@@ -48,6 +48,9 @@ CASES = [
     ("svd2_width192_splits_bf16", "svd", 2, torch.bfloat16,
      {"hkv": 3, "d": 64, "hq": 9, "hidden": 256, "group_channels": 64, "outlier": True, "bias": True,
       "chunk": 64, "value_chunk": 64, "num_splits": 2}),
+    # Gemma 2's score soft-cap (cap 2: the scores reach the tanh's curved part), in the scores kernel and the fp part
+    ("svd2_outlier_bias_softcap_bf16", "svd", 2, torch.bfloat16, {"outlier": True, "bias": True, "softcap": 2.0}),
+    ("x2_splits_softcap_fp64", "x", 2, torch.float64, {"num_splits": 3, "softcap": 2.0}),
 ]
 
 
@@ -112,12 +115,22 @@ def run_case(case, device="cpu", **shape) -> float:
     options = {**options, **shape}
     storage, packed, q, fp = make_case(variant, bits, dtype, device=device, **options)
     scale = q.shape[-1] ** -0.5
-    assert storage.supports_triton(q, packed) is None, storage.supports_triton(q, packed)
     ref = merge_reference(storage.attend_reference(q, packed, scale, fp), q.shape[0], q.dtype)
+    if options.get("softcap") is not None:  # the model's score soft-cap, on the packed latents and the fp part
+        packed.softcap = options["softcap"]
+        capped = merge_reference(storage.attend_reference(q, packed, scale, fp), q.shape[0], q.dtype)
+        assert _rel_err(capped, ref) > 0.05, f"{name}: the cap must change this case's output"  # teeth
+        ref = capped
+    assert storage.supports_triton(q, packed) is None, storage.supports_triton(q, packed)
     knobs = {k: options[k] for k in KNOBS if k in options}
     out = K.merge_triton(storage.attend_triton(q, packed, scale, fp, **knobs), q)
     if not torch.isfinite(out.float()).all():
         return float("nan")
+    return _rel_err(out, ref)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest ||out - ref|| / ||ref|| over the [B, Hq] rows of [B, Hq, D] outputs."""
     out, ref = out.double(), ref.double()
     return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max())
 
@@ -155,13 +168,20 @@ CROSS_LAYER_CASES = [  # (name, xquant config over tiny groups): the cross-layer
     ("cl_svd2", dict(variant="svd", cross_layer=True, base_layer=0, bits=2)),
     ("cl_x2_base1", dict(variant="x", cross_layer=True, base_layer=1, hp_layers=1, bits=2)),
 ]
+# (name, case, cap): a case again on the llama model with its scores soft-capped as Gemma 2's (s -> cap tanh(s / cap)),
+# the cap small enough for these random models' scores to reach the tanh's curved part
+CROSS_LAYER_SOFTCAP = ("cl_svd2_softcap", "cl_svd2", 0.5)
 
 
 def cross_layer_checks(device: str = "cpu") -> dict:
     """XQuant-CL through kvcal's packed cache with Triton kernels (the chain of X^ rebuilt per step, the decode
     kernels on it) against the same cache on the torch references: random 3-layer llama and qwen2 (k/v bias) models
     with the tiny models' shapes but head_dim 32 (the kernels' smallest), float64, a 21-token prefill of two rows (one
-    left-padded) and 6 decode steps; the largest absolute difference of the logits."""
+    left-padded) and 6 decode steps; the largest absolute difference of the logits. CROSS_LAYER_SOFTCAP runs on the
+    llama model with a score soft-cap (ModelDims.attn_softcap, which the adapter and the cache apply to every layer's
+    scores), checked to move the references' logits far more than the tolerance."""
+    import dataclasses
+
     from benchmarks.decode_parity import patch_rmsnorm
     from kvcal.methods import build_method
     from kvcal.models import LoadedModel, ModelDims
@@ -182,7 +202,14 @@ def cross_layer_checks(device: str = "cpu") -> dict:
         # differences (another summation order) into float32 roundings of 1e-7 in the logits
         patch_rmsnorm(loaded.model)
         install_adapter(loaded)
-        for name, config in CROSS_LAYER_CASES:
+        dims = loaded.dims
+        runs = [(name, name, None) for name, _ in CROSS_LAYER_CASES]
+        if family == "llama":
+            runs.append(CROSS_LAYER_SOFTCAP)
+        references = {}  # the references' logits per case, uncapped
+        for name, case, softcap in runs:
+            config = dict(CROSS_LAYER_CASES)[case]
+            loaded.adapter.dims = dataclasses.replace(dims, attn_softcap=softcap)
             method = build_method("xquant", {"group_tokens": 8, "group_channels": 16, **config})
             tensors, _ = method.calibrate(loaded, None)
             logits = []
@@ -195,7 +222,14 @@ def cross_layer_checks(device: str = "cpu") -> dict:
                                                         attention_mask=mask[:, :t + 1]).logits[:, -1:])
                 logits.append(torch.cat(steps, 1)[:, 20:])
             assert type(cache.storages[1]).__name__ == "XQuantChainStorage", name
+            assert cache.layers[1].softcap == softcap, name
+            if softcap is None:
+                references[case] = logits[1]
+            else:  # teeth: the cap moves the logits by far more than the kernels' tolerance (1e-9)
+                moved = float((logits[1] - references[case]).abs().max())
+                assert moved > 1e-2, f"{name}: the cap moved the logits by {moved} only"
             out[f"{name}@{family}"] = float((logits[0] - logits[1]).abs().max())
+        loaded.adapter.dims = dims
     return out
 
 

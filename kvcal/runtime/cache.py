@@ -819,9 +819,10 @@ class KvcalCache(Cache):
 
     def _layer_policy(self, i: int, dims):
         """On a model with sliding-window layers (Gemma 2/3), a local layer keeps its window of exact tokens (a
-        LosslessLayer with the window) and a global layer the method's storage. Soft-capped scores (Gemma 2) run
-        through the storages' torch references (the decode kernels refuse them in one line); a storage that remaps
-        its scores itself (CalibQuant) is refused on such a model, as in the simulation."""
+        LosslessLayer with the window) and a global layer the method's storage. Soft-capped scores (Gemma 2) reach
+        the storages' decode kernels and torch references as Packed.softcap (a kernel that does not apply the cap
+        refuses it in one line); a storage that remaps its scores itself (CalibQuant) is refused on such a model, as
+        in the simulation."""
         if dims.attn_softcap is not None and self.storages.remaps_scores:
             raise KvcalError(f"a method that remaps attention scores (CalibQuant) on {dims.family}, whose scores are "
                              "soft-capped, is not supported yet (the simulation refuses it too)")

@@ -40,6 +40,9 @@ ATTENTION = [
     ("commvq2_fp32", 2, torch.float32, {}, {}, {}),
     ("commvq1_g8_fp64", 1, torch.float64, {"group_pairs": 8}, {}, {}),
     ("commvq1_c12_g8_fp64", 1, torch.float64, {"codes": 12, "group_pairs": 8}, {}, {}),
+    # Gemma 2's score soft-cap (cap 2: the scores reach the tanh's curved part), in the key pass and the fp part
+    ("commvq2_softcap_bf16", 2, torch.bfloat16, {}, {}, {"softcap": 2.0}),
+    ("commvq1_g8_softcap_fp64", 1, torch.float64, {"group_pairs": 8}, {}, {"softcap": 2.0}),
 ]
 
 GPU_ATTENTION = [
@@ -53,4 +56,5 @@ GPU_ATTENTION = [
     ("commvq2_score_fma_bf16", 2, torch.bfloat16, {"codes": 64, "stages": 21}, {"score_dot": "fma"}, {}),
     ("commvq1_score_mma_n4_bf16", 1, torch.bfloat16, {"codes": 64, "stages": 11},
      {"score_dot": "mma", "score_dot_n": 4}, {}),
+    ("commvq1_softcap_bf16", 1, torch.bfloat16, {"codes": 64, "stages": 11}, {}, {"softcap": 2.0}),  # Gemma 2's cap
 ]

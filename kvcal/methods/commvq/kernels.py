@@ -9,10 +9,11 @@ codebook product and the generic merge:
    contiguous: one vector gather per token, group and stage) is gathered; the stages are summed before the single
    rotation (A = sum_r w_a + i w_b per pair, the commutation of digest §3.4: one rotation per token and pair whatever
    R is), the sum is rotated by the token's position (the model's float32 RoPE tables) and dotted with the GQA group's
-   queries: score = kappa * scale * log2(e) * q~ . R_i k_hat, written to a float32 buffer [B, Hq, T] (4 MB per row at
-   32K). The same sum as fused_key_scores' (Eq. 19), grouped per codeword instead of per table entry: the table of q
-   against the codebook (d, c per query head) holds rep = Hq / Hkv times more values than the codebook itself, so
-   the kernel gathers the codebook and multiplies by q after the rotation (docs/commvq.md counts both).
+   queries: score = kappa * scale * log2(e) * q~ . R_i k_hat, soft-capped where the model caps its scores (Gemma 2:
+   runtime/kernels.soft_cap), written to a float32 buffer [B, Hq, T] (4 MB per row at 32K). The same sum as
+   fused_key_scores' (Eq. 19), grouped per codeword instead of per table entry: the table of q against the codebook
+   (d, c per query head) holds rep = Hq / Hkv times more values than the codebook itself, so the kernel gathers the
+   codebook and multiplies by q after the rotation (docs/commvq.md counts both).
 2. `_value_mass_kernel`, grid (code chunks, splits, B), the chunk fastest (the chunks of a split read its scores
    together, from the L2): program (chunk c, split s, row b) runs the online softmax of all Hq query heads over its
    split (log2 domain, runtime/kernels.softmax_tile) and accumulates the probability mass of its NCC value-code bits,
@@ -25,8 +26,8 @@ codebook product and the generic merge:
    the per-channel scale (applied after C_V, digest §8 item 14), and writes it as one softmax partial of the
    runtime's format: every chunk carries m = the row's max, chunk 0 the row's sum l and the others l = 0, so the
    generic merge adds the chunks' products (sum_c w acc_c / sum w l).
-4. the full-precision window: runtime/kernels.fp_partials_into into the last splits; runtime/kernels.merge_triton
-   merges all (decode_attention calls it).
+4. the full-precision window (its scores capped as the packed tokens'): runtime/kernels.fp_partials_into into the
+   last splits; runtime/kernels.merge_triton merges all (decode_attention calls it).
 
 Key encoding (`encode_keys_triton`, reference storage.encode_keys): one program per (block of 16 tokens, group) runs
 the greedy residual search over the stages with the fast distance decomposition of quant/vq.py
@@ -77,7 +78,7 @@ ENCODE_BLOCK_M = 16  # tokens per program of the key encoder (each stage's table
 
 if triton is not None:
     from kvcal.quant.tiles import dot
-    from kvcal.runtime.kernels import softmax_tile, split_bounds
+    from kvcal.runtime.kernels import soft_cap, softmax_tile, split_bounds
 
     @triton.jit
     def _value_dot(bits, pv, PREC: tl.constexpr, INTERP: tl.constexpr):
@@ -177,14 +178,15 @@ if triton is not None:
         s_ptr, ssb, ssh, qk_scale_hi, qk_scale_lo,
         D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, NCODE: tl.constexpr, IB: tl.constexpr,
         NPH: tl.constexpr, GPAIRS: tl.constexpr, WK: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
-        PROBE: tl.constexpr, SCORE_DOT: tl.constexpr, INTERP: tl.constexpr,
+        PROBE: tl.constexpr, SCORE_DOT: tl.constexpr, INTERP: tl.constexpr, CAP: tl.constexpr = 0.0,
     ):
         """Pass 1 of the two-pass decode: program (tile group c, row b, KV head h) writes the log2-domain scores
         kappa * scale * log2(e) * q~ . R_t k_hat of the GQA group's queries for TILES tiles of BLOCK_T tokens into
-        s [B, Hq, T] (float32; float64 for float64 queries). The KV head is the slowest grid axis, so the programs
-        resident together gather from one KV head's codebook (L1 reuse). Per token and stage, a code's codeword
-        row (the group's GPAIRS pairs, contiguous) is one vector gather. SCORE_DOT: the epilogue's dot over the pairs
-        (_pair_dot; 1 and 2 take GP >= 16, the padding heads' queries 0 and their scores not stored)."""
+        s [B, Hq, T] (float32; float64 for float64 queries), soft-capped by CAP (runtime/kernels.soft_cap; 0: none).
+        The KV head is the slowest grid axis, so the programs resident together gather from one KV head's codebook
+        (L1 reuse). Per token and stage, a code's codeword row (the group's GPAIRS pairs, contiguous) is one vector
+        gather. SCORE_DOT: the epilogue's dot over the pairs (_pair_dot; 1 and 2 take GP >= 16, the padding heads'
+        queries 0 and their scores not stored)."""
         ACC: tl.constexpr = s_ptr.dtype.element_ty
         if ACC == tl.float64:
             qk_scale = tl.cast(qk_scale_hi, ACC) + tl.cast(qk_scale_lo, ACC)
@@ -228,7 +230,7 @@ if triton is not None:
             k1 = kx * cs - ky * sn
             k2 = ky * cs + kx * sn
             s = _pair_dot(k1, q1, SCORE_DOT, INTERP) + _pair_dot(k2, q2, SCORE_DOT, INTERP)
-            s = s * (kappa * qk_scale)[:, None]  # [BLOCK_T, GP]
+            s = soft_cap(s * (kappa * qk_scale)[:, None], CAP)  # [BLOCK_T, GP], capped: the value pass's scores
             tl.store(s_ptr + b * ssb + (h * G + rk)[None, :] * ssh + t[:, None], s,
                      mask=tm[:, None] & (rk < G)[None, :])
 
@@ -476,6 +478,7 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
                 D=d, G=group, GP=max(gp, dot_n) if sdot else gp, R=storage.stages, NCODE=storage.codes,
                 IB=storage.index_bits, NPH=storage.groups // hkv, GPAIRS=storage.group_pairs, WK=kc.shape[-1],
                 BLOCK_T=kbt, TILES=ntile, PROBE=PROBES[probe] % 3, SCORE_DOT=sdot, INTERP=K.INTERPRET,
+                CAP=K.cap_log2(packed.softcap),
                 num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
             )
         _value_mass_kernel[(vchunks, nsplit, batch)](
@@ -490,5 +493,5 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
             nc, C=codebook.shape[1], D=d, G=group, GP=gp, NCB=ncb, NCC=ncc, SP=pow2(nsplit), num_warps=4,
         )
     if fp is not None:
-        K.fp_partials_into(q, fp, scale, parts, nchunks)
+        K.fp_partials_into(q, fp, scale, parts, nchunks, softcap=packed.softcap)
     return parts

@@ -27,7 +27,7 @@ from kvcal.methods.base import Method
 from kvcal.methods.commvq import kernels
 from kvcal.methods.commvq.packing import FP16_MAX, pack_stream, unpack_stream
 from kvcal.quant import vq
-from kvcal.runtime.decode import LOG2E, SOFTCAP_REFUSAL, Partials, with_fp_reference
+from kvcal.runtime.decode import LOG2E, Partials, with_fp_reference
 from kvcal.runtime.storage import BufferSpec, Packed, ReconstructionStorage, Storage
 
 VALUE_EPS = 1e-6  # [C] eps of the value scale and norms
@@ -481,8 +481,6 @@ class CommVQStorage(Storage):
         return self.book.reconstruct(self.layer, k, v)
 
     def supports_triton(self, q, packed):
-        if packed.softcap is not None:
-            return SOFTCAP_REFUSAL
         return kernels.unsupported(q, packed, self)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):

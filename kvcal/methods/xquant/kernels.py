@@ -14,8 +14,9 @@ tests' exactness modes):
    loaded asynchronously by the software pipeline, `num_stages`). Then b_k, RoPE at positions pos_offset + t in
    registers, and the scores of the HB heads' query heads by one dot against a block-diagonal query operand
    [HB D / 2, HB GP] per half (fp16 queries; the rotated keys as an fp16 pair hi + lo, so the scores keep ~22
-   bits). Scores [B, Hq, T] (float32, float64 for float64 queries, log2 domain) go to global memory (Hq x 4 bytes a
-   token, against the latent's 256 B at Llama shapes and 2 bits).
+   bits). Scores [B, Hq, T] (float32, float64 for float64 queries, log2 domain; soft-capped where the model caps
+   its scores, Gemma 2: runtime/kernels.soft_cap) go to global memory (Hq x 4 bytes a token, against the latent's
+   256 B at Llama shapes and 2 bits).
    With `staged_latents`, Z_k is first dequantized once into an fp16 [B, T, width] buffer (_latent_kernel) and the
    scores kernel reads it with plain loads instead of dequantizing.
 2. `_values_tc_kernel`, grid (B, splits, width / VC): for one row, one split of its tokens and VC latent channels,
@@ -23,8 +24,8 @@ tests' exactness modes):
    to 16, fp16 P and Z_v for fp16/bf16 queries): Z_v is dequantized once per token for all query heads (one scale
    and zero per token when a per-token group covers the VC channels). Then in torch: acc_lat R_v per KV head and
    l b_v (exact by linearity: sum_t p_t (z_t R_v + b_v) = (sum_t p_t z_t) R_v + l b_v), written in
-   runtime/decode.py's partials layout ([B Hkv, S, G, D]); the full-precision window goes into the last splits
-   (runtime.kernels.fp_partials_into).
+   runtime/decode.py's partials layout ([B Hkv, S, G, D]); the full-precision window (its scores capped as the
+   packed tokens') goes into the last splits (runtime.kernels.fp_partials_into).
 
 Design choice. The defaults were predicted from the kernels compiled for sm_90 on a CPU (the launch's
 16-divisibility of pointers and strides, ptxas's resource use and the SASS of the main loop;
@@ -73,7 +74,7 @@ BITS = (2, 3, 4, 8, 16)
 if triton is not None:
     from kvcal.quant.packing import _split_bits
     from kvcal.quant.tiles import dot, mma_operand, operand
-    from kvcal.runtime.kernels import softmax_tile, split_bounds
+    from kvcal.runtime.kernels import soft_cap, softmax_tile, split_bounds
 
     @triton.jit
     def _dequant(codes_base, s_base, z_base, t, tm, ch, sct, sst, BITS: tl.constexpr, RW: tl.constexpr,
@@ -188,12 +189,12 @@ if triton is not None:
                           HKV, BITS: tl.constexpr, RW: tl.constexpr, TDIV: tl.constexpr, CDIV: tl.constexpr,
                           OUTLIER: tl.constexpr, STAGED: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
                           G: tl.constexpr, GP: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr,
-                          CHUNK: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                          CHUNK: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, CAP: tl.constexpr = 0.0):
         """Scores of KV heads [h0, h0 + HB) over tokens [t0, t0 + BLOCK_T) of row b (grid (Hkv / HB, token tiles,
         B)): keys rebuilt chunk by chunk of the latent (Z_k[tile, chunk] R_k[chunk, heads' columns], one dot per RoPE
         half), b_k, RoPE at positions POS0 + t, then one dot per half against the block-diagonal queries of the HB
-        heads -> out[b, query head, t] (log2 domain: q x QSCALE). Tokens at or past the row's length are not
-        written (the value kernel never reads them)."""
+        heads -> out[b, query head, t] (log2 domain: q x QSCALE), soft-capped by CAP (runtime/kernels.soft_cap; 0:
+        none). Tokens at or past the row's length are not written (the value kernel never reads them)."""
         ACC: tl.constexpr = out_ptr.dtype.element_ty
         HD: tl.constexpr = D // 2
         NC: tl.constexpr = HB * HD
@@ -241,7 +242,7 @@ if triton is not None:
             qoff = q_ptr + b * sqb + ((h0 + qh) * G + g)[None, :] * D + j[:, None]
             q1 = tl.load(qoff, mask=qmask, other=0.0)
             q2 = tl.load(qoff + HD, mask=qmask, other=0.0)
-            s = (_qk(k1, q1, PREC, INTERP) + _qk(k2, q2, PREC, INTERP)).to(ACC) * QSCALE
+            s = soft_cap((_qk(k1, q1, PREC, INTERP) + _qk(k2, q2, PREC, INTERP)).to(ACC) * QSCALE, CAP)
             tl.store(out_ptr + b * sob + ((h0 + qh) * G + g)[None, :] * soh + t[:, None], s,
                      mask=tm[:, None] & (g < G)[None, :])
 
@@ -404,6 +405,7 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
             s, s.stride(0), s.stride(1), hkv, BITS=bits, RW=width, TDIV=tdiv, CDIV=cdiv,
             OUTLIER=int(outlier and not staged_latents), STAGED=int(staged_latents), HAS_BIAS=int(b_k is not None),
             D=d, G=group, GP=gp, HB=hb, BLOCK_T=bt, CHUNK=c, INTERP=interp, PREC=prec,
+            CAP=K.cap_log2(packed.softcap),
             **K.launch_options(q, warps, num_stages or (2 if bits == 3 and prec == 16 else None), max_registers))
 
     # values in latent space, every query head at once
@@ -432,5 +434,5 @@ def attend_triton(storage, q: torch.Tensor, packed, scale: float, fp, *, block_t
     parts.l.view(batch, hkv, total, group)[:, :, :nsplit] = l_sum
     parts.acc.view(batch, hkv, total, group, d)[:, :, :nsplit] = acc
     if fp is not None:
-        K.fp_partials_into(q, fp, scale, parts, nsplit)
+        K.fp_partials_into(q, fp, scale, parts, nsplit, softcap=packed.softcap)
     return parts

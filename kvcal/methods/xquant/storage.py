@@ -21,7 +21,6 @@ from kvcal.quant.uniform import (
     quantize_per_token_into,
 )
 from kvcal.quant.uniform_kernels import quantize_per_token_into_triton
-from kvcal.runtime.decode import SOFTCAP_REFUSAL
 from kvcal.runtime.storage import BufferSpec, ReconstructionStorage, Storage, Storages
 
 PLAIN, BASE, DELTA = "plain", "base", "delta"  # a layer's role in XQuant.layer_plan
@@ -240,8 +239,6 @@ class XQuantStorage(Rematerialized, Storage):
 
     # ---- attend -------------------------------------------------------------------------------------------------
     def supports_triton(self, q, packed):
-        if packed.softcap is not None:
-            return SOFTCAP_REFUSAL
         return xquant_kernels.unsupported(self, q, packed)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):
@@ -480,8 +477,6 @@ class XQuantChainStorage(Rematerialized, Storage):
         super().fill_synthetic(packed, generator)
 
     def supports_triton(self, q, packed):
-        if packed.softcap is not None:
-            return SOFTCAP_REFUSAL
         if self._x is None:
             return "xquant cross-layer storage not bound to its layer's weights"
         return xquant_kernels.unsupported(self._x, q, dataclasses.replace(packed, buffers={}))

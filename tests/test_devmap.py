@@ -207,7 +207,7 @@ def test_decode_through_a_map_equals_decode_without(split, calibration_text, tmp
 def test_each_cache_layer_allocates_on_its_layers_device(split, calibration_text, tmp_path):
     """A packed layer allocates its buffers, its full-precision slots, its storage's tables and its RoPE tables on
     the device of the keys it receives; a cache whose layer 0 is on the CPU and layer 1 on meta keeps each on its own
-    (the shared state holds one RoPE table per device)."""
+    (the shared state holds one RoPE table per device and RoPE)."""
     from kvcal.calib.run import run_calibration
 
     method = build_method("kvquant", KVQUANT_CONFIG)
@@ -223,7 +223,7 @@ def test_each_cache_layer_allocates_on_its_layers_device(split, calibration_text
         tensors = [*layer.buffers.values(), layer.fp_k, layer.fp_v, layer.fp_valid, layer.lengths, layer.rope_cos,
                    layer.rope_sin, layer.storage.key_table, layer.storage.key_scale]
         assert {t.device.type for t in tensors} == {device}
-    assert sorted(d.type for d in cache.shared._tables) == ["cpu", "meta"]
+    assert sorted(device.type for device, _ in cache.shared._tables) == ["cpu", "meta"]
     assert codec[0].key_table.device.type == "cpu"  # layer 0's storage was not moved by layer 1's
 
 

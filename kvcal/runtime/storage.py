@@ -133,8 +133,9 @@ class SharedState:
     def rope_tables(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [positions >= length, D] in float32 (rope_cos_sin's: cos/sin(position * inv_freq), the two
         halves duplicated), on inv_freq's device."""
-        key = (inv_freq.device, inv_freq.detach().float().cpu().numpy().tobytes())  # the frequencies' values (a copy of
-        # D / 2 floats, when a layer grows)
+        # the adapter keeps one frequency tensor per RoPE and device (Adapter.inv_freq_on), which every layer of that
+        # RoPE passes: its address names it
+        key = (inv_freq.device, inv_freq.data_ptr())
         found = self._tables.get(key)
         if found is None or found[0].shape[0] < length:
             positions = torch.arange(length, device=inv_freq.device)[None]

@@ -630,8 +630,9 @@ def run_softcap_cache_checks() -> dict:
     return out
 
 
-# methods whose kernels take a compressed sliding window's first slot (Packed.first): the split-K skeleton's
-WINDOW_CACHE_METHODS = ("kivi", "kvquant", "rtn", "skvq")
+# methods whose kernels take a compressed sliding window's first slot (Packed.first): the split-K skeleton's and
+# CommVQ's (its value-mass pass)
+WINDOW_CACHE_METHODS = ("commvq", "kivi", "kvquant", "rtn", "skvq")
 
 
 def run_window_cache_checks(dtype=torch.float32) -> dict:

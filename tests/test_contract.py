@@ -131,7 +131,7 @@ def test_a_left_padded_batch_equals_each_row_alone_in_compressed_windows(name, a
     prompt = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :6] = 0
-    kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
+    kwargs = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=258)
     layers = loaded.dims.num_layers
     both_cache = KvcalCache(codec, layers, "packed")
     both = loaded.model.generate(prompt, attention_mask=mask, **cache_kwargs(loaded.model, both_cache), **kwargs)
@@ -143,6 +143,9 @@ def test_a_left_padded_batch_equals_each_row_alone_in_compressed_windows(name, a
             torch.testing.assert_close(a[row], b[0], rtol=0, atol=1e-9)
     local = both_cache.layers[0]
     assert local.window == loaded.dims.sliding_window and local.first[0] != local.first[1]
+    # bounded: 34 tokens in the first row, of which a window and less than a drop unit more (and the 6 tokens by which
+    # the rows differ) stay packed
+    assert local.shift > 0 and max(local.compressed) <= local.window + local.drop_unit - 1 + 6
 
 
 ABLATIONS = [(name, label) for name in METHODS for label in all_methods()[name].test_ablations]

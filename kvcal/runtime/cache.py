@@ -124,6 +124,9 @@ class PackedLayer(CacheLayer):
     packed tokens, and a residual ring of the most recent ones."""
 
     GROWTH = 1.125  # buffers grow by 1/8 (bounded over-allocation, so memory tracks bits per element)
+    # a compressed sliding window drops at least this many tokens at once from its front: its buffers move once every
+    # WINDOW_DROP steps, not at every step, for at most WINDOW_DROP - 1 tokens more than the window
+    WINDOW_DROP = 16
     static_steps_on_cpu = False  # eager one-token steps as static steps on a CPU too (tests run CUDA's path there)
 
     def __init__(self, layer_idx: int, storage, kernels: bool | None, capacity_hint: int = 0,
@@ -199,7 +202,7 @@ class PackedLayer(CacheLayer):
     def _init_window(self, batch: int) -> None:
         """A compressed sliding-window layer's state: the first visible slot per row (host and device), the sink
         slots already masked, and the unit in which tokens are dropped: the policy's block and every buffer's tokens
-        per index along its token axis (a unit's tokens leave the buffers together)."""
+        per index along its token axis (a unit's tokens leave the buffers together), and WINDOW_DROP."""
         p = self.policy
         name = type(self.storage).__name__
         if p.bulk:
@@ -210,11 +213,11 @@ class PackedLayer(CacheLayer):
         if self.storage.source == "x":
             raise KvcalError(f"--compress-local: {name} rebuilds keys and values from the layer inputs across "
                              "layers; the packed cache does not window it (the simulation does)")
-        unit = p.block
+        unit = math.lcm(p.block, self.WINDOW_DROP)
         probe = 4096 * p.block
         for spec in self.storage.buffers(1, probe, self.heads, self.dim).values():
             per_index = probe // spec.shape[spec.token_axis]
-            unit = unit * per_index // math.gcd(unit, per_index)
+            unit = math.lcm(unit, per_index)
         self.drop_unit = unit
         self.first = [0] * batch
         self.first_dev = torch.zeros(batch, dtype=torch.int32, device=self.device)

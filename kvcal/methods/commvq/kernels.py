@@ -236,22 +236,28 @@ if triton is not None:
 
     @triton.jit
     def _value_mass_kernel(
-        s_ptr, ssb, ssh, len_ptr, vc_ptr, svb, svt, vr_ptr, svrb, m_ptr, l_ptr, mass_ptr, NSPLIT,
+        s_ptr, ssb, ssh, len_ptr, first_ptr, vc_ptr, svb, svt, vr_ptr, svrb, m_ptr, l_ptr, mass_ptr, NSPLIT,
         HQ: tl.constexpr, HQP: tl.constexpr, G: tl.constexpr, WV: tl.constexpr, NCB: tl.constexpr,
         NCC: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, PROBE: tl.constexpr,
+        FIRST: tl.constexpr = 0,
     ):
         """Pass 2: program (code chunk c, split s, row b) takes the scores of all Hq query heads over its split's
         tokens (online softmax per head) and accumulates the probability mass of its NCC value-code bits,
         mass[n, head] = sum_t bit[t, n] rho_t p[t, head]: one tensor-core dot per tile of the chunk's unpacked bits
         [NCC, BLOCK_T] with rho p [BLOCK_T, Hq] (fp16 hi + lo parts for fp16/bf16 queries), so each bit is unpacked
         once for all heads. The chunk is the fastest grid axis: the chunks of a split read its scores together (L2).
-        Writes the mass [B Hkv, NSPLIT, G, NCB] and (chunk 0) m, l [B Hkv, NSPLIT, G] of _codebook_kernel."""
+        Writes the mass [B Hkv, NSPLIT, G, NCB] and (chunk 0) m, l [B Hkv, NSPLIT, G] of _codebook_kernel. FIRST (a
+        compressed sliding window): the splits share row b's tokens from the tile holding first_ptr[b] on, the tokens
+        before it masked (pass 1 scores them all; nothing reads those scores)."""
         ACC: tl.constexpr = m_ptr.dtype.element_ty
         WC: tl.constexpr = NCC // 32
         chunk = tl.program_id(0)
         split = tl.program_id(1)
         b = tl.program_id(2)
-        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T)
+        start, end = split_bounds(len_ptr, b, split, NSPLIT, BLOCK_T, first_ptr, FIRST)
+        first = 0
+        if FIRST:
+            first = tl.load(first_ptr + b)
         hq = tl.arange(0, HQP)
         hok = hq < HQ
         wv = chunk * WC + tl.arange(0, WC)
@@ -261,7 +267,7 @@ if triton is not None:
         mass = tl.zeros((NCC, HQP), ACC)
         for t0 in range(start, end, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < end
+            tm = (t < end) & (t >= first)
             s = tl.load(s_ptr + b * ssb + hq[None, :] * ssh + t[:, None], mask=tm[:, None] & hok[None, :],
                         other=float("-inf"))
             p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, hok)
@@ -482,10 +488,11 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
                 num_warps=num_warps or KEY_WARPS, **opts,  # value probes: the full key pass
             )
         _value_mass_kernel[(vchunks, nsplit, batch)](
-            scores, scores.stride(0), scores.stride(1), packed.lengths, vc, vc.stride(0), vc.stride(1),
+            scores, scores.stride(0), scores.stride(1), packed.lengths,
+            packed.lengths if packed.first is None else packed.first, vc, vc.stride(0), vc.stride(1),
             vr, vr.stride(0), m_s, l_s, mass, nsplit,
             HQ=hq, HQP=hqp, G=group, WV=wv, NCB=ncb, NCC=vcc, BLOCK_T=vbt, INTERP=K.INTERPRET, PREC=prec,
-            PROBE=PROBES[probe], num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
+            PROBE=PROBES[probe], FIRST=int(packed.first is not None), num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
         )
     with launch_device(q):
         _codebook_kernel[(rows, nchunks)](

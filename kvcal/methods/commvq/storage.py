@@ -481,9 +481,6 @@ class CommVQStorage(Storage):
         return self.book.reconstruct(self.layer, k, v)
 
     def supports_triton(self, q, packed):
-        if packed.first is not None:
-            return ("CommVQ's decode kernels do not take a compressed sliding window's first slot (--compress-local); "
-                    "its torch reference does (--backend reference)")
         return kernels.unsupported(q, packed, self)
 
     def attend_triton(self, q, packed, scale, fp, **knobs):

@@ -68,3 +68,33 @@ def test_the_cache_decodes_as_it_simulates(gemma, windows):
     rtn = build_method("rtn", {"bits": 4}).build_storages({}, gemma64.dims)
     simulated, decoded = simulated_nll(gemma64, rtn, ids), decoded_nll(gemma64, rtn, ids)
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
+
+
+def test_compressed_local_windows_decode_as_they_simulate(gemma, windows):
+    """--compress-local, KIVI-2 strict (32-token key blocks, no full-precision window) in all 18 layers, float64:
+    decoding token by token through kvcal's cache (torch references), whose 15 local layers mask the tokens that left
+    their 512-token window and drop them in 32-token units, scores what the simulation scores on 600 tokens; and the
+    local layers hold at most a window and a unit of packed tokens."""
+    from kvcal.eval.ppl import simulated_nll
+    from kvcal.methods import build_method
+    from kvcal.models import load_model
+    from kvcal.models.adapter import forward_with_cache
+    from kvcal.runtime.cache import KvcalCache
+
+    ids = windows[:1, :600]
+    gemma64 = load_model("gemma-3-270m", "float64", "cpu")
+    kivi = build_method("kivi", {"bits": 2, "group_size": 32, "residual": 0}).build_storages({}, gemma64.dims)
+    kivi.compress_local = True
+    simulated = simulated_nll(gemma64, kivi, ids)
+    cache = KvcalCache(kivi, gemma64.dims.num_layers, "packed")
+    nll = 0.0
+    with torch.inference_mode():
+        for t in range(599):
+            logits = forward_with_cache(gemma64.model, ids[:, t : t + 1], cache).logits[:, -1]
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="sum"))
+    assert nll == pytest.approx(simulated.nll, rel=1e-9)
+    local = cache.layers[0]
+    assert local.window == 512 and local.shift > 0 and max(local.compressed) <= 512 + local.drop_unit
+    kivi.compress_local = False
+    assert abs(simulated_nll(gemma64, kivi, ids).nll - simulated.nll) > 1e-3 * simulated.nll
+

@@ -15,7 +15,8 @@ are flushed one block at a time while the policy allows, then attention runs. Si
 full precision, here, in the generic part of the cache. A `bulk` policy (FlushPolicy.bulk) compresses each row's
 prompt tokens after its sinks once, in one write, after the prefill, and keeps every later token in full precision
 (the full-precision part then grows as decoding proceeds). Two layer classes share `CacheLayer`: `PackedLayer` (a
-storage plus the full-precision part) and `LosslessLayer` (the fp16 baseline's plain K/V).
+storage plus the full-precision part; on a sliding-window layer with --compress-local, a window that masks and drops
+what leaves it) and `LosslessLayer` (the fp16 baseline's plain K/V).
 """
 
 from __future__ import annotations
@@ -822,7 +823,8 @@ class KvcalCache(Cache):
 
     def _layer_policy(self, i: int, dims):
         """On a model with sliding-window layers (Gemma 2/3), a local layer keeps its window of exact tokens (a
-        LosslessLayer with the window) and a global layer the method's storage. Soft-capped scores (Gemma 2) reach
+        LosslessLayer with the window), or with storages.compress_local the method's storage as a window (a
+        PackedLayer with the window), and a global layer the method's storage. Soft-capped scores (Gemma 2) reach
         the storages' decode kernels and torch references as Packed.softcap (a kernel that does not apply the cap
         refuses it in one line); a storage that remaps its scores itself (CalibQuant) is refused on such a model, as
         in the simulation."""

@@ -286,7 +286,8 @@ class PackedLayer(CacheLayer):
         self.shift += drop
         self._packed.pos_offset = self.policy.sink + self.shift
         if self.keys_pre_rope:
-            self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq, self._packed.pos_offset + self.capacity)
+            self.rope_cos, self.rope_sin = self.shared.rope_tables(self.inv_freq,
+                                                                   self._packed.pos_offset + self.capacity)
             self._packed.rope_cos, self._packed.rope_sin = self.rope_cos, self.rope_sin
 
     def _grow_fp(self, ring_needed: int) -> None:

@@ -492,7 +492,8 @@ def attend_triton(q: torch.Tensor, packed, scale: float, fp, storage, *, block_t
             packed.lengths if packed.first is None else packed.first, vc, vc.stride(0), vc.stride(1),
             vr, vr.stride(0), m_s, l_s, mass, nsplit,
             HQ=hq, HQP=hqp, G=group, WV=wv, NCB=ncb, NCC=vcc, BLOCK_T=vbt, INTERP=K.INTERPRET, PREC=prec,
-            PROBE=PROBES[probe], FIRST=int(packed.first is not None), num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
+            PROBE=PROBES[probe], FIRST=int(packed.first is not None),
+            num_warps=value_warps or max(4, min(16, vcc * hqp // 1024)), **opts,
         )
     with launch_device(q):
         _codebook_kernel[(rows, nchunks)](

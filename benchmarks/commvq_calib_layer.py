@@ -9,6 +9,8 @@ spread over two decades (as real pre-RoPE keys), values and queries are Gaussian
     python benchmarks/commvq_calib_layer.py --shape llama-3.1-8b --bits 2 --device cuda
     python benchmarks/commvq_calib_layer.py --shape smollm2-135m --bits 2 --device cuda --layers 30
     python benchmarks/commvq_calib_layer.py --shape smollm2-135m --bits 2 --device cpu --key-stages 1 --value-steps 20
+
+--profile prints torch.profiler's operator table of the value training (its time then includes the profiler's).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main():
     ap.add_argument("--value-precision", default="float32", help="float32 or bfloat16 (autocast of the value step)")
     ap.add_argument("--layers", type=int, default=1, help="value encoders trained together (the same synthetic data)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="print torch.profiler's table of the value training's operators (by device time)")
     args = ap.parse_args()
 
     layers, hq, hkv, d, hidden, rope_theta = SHAPES[args.shape]
@@ -84,8 +88,21 @@ def main():
     t1 = time.perf_counter()
     store = SimpleNamespace(layer=lambda i, names=None: data)
     chunk = list(range(args.layers))
-    value_info = fit_values(store, chunk, windows, held, [module] * args.layers, loaded, device, lambda n=1: None,
-                            method.value_fit(dims), method.seed)[0][1]
+    def train_values():
+        return fit_values(store, chunk, windows, held, [module] * args.layers, loaded, device, lambda n=1: None,
+                          method.value_fit(dims), method.seed)[0][1]
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            value_info = train_values()
+            sync()
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+    else:
+        value_info = train_values()
     sync()
     t2 = time.perf_counter()
     stages = method.stages(dims)

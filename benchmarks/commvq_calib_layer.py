@@ -43,7 +43,9 @@ def main():
     ap.add_argument("--key-stages", type=int, default=0, help="0: the method's R (time scales with R)")
     ap.add_argument("--value-steps", type=int, default=3000)
     ap.add_argument("--value-loss", default="attention")
-    ap.add_argument("--value-precision", default="float32", help="float32 or bfloat16 (autocast of the value step)")
+    ap.add_argument("--value-precision", default="float32",
+                    help="float32, bfloat16 (autocast of the value step) or tf32 (float32 with TF32 matrix products)")
+    ap.add_argument("--value-graphs", action="store_true", help="replay each value step from one CUDA graph")
     ap.add_argument("--layers", type=int, default=1, help="value encoders trained together (the same synthetic data)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
@@ -54,7 +56,7 @@ def main():
     dims = SimpleNamespace(num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
     method = CommVQ(bits=args.bits, key_train_vectors=args.key_train_vectors, key_em_steps=args.key_em_steps,
                     key_stages=args.key_stages, value_steps=args.value_steps, value_loss=args.value_loss,
-                    value_precision=args.value_precision)
+                    value_precision=args.value_precision, value_graphs=args.value_graphs)
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     tokens = args.nsamples * args.seqlen
@@ -111,7 +113,7 @@ def main():
         "shape": args.shape, "bits": args.bits, "device": torch.cuda.get_device_name() if device.type == "cuda"
         else "cpu", "groups": method.num_groups(dims), "stages": stages, "key_train_vectors": args.key_train_vectors,
         "key_em_steps": args.key_em_steps, "value_steps": args.value_steps, "value_loss": args.value_loss,
-        "value_precision": args.value_precision,
+        "value_precision": args.value_precision, "value_graphs": args.value_graphs,
         "key_s": round(t1 - t0, 2), "value_s": round(t2 - t1, 2),
         "key_e_steps_per_group": e_steps / method.num_groups(dims),
         "key_ms_per_batched_e_step": round(1e3 * (t1 - t0) / max(1, e_steps / method.num_groups(dims)), 2),

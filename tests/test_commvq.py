@@ -8,6 +8,8 @@ loops, the paper's dense Eq. 29-33), not from the code under test.
 
 import json
 import math
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +24,7 @@ from kvcal.methods.commvq.calibrate import (
     fit_values,
     held_out_windows,
     init_value_params,
+    matmul_precision,
     stacked_logits,
     window_bounds,
 )
@@ -629,8 +632,135 @@ def test_bf16_value_training_stays_near_float32(tiny, tiny_store):
         assert same == (".k." in name or name.endswith("channel_scale")), name
     for a, b in zip(info["value_mse"], fast_info["value_mse"]):
         assert abs(b - a) <= 0.1 * a, (info["value_mse"], fast_info["value_mse"])
-    with pytest.raises(KvcalError, match="value_precision must be one of float32, bfloat16"):
+    with pytest.raises(KvcalError, match="value_precision must be one of float32, bfloat16, tf32"):
         CommVQ(value_precision="float16").validate()
+
+
+def test_tf32_and_step_graphs_leave_cpu_training_as_float32(tiny, tiny_store):
+    """value_precision=tf32 and value_graphs act on a GPU only: on a CPU the artifact is float32's, bit for bit, and
+    torch's TF32 setting is back as it was after the training. Graphs refuse autocast's bf16 steps in one line."""
+    settings = {**TINY_SETTINGS, "value_steps": 6}
+    exact, _ = CommVQ(bits=2, key_stages=2, **settings).calibrate(tiny, tiny_store)
+    before = torch.backends.cuda.matmul.allow_tf32
+    for knobs in ({"value_precision": "tf32"}, {"value_graphs": True}, {"value_precision": "tf32", "value_graphs": True}):
+        got, _ = CommVQ(bits=2, key_stages=2, **knobs, **settings).calibrate(tiny, tiny_store)
+        assert got.keys() == exact.keys() and all(torch.equal(got[n], t) for n, t in exact.items()), knobs
+        assert torch.backends.cuda.matmul.allow_tf32 == before
+    with matmul_precision("tf32"):
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    with pytest.raises(KvcalError, match="value_graphs runs float32 or tf32 steps"):
+        CommVQ(value_graphs=True, value_precision="bfloat16").validate()
+
+
+def test_value_chunks_of_two_devices_train_as_one_after_another(tiny, tiny_store, monkeypatch):
+    """The value stage trains the chunks of different devices at once (kvcal.models.devmap.run_per_device, a thread per
+    device): with each layer its own chunk and the two chunks put on two devices ("cpu" and "meta" as the threads'
+    keys, both computing on the CPU), the artifact is the one the chunks give one after another, bit for bit."""
+    from kvcal.methods.commvq import calibrate as commvq_calibrate
+    from kvcal.models import devmap
+
+    settings = {**TINY_SETTINGS, "value_steps": 6}
+    monkeypatch.setattr(commvq_calibrate, "value_chunks", lambda loaded, todo, *rest: [[i] for i in todo])
+    alone, _ = CommVQ(bits=2, key_stages=2, **settings).calibrate(tiny, tiny_store)
+    threads = []
+
+    def two_devices(items, device_of, work):
+        def recorded(item, stop):
+            threads.append(threading.current_thread().name)
+            work(item, stop)
+
+        devmap.run_per_device(items, lambda chunk: "cpu" if chunk[0] == 0 else "meta", recorded)
+
+    monkeypatch.setattr(commvq_calibrate, "run_per_device", two_devices)
+    together, _ = CommVQ(bits=2, key_stages=2, **settings).calibrate(tiny, tiny_store)
+    assert len(threads) == 2 and len(set(threads)) == 2 and threading.current_thread().name not in threads
+    assert together.keys() == alone.keys() and all(torch.equal(together[n], t) for n, t in alone.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(monkeypatch):
+    """tiny-llama's two layers on cuda:0 and cuda:1: each GPU trains its layer's value coder in its own thread, and the
+    artifact is the one the model on cuda:0 alone gives (each layer's training is its own: same draws, same kernels)."""
+    from kvcal.methods.commvq import calibrate as commvq_calibrate
+    from kvcal.models import load_model
+
+    blocks = {"model.embed_tokens": "cuda:0", "model.layers.0": "cuda:0", "model.layers.1": "cuda:1",
+              "model.norm": "cuda:1", "model.rotary_emb": "cuda:0", "lm_head": "cuda:1"}
+    windows = torch.randint(0, 256, (5, 64), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(commvq_calibrate, "value_chunks", lambda loaded, todo, *rest: [[i] for i in todo])
+    threads = []
+    run = commvq_calibrate.run_per_device
+
+    def recording(items, device_of, work):
+        def recorded(item, stop):
+            threads.append((str(device_of(item)), threading.current_thread().name))
+            work(item, stop)
+
+        run(items, device_of, recorded)
+
+    monkeypatch.setattr(commvq_calibrate, "run_per_device", recording)
+    made = []
+    for placement in ({"device": "cuda:0"}, {"device_map": blocks}):
+        loaded = load_model("tiny-llama", "float32", **placement)
+        with capture(loaded, windows.to(loaded.layer_device(0)), {"k", "v", "q"}) as store:
+            made.append(CommVQ(bits=2, key_stages=2, **{**TINY_SETTINGS, "value_steps": 20}).calibrate(loaded, store)[0])
+    assert [loaded.layer_device(i).index for i in range(2)] == [0, 1]
+    split = threads[2:]  # the second calibration's chunks: one thread per GPU
+    assert sorted(d for d, _ in split) == ["cuda:0", "cuda:1"] and len({t for _, t in split}) == 2
+    one, two = made
+    for name, t in one.items():
+        assert torch.allclose(two[name].cpu(), t.cpu(), rtol=1e-5, atol=1e-6), name
+
+
+def test_budget_curves_take_the_value_steps_points_of_a_sweep():
+    """benchmarks/commvq_budget_plot.py draws, per recipe, only the points that differ by value steps (512-token
+    steps, the recipe's key vectors, 64 WikiText-2 windows), in order of training tokens, from the sweep's record."""
+    from benchmarks.commvq_budget_plot import value_curve
+
+    root = Path(__file__).resolve().parent.parent
+    sweep = json.loads((root / "results/commvq/budget-sweep-smollm2/sweep.json").read_text())
+    one = value_curve(sweep, "commvq-1bit")
+    assert [p["tokens"] for p in one] == [1500 * 512 * x for x in (1, 4, 16, 32)]  # not keys x4 (also x1 values)
+    assert [round(p["gptq-fp0"], 3) for p in one] == [52.742, 37.031, 31.893, 31.064]
+    two = value_curve(sweep, "commvq-2bit")  # not tokens x4, keys x4 or Shakespeare
+    assert [(p["tokens"], round(p["tail-fp0"], 3)) for p in two] == [
+        (1536000, 20.766), (6144000, 20.578), (24576000, 20.486)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("loss", ["attention", "mse"])
+def test_value_step_graphs_train_as_launched_steps_on_gpu(loss, monkeypatch):
+    """value_graphs on CUDA: after the warm-up steps every step is a replay of one recorded graph, and the trained
+    value coders match the launched steps' (same draws, same kernels; the AdamW variant that reads its rate from the
+    device may round differently), the keys bit for bit."""
+    from kvcal.methods.commvq import calibrate as commvq_calibrate
+    from kvcal.models import load_model
+
+    loaded = load_model("tiny-llama", "float32", "cuda")
+    windows = torch.randint(0, 256, (5, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    settings = {**TINY_SETTINGS, "value_steps": 20, "value_loss": loss}
+    replays = [0]
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counting(graph):
+        replays[0] += 1
+        return replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
+    with capture(loaded, windows, {"k", "v", "q"}) as store:
+        launched, info = CommVQ(bits=2, key_stages=2, **settings).calibrate(loaded, store)
+        assert replays[0] == 0
+        graphed, graphed_info = CommVQ(bits=2, key_stages=2, value_graphs=True, **settings).calibrate(loaded, store)
+    assert replays[0] == 20 - commvq_calibrate.GRAPH_WARMUP_STEPS  # one chunk of both layers
+    for name, t in launched.items():
+        if ".k." in name:
+            assert torch.equal(graphed[name], t), name
+        else:
+            assert torch.allclose(graphed[name], t, rtol=1e-4, atol=1e-5), (name, float((graphed[name] - t).abs().max()))
+    assert graphed_info["value_train_loss"] == pytest.approx(info["value_train_loss"], rel=1e-4)
 
 
 def test_mse_loss_needs_no_queries(tiny, tiny_store):

@@ -10,7 +10,14 @@ from kvcal.errors import KvcalError
 from kvcal.eval.ppl import decoded_nll, simulated_nll
 from kvcal.methods import build_method
 from kvcal.models import load_model
-from kvcal.models.devmap import build_split, check_device_map, check_placement, infer_map, parse_max_memory
+from kvcal.models.devmap import (
+    build_split,
+    check_device_map,
+    check_placement,
+    infer_map,
+    parse_max_memory,
+    run_per_device,
+)
 from kvcal.runtime.cache import KvcalCache
 from tests.test_cli import assert_one_line_error, kvcal
 from tests.test_runtime import CALIBRATION_TEXT, KVQUANT_CONFIG
@@ -31,6 +38,57 @@ def split():
     import kvcal
 
     return kvcal.load_model("tiny-llama", device_map=tiny_map())
+
+
+# ---- work on several devices at once ------------------------------------------------------------------------------
+def test_run_per_device_gives_each_device_a_thread_and_keeps_its_order():
+    """Items of two devices ("cpu" and "meta": two torch devices without a GPU) run in two threads at once (each waits
+    at a barrier the other must reach: one thread after the other would time out), each device's items in order; one
+    device runs in the calling thread."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=30)
+    seen = []
+
+    def work(item, stop):
+        stop()
+        if item[1] == 0:
+            barrier.wait()
+        seen.append((item, threading.current_thread().name))
+
+    items = [("cpu", 0), ("meta", 0), ("cpu", 1), ("meta", 1), ("cpu", 2)]
+    run_per_device(items, lambda item: item[0], work)
+    assert sorted(i for i, _ in seen) == sorted(items)
+    for device in ("cpu", "meta"):
+        mine = [(i, name) for i, name in seen if i[0] == device]
+        assert [i[1] for i, _ in mine] == list(range(len(mine)))  # in order
+        assert len({name for _, name in mine}) == 1 and mine[0][1] != threading.current_thread().name
+    seen.clear()
+    run_per_device([("cpu", 1), ("cpu", 2)], lambda item: item[0], work)
+    assert [name for _, name in seen] == [threading.current_thread().name] * 2
+
+
+def test_run_per_device_stops_the_other_devices_on_a_failure():
+    """A failure on one device stops the other device's work at its next check (stop() raises there) and is the error
+    the caller sees."""
+    import threading
+
+    started = threading.Event()
+    steps = []
+
+    def work(item, stop):
+        if item == "meta":
+            started.wait(30)
+            raise ValueError("meta failed")
+        started.set()
+        for step in range(10_000):
+            stop()
+            steps.append(step)
+            threading.Event().wait(0.001)
+
+    with pytest.raises(ValueError, match="meta failed"):
+        run_per_device(["cpu", "meta"], lambda item: item, work)
+    assert 0 < len(steps) < 10_000  # stopped early, not run to its end
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ same artifact, byte for byte, as an uninterrupted run; stale or foreign checkpoi
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvcal.calib import checkpoint as ckpt
@@ -143,3 +144,26 @@ def test_bad_checkpoint_seconds_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCAL_CHECKPOINT_SECONDS", "soon")
     with pytest.raises(KvcalError, match="KVCAL_CHECKPOINT_SECONDS"):
         ckpt.Checkpoints.open(tmp_path / "x.partial", "key", False, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_commvq_resumes_step_graphs_to_the_same_bytes(text_file, tmp_path, monkeypatch):
+    """value_graphs on CUDA: a run interrupted in the middle of the replayed steps and resumed (warm-up steps again,
+    then a new graph) writes what the uninterrupted run writes, byte for byte."""
+    monkeypatch.setenv("KVCAL_CHECKPOINT_SECONDS", "0")
+    loaded = load_model("tiny-llama", "float32", "cuda")
+    method = build_method("commvq", {**all_methods()["commvq"].test_config, "value_steps": 16, "value_graphs": True})
+
+    def calibrate(out, resume=False):
+        return run_calibration(loaded, method, out, str(text_file), nsamples=3, seqlen=64, resume=resume)
+
+    whole = tmp_path / "whole.safetensors"
+    calibrate(whole)
+    out = tmp_path / "resumed.safetensors"
+    with monkeypatch.context() as m:
+        Interrupt(m, 2 + 10)  # 2 key layers, then a state after each value step: stopped after step 10
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(out)
+    calibrate(out, resume=True)
+    assert out.read_bytes() == whole.read_bytes()

@@ -83,6 +83,62 @@ def device_scope(device):
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
+def run_per_device(items: list, device_of, work) -> None:
+    """work(item) for every item, the items of one device in their order, those of different devices at once (one
+    thread per device: a model split over GPUs trains its layers on every GPU together). Each thread runs in its
+    device's scope. A failure, or Ctrl-C in the calling thread, stops the other devices' threads at their next
+    `stopped()` check (work reads it through the `stop` keyword: a callable that raises KeyboardInterrupt once a stop
+    is asked), waits for them and re-raises the first error. One device: the items run in the calling thread."""
+    groups: dict[torch.device, list] = {}
+    for item in items:
+        groups.setdefault(torch.device(device_of(item)), []).append(item)
+    if len(groups) <= 1:
+        for item in items:
+            with device_scope(device_of(item)):
+                work(item, stop=lambda: None)
+        return
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    halt = threading.Event()
+
+    def stop():
+        if halt.is_set():
+            raise KeyboardInterrupt
+
+    def run(device, mine):
+        try:
+            with device_scope(device):
+                for item in mine:
+                    stop()
+                    work(item, stop=stop)
+        except BaseException:
+            halt.set()
+            raise
+
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="kvcal-device") as pool:
+        futures = [pool.submit(run, device, mine) for device, mine in groups.items()]
+        try:
+            errors = []
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException as err:  # the first error wins; the other threads stop at their next check
+                    halt.set()
+                    errors.append(err)
+        except KeyboardInterrupt:  # Ctrl-C while waiting: stop every thread, then report the interrupt
+            halt.set()
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException:
+                    pass
+            raise
+    if errors:
+        first = next((e for e in errors if not isinstance(e, KeyboardInterrupt)), errors[0])
+        raise first
+
+
 def normalize(device) -> torch.device:
     """torch.device of an accelerate device-map value (a GPU index, 'cuda:1', 'cpu', a torch.device)."""
     if isinstance(device, int):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ from kvcal.methods.commvq.storage import (
     pair_channels,
 )
 from kvcal.models.adapter import attention_modules
-from kvcal.models.devmap import device_scope
+from kvcal.models.devmap import device_scope, run_per_device
 from kvcal.progress import progress_bar
 from kvcal.quant import vq
 from kvcal.quant.rope import apply_rope, rope_cos_sin
@@ -96,7 +97,8 @@ class ValueFit:
     weight_decay: float
     warmup: int
     gumbel_tau: float
-    precision: str = "float32"  # "bfloat16": the training step's forward under bf16 autocast (the matrix products)
+    precision: str = "float32"  # "bfloat16": the step's forward under bf16 autocast; "tf32": matmuls as TF32
+    graphs: bool = False  # on a GPU, each training step replays one CUDA graph (train_value_coders)
 
 
 def window_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
@@ -319,6 +321,24 @@ def restore_training(saved: dict[str, torch.Tensor], params, optimizer, gen, noi
         noise.set_state(saved["noise"])
 
 
+GRAPH_WARMUP_STEPS = 3  # eager training steps (on a side stream) before a value step's CUDA graph is recorded
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """float32 matrix products on a GPU's tensor cores as TF32 inside the block ("tf32"), torch's setting restored
+    after it; other precisions leave it as it is. On a CPU the setting does nothing (float32 products)."""
+    if precision != "tf32":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: int, advance, checkpoints=None,
                        name: str = "") -> torch.Tensor:
     """AdamW on the encoders and codebooks of L layers at once [C], parameters stacked [L, ...] (one launch of each
@@ -336,14 +356,27 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
     is due, and a saved state is continued from (the same parameters, bit for bit, as an uninterrupted run).
 
     fit.precision "bfloat16" runs each step's forward (encoder, Gumbel codes, decode, the attention loss's products)
-    under torch.autocast to bf16; parameters, AdamW state and the loss's sums stay float32."""
+    under torch.autocast to bf16; parameters, AdamW state and the loss's sums stay float32. "tf32" keeps float32
+    tensors and lets a GPU's matrix products round their inputs to TF32 (matmul_precision).
+
+    fit.graphs on a GPU: after GRAPH_WARMUP_STEPS eager steps, one training step (forward, backward, clipping, AdamW)
+    is recorded as a CUDA graph on static copies of a step's data and replayed for every later step, the host only
+    drawing the step's blocks or rows, copying them in and setting the learning rate (a device tensor, AdamW
+    `capturable`). The same draws in the same order as without graphs (the Gumbel generator is registered with the
+    graph). On a CPU the steps run as without graphs."""
     trainable = [t for n, t in params.items() if n != "channel_scale"]
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
     on_gpu = v.device.type == "cuda"
+    graphs = fit.graphs and on_gpu
+    if graphs and attention is not None and len({b1 - b0 for _, b0, b1 in attention.blocks}) > 1:
+        raise KvcalError(f"commvq value_graphs needs attention blocks of one length: calibration windows a multiple of "
+                         f"value_attn_tokens ({fit.attn_tokens})")
+    lr = torch.tensor(fit.lr, device=v.device) if graphs else fit.lr  # a graph reads the rate from the device
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": fit.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=fit.lr,
-                                  betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}))
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr,
+                                  betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}),
+                                  **({"capturable": True} if graphs else {}))
     gen = generator(seed, "value-train")
     noise = gen
     if on_gpu:
@@ -357,46 +390,90 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
         restore_training(saved[0], params, optimizer, gen, noise, tail)
         first = int(saved[1]["step"])
         advance(first * layers)
+        if graphs:  # the graph reads the rate from the one tensor the host sets
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
     def forward():
         if fit.precision == "bfloat16":
             return torch.autocast(v.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    with torch.enable_grad():
-        for step in range(first, fit.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(fit, step)
-            if attention is not None:
-                picks = torch.randint(len(attention.blocks), (per_step,), generator=gen).tolist()
-                loss = 0.0
-                for index in picks:
-                    lo, hi = attention.span(index)
-                    x = v[:, lo:hi]
-                    with torch.no_grad():
-                        probs = attention.probabilities(index)
-                    with forward():
-                        v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
-                        diff = v_hat - x
-                        term = attention.loss(probs, diff)
-                    mse = diff.float().square().mean(dim=(1, 2))
-                    loss = loss + (0.5 * mse + term.float()) / len(picks)
-            else:
-                pick = torch.randint(train_rows.numel(), (fit.batch_tokens,), generator=gen)
-                x = v[:, train_rows[pick.to(train_rows.device)]]
+    def draw() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """A step's training data: (value rows [L, Lb, C], attention weights) of each block, or (rows, None)."""
+        if attention is None:
+            pick = torch.randint(train_rows.numel(), (fit.batch_tokens,), generator=gen)
+            return [(v[:, train_rows[pick.to(train_rows.device)]], None)]
+        batch = []
+        for index in torch.randint(len(attention.blocks), (per_step,), generator=gen).tolist():
+            lo, hi = attention.span(index)
+            with torch.no_grad():
+                batch.append((v[:, lo:hi], attention.probabilities(index)))
+        return batch
+
+    def update(batch) -> torch.Tensor:
+        """One training step on `batch` (gradients None before it); returns the step's loss per layer [L]."""
+        if attention is None:
+            (x, _), = batch
+            with forward():
+                v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
+            loss = (v_hat.float() - x).square().mean(dim=(1, 2))
+        else:
+            loss = 0.0
+            for x, probs in batch:
                 with forward():
                     v_hat = reconstruct_training(params, x, fit.gumbel_tau, noise)
-                loss = (v_hat.float() - x).square().mean(dim=(1, 2))
-            optimizer.zero_grad(set_to_none=True)
-            loss.sum().backward()
-            clip_per_layer(trainable, 1.0)
-            optimizer.step()
+                    diff = v_hat - x
+                    term = attention.loss(probs, diff)
+                mse = diff.float().square().mean(dim=(1, 2))
+                loss = loss + (0.5 * mse + term.float()) / len(batch)
+        loss.sum().backward()
+        clip_per_layer(trainable, 1.0)
+        optimizer.step()
+        return loss.detach()
+
+    graph, static, static_loss = None, None, None
+    side = torch.cuda.Stream(v.device) if graphs else None
+    with torch.enable_grad(), matmul_precision(fit.precision):
+        for step in range(first, fit.steps):
+            rate = learning_rate(fit, step)
+            if graphs:
+                lr.fill_(rate)
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = rate
+            batch = draw()
+            if graphs and step >= first + GRAPH_WARMUP_STEPS:
+                if graph is None:  # record (nothing runs), then replay below
+                    optimizer.zero_grad(set_to_none=True)
+                    static = [(x.clone(), None if p is None else p.clone()) for x, p in batch]
+                    graph = torch.cuda.CUDAGraph()
+                    graph.register_generator_state(noise)
+                    with torch.cuda.graph(graph):
+                        static_loss = update(static)
+                for (sx, sp), (x, p) in zip(static, batch):
+                    sx.copy_(x)
+                    if sp is not None:
+                        sp.copy_(p)
+                graph.replay()
+                loss = static_loss
+            elif graphs:  # the warm-up steps, off the current stream as torch asks before a capture
+                side.wait_stream(torch.cuda.current_stream(v.device))
+                with torch.cuda.stream(side):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = update(batch)
+                torch.cuda.current_stream(v.device).wait_stream(side)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                loss = update(batch)
             if step >= tail_start:
-                tail += loss.detach()
+                tail += loss
             advance(layers)
             if checkpoints is not None and step + 1 < fit.steps and checkpoints.due():
                 checkpoints.save(name, training_state(params, optimizer, gen, noise, tail), {"step": step + 1})
     for t in trainable:
         t.requires_grad_(False)
+        t.grad = None
     return tail / (fit.steps - tail_start)
 
 
@@ -617,14 +694,25 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
                 fitted[i] = saved
                 advance(values.steps)
         per_layer = value_layer_bytes(loaded, positions.numel(), values)
-        for chunk in value_chunks(loaded, todo, per_layer, value_step_flops(loaded, values)):
-            device = loaded.layer_device(chunk[0])
-            with device_scope(device):
-                results = fit_values(store, chunk, windows, held, modules, loaded, device, advance, values, seed,
-                                     checkpoints)
-            for i, (params, info) in zip(chunk, results):
-                fitted[i] = checkpoints.keep(f"values.{i}", params, info)
-            checkpoints.drop(f"values.{chunk[0]}-{chunk[-1]}.state")  # the finished layers replace it
+        lock = threading.Lock()  # the progress bar and the finished layers, shared by the devices' threads
+
+        def train(chunk, stop):
+            def advance_locked(n=1):
+                stop()  # another device failed or Ctrl-C: this chunk stops at its next step
+                with lock:
+                    advance(n)
+
+            results = fit_values(store, chunk, windows, held, modules, loaded, loaded.layer_device(chunk[0]),
+                                 advance_locked, values, seed, checkpoints)
+            with lock:
+                for i, (params, info) in zip(chunk, results):
+                    fitted[i] = checkpoints.keep(f"values.{i}", params, info)
+                checkpoints.drop(f"values.{chunk[0]}-{chunk[-1]}.state")  # the finished layers replace it
+
+        # the chunks of a model split over GPUs train on every GPU at once; TF32 is set once here, for every thread
+        with matmul_precision(values.precision):
+            run_per_device(value_chunks(loaded, todo, per_layer, value_step_flops(loaded, values)),
+                           lambda chunk: loaded.layer_device(chunk[0]), train)
         for i in range(dims.num_layers):
             params, info = fitted[i]
             for name, t in params.items():

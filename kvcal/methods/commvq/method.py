@@ -56,7 +56,7 @@ from kvcal.methods.registry import register
 
 QUANTIZE = ("kv", "k", "v")
 VALUE_LOSSES = ("attention", "mse")
-VALUE_PRECISIONS = ("float32", "bfloat16")
+VALUE_PRECISIONS = ("float32", "bfloat16", "tf32")
 FP_FLUSH = ("sliding", "block")
 ROPE_PAIRINGS = ("rotate_half",)
 NORM_BYTES = FP16_BYTES  # kappa (keys) and rho (values): one fp16 per token, layer and tensor
@@ -111,9 +111,11 @@ class CommVQ(Method):
     value_lr: float = 1e-3  # [C] AdamW lr 1e-3, wd 0.1, betas (0.9, 0.95), clip 1.0, warmup + cosine
     value_weight_decay: float = 0.1
     value_warmup: int = 100
-    # the value step's forward in float32 (as the paper's code) or under bf16 autocast (faster matrix products on a
-    # GPU: docs/commvq.md measures what it changes)
+    # the value step's forward in float32 (as the paper's code), under bf16 autocast, or in float32 with a GPU's
+    # matrix products as TF32 (docs/commvq.md measures what each changes)
     value_precision: str = "float32"
+    # on a GPU, replay each value-training step from one CUDA graph (float32 or tf32; docs/commvq.md)
+    value_graphs: bool = False
     gumbel_tau: float = 1.0
     holdout: float = 0.1  # fraction of calibration windows held out for the reported MSE
     seed: int = 0
@@ -151,6 +153,8 @@ class CommVQ(Method):
                                     ("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)):
             if value not in allowed:
                 raise KvcalError(f"commvq {key} must be one of {', '.join(allowed)}, got '{value}'")
+        if self.value_graphs and self.value_precision == "bfloat16":
+            raise KvcalError("commvq value_graphs runs float32 or tf32 steps, not value_precision=bfloat16 (autocast)")
         if self.fp_flush == "block" and self.fp_window == 0:
             raise KvcalError("commvq fp_flush=block needs fp_window > 0 (the block size)")
 
@@ -246,7 +250,7 @@ class CommVQ(Method):
         return ValueFit(bits=self.bits, groups=self.value_groups(dims), hidden=self.hidden(dims), loss=self.value_loss,
                         steps=self.value_steps, batch_tokens=self.value_batch_tokens,
                         attn_tokens=self.value_attn_tokens, lr=self.value_lr, weight_decay=self.value_weight_decay,
-                        warmup=self.value_warmup, gumbel_tau=self.gumbel_tau, precision=self.value_precision)
+                        warmup=self.value_warmup, gumbel_tau=self.gumbel_tau, precision=self.value_precision, graphs=self.value_graphs)
 
     def calibrate(self, loaded, store):
         dims = loaded.dims

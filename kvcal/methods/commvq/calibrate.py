@@ -363,7 +363,7 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
     is recorded as a CUDA graph on static copies of a step's data and replayed for every later step, the host only
     drawing the step's blocks or rows, copying them in and setting the learning rate (a device tensor, AdamW
     `capturable`). The same draws in the same order as without graphs (the Gumbel generator is registered with the
-    graph). On a CPU the steps run as without graphs."""
+    graph). On a CPU the later steps read the same static buffers, launched: the result of training without graphs."""
     trainable = [t for n, t in params.items() if n != "channel_scale"]
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
@@ -443,20 +443,27 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
                 for group in optimizer.param_groups:
                     group["lr"] = rate
             batch = draw()
-            if graphs and step >= first + GRAPH_WARMUP_STEPS:
-                if graph is None:  # record (nothing runs), then replay below
-                    optimizer.zero_grad(set_to_none=True)
+            if fit.graphs and step >= first + GRAPH_WARMUP_STEPS:
+                # the static path: the step's data copied into the buffers the graph reads (on a CPU the same
+                # buffers feed a launched step: what the copies put there is what the step would have read)
+                if static is None:
                     static = [(x.clone(), None if p is None else p.clone()) for x, p in batch]
-                    graph = torch.cuda.CUDAGraph()
-                    graph.register_generator_state(noise)
-                    with torch.cuda.graph(graph):
-                        static_loss = update(static)
+                    if graphs:  # record (nothing runs), then replay below
+                        optimizer.zero_grad(set_to_none=True)
+                        graph = torch.cuda.CUDAGraph()
+                        graph.register_generator_state(noise)
+                        with torch.cuda.graph(graph):
+                            static_loss = update(static)
                 for (sx, sp), (x, p) in zip(static, batch):
                     sx.copy_(x)
                     if sp is not None:
                         sp.copy_(p)
-                graph.replay()
-                loss = static_loss
+                if graphs:
+                    graph.replay()
+                    loss = static_loss
+                else:
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = update(static)
             elif graphs:  # the warm-up steps, off the current stream as torch asks before a capture
                 side.wait_stream(torch.cuda.current_stream(v.device))
                 with torch.cuda.stream(side):

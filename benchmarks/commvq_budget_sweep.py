@@ -92,13 +92,14 @@ GRID = {
 EVAL_WINDOWS = {"smollm2-135m": (16, 2048), "qwen2.5-coder-0.5b": (4, 1024)}
 
 
-def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool) -> list[str]:
+def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool,
+                      extra: list[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "kvcal", "calibrate", "--recipe", p.recipe, "--model", model,
            "--dataset", p.dataset,
            "--nsamples", str(p.nsamples), "--out", str(artifact), "--device", "cuda", "--capture-budget-gb", "24"]
     if p.dataset == "wikitext2":
         cmd += ["--data-dir", data_dir]
-    for s in p.overrides():
+    for s in [*p.overrides(), *extra]:
         cmd += ["--set", s]
     return cmd + (["--resume"] if resume else [])
 
@@ -122,7 +123,7 @@ def run_point(p: Point, args, gpu: int, deadline: float) -> str:
     log = out / "calibrate.log"
     if not artifact.exists():
         resume = Path(f"{artifact}.partial").exists()
-        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume)
+        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume, args.set)
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
@@ -181,6 +182,9 @@ def main():
     ap.add_argument("--deadline", type=float, default=540, help="seconds after which running calibrations stop")
     ap.add_argument("--per-gpu", type=int, default=1, help="points run at once on each GPU (2 time-slice it)")
     ap.add_argument("--only", default=None, help="comma-separated point names (default: the whole grid)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="KEY=VALUE passed to every calibration as --set (speed settings such as value_graphs=true; "
+                         "not part of a point's name)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads per point (default: the machine's cores divided among the points run at once)")
     args = ap.parse_args()

@@ -91,6 +91,27 @@ def test_run_per_device_stops_the_other_devices_on_a_failure():
     assert 0 < len(steps) < 10_000  # stopped early, not run to its end
 
 
+def test_ctrl_c_while_devices_work_stops_them_all():
+    """Ctrl-C reaches the calling thread (SIGINT sent to it from a worker stands in for the terminal's) while it waits:
+    both devices' work stops at its next check and the caller sees KeyboardInterrupt."""
+    import signal
+    import threading
+
+    steps = {"cpu": 0, "meta": 0}
+
+    def work(item, stop):
+        for step in range(10_000):
+            stop()
+            steps[item] += 1
+            if item == "cpu" and step == 20:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            threading.Event().wait(0.001)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_per_device(["cpu", "meta"], lambda item: item, work)
+    assert 0 < steps["cpu"] < 10_000 and 0 < steps["meta"] < 10_000
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,needle", [
     (("auto", None, "auto", 0), "this machine has none"),

@@ -87,8 +87,9 @@ def run_per_device(items: list, device_of, work) -> None:
     """work(item) for every item, the items of one device in their order, those of different devices at once (one
     thread per device: a model split over GPUs trains its layers on every GPU together). Each thread runs in its
     device's scope. A failure, or Ctrl-C in the calling thread, stops the other devices' threads at their next
-    `stopped()` check (work reads it through the `stop` keyword: a callable that raises KeyboardInterrupt once a stop
-    is asked), waits for them and re-raises the first error. One device: the items run in the calling thread."""
+    check (work gets it as its `stop` keyword: a callable that raises KeyboardInterrupt once a stop is asked), waits
+    for them and re-raises the failure (KeyboardInterrupt for Ctrl-C). One device: the items run in the calling
+    thread."""
     groups: dict[torch.device, list] = {}
     for item in items:
         groups.setdefault(torch.device(device_of(item)), []).append(item)
@@ -116,24 +117,15 @@ def run_per_device(items: list, device_of, work) -> None:
             halt.set()
             raise
 
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="kvcal-device") as pool:
+    errors = []
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="kvcal-device") as pool:  # its exit waits for them all
         futures = [pool.submit(run, device, mine) for device, mine in groups.items()]
-        try:
-            errors = []
-            for future in futures:
-                try:
-                    future.result()
-                except BaseException as err:  # the first error wins; the other threads stop at their next check
-                    halt.set()
-                    errors.append(err)
-        except KeyboardInterrupt:  # Ctrl-C while waiting: stop every thread, then report the interrupt
-            halt.set()
-            for future in futures:
-                try:
-                    future.result()
-                except BaseException:
-                    pass
-            raise
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as err:  # a thread's failure, or Ctrl-C while waiting: the others stop at a check
+                halt.set()
+                errors.append(err)
     if errors:
         first = next((e for e in errors if not isinstance(e, KeyboardInterrupt)), errors[0])
         raise first

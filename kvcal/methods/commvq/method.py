@@ -250,7 +250,8 @@ class CommVQ(Method):
         return ValueFit(bits=self.bits, groups=self.value_groups(dims), hidden=self.hidden(dims), loss=self.value_loss,
                         steps=self.value_steps, batch_tokens=self.value_batch_tokens,
                         attn_tokens=self.value_attn_tokens, lr=self.value_lr, weight_decay=self.value_weight_decay,
-                        warmup=self.value_warmup, gumbel_tau=self.gumbel_tau, precision=self.value_precision, graphs=self.value_graphs)
+                        warmup=self.value_warmup, gumbel_tau=self.gumbel_tau, precision=self.value_precision,
+                        graphs=self.value_graphs)
 
     def calibrate(self, loaded, store):
         dims = loaded.dims

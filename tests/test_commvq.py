@@ -636,9 +636,10 @@ def test_bf16_value_training_stays_near_float32(tiny, tiny_store):
         CommVQ(value_precision="float16").validate()
 
 
-def test_tf32_and_step_graphs_leave_cpu_training_as_float32(tiny, tiny_store):
-    """value_precision=tf32 and value_graphs act on a GPU only: on a CPU the artifact is float32's, bit for bit, and
-    torch's TF32 setting is back as it was after the training. Graphs refuse autocast's bf16 steps in one line."""
+def test_tf32_and_step_graphs_leave_cpu_training_as_float32(tiny, tiny_store, capsys):
+    """value_precision=tf32 and value_graphs act on a GPU only (a CPU run says so): on a CPU the artifact is float32's,
+    bit for bit, and torch's TF32 setting is back as it was after the training. Graphs refuse autocast's bf16 steps in
+    one line."""
     settings = {**TINY_SETTINGS, "value_steps": 6}
     exact, _ = CommVQ(bits=2, key_stages=2, **settings).calibrate(tiny, tiny_store)
     before = torch.backends.cuda.matmul.allow_tf32
@@ -646,6 +647,7 @@ def test_tf32_and_step_graphs_leave_cpu_training_as_float32(tiny, tiny_store):
         got, _ = CommVQ(bits=2, key_stages=2, **knobs, **settings).calibrate(tiny, tiny_store)
         assert got.keys() == exact.keys() and all(torch.equal(got[n], t) for n, t in exact.items()), knobs
         assert torch.backends.cuda.matmul.allow_tf32 == before
+        assert "act on a GPU only" in capsys.readouterr().err  # said, not silently ignored
     with matmul_precision("tf32"):
         assert torch.backends.cuda.matmul.allow_tf32
     assert torch.backends.cuda.matmul.allow_tf32 == before

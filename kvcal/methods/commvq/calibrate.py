@@ -37,7 +37,7 @@ from kvcal.methods.commvq.storage import (
 )
 from kvcal.models.adapter import attention_modules
 from kvcal.models.devmap import device_scope, run_per_device
-from kvcal.progress import progress_bar
+from kvcal.progress import progress_bar, stderr_console
 from kvcal.quant import vq
 from kvcal.quant.rope import apply_rope, rope_cos_sin
 from kvcal.quant.uniform import fake_quant_groups
@@ -716,6 +716,11 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
                     fitted[i] = checkpoints.keep(f"values.{i}", params, info)
                 checkpoints.drop(f"values.{chunk[0]}-{chunk[-1]}.state")  # the finished layers replace it
 
+        cpu_layers = [i for i in todo if loaded.layer_device(i).type != "cuda"]
+        if cpu_layers and (values.graphs or values.precision == "tf32"):
+            stderr_console.print(f"note: commvq value_graphs and value_precision=tf32 act on a GPU only: the value coders "
+                                 f"of {len(cpu_layers)} layers on the CPU train as float32 steps, launched",
+                                 highlight=False)
         # the chunks of a model split over GPUs train on every GPU at once; TF32 is set once here, for every thread
         with matmul_precision(values.precision):
             run_per_device(value_chunks(loaded, todo, per_layer, value_step_flops(loaded, values)),

@@ -452,7 +452,8 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
                         optimizer.zero_grad(set_to_none=True)
                         graph = torch.cuda.CUDAGraph()
                         graph.register_generator_state(noise)
-                        with torch.cuda.graph(graph):
+                        # thread_local: another GPU's thread (run_per_device) may allocate or sync meanwhile
+                        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                             static_loss = update(static)
                 for (sx, sp), (x, p) in zip(static, batch):
                     sx.copy_(x)

@@ -682,9 +682,11 @@ def test_value_chunks_of_two_devices_train_as_one_after_another(tiny, tiny_store
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(monkeypatch):
-    """tiny-llama's two layers on cuda:0 and cuda:1: each GPU trains its layer's value coder in its own thread, and the
-    artifact is the one the model on cuda:0 alone gives (each layer's training is its own: same draws, same kernels)."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(graphs, monkeypatch):
+    """tiny-llama's two layers on cuda:0 and cuda:1: each GPU trains its layer's value coder in its own thread (with
+    step graphs: each thread records its own), and the artifact is the one the model on cuda:0 alone gives (each
+    layer's training is its own: same draws, same kernels)."""
     from kvcal.methods.commvq import calibrate as commvq_calibrate
     from kvcal.models import load_model
 
@@ -707,7 +709,8 @@ def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(monkeypatch)
     for placement in ({"device": "cuda:0"}, {"device_map": blocks}):
         loaded = load_model("tiny-llama", "float32", **placement)
         with capture(loaded, windows.to(loaded.layer_device(0)), {"k", "v", "q"}) as store:
-            made.append(CommVQ(bits=2, key_stages=2, **{**TINY_SETTINGS, "value_steps": 20}).calibrate(loaded, store)[0])
+            method = CommVQ(bits=2, key_stages=2, value_graphs=graphs, **{**TINY_SETTINGS, "value_steps": 20})
+            made.append(method.calibrate(loaded, store)[0])
     assert [loaded.layer_device(i).index for i in range(2)] == [0, 1]
     split = threads[2:]  # the second calibration's chunks: one thread per GPU
     assert sorted(d for d, _ in split) == ["cuda:0", "cuda:1"] and len({t for _, t in split}) == 2

@@ -107,8 +107,13 @@ def test_ctrl_c_while_devices_work_stops_them_all():
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             threading.Event().wait(0.001)
 
-    with pytest.raises(KeyboardInterrupt):
-        run_per_device(["cpu", "meta"], lambda item: item, work)
+    # Python's own SIGINT handler (a run started in the background of a shell inherits SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_per_device(["cpu", "meta"], lambda item: item, work)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert 0 < steps["cpu"] < 10_000 and 0 < steps["meta"] < 10_000
 
 

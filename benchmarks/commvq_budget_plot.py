@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,10 @@ def main():
     ap.add_argument("--model", action="append", required=True, choices=sorted(SWEEPS))
     ap.add_argument("--out", required=True, help="PNG to write")
     args = ap.parse_args()
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("commvq_budget_plot: needs matplotlib (pip install 'kvcal[plot]')")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

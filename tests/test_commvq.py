@@ -653,6 +653,10 @@ def test_tf32_and_step_graphs_leave_cpu_training_as_float32(tiny, tiny_store, ca
     assert torch.backends.cuda.matmul.allow_tf32 == before
     with pytest.raises(KvcalError, match="value_graphs runs float32 or tf32 steps"):
         CommVQ(value_graphs=True, value_precision="bfloat16").validate()
+    # 64-token windows in blocks of 48 and 16: static buffers cannot hold both, refused before training
+    uneven = CommVQ(bits=2, key_stages=1, value_graphs=True, **{**settings, "value_attn_tokens": 48})
+    with pytest.raises(KvcalError, match="attention blocks of one length"):
+        uneven.calibrate(tiny, tiny_store)
 
 
 def test_value_chunks_of_two_devices_train_as_one_after_another(tiny, tiny_store, monkeypatch):

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -98,9 +100,6 @@ def run_per_device(items: list, device_of, work) -> None:
             with device_scope(device_of(item)):
                 work(item, stop=lambda: None)
         return
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     halt = threading.Event()
 
     def stop():

@@ -368,15 +368,15 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
     decay = [params[n] for n in ("codebook", "fc1_weight", "fc2_weight")]
     no_decay = [params[n] for n in ("ln_weight", "ln_bias", "fc1_bias", "fc2_bias")]
     on_gpu = v.device.type == "cuda"
-    graphs = fit.graphs and on_gpu
-    if graphs and attention is not None and len({b1 - b0 for _, b0, b1 in attention.blocks}) > 1:
+    capture = fit.graphs and on_gpu  # CUDA graphs recorded and replayed (a CPU takes the static path, launched)
+    if fit.graphs and attention is not None and len({b1 - b0 for _, b0, b1 in attention.blocks}) > 1:
         raise KvcalError(f"commvq value_graphs needs attention blocks of one length: calibration windows a multiple of "
                          f"value_attn_tokens ({fit.attn_tokens})")
-    lr = torch.tensor(fit.lr, device=v.device) if graphs else fit.lr  # a graph reads the rate from the device
+    lr = torch.tensor(fit.lr, device=v.device) if capture else fit.lr  # a graph reads the rate from the device
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": fit.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr,
                                   betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}),
-                                  **({"capturable": True} if graphs else {}))
+                                  **({"capturable": True} if capture else {}))
     gen = generator(seed, "value-train")
     noise = gen
     if on_gpu:
@@ -390,7 +390,7 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
         restore_training(saved[0], params, optimizer, gen, noise, tail)
         first = int(saved[1]["step"])
         advance(first * layers)
-        if graphs:  # the graph reads the rate from the one tensor the host sets
+        if capture:  # the graph reads the rate from the one tensor the host sets
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
@@ -433,11 +433,11 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
         return loss.detach()
 
     graph, static, static_loss = None, None, None
-    side = torch.cuda.Stream(v.device) if graphs else None
+    side = torch.cuda.Stream(v.device) if capture else None
     with torch.enable_grad(), matmul_precision(fit.precision):
         for step in range(first, fit.steps):
             rate = learning_rate(fit, step)
-            if graphs:
+            if capture:
                 lr.fill_(rate)
             else:
                 for group in optimizer.param_groups:
@@ -448,7 +448,7 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
                 # buffers feed a launched step: what the copies put there is what the step would have read)
                 if static is None:
                     static = [(x.clone(), None if p is None else p.clone()) for x, p in batch]
-                    if graphs:  # record (nothing runs), then replay below
+                    if capture:  # record (nothing runs), then replay below
                         optimizer.zero_grad(set_to_none=True)
                         graph = torch.cuda.CUDAGraph()
                         graph.register_generator_state(noise)
@@ -459,13 +459,13 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
                     sx.copy_(x)
                     if sp is not None:
                         sp.copy_(p)
-                if graphs:
+                if capture:
                     graph.replay()
                     loss = static_loss
                 else:
                     optimizer.zero_grad(set_to_none=True)
                     loss = update(static)
-            elif graphs:  # the warm-up steps, off the current stream as torch asks before a capture
+            elif capture:  # the warm-up steps, off the current stream as torch asks before a capture
                 side.wait_stream(torch.cuda.current_stream(v.device))
                 with torch.cuda.stream(side):
                     optimizer.zero_grad(set_to_none=True)

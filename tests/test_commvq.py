@@ -659,28 +659,33 @@ def test_tf32_and_step_graphs_leave_cpu_training_as_float32(tiny, tiny_store, ca
         uneven.calibrate(tiny, tiny_store)
 
 
-def test_value_chunks_of_two_devices_train_as_one_after_another(tiny, tiny_store, monkeypatch):
-    """The value stage trains the chunks of different devices at once (kvcal.models.devmap.run_per_device, a thread per
-    device): with each layer its own chunk and the two chunks put on two devices ("cpu" and "meta" as the threads'
-    keys, both computing on the CPU), the artifact is the one the chunks give one after another, bit for bit."""
+def test_layers_of_two_devices_train_as_one_after_another(tiny, tiny_store, monkeypatch):
+    """The key EM and the value stage fit the layers of different devices at once (kvcal.models.devmap.run_per_device,
+    a thread per device): with each layer its own value chunk and layer 0 on one device, layer 1 on another ("cpu"
+    and "meta" as the threads' keys, both computing on the CPU), the artifact is the one the layers give one after
+    another, bit for bit."""
     from kvcal.methods.commvq import calibrate as commvq_calibrate
     from kvcal.models import devmap
 
     settings = {**TINY_SETTINGS, "value_steps": 6}
     monkeypatch.setattr(commvq_calibrate, "value_chunks", lambda loaded, todo, *rest: [[i] for i in todo])
     alone, _ = CommVQ(bits=2, key_stages=2, **settings).calibrate(tiny, tiny_store)
-    threads = []
+    threads = {"keys": [], "values": []}
 
     def two_devices(items, device_of, work):
+        def layer(item):  # a key layer's index or a value chunk's layers
+            return item[0] if isinstance(item, list) else item
+
         def recorded(item, stop):
-            threads.append(threading.current_thread().name)
+            threads["values" if isinstance(item, list) else "keys"].append(threading.current_thread().name)
             work(item, stop)
 
-        devmap.run_per_device(items, lambda chunk: "cpu" if chunk[0] == 0 else "meta", recorded)
+        devmap.run_per_device(items, lambda item: "cpu" if layer(item) == 0 else "meta", recorded)
 
     monkeypatch.setattr(commvq_calibrate, "run_per_device", two_devices)
     together, _ = CommVQ(bits=2, key_stages=2, **settings).calibrate(tiny, tiny_store)
-    assert len(threads) == 2 and len(set(threads)) == 2 and threading.current_thread().name not in threads
+    for names in threads.values():
+        assert len(names) == 2 and len(set(names)) == 2 and threading.current_thread().name not in names
     assert together.keys() == alone.keys() and all(torch.equal(together[n], t) for n, t in alone.items())
 
 
@@ -688,9 +693,9 @@ def test_value_chunks_of_two_devices_train_as_one_after_another(tiny, tiny_store
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(graphs, monkeypatch):
-    """tiny-llama's two layers on cuda:0 and cuda:1: each GPU trains its layer's value coder in its own thread (with
-    step graphs: each thread records its own), and the artifact is the one the model on cuda:0 alone gives (each
-    layer's training is its own: same draws, same kernels)."""
+    """tiny-llama's two layers on cuda:0 and cuda:1: each GPU fits its layer's key codebooks and trains its value
+    coder in its own thread (with step graphs: each thread records its own), and the artifact is the one the model on
+    cuda:0 alone gives (each layer's training is its own: same draws, same kernels)."""
     from kvcal.methods.commvq import calibrate as commvq_calibrate
     from kvcal.models import load_model
 
@@ -703,7 +708,8 @@ def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(graphs, monk
 
     def recording(items, device_of, work):
         def recorded(item, stop):
-            threads.append((str(device_of(item)), threading.current_thread().name))
+            threads.append(("values" if isinstance(item, list) else "keys", str(device_of(item)),
+                            threading.current_thread().name))
             work(item, stop)
 
         run(items, device_of, recorded)
@@ -716,8 +722,10 @@ def test_value_training_of_a_model_split_over_two_gpus_runs_on_both(graphs, monk
             method = CommVQ(bits=2, key_stages=2, value_graphs=graphs, **{**TINY_SETTINGS, "value_steps": 20})
             made.append(method.calibrate(loaded, store)[0])
     assert [loaded.layer_device(i).index for i in range(2)] == [0, 1]
-    split = threads[2:]  # the second calibration's chunks: one thread per GPU
-    assert sorted(d for d, _ in split) == ["cuda:0", "cuda:1"] and len({t for _, t in split}) == 2
+    split = threads[4:]  # the second calibration's key layers and value chunks: one thread per GPU for each stage
+    for stage in ("keys", "values"):
+        mine = [(d, t) for s, d, t in split if s == stage]
+        assert sorted(d for d, _ in mine) == ["cuda:0", "cuda:1"] and len({t for _, t in mine}) == 2
     one, two = made
     for name, t in one.items():
         assert torch.allclose(two[name].cpu(), t.cpu(), rtol=1e-5, atol=1e-6), name

@@ -36,7 +36,7 @@ from kvcal.methods.commvq.storage import (
     pair_channels,
 )
 from kvcal.models.adapter import attention_modules
-from kvcal.models.devmap import device_scope, run_per_device
+from kvcal.models.devmap import run_per_device
 from kvcal.progress import progress_bar, stderr_console
 from kvcal.quant import vq
 from kvcal.quant.rope import apply_rope, rope_cos_sin
@@ -322,6 +322,10 @@ def restore_training(saved: dict[str, torch.Tensor], params, optimizer, gen, noi
 
 
 GRAPH_WARMUP_STEPS = 3  # eager training steps (on a side stream) before a value step's CUDA graph is recorded
+# One CUDA graph is recorded at a time in the process: before it records, torch.cuda.graph synchronizes the device
+# and empties the caching allocator (of every device), neither of which may happen during another GPU's recording
+# (run_per_device's threads)
+GRAPH_RECORDING = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -452,8 +456,10 @@ def train_value_coders(params, v, train_rows, attention, fit: ValueFit, seed: in
                         optimizer.zero_grad(set_to_none=True)
                         graph = torch.cuda.CUDAGraph()
                         graph.register_generator_state(noise)
-                        # thread_local: another GPU's thread (run_per_device) may allocate or sync meanwhile
-                        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                        # thread_local: another GPU's thread (run_per_device) may allocate or launch meanwhile
+                        # on this device's side stream: torch.cuda.graph's default capture stream is made once,
+                        # on whichever device first records, and another device's graph recorded there is empty
+                        with GRAPH_RECORDING, torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                             static_loss = update(static)
                 for (sx, sp), (x, p) in zip(static, batch):
                     sx.copy_(x)
@@ -643,19 +649,19 @@ def held_out_attention(probe: AttentionOutputLoss, v, layer_params: list[dict], 
             for o, s in zip(ours, scalar)]
 
 
-def resumable(checkpoints, stage: str, index: int, fit, advance, units: int):
+def resumable(checkpoints, stage: str, index: int, fit, advance, units: int, lock=None):
     """Layer `index` of `stage` from the checkpoints if an interrupted run finished it (its `units` of progress
-    counted at once), else fitted and saved."""
-    fitted = []
-
-    def run():
-        fitted.append(True)
-        return fit()
-
-    out = checkpoints.layer(stage, index, run)
-    if not fitted:
+    counted at once), else fitted and saved. `lock`: held while the checkpoints are read or written (not while
+    `fit` runs), when several threads fit layers."""
+    lock = lock or contextlib.nullcontext()
+    with lock:
+        saved = checkpoints.load(f"{stage}.{index}")
+    if saved is not None:
         advance(units)
-    return out
+        return saved
+    tensors, meta = fit()
+    with lock:
+        return checkpoints.keep(f"{stage}.{index}", tensors, meta)
 
 
 def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: float, seed: int):
@@ -674,18 +680,28 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
     checkpoints = store.checkpoints
     modules = attention_modules(loaded.model) if values.loss == "attention" else None
     tensors, keys_info, values_info = {}, [], []
+    lock = threading.Lock()  # the progress bars, the checkpoints and the finished layers, shared by the devices' threads
     with progress_bar(f"commvq: key codebooks (EM, {groups} groups x {stages} stages)",
                       dims.num_layers * groups * stages) as advance:
-        for i in range(dims.num_layers):
-            def fit_layer(i=i):
-                device = loaded.layer_device(i)  # each layer's fit runs where that layer is
-                with device_scope(device):
-                    theta, info = fit_keys(store.layer(i, ("k",))["k"], train_rows, held_rows, i, dims, device, advance, keys,
-                                           seed)
+        fitted_keys = {}
+
+        def fit_key_layer(i, stop):  # on the layer's device (run_per_device): the GPUs of a split model at once
+            def advance_locked(n=1):
+                stop()  # another device failed or Ctrl-C: this layer stops at its next stage
+                with lock:
+                    advance(n)
+
+            def fit_layer():
+                theta, info = fit_keys(store.layer(i, ("k",))["k"], train_rows, held_rows, i, dims,
+                                       loaded.layer_device(i), advance_locked, keys, seed)
                 return {"theta": theta, "stage_mse": torch.tensor(info.pop("stage_mse_groups"),
                                                                   dtype=torch.float32)}, info
 
-            fitted, info = resumable(checkpoints, "keys", i, fit_layer, advance, groups * stages)
+            fitted_keys[i] = resumable(checkpoints, "keys", i, fit_layer, advance_locked, groups * stages, lock)
+
+        run_per_device(list(range(dims.num_layers)), loaded.layer_device, fit_key_layer)
+        for i in range(dims.num_layers):
+            fitted, info = fitted_keys[i]
             tensors[f"layers.{i}.k.theta"] = fitted["theta"]
             tensors[f"layers.{i}.k.pair_channels"] = pair_channels(
                 dims.num_kv_heads, dims.head_dim, keys.group_pairs).to(torch.int32)
@@ -702,7 +718,6 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
                 fitted[i] = saved
                 advance(values.steps)
         per_layer = value_layer_bytes(loaded, positions.numel(), values)
-        lock = threading.Lock()  # the progress bar and the finished layers, shared by the devices' threads
 
         def train(chunk, stop):
             def advance_locked(n=1):

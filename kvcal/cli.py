@@ -987,19 +987,42 @@ _CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Clic
 
 def main() -> None:
     """Exit codes: 0 ok (compare: identical), 1 compare found differences, 2 bad input or an environment problem
-    (one line on stderr), 3 an unexpected error (one line), 130 interrupted; KVCAL_DEBUG=1 shows the traceback of
-    any error instead."""
+    (one line on stderr), 3 an unexpected error (one line), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: handled
+    as Ctrl-C is); KVCAL_DEBUG=1 shows the traceback of any error instead."""
+    terminated = _sigterm_as_interrupt()
     try:
         # not standalone: click's usage errors reach us instead of being drawn as a multi-line box
         code = app(standalone_mode=False)  # typer.Exit(n) returns n here; commands return None
-        if code == 130:  # typer >= 0.2x turns Ctrl-C into Exit(130) itself, silently
-            make_console(stderr=True).print(f"[red]interrupted:[/red] {INTERRUPTED}")
+        # typer >= 0.2x turns Ctrl-C into Exit(130) itself, silently: said below
     except Exception as exc:
         code = _report(exc)
     except KeyboardInterrupt:
-        make_console(stderr=True).print(f"[red]interrupted:[/red] {INTERRUPTED}")
         code = 130
+    if code == 130:
+        if terminated:
+            make_console(stderr=True).print(f"[red]terminated (SIGTERM):[/red] {INTERRUPTED}")
+            code = 143
+        else:
+            make_console(stderr=True).print(f"[red]interrupted:[/red] {INTERRUPTED}")
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _sigterm_as_interrupt() -> list:
+    """SIGTERM (`kill`, a job scheduler, a machine being taken back) stops a command as Ctrl-C does: a calibration
+    keeps its checkpoints and says how to resume, nothing is left half-written. Also where SIGINT is ignored (a job
+    started in the background of a shell). Returns the list the handler marks when SIGTERM came."""
+    import signal
+    import threading
+
+    seen: list[int] = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        signal.signal(signal.SIGTERM, handler)
+    return seen
 
 
 def _report(exc: Exception) -> int:
@@ -1008,8 +1031,7 @@ def _report(exc: Exception) -> int:
     if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a group called without a command
         exc.show()
         return exc.exit_code
-    if isinstance(exc, typer.Abort):  # click turns Ctrl-C (and EOF at a prompt) into Abort
-        err.print(f"[red]interrupted:[/red] {INTERRUPTED}")
+    if isinstance(exc, typer.Abort):  # click turns Ctrl-C (and EOF at a prompt) into Abort: main says so
         return 130
     if os.environ.get("KVCAL_DEBUG") == "1":
         raise exc

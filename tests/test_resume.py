@@ -167,3 +167,32 @@ def test_commvq_resumes_step_graphs_to_the_same_bytes(text_file, tmp_path, monke
             calibrate(out)
     calibrate(out, resume=True)
     assert out.read_bytes() == whole.read_bytes()
+
+
+def test_sigterm_keeps_the_checkpoints_as_ctrl_c_does(tmp_path):
+    """SIGTERM (a scheduler, `kill`), to a calibration started with SIGINT ignored as a shell's background job is:
+    exit 143 with one line, the value training's state kept beside the artifact, and the note on --resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "commvq.safetensors"
+    env = dict(os.environ, COLUMNS="200", KVCAL_CHECKPOINT_SECONDS="0")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcal.cli", "calibrate", "--method", "commvq", "--model",
+                             "tiny-llama", "--dataset", "shakespeare", "--nsamples", "3", "--seqlen", "64", "--set",
+                             "value_steps=1000000", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    folder = ckpt.checkpoint_folder(out)
+    deadline = time.monotonic() + 180
+    while not list(folder.glob("values.*.state.safetensors")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith("terminated (SIGTERM): nothing written"), stderr
+    assert any("the same command with --resume continues from them" in line for line in lines), stderr
+    assert not out.exists() and list(folder.glob("values.*.state.safetensors"))

@@ -664,6 +664,37 @@ def run_window_cache_checks(dtype=torch.float32) -> dict:
     return out
 
 
+def run_training_code_checks(device="cpu", shape=(2, 9, 20)) -> dict:
+    """CommVQ's fused training-code kernels (kvcal/methods/commvq/training_codes.py) against their torch reference,
+    logits [L, M, groups, 4] (the L layers share the draws; (2, 9, 20): two programs of 256 groups, the draws' rows
+    wrapping inside one), float32 and bf16 logits, tau 1 and 0.5: the fraction of groups whose argmax differs (exp
+    and log may round differently on a GPU: a near-tie can flip), the bits' largest difference elsewhere, and the
+    logits' gradient's largest difference relative to its largest entry."""
+    from kvcal.methods.commvq.training_codes import gumbel_bits_reference, gumbel_bits_triton
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for tau in (1.0, 0.5):
+            logits = (torch.randn(*shape, 4, generator=gen, device=device) * 2).to(dtype)
+            u = torch.rand(*shape[1:], 4, generator=gen, device=device)
+            weight = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen, device=device)
+            made = []
+            for fn in (gumbel_bits_reference, gumbel_bits_triton):
+                x = logits.clone().requires_grad_(True)
+                bits = fn(x, u, tau)
+                (bits * weight).sum().backward()
+                made.append((bits.detach().view(*shape, 2), x.grad.float()))
+            (ref, ref_grad), (fast, fast_grad) = made
+            same = (ref.round() == fast.round()).all(-1)  # the groups whose category agrees
+            tag = f"{str(dtype)[6:]}_tau{tau:g}"
+            out[f"{tag}_argmax_differs"] = float(1 - same.float().mean())
+            out[f"{tag}_bits"] = float((ref - fast).abs()[same].max())
+            rows = same.unsqueeze(-1).expand_as(ref_grad)
+            out[f"{tag}_grad"] = float((ref_grad - fast_grad).abs()[rows].max() / ref_grad.abs().max())
+    return out
+
+
 def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
     import json
     import sys
@@ -678,6 +709,8 @@ def main():  # pragma: no cover - run in a subprocess by tests/test_kernels.py
         out["attention"] = {case[0]: run_attention_case(case) for case in ATTENTION_CASES}
     if which in ("all", "outliers"):
         out["outliers"] = run_outlier_pass_checks()
+    if which in ("all", "training"):
+        out["training"] = run_training_code_checks()
     if which in ("all", "cache"):
         out["cache"] = run_cache_checks()
         out["cache_softcap"] = run_softcap_cache_checks()

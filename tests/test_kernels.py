@@ -234,6 +234,27 @@ def test_interpreted_quantize_and_pack_bit_exact(interpreted):
     assert len(res) == 192
 
 
+def _training_codes_ok(res: dict, grad_tol: dict) -> list:
+    """The keys of run_training_code_checks' results out of bounds: no flipped category (a GPU may flip one near-tie
+    in 10^5), the bits equal up to float32 rounding of (hard - soft) + soft, the gradient within grad_tol[dtype]."""
+    bad = []
+    for key, value in res.items():
+        dtype = key.split("_")[0]
+        limit = (1e-5 if key.endswith("_argmax_differs") else 2.5e-7 if key.endswith("_bits")
+                 else grad_tol[dtype])
+        if not value <= limit:
+            bad.append((key, value))
+    return bad
+
+
+def test_interpreted_training_code_kernels_match_the_reference(interpreted):
+    """CommVQ's fused Gumbel-code kernels (forward bits, backward gradient) against the torch chain they replace."""
+    res = interpreted["training"]
+    assert len(res) == 12  # 2 dtypes x 2 temperatures x (argmax, bits, gradient)
+    # bf16 logits: the gradient is rounded to bf16 after float32 arithmetic that may differ by an ulp (2^-8 relative)
+    assert not _training_codes_ok(res, {"float32": 1e-6, "bfloat16": 2 ** -7})
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter")
 @pytest.mark.parametrize("dtype", ["bf16", "fp64"])
 def test_soft_capped_full_precision_kernel_compiles_for_sm90(dtype):
@@ -361,6 +382,16 @@ def test_gpu_quantize_bit_exact():
     res = run_quantize_checks(device="cuda", n=4099, h=8, d=128)
     bad = [k for k, ok in res.items() if not ok]
     assert not bad, f"differ from the reference: {bad}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(1, 512, 1024), (30, 64, 96)], ids=["llama-3.1-8b", "smollm2-stacked"])
+def test_gpu_training_code_kernels_match_the_reference(shape):
+    from tests.kernel_cases import run_training_code_checks
+
+    res = run_training_code_checks(device="cuda", shape=shape)
+    assert not _training_codes_ok(res, {"float32": 1e-6, "bfloat16": 2 ** -7}), res
 
 
 @pytest.mark.gpu

@@ -35,6 +35,7 @@ from kvcal.methods.commvq.storage import (
     normalize_values,
     pair_channels,
 )
+from kvcal.methods.commvq.training_codes import gumbel_bits
 from kvcal.models.adapter import attention_modules
 from kvcal.models.devmap import run_per_device
 from kvcal.progress import progress_bar, stderr_console
@@ -163,25 +164,6 @@ def init_value_params(v: torch.Tensor, groups: int, hidden: int, gen: torch.Gene
     return params
 
 
-def gumbel_hard(logits: torch.Tensor, tau: float, gen: torch.Generator) -> torch.Tensor:
-    """gumbel_softmax(hard=True) [C] with a seeded generator: one-hot forward, softmax gradient. logits [L, ...] of L
-    layers trained together: one draw of noise [...] serves every layer (each layer's training is its own
-    optimisation; sharing the draw keeps a layer's result independent of which layers train beside it). The noise is
-    drawn on the generator's device (a GPU generator on a GPU: no host-side draw and copy per step)."""
-    u = torch.rand(logits.shape[1:], generator=gen, device=gen.device).to(logits.device).clamp_(1e-10, 1 - 1e-7)
-    soft = torch.softmax((logits - torch.log(-torch.log(u))) / tau, dim=-1)
-    # one_hot(argmax) written as a scatter: F.one_hot validates its indices, a host sync on a GPU
-    hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0)
-    return hard - soft.detach() + soft
-
-
-def training_bits(onehot: torch.Tensor) -> torch.Tensor:
-    """category_bits for training: bits (y0 + y2, y1 + y2) of the map 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00 [C], as
-    sums instead of a product with the map's table (no table copied to the device every step)."""
-    y = onehot.unbind(-1)
-    return torch.stack((y[0] + y[2], y[1] + y[2]), dim=-1).flatten(-2)
-
-
 def stacked_logits(params, unit: torch.Tensor, groups: int) -> torch.Tensor:
     """storage.value_logits for L layers at once: parameters [L, ...], unit [L, M, C] -> [L, M, n_e, 4]."""
     h = F.layer_norm(unit, (unit.shape[-1],), eps=LN_EPS) * params["ln_weight"][:, None] + params["ln_bias"][:, None]
@@ -194,7 +176,7 @@ def reconstruct_training(params, x: torch.Tensor, tau: float, gen: torch.Generat
     scale = params["channel_scale"][:, None]
     unit, rho0 = normalize_values(x, scale)
     logits = stacked_logits(params, unit, params["codebook"].shape[1] // 2)
-    u = training_bits(gumbel_hard(logits, tau, gen)) @ params["codebook"]
+    u = gumbel_bits(logits, tau, gen) @ params["codebook"]  # the fused kernels on a GPU
     return scale * ((rho0 + VALUE_EPS) / (u.norm(dim=-1) + VALUE_EPS))[..., None] * u
 
 

@@ -47,11 +47,22 @@ def main():
                     help="float32, bfloat16 (autocast of the value step) or tf32 (float32 with TF32 matrix products)")
     ap.add_argument("--value-graphs", action="store_true", help="replay each value step from one CUDA graph")
     ap.add_argument("--layers", type=int, default=1, help="value encoders trained together (the same synthetic data)")
+    ap.add_argument("--codes", choices=("kernels", "reference"), default="kernels",
+                    help="the training codes' chain on a GPU: the fused Triton kernels (what kvcal runs) or the torch "
+                    "reference (for an A/B on one machine)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's table of the value training's operators (by device time)")
     args = ap.parse_args()
 
+    if args.codes == "reference":
+        from kvcal.methods.commvq import calibrate
+        from kvcal.methods.commvq import training_codes as T
+
+        def reference(logits, tau, gen):
+            return T.gumbel_bits_reference(logits, T.draw_uniform(logits.shape[1:], gen, logits.device), tau)
+
+        calibrate.gumbel_bits = reference
     layers, hq, hkv, d, hidden, rope_theta = SHAPES[args.shape]
     dims = SimpleNamespace(num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
     method = CommVQ(bits=args.bits, key_train_vectors=args.key_train_vectors, key_em_steps=args.key_em_steps,
@@ -113,7 +124,7 @@ def main():
         "shape": args.shape, "bits": args.bits, "device": torch.cuda.get_device_name() if device.type == "cuda"
         else "cpu", "groups": method.num_groups(dims), "stages": stages, "key_train_vectors": args.key_train_vectors,
         "key_em_steps": args.key_em_steps, "value_steps": args.value_steps, "value_loss": args.value_loss,
-        "value_precision": args.value_precision, "value_graphs": args.value_graphs,
+        "value_precision": args.value_precision, "value_graphs": args.value_graphs, "codes": args.codes,
         "key_s": round(t1 - t0, 2), "value_s": round(t2 - t1, 2),
         "key_e_steps_per_group": e_steps / method.num_groups(dims),
         "key_ms_per_batched_e_step": round(1e3 * (t1 - t0) / max(1, e_steps / method.num_groups(dims)), 2),

@@ -55,14 +55,10 @@ def main():
                     help="print torch.profiler's table of the value training's operators (by device time)")
     args = ap.parse_args()
 
-    if args.codes == "reference":
-        from kvcal.methods.commvq import calibrate
-        from kvcal.methods.commvq import training_codes as T
+    if args.codes == "reference":  # the torch chain on CUDA tensors too (same signature as the kernels)
+        from kvcal.methods.commvq import training_codes
 
-        def reference(logits, tau, gen):
-            return T.gumbel_bits_reference(logits, T.draw_uniform(logits.shape[1:], gen, logits.device), tau)
-
-        calibrate.gumbel_bits = reference
+        training_codes.gumbel_bits_triton = training_codes.gumbel_bits_reference
     layers, hq, hkv, d, hidden, rope_theta = SHAPES[args.shape]
     dims = SimpleNamespace(num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d, kv_channels=hkv * d)
     method = CommVQ(bits=args.bits, key_train_vectors=args.key_train_vectors, key_em_steps=args.key_em_steps,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -58,13 +59,14 @@ def run_key(parts: dict, windows: torch.Tensor) -> str:
 
 class Checkpoints:
     """One run's checkpoint folder (module docstring). `folder` None: nothing is kept (every load misses, saves are
-    dropped)."""
+    dropped). Threads may load and save different entries at once (a model split over GPUs fits on each)."""
 
     def __init__(self, folder: Path | None, key: str = "", every_seconds: float = CHECKPOINT_SECONDS):
         self.folder, self.key, self.every = folder, key, every_seconds
         self.last = time.monotonic()
         self.saved = 0  # entries written by this process
         self.resumed = 0  # entries read back
+        self._counting = threading.Lock()  # the counters above, shared by the threads
 
     @classmethod
     def off(cls) -> Checkpoints:
@@ -103,7 +105,8 @@ class Checkpoints:
         tensors = load_file(path)
         with safe_open(path, "pt") as f:
             meta = json.loads((f.metadata() or {}).get("meta", "null"))
-        self.resumed += 1
+        with self._counting:
+            self.resumed += 1
         return tensors, meta
 
     def save(self, name: str, tensors: dict[str, torch.Tensor], meta=None) -> None:
@@ -112,8 +115,9 @@ class Checkpoints:
             return
         cpu = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
         write_atomic(self._path(name), lambda tmp: save_file(cpu, tmp, metadata={"meta": json.dumps(meta)}))
-        self.last = time.monotonic()
-        self.saved += 1
+        with self._counting:
+            self.last = time.monotonic()
+            self.saved += 1
 
     def drop(self, name: str) -> None:
         if self.folder is not None:

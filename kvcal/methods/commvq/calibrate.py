@@ -631,19 +631,30 @@ def held_out_attention(probe: AttentionOutputLoss, v, layer_params: list[dict], 
             for o, s in zip(ours, scalar)]
 
 
-def resumable(checkpoints, stage: str, index: int, fit, advance, units: int, lock=None):
+def resumable(checkpoints, stage: str, index: int, fit, advance, units: int):
     """Layer `index` of `stage` from the checkpoints if an interrupted run finished it (its `units` of progress
-    counted at once), else fitted and saved. `lock`: held while the checkpoints are read or written (not while
-    `fit` runs), when several threads fit layers."""
-    lock = lock or contextlib.nullcontext()
-    with lock:
-        saved = checkpoints.load(f"{stage}.{index}")
-    if saved is not None:
+    counted at once), else fitted and saved."""
+    fitted = []
+
+    def run():
+        fitted.append(True)
+        return fit()
+
+    out = checkpoints.layer(stage, index, run)
+    if not fitted:
         advance(units)
-        return saved
-    tensors, meta = fit()
-    with lock:
-        return checkpoints.keep(f"{stage}.{index}", tensors, meta)
+    return out
+
+
+def shared_progress(advance, lock: threading.Lock, stop):
+    """`advance` for one device's thread of run_per_device: counted under the lock the threads share, and the point
+    where the thread stops (stop() raises) once another device failed or Ctrl-C came."""
+    def step(n=1):
+        stop()
+        with lock:
+            advance(n)
+
+    return step
 
 
 def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: float, seed: int):
@@ -662,24 +673,21 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
     checkpoints = store.checkpoints
     modules = attention_modules(loaded.model) if values.loss == "attention" else None
     tensors, keys_info, values_info = {}, [], []
-    lock = threading.Lock()  # the progress bars, the checkpoints and the finished layers, shared by the devices' threads
+    lock = threading.Lock()  # the progress bars, shared by the devices' threads
     with progress_bar(f"commvq: key codebooks (EM, {groups} groups x {stages} stages)",
                       dims.num_layers * groups * stages) as advance:
         fitted_keys = {}
 
         def fit_key_layer(i, stop):  # on the layer's device (run_per_device): the GPUs of a split model at once
-            def advance_locked(n=1):
-                stop()  # another device failed or Ctrl-C: this layer stops at its next stage
-                with lock:
-                    advance(n)
+            progress = shared_progress(advance, lock, stop)
 
             def fit_layer():
                 theta, info = fit_keys(store.layer(i, ("k",))["k"], train_rows, held_rows, i, dims,
-                                       loaded.layer_device(i), advance_locked, keys, seed)
+                                       loaded.layer_device(i), progress, keys, seed)
                 return {"theta": theta, "stage_mse": torch.tensor(info.pop("stage_mse_groups"),
                                                                   dtype=torch.float32)}, info
 
-            fitted_keys[i] = resumable(checkpoints, "keys", i, fit_layer, advance_locked, groups * stages, lock)
+            fitted_keys[i] = resumable(checkpoints, "keys", i, fit_layer, progress, groups * stages)
 
         run_per_device(list(range(dims.num_layers)), loaded.layer_device, fit_key_layer)
         for i in range(dims.num_layers):
@@ -702,17 +710,11 @@ def calibrate_layers(loaded, store, keys: KeyFit, values: ValueFit, holdout: flo
         per_layer = value_layer_bytes(loaded, positions.numel(), values)
 
         def train(chunk, stop):
-            def advance_locked(n=1):
-                stop()  # another device failed or Ctrl-C: this chunk stops at its next step
-                with lock:
-                    advance(n)
-
             results = fit_values(store, chunk, windows, held, modules, loaded, loaded.layer_device(chunk[0]),
-                                 advance_locked, values, seed, checkpoints)
-            with lock:
-                for i, (params, info) in zip(chunk, results):
-                    fitted[i] = checkpoints.keep(f"values.{i}", params, info)
-                checkpoints.drop(f"values.{chunk[0]}-{chunk[-1]}.state")  # the finished layers replace it
+                                 shared_progress(advance, lock, stop), values, seed, checkpoints)
+            for i, (params, info) in zip(chunk, results):
+                fitted[i] = checkpoints.keep(f"values.{i}", params, info)
+            checkpoints.drop(f"values.{chunk[0]}-{chunk[-1]}.state")  # the finished layers replace it
 
         cpu_layers = [i for i in todo if loaded.layer_device(i).type != "cuda"]
         if cpu_layers and (values.graphs or values.precision == "tf32"):

@@ -3,9 +3,9 @@ the two code bits they stand for, with the torch reference and the fused Triton 
 
 The reference (`gumbel_bits_reference`) is the chain the calibration always ran: Gumbel noise from uniform draws,
 softmax over the 4 categories at temperature tau, the one-hot of the argmax with the softmax's gradient
-(hard - soft.detach() + soft), and the bits (y0 + y2, y1 + y2) of the map 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00. On a
-GPU at Llama-3.1-8B shapes its ~20 elementwise and reduction kernels pass over [512, 1024, 4] float32 tensors each
-step (docs/commvq.md, "Where a step with both options goes"). `gumbel_bits_triton` does the same in one kernel
+(hard - soft.detach() + soft), and the bits (y0 + y2, y1 + y2) of the map 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00: about
+18 torch operations forward and more backward, each a kernel over the logits' [L, M, groups, 4] float32 elements on
+a GPU ([1, 512, 1024, 4] a step at Llama-3.1-8B shapes). `gumbel_bits_triton` does the same in one kernel
 forward (reading the logits and the draws, writing the softmax for the backward and the bits) and one backward
 (the softmax's gradient from the bits' gradient). It follows the reference's operations in order (float32, the
 division by tau, the max-shifted softmax, the first maximum, (hard - soft) + soft, one addition per bit), so it

@@ -3,7 +3,9 @@ write to a file or a pipe (a log keeps whole lines and whole table cells).
 
 A long stage says up front what it will cost: its first units of work are the probe (they run at least
 PROBE_SECONDS), and if the whole stage, at their pace, would take more than LONG_SECONDS, one line gives the expected
-time before the rest runs. Without a terminal (a log, a pipe) a stage also prints a line at most every
+time before the rest runs. The units of the next REVISE_SECONDS check it: when their pace puts the stage off the said
+time by more than REVISE_FACTOR either way (a probe that timed warm-up: launched steps before CUDA graphs, kernel
+compilation), one more line says the revised time. Without a terminal (a log, a pipe) a stage also prints a line at most every
 log_every_seconds(), with the time left."""
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from kvcal.errors import KvcalError
 
 PROBE_SECONDS = 2.0  # a stage's first units, timed, give its expected time
 LONG_SECONDS = 30.0  # a stage expected to take longer says so after the probe
+REVISE_SECONDS = 10.0  # the units after the probe that check its estimate
+REVISE_FACTOR = 1.5  # an estimate off by more than this, either way, is said again
 LOG_WIDTH = 1000  # columns of a console that writes to a file or pipe: tables at full width, no wrapped lines
 
 
@@ -80,10 +84,15 @@ class Estimate:
         self.description, self.total = description, total
         self.started, self.done, self.probed = _clock(), 0, False
         self.first: tuple[float, int] | None = None  # (elapsed, units) of a first advance that was slow
+        self.said: tuple[float, float, int] | None = None  # (expected, elapsed, units) when an estimate was said
 
     def advance(self, n: int = 1) -> None:
         self.done += n
-        if self.probed or self.total <= 0 or self.done >= self.total:
+        if self.total <= 0 or self.done >= self.total:
+            return
+        if self.probed:
+            if self.said is not None:
+                self._check()
             return
         elapsed = _clock() - self.started
         if self.first is None and self.done == n and elapsed >= PROBE_SECONDS:
@@ -105,6 +114,21 @@ class Estimate:
         self.probed = True
         if expected > LONG_SECONDS:
             _say(f"{self.description}: expect about {duration(expected)} in all ({how})")
+            self.said = (expected, _clock() - self.started, self.done)
+
+    def _check(self) -> None:
+        """Once REVISE_SECONDS of units followed the said estimate: their pace for the rest, said again if it puts
+        the stage off the estimate by more than REVISE_FACTOR."""
+        expected, at, units_then = self.said
+        elapsed = _clock() - self.started
+        if elapsed - at < REVISE_SECONDS:
+            return
+        self.said = None
+        units, seconds = self.done - units_then, elapsed - at
+        revised = elapsed + seconds / units * (self.total - self.done)
+        if max(revised / expected, expected / revised) > REVISE_FACTOR:
+            _say(f"{self.description}: expect about {duration(revised)} in all, revised (the {units} units after "
+                 f"the first {units_then} took {seconds:.1f} s)")
 
 
 def _say(line: str) -> None:

@@ -96,6 +96,23 @@ def test_a_slow_first_unit_is_setup_not_the_pace(quiet_log, log):
         "stage: 600/600 in 899.0 s"]
 
 
+def test_an_estimate_off_by_more_than_the_factor_is_revised_once(quiet_log, log):
+    # a probe that timed warm-up: 2 units of 1 s say 10000 s; the next 10 s (REVISE_SECONDS) run 640 units of
+    # 1/64 s, and the stage ends in 12 + 9358 / 64 = 158.2 s (a value training's launched steps before its graphs)
+    with progress.progress_bar("stage", 10000) as advance:
+        for i in range(10000):
+            quiet_log[0] += 1.0 if i < 2 else 1 / 64
+            advance()
+    lines = log.getvalue().splitlines()
+    assert lines[:2] == ["stage: expect about 2.8 h in all (the first 2/10000 took 2.0 s)",
+                         "stage: expect about 2 min 38 s in all, revised (the 640 units after the first 2 took 10.0 s)"]
+    assert lines[2:] == ["stage: 10000/10000 in 158.2 s"]  # said again once only
+    log.truncate(0)
+    log.seek(0)
+    run_stage(quiet_log, 600, 3.0, first_unit=1.0)  # within the factor (1 + 599 x 3 said, 1 + 599 x 3 run): not said
+    assert len(log.getvalue().splitlines()) == 2
+
+
 def test_a_short_stage_prints_only_its_last_line(quiet_log, log):
     run_stage(quiet_log, 10, 1.0)  # 10 s expected: under LONG_SECONDS
     assert log.getvalue().splitlines() == ["stage: 10/10 in 10.0 s"]

@@ -85,6 +85,16 @@ def device_scope(device):
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
+def load_cuda_linalg(devices) -> None:
+    """One small CUDA linear-algebra call in the calling thread, before device threads start: torch loads its CUDA
+    linalg library on the first such call, and two threads making their first calls at once fail with "lazy wrapper
+    should be called at most once" (CommVQ's key EM solves on every GPU at once)."""
+    cuda = [d for d in devices if torch.device(d).type == "cuda"]
+    if cuda:
+        eye = torch.eye(1, dtype=torch.float64, device=cuda[0])
+        torch.linalg.solve_ex(eye, eye)
+
+
 def run_per_device(items: list, device_of, work) -> None:
     """work(item) for every item, the items of one device in their order, those of different devices at once (one
     thread per device: a model split over GPUs trains its layers on every GPU together). Each thread runs in its
@@ -100,6 +110,7 @@ def run_per_device(items: list, device_of, work) -> None:
             with device_scope(device_of(item)):
                 work(item, stop=lambda: None)
         return
+    load_cuda_linalg(groups)
     halt = threading.Event()
 
     def stop():

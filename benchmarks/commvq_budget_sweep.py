@@ -2,9 +2,10 @@
 budgets and calibration sources, then evaluate each artifact under the equal-footing rules (gptq strict, gptq with a
 128-token fp16 window, tail strict) on WikiText-2 test.
 
-Runs the points on every visible GPU at once (--per-gpu of them on each, default one), longest first. Every calibration
-checkpoints as it goes; at --deadline seconds the running ones are interrupted (Ctrl-C: they leave their
-checkpoints) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
+Runs the points on every visible GPU at once (--per-gpu of them on each, default one), longest first; with
+--gpus-per-point N each point's model is split over N GPUs (the layers of every GPU train at once; `--device-map
+balanced`, or `sequential` under --max-memory, which places small models more evenly). Every calibration checkpoints as it goes; at --deadline seconds the running ones are interrupted (SIGTERM, which
+kvcal takes as Ctrl-C: they leave their checkpoints; a background job ignores SIGINT) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
 Finished calibrations and evaluations are never redone. Records go to --out (one folder per point: the
 calibration log and one `kvcal eval ppl` JSON record per rule) and --out/sweep.json sums them up.
 
@@ -85,7 +86,7 @@ GRID = {
     # the second model: the value-training budget only
     "qwen2.5-coder-0.5b": [
         *[Point("commvq-2bit", values=x) for x in (1, 4, 16)],
-        *[Point("commvq-1bit", values=x) for x in (1, 4, 16, 32)],
+        *[Point("commvq-1bit", values=x) for x in (1, 4, 16, 32, 64)],
     ],
 }
 # the evaluation windows (nsamples, seqlen) of each model: those of its equal-footing records (docs/results.md)
@@ -93,10 +94,16 @@ EVAL_WINDOWS = {"smollm2-135m": (16, 2048), "qwen2.5-coder-0.5b": (4, 1024)}
 
 
 def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool,
-                      extra: list[str] = ()) -> list[str]:
+                      extra: list[str] = (), gpus: int = 1, max_memory: str | None = None) -> list[str]:
+    if gpus == 1:
+        place = ["--device", "cuda"]
+    elif max_memory:
+        place = ["--device-map", "sequential", "--max-memory", max_memory]
+    else:
+        place = ["--device-map", "balanced"]
     cmd = [sys.executable, "-m", "kvcal", "calibrate", "--recipe", p.recipe, "--model", model,
            "--dataset", p.dataset,
-           "--nsamples", str(p.nsamples), "--out", str(artifact), "--device", "cuda", "--capture-budget-gb", "24"]
+           "--nsamples", str(p.nsamples), "--out", str(artifact), *place, "--capture-budget-gb", "24"]
     if p.dataset == "wikitext2":
         cmd += ["--data-dir", data_dir]
     for s in [*p.overrides(), *extra]:
@@ -112,25 +119,27 @@ def eval_command(model: str, artifact: Path, data_dir: str, rule: str, record: P
             "--dtype", "float32", "--json", str(record)]
 
 
-def run_point(p: Point, args, gpu: int, deadline: float) -> str:
-    """Calibrate (or continue) and evaluate one point on one GPU; returns "done", "interrupted" or "failed"."""
+def run_point(p: Point, args, gpu: str, deadline: float) -> str:
+    """Calibrate (or continue) and evaluate one point on its GPUs (`gpu`: CUDA_VISIBLE_DEVICES, one index or several
+    split by commas; the evaluation runs on the first); returns "done", "interrupted" or "failed"."""
     work, out = Path(args.work), Path(args.out) / p.name
     out.mkdir(parents=True, exist_ok=True)
     artifact = work / f"{p.name}.safetensors"
     # each point gets its share of the CPU cores (torch's default of all cores in every process oversubscribes them)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), KVCAL_CHECKPOINT_SECONDS="30",
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, KVCAL_CHECKPOINT_SECONDS="30",
                OMP_NUM_THREADS=str(args.threads))
     log = out / "calibrate.log"
     if not artifact.exists():
         resume = Path(f"{artifact}.partial").exists()
-        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume, args.set)
+        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume, args.set, gpu.count(",") + 1,
+                                args.max_memory)
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             while proc.poll() is None:
                 if time.time() > deadline:
-                    proc.send_signal(signal.SIGINT)
+                    proc.send_signal(signal.SIGTERM)
                     try:
                         proc.wait(timeout=60)
                     except subprocess.TimeoutExpired:
@@ -181,6 +190,11 @@ def main():
     ap.add_argument("--out", required=True, help="folder for logs and records")
     ap.add_argument("--deadline", type=float, default=540, help="seconds after which running calibrations stop")
     ap.add_argument("--per-gpu", type=int, default=1, help="points run at once on each GPU (2 time-slice it)")
+    ap.add_argument("--gpus-per-point", type=int, default=1,
+                    help="GPUs of one point: its model's layers split over them (--device-map balanced)")
+    ap.add_argument("--max-memory", default=None,
+                    help="with --gpus-per-point: --device-map sequential --max-memory this (e.g. 0=330MiB,1=40GiB "
+                         "puts 15 of smollm2's 30 layers, in float32, on each of two GPUs)")
     ap.add_argument("--only", default=None, help="comma-separated point names (default: the whole grid)")
     ap.add_argument("--set", action="append", default=[],
                     help="KEY=VALUE passed to every calibration as --set (speed settings such as value_graphs=true; "
@@ -201,7 +215,11 @@ def main():
         points = [p for p in points if p.name in names]
     todo = sorted(points, key=Point.cost, reverse=True)
     deadline = time.time() + args.deadline
-    slots = [g for g in range(gpus) for _ in range(args.per_gpu)]
+    if args.gpus_per_point < 1 or gpus % args.gpus_per_point:
+        sys.exit(f"commvq_budget_sweep: --gpus-per-point must divide the {gpus} visible GPUs")
+    groups = [",".join(str(g) for g in range(first, first + args.gpus_per_point))
+              for first in range(0, gpus, args.gpus_per_point)]
+    slots = [g for g in groups for _ in range(args.per_gpu)]
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // len(slots))
     from concurrent.futures import ThreadPoolExecutor
 

@@ -3,8 +3,8 @@ budgets and calibration sources, then evaluate each artifact under the equal-foo
 128-token fp16 window, tail strict) on WikiText-2 test.
 
 Runs the points on every visible GPU at once (--per-gpu of them on each, default one), longest first; with
---gpus-per-point N each point's model is split over N GPUs (the layers of every GPU train at once; `--device-map
-balanced`, or `sequential` under --max-memory, which places small models more evenly). Every calibration checkpoints as it goes; at --deadline seconds the running ones are interrupted (SIGTERM, which
+--gpus-per-point N each point's model is split over N GPUs (`--device-map even`: the same number of layers on each,
+and the layers of every GPU train at once). Every calibration checkpoints as it goes; at --deadline seconds the running ones are interrupted (SIGTERM, which
 kvcal takes as Ctrl-C: they leave their checkpoints; a background job ignores SIGINT) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
 Finished calibrations and evaluations are never redone. Records go to --out (one folder per point: the
 calibration log and one `kvcal eval ppl` JSON record per rule) and --out/sweep.json sums them up.
@@ -94,13 +94,8 @@ EVAL_WINDOWS = {"smollm2-135m": (16, 2048), "qwen2.5-coder-0.5b": (4, 1024)}
 
 
 def calibrate_command(p: Point, model: str, artifact: Path, data_dir: str, resume: bool,
-                      extra: list[str] = (), gpus: int = 1, max_memory: str | None = None) -> list[str]:
-    if gpus == 1:
-        place = ["--device", "cuda"]
-    elif max_memory:
-        place = ["--device-map", "sequential", "--max-memory", max_memory]
-    else:
-        place = ["--device-map", "balanced"]
+                      extra: list[str] = (), gpus: int = 1) -> list[str]:
+    place = ["--device", "cuda"] if gpus == 1 else ["--device-map", "even"]
     cmd = [sys.executable, "-m", "kvcal", "calibrate", "--recipe", p.recipe, "--model", model,
            "--dataset", p.dataset,
            "--nsamples", str(p.nsamples), "--out", str(artifact), *place, "--capture-budget-gb", "24"]
@@ -131,8 +126,7 @@ def run_point(p: Point, args, gpu: str, deadline: float) -> str:
     log = out / "calibrate.log"
     if not artifact.exists():
         resume = Path(f"{artifact}.partial").exists()
-        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume, args.set, gpu.count(",") + 1,
-                                args.max_memory)
+        cmd = calibrate_command(p, args.model, artifact, args.data_dir, resume, args.set, gpu.count(",") + 1)
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
@@ -191,10 +185,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=540, help="seconds after which running calibrations stop")
     ap.add_argument("--per-gpu", type=int, default=1, help="points run at once on each GPU (2 time-slice it)")
     ap.add_argument("--gpus-per-point", type=int, default=1,
-                    help="GPUs of one point: its model's layers split over them (--device-map balanced)")
-    ap.add_argument("--max-memory", default=None,
-                    help="with --gpus-per-point: --device-map sequential --max-memory this (e.g. 0=330MiB,1=40GiB "
-                         "puts 15 of smollm2's 30 layers, in float32, on each of two GPUs)")
+                    help="GPUs of one point: its model's layers split evenly over them (--device-map even)")
     ap.add_argument("--only", default=None, help="comma-separated point names (default: the whole grid)")
     ap.add_argument("--set", action="append", default=[],
                     help="KEY=VALUE passed to every calibration as --set (speed settings such as value_graphs=true; "

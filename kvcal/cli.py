@@ -46,7 +46,8 @@ ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
 DtypeOpt = typer.Option("float32", help="float32, bfloat16, float16 or float64 (exactness checks).")
 DeviceOpt = typer.Option("auto", help="cpu, cuda or auto.")
 DeviceMapOpt = typer.Option(None, "--device-map", help="auto (or balanced, sequential): spread the model's layers "
-                            "over the CUDA GPUs (accelerate); each layer's capture, storages, cache and step graphs on "
+                            "over the CUDA GPUs (accelerate); even: the same number of layers on each (per-layer "
+                            "training ends together); each layer's capture, storages, cache and step graphs on "
                             "its GPU. Not with --device.")
 MaxMemoryOpt = typer.Option(None, "--max-memory", help="--device-map: memory per GPU for the weights, e.g. "
                             "0=20GiB,1=20GiB (forces a model that fits one GPU across several).")

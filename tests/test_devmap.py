@@ -121,7 +121,7 @@ def test_ctrl_c_while_devices_work_stops_them_all():
 @pytest.mark.parametrize("args,needle", [
     (("auto", None, "auto", 0), "this machine has none"),
     (("auto", None, "cpu", 2), "--device cpu and --device-map auto both place the model"),
-    (("everywhere", None, "auto", 2), "unknown --device-map 'everywhere' (auto, balanced, sequential)"),
+    (("everywhere", None, "auto", 2), "unknown --device-map 'everywhere' (auto, balanced, sequential, even)"),
     (("auto", "0=20GiB,1", "auto", 2), "--max-memory '0=20GiB,1' is malformed"),
     (("auto", "gpu0=20GiB", "auto", 2), "is malformed"),
     (("auto", "0=lots", "auto", 2), "is malformed"),
@@ -239,6 +239,42 @@ def test_8b_shapes_spread_over_two_capped_gpus_or_are_refused():
     assert layers == sorted(layers)  # consecutive layers, GPU 0 first
     with pytest.raises(KvcalError, match="offloads layers to disk"):
         check_placement(infer_map(skeleton, "sequential", {0: "5GiB", 1: "5GiB"}, torch.bfloat16))
+
+
+def test_even_puts_the_same_number_of_layers_on_every_gpu():
+    """--device-map even on Llama-3.1-8B shapes (a skeleton on meta): 16 + 16 consecutive layers on two GPUs (accelerate's
+    'balanced' puts 14 on the first), 11 + 11 + 10 on three, the embeddings on the first GPU, the final norm and the
+    untied LM head on the last; every parameter has its block. No more GPUs than layers; a share over its cap is
+    refused in one line."""
+    from kvcal.models.devmap import even_map
+    from kvcal.models.tiny import build_random_model, llama31_8b_config
+
+    skeleton = build_random_model(llama31_8b_config(), torch.bfloat16, "meta")
+    for gpus, counts in ((2, [16, 16]), (3, [11, 11, 10])):
+        placement = infer_map(skeleton, "even", None, torch.bfloat16, gpus=gpus)
+        layers = [placement[f"model.layers.{i}"] for i in range(32)]
+        assert layers == sorted(layers) and [layers.count(g) for g in range(gpus)] == counts
+        assert placement["model.embed_tokens"] == 0
+        assert placement["model.norm"] == placement["lm_head"] == gpus - 1
+        blocks = tuple(f"{b}." for b in placement)
+        assert all(name.startswith(blocks) for name, _ in skeleton.named_parameters())
+    tiny = build_random_model(tiny_config_tied(), torch.float32, "meta")  # 2 layers over 4 GPUs: 2 used
+    assert even_map(tiny, 4) == {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+                                 "model.rotary_emb": 1, "lm_head": 0}  # the tied head with the embeddings
+    # GPU 0's share: 16 layers of 218.1M parameters and the 525M embeddings, in bf16: 7.48 GiB
+    assert even_map(skeleton, 2, {0: "7.5GiB", 1: "8GiB"})["model.layers.15"] == 0
+    with pytest.raises(KvcalError) as err:
+        even_map(skeleton, 2, {0: "7GiB", 1: "60GiB"})
+    assert str(err.value) == ("--device-map even puts 7.48 GiB of weights on GPU 0, over its --max-memory (7.00 GiB): "
+                              "use more GPUs, or --device-map auto")
+
+
+def tiny_config_tied():
+    from kvcal.models.tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    return config
 
 
 # ---- one data path through the map ------------------------------------------------------------------------------
@@ -380,3 +416,22 @@ def _split_decode(which, tmp_path):
     for i, layer in enumerate(caches[1].layers):
         assert {t.device.index for t in layer.buffers.values()} == {two.layer_device(i).index}
         assert layer.step_graph.replays > 0  # each layer's step replayed from a graph on its own GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_even_splits_smollm2_over_two_gpus_with_one_gpus_logits():
+    """smollm2-135m loaded with --device-map even over two GPUs (transformers loads it by kvcal's explicit map): layers
+    0-14 on cuda:0, 15-29 on cuda:1, the tied LM head with the embeddings on cuda:0, and the logits of the model on
+    cuda:0 alone, bit for bit."""
+    ids = torch.arange(1, 65).unsqueeze(0)
+    logits = []
+    for kwargs in ({"device": "cuda:0"}, {"device_map": "even"}):
+        loaded = load_model("smollm2-135m", "float32", **kwargs)
+        if "device_map" in kwargs:
+            assert [str(loaded.layer_device(i)) for i in (0, 14, 15, 29)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+            assert loaded.model.get_output_embeddings().weight.device == torch.device("cuda:0")
+        with torch.no_grad():
+            logits.append(loaded.model(ids.to("cuda:0")).logits.cpu())
+        del loaded
+    assert torch.equal(logits[0], logits[1])

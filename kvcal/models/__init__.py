@@ -204,7 +204,7 @@ def _load_pretrained(name: str, path: str, dtype, place: Placement, source: dict
     check_servable(dims)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=mask_implementation(dims.family),
                                                  local_files_only=local_only,
-                                                 **loading_kwargs(place.device_map, place.max_memory))
+                                                 **loading_kwargs(place.device_map, place.max_memory, config, dtype))
     if place.device_map is None:
         model = model.to(place.device)
     else:

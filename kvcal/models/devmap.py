@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from kvcal.errors import KvcalError
 
-DEVICE_MAP_VALUES = ("auto", "balanced", "sequential")
+DEVICE_MAP_VALUES = ("auto", "balanced", "sequential", "even")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|MiB|KiB|GB|MB|KB|B)?", re.IGNORECASE)
 
 
@@ -162,23 +162,32 @@ def check_placement(device_map: dict) -> None:
                          "CPU: the model does not fit the GPUs' memory (raise --max-memory or use more GPUs)")
 
 
-def loading_kwargs(device_map, max_memory) -> dict:
-    """What transformers' from_pretrained takes for a device map (its own balancing of 'auto', or an explicit map);
-    {} without one."""
+def loading_kwargs(device_map, max_memory, config=None, dtype=None) -> dict:
+    """What transformers' from_pretrained takes for a device map (its own balancing of 'auto', or an explicit map;
+    'even' becomes the explicit map of the model's skeleton, built from `config` without memory); {} without one."""
     if device_map is None:
         return {}
+    if device_map == "even":
+        from accelerate import init_empty_weights  # as in infer_map
+
+        with init_empty_weights(include_buffers=False):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return {"device_map": even_map(skeleton, torch.cuda.device_count(), max_memory)}
     kwargs = {"device_map": device_map}
     if max_memory:
         kwargs["max_memory"] = dict(max_memory)
     return kwargs
 
 
-def infer_map(model, device_map, max_memory, dtype) -> dict:
+def infer_map(model, device_map, max_memory, dtype, gpus: int | None = None) -> dict:
     """An explicit map of `model`'s blocks (decoder layers are never split): a dict is returned as given; 'auto' and
-    'balanced' spread the layers evenly over the GPUs (as transformers does for them), 'sequential' fills GPU 0
-    first; --max-memory caps each GPU."""
+    'balanced' spread the layers over the GPUs by memory (as transformers does for them), 'sequential' fills GPU 0
+    first, 'even' puts the same number of layers on each (even_map); --max-memory caps each GPU. `gpus`: how many
+    GPUs 'even' spreads over (default: the machine's)."""
     if isinstance(device_map, dict):
         return dict(device_map)
+    if device_map == "even":
+        return even_map(model, torch.cuda.device_count() if gpus is None else gpus, max_memory)
     # accelerate (here and below): imported only where a device map is placed
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
@@ -195,6 +204,61 @@ def infer_map(model, device_map, max_memory, dtype) -> dict:
         caps = {k: v for k, v in caps.items() if k not in ("cpu", "disk")}
         caps["cpu"] = 0
     return infer_auto_device_map(model, max_memory=caps, no_split_module_classes=no_split, dtype=dtype)
+
+
+def even_map(model, gpus: int, max_memory: dict | None = None) -> dict:
+    """The 'even' map of `model` (a skeleton on meta will do) over GPUs 0..gpus-1: its decoder layers in consecutive
+    runs of equal length (the first GPUs take one more where the count does not divide; no more GPUs than layers),
+    the blocks before the layers (the embeddings) on the first GPU, those after them (the final norm, the LM head) on
+    the last, and an LM head tied to the embeddings with them. Work that runs per layer on every GPU at once (CommVQ's
+    key EM and value training) then ends when all GPUs do; accelerate's 'balanced' weighs memory and keeps the first
+    GPU lighter (8 of smollm2's 30 layers there, 14 of Llama-3.1-8B's 32). Each GPU's weights are checked against its
+    --max-memory cap, else its free memory: a share that does not fit is refused in one line."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or gpus < 1:
+        raise KvcalError(f"--device-map even needs CUDA GPUs and a decoder with model.layers ({type(model).__name__})")
+    for module in (model, inner):
+        if next(module.named_parameters(recurse=False), None) is not None:
+            raise KvcalError(f"--device-map even: {type(module).__name__} keeps weights outside its blocks; use "
+                             "--device-map auto")
+    used = min(gpus, len(layers))
+    base, extra = divmod(len(layers), used)
+    owners = [g for g in range(used) for _ in range(base + (g < extra))]
+    head = model.get_output_embeddings()
+    tied = head is not None and (head.weight is model.get_input_embeddings().weight
+                                 or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
+    placement, after = {}, False
+    for name, child in inner.named_children():
+        if child is layers:
+            placement.update({f"model.layers.{i}": owners[i] for i in range(len(layers))})
+            after = True
+        else:
+            placement[f"model.{name}"] = used - 1 if after else 0
+    after = False
+    for name, child in model.named_children():
+        if child is inner:
+            after = True
+        else:
+            placement[name] = 0 if (tied and child is head) or not after else used - 1
+    modules = dict(model.named_modules())
+    weights = [0] * used
+    for block, gpu in placement.items():
+        module = modules[block]
+        weights[gpu] += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    if head is not None and head.weight is model.get_input_embeddings().weight:  # counted twice above
+        weights[0] -= head.weight.numel() * head.weight.element_size()
+    for gpu, size in enumerate(weights):
+        if max_memory and gpu in max_memory:
+            cap, what = _bytes(str(max_memory[gpu])), "its --max-memory"
+        elif torch.cuda.is_available() and gpu < torch.cuda.device_count():
+            cap, what = torch.cuda.mem_get_info(gpu)[0], "its free memory"
+        else:
+            continue
+        if size > cap:
+            raise KvcalError(f"--device-map even puts {size / 2**30:.2f} GiB of weights on GPU {gpu}, over {what} "
+                             f"({cap / 2**30:.2f} GiB): use more GPUs, or --device-map auto")
+    return placement
 
 
 def dispatch(model, device_map: dict):

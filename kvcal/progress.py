@@ -5,8 +5,8 @@ A long stage says up front what it will cost: its first units of work are the pr
 PROBE_SECONDS), and if the whole stage, at their pace, would take more than LONG_SECONDS, one line gives the expected
 time before the rest runs. The units of the next REVISE_SECONDS check it: when their pace puts the stage off the said
 time by more than REVISE_FACTOR either way (a probe that timed warm-up: launched steps before CUDA graphs, kernel
-compilation), one more line says the revised time. Without a terminal (a log, a pipe) a stage also prints a line at most every
-log_every_seconds(), with the time left."""
+compilation), one more line says the revised time. Without a terminal (a log, a pipe) a stage also prints a line at
+most every log_every_seconds(), with the time left."""
 
 from __future__ import annotations
 
@@ -123,8 +123,10 @@ class Estimate:
         elapsed = _clock() - self.started
         if elapsed - at < REVISE_SECONDS:
             return
-        self.said = None
         units, seconds = self.done - units_then, elapsed - at
+        if units <= 0:
+            return
+        self.said = None
         revised = elapsed + seconds / units * (self.total - self.done)
         if max(revised / expected, expected / revised) > REVISE_FACTOR:
             _say(f"{self.description}: expect about {duration(revised)} in all, revised (the {units} units after "

@@ -4,8 +4,9 @@ budgets and calibration sources, then evaluate each artifact under the equal-foo
 
 Runs the points on every visible GPU at once (--per-gpu of them on each, default one), longest first; with
 --gpus-per-point N each point's model is split over N GPUs (`--device-map even`: the same number of layers on each,
-and the layers of every GPU train at once). Every calibration checkpoints as it goes; at --deadline seconds the running ones are interrupted (SIGTERM, which
-kvcal takes as Ctrl-C: they leave their checkpoints; a background job ignores SIGINT) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
+and the layers of every GPU train at once). Every calibration checkpoints as it goes; at --deadline seconds the
+running ones are interrupted (SIGTERM, which kvcal takes as Ctrl-C: they leave their checkpoints; a background job
+ignores SIGINT) and the next invocation with the same --work folder continues them with `kvcal calibrate --resume`.
 Finished calibrations and evaluations are never redone. Records go to --out (one folder per point: the
 calibration log and one `kvcal eval ppl` JSON record per rule) and --out/sweep.json sums them up.
 

@@ -30,7 +30,6 @@ from kvcal.methods.commvq.calibrate import (
 )
 from kvcal.methods.commvq.method import CommVQ
 from kvcal.methods.commvq.storage import (
-    category_bits,
     fused_key_scores,
     fused_value_attention,
     index_bits,
@@ -329,11 +328,15 @@ def test_e_step_kernel_on_gpu_matches_cpu_reference():
 # -- values -----------------------------------------------------------------------------------------------
 
 
-def test_category_bits_follow_the_official_map():
+def test_code_bits_follow_the_official_map():
+    """The encoder's bits from categories and the training's bits from one-hots both give the official map, written
+    out by hand: 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00."""
+    from kvcal.methods.commvq.training_codes import training_bits
+
+    official = [1, 0, 0, 1, 1, 1, 0, 0]
+    assert index_bits(torch.tensor([0, 1, 2, 3]), torch.float32).tolist() == official
     onehot = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 3]), 4).float()
-    assert category_bits(onehot).tolist() == [1, 0, 0, 1, 1, 1, 0, 0]  # 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00
-    # the encoder's graph-capturable form (no one-hot, no table) gives the same bits
-    assert index_bits(torch.tensor([0, 1, 2, 3]), torch.float32).tolist() == [1, 0, 0, 1, 1, 1, 0, 0]
+    assert training_bits(onehot).tolist() == official
 
 
 def random_tensors(dims, method: CommVQ, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -212,7 +212,7 @@ def even_map(model, gpus: int, max_memory: dict | None = None) -> dict:
     the blocks before the layers (the embeddings) on the first GPU, those after them (the final norm, the LM head) on
     the last, and an LM head tied to the embeddings with them. Work that runs per layer on every GPU at once (CommVQ's
     key EM and value training) then ends when all GPUs do; accelerate's 'balanced' weighs memory and keeps the first
-    GPU lighter (8 of smollm2's 30 layers there, 14 of Llama-3.1-8B's 32). Each GPU's weights are checked against its
+    GPU lighter (docs/runtime.md). Each GPU's weights are checked against its
     --max-memory cap, else its free memory: a share that does not fit is refused in one line."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -226,8 +226,8 @@ def even_map(model, gpus: int, max_memory: dict | None = None) -> dict:
     base, extra = divmod(len(layers), used)
     owners = [g for g in range(used) for _ in range(base + (g < extra))]
     head = model.get_output_embeddings()
-    tied = head is not None and (head.weight is model.get_input_embeddings().weight
-                                 or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
+    shared = head is not None and head.weight is model.get_input_embeddings().weight  # one tensor for both blocks
+    tied = shared or (head is not None and bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
     placement, after = {}, False
     for name, child in inner.named_children():
         if child is layers:
@@ -246,7 +246,7 @@ def even_map(model, gpus: int, max_memory: dict | None = None) -> dict:
     for block, gpu in placement.items():
         module = modules[block]
         weights[gpu] += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-    if head is not None and head.weight is model.get_input_embeddings().weight:  # counted twice above
+    if shared:  # counted with the embeddings and again with the head
         weights[0] -= head.weight.numel() * head.weight.element_size()
     for gpu, size in enumerate(weights):
         if max_memory and gpu in max_memory:

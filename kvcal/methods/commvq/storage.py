@@ -155,12 +155,6 @@ def value_logits(params: dict[str, torch.Tensor], unit: torch.Tensor, groups: in
     return F.linear(h, params["fc2_weight"], params["fc2_bias"]).unflatten(-1, (groups, 4))
 
 
-def category_bits(onehot: torch.Tensor) -> torch.Tensor:
-    """One-hot categories [..., n_e, 4] -> code bits [..., 2 n_e] (bit 2k, 2k+1 select rows 2k, 2k+1)."""
-    table = torch.tensor(CATEGORY_BITS, dtype=onehot.dtype, device=onehot.device)
-    return (onehot @ table).flatten(-2)
-
-
 def index_bits(category: torch.Tensor, dtype) -> torch.Tensor:
     """Categories [..., n_e] in 0..3 -> code bits [..., 2 n_e], CATEGORY_BITS without a one-hot or a table: elementwise
     device ops only (a CUDA graph captures them: F.one_hot synchronises the host and a table built from a Python list

@@ -36,8 +36,8 @@ def draw_uniform(shape, gen: torch.Generator, device) -> torch.Tensor:
 
 
 def training_bits(onehot: torch.Tensor) -> torch.Tensor:
-    """category_bits for training: bits (y0 + y2, y1 + y2) of the map 0 -> 10, 1 -> 01, 2 -> 11, 3 -> 00 [C], as
-    sums instead of a product with the map's table (no table copied to the device every step)."""
+    """Code bits [..., 2 n_e] of (soft) one-hots [..., n_e, 4]: (y0 + y2, y1 + y2), the map 0 -> 10, 1 -> 01,
+    2 -> 11, 3 -> 00 [C] (storage.CATEGORY_BITS) as sums, differentiable, with no table copied to the device."""
     y = onehot.unbind(-1)
     return torch.stack((y[0] + y[2], y[1] + y[2]), dim=-1).flatten(-2)
 

@@ -1,6 +1,7 @@
 """`kvcal bench decode`'s naive column: naive_attention (every row dequantized by the storage's torch `read`, the
 window appended, SDPA or the written-out softmax for a storage that remaps scores) against the storage's torch
-reference attention (partials per row, merged), in float64 on the CPU, for every method's main recipe."""
+reference attention (partials per row, merged), in float64 on the CPU, for every method's main recipe; and the
+grid's arithmetic and table from known timings."""
 
 import pytest
 import torch
@@ -50,3 +51,42 @@ def test_naive_step_equals_the_storage_reference(dims, recipe, window):
     # the host-known lengths give the same step (what lets the benchmark capture it in a CUDA graph)
     packed.host_lengths = (tokens,) * batch
     torch.testing.assert_close(naive_attention(storage, packed, q, fp, scale), want, rtol=1e-9, atol=1e-9)
+
+
+def test_decode_bench_rows_and_table_from_known_timings(dims, monkeypatch):
+    """run_decode_bench's arithmetic and format_table's text, with the timings replaced by known values (the timing
+    itself needs a GPU): GB/s = bytes / us / 1e3, % of copy against the measured copy bandwidth, x vs SDPA = sdpa us /
+    case us, x vs naive = naive us / case us; a grid cell whose fp16 K/V would not fit a third of free memory is
+    skipped and said."""
+    from types import SimpleNamespace
+
+    import kvcal.runtime.bench as B
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(name="Fake GPU",
+                                                                                       multi_processor_count=7))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (3 * 2 * 2 * 2 * 4096 * 64 * 2, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(B, "copy_bandwidth", lambda d: 2000.0)
+    monkeypatch.setattr(B, "time_sdpa", lambda *a: (100.0, 4.0e6, "flash"))
+    monkeypatch.setattr(B, "time_storage", lambda *a, **k: (25.0, 1.0e6))
+    monkeypatch.setattr(B, "time_naive", lambda *a, **k: (300.0, False))
+    logs = []
+    (_, _, storages), = bench_cases(["kivi-2bit"], [], dims)
+    bits = 2.53
+    result = B.run_decode_bench([("kivi-2bit", storages, bits)], dims, contexts=(4096, 8192), batches=(1, 2),
+                                device="cpu", log=logs.append)
+    # K and V of 2 heads x 64 in bf16, batch x context = 8192 tokens a row's worth: exactly a third of free memory
+    # (run); twice that (context 8192, batch 2) is skipped
+    assert [(r["context"], r["batch"], r["method"]) for r in result["rows"]] == [
+        (4096, 1, "sdpa"), (4096, 1, "kivi-2bit"), (4096, 2, "sdpa"), (4096, 2, "kivi-2bit"), (8192, 1, "sdpa"),
+        (8192, 1, "kivi-2bit")]
+    assert [line for line in logs if line.startswith("skip")] == ["skip context 8192 batch 2: 0.0 GB of fp16 K/V"]
+    sdpa, kivi = result["rows"][:2]
+    assert sdpa["gbps"] == 40.0 and sdpa["pct_copy"] == 2.0 and sdpa["speedup"] == 1.0
+    assert kivi["gbps"] == 40.0 and kivi["pct_copy"] == 2.0 and kivi["speedup"] == 4.0
+    assert kivi["x_vs_naive"] == 12.0 and kivi["naive_graph"] is False and kivi["bits"] == 2.53
+    assert result["device"] == "Fake GPU" and result["copy_gbps"] == 2000.0
+    table = B.format_table(result, context=4096, batch=1).splitlines()
+    assert table[2:] == ["| 4096 | 1 | sdpa bf16 | 100.0 | 40 | 2 | 1.00 | | |",
+                         "| 4096 | 1 | kivi-2bit | 25.0 | 40 | 2 | 4.00 | 300.0 (eager) | 12.00 |"]
+    assert B.device_slug("NVIDIA H200 (141 GB)") == "h200-141-gb"

@@ -41,17 +41,19 @@ def test_capture_and_fisher_match_autograd(name, budget):
     assert layer["q"].shape == (72, loaded.dims.num_heads * loaded.dims.head_dim)
     assert layer["x"].shape == (72, loaded.dims.hidden_size)
     assert positions.tolist() == list(range(24)) * 3
-    # direct computation for window 2 alone: HF's mean next-token loss, autograd on k/v
-    handler = Retain()
-    ids = windows[2:3]
-    with loaded.adapter.use(handler):
-        loss = loaded.model(ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    sl = slice(48, 72)
-    torch.testing.assert_close(layer["k"][sl], rows(handler.k[1]))
-    torch.testing.assert_close(layer["v"][sl], rows(handler.v[1]))
-    torch.testing.assert_close(layer["fisher_k"][sl], rows(handler.k[1].grad) ** 2, rtol=1e-4, atol=1e-14)
-    torch.testing.assert_close(layer["fisher_v"][sl], rows(handler.v[1].grad) ** 2, rtol=1e-4, atol=1e-14)
+    # direct computation for each window alone: HF's mean next-token loss, autograd on k/v. Windows 0 and 1 share a
+    # batch (batch_size=2), window 2 is alone in its own: each window's Fisher is its own loss's, whatever it shares.
+    for w in range(3):
+        handler = Retain()
+        ids = windows[w:w + 1]
+        with loaded.adapter.use(handler):
+            loss = loaded.model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        sl = slice(24 * w, 24 * (w + 1))
+        torch.testing.assert_close(layer["k"][sl], rows(handler.k[1]))
+        torch.testing.assert_close(layer["v"][sl], rows(handler.v[1]))
+        torch.testing.assert_close(layer["fisher_k"][sl], rows(handler.k[1].grad) ** 2, rtol=1e-4, atol=1e-14)
+        torch.testing.assert_close(layer["fisher_v"][sl], rows(handler.v[1].grad) ** 2, rtol=1e-4, atol=1e-14)
     assert layer["fisher_k"].abs().sum() > 0
     # x and q from the model itself, not from the adapter: x is layer 1's input after its input norm (the hidden
     # state transformers returns for layer 1), q its q_proj (and q_norm, Qwen3) before RoPE

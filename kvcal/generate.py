@@ -10,6 +10,7 @@ from kvcal.artifact import Artifact, check_model, load_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods.registry import build_method, runtime_overrides, storages_for_artifact
 from kvcal.models import artifact_model, as_loaded, load_model
+from kvcal.models.dims import context_length
 from kvcal.recipes import resolve
 from kvcal.runtime.cache import KvcalCache
 from kvcal.runtime.generate import size_summary
@@ -56,6 +57,12 @@ def generate_text(prompt: str, model_name, artifact_path, method_name, sets, max
     if loaded.tokenizer is None:
         raise KvcalError(f"{loaded.name} has no tokenizer")
     ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids.to(loaded.device)
+    limit = context_length(loaded.model.config)  # positions past it are untrained, as eval ppl and passkey refuse
+    if limit is not None and ids.shape[1] + max_new_tokens > limit:
+        room = limit - ids.shape[1]
+        raise KvcalError(f"the prompt's {ids.shape[1]} tokens and --max-new-tokens {max_new_tokens} exceed "
+                         f"{loaded.name}'s context of {limit} tokens" +
+                         (f": use --max-new-tokens {room} or less" if room > 0 else ""))
     cache = KvcalCache(storages, loaded.dims.num_layers, backend, capacity_hint=ids.shape[1] + max_new_tokens)
     result = greedy_decode(loaded, cache, ids, max_new_tokens, loaded.tokenizer.eos_token_id, mode)
     new_tokens = result["tokens"][0]

@@ -136,9 +136,12 @@ def resolve(method: str | None, recipe: str | None, sets: list[str] | None):
     else:
         tag = instance.tag()
         changed = [key for key in changed if _tag_without(instance, key) == tag]  # what the tag does not show
-    if changed:
-        tag += "-" + "-".join(f"{key}{_name_value(getattr(instance, key))}" for key in changed)
-    return instance, tag, {**CALIBRATION_DEFAULTS, **r.calibration}
+    return instance, tag + changed_suffix(instance, changed), {**CALIBRATION_DEFAULTS, **r.calibration}
+
+
+def changed_suffix(instance, keys: list[str]) -> str:
+    """What a setting's name gains for the config keys changed from its recipe or artifact: `-KEYVALUE` each."""
+    return "".join(f"-{key}{_name_value(getattr(instance, key))}" for key in keys)
 
 
 def changed_keys(base, instance) -> list[str]:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from kvcal import __version__
 from kvcal.accounting import bits_per_element, kv_elements
-from kvcal.artifact import load_artifact, write_json
+from kvcal.artifact import load_artifact, write_atomic, write_json
 from kvcal.calib.checkpoint import checkpoint_folder
 from kvcal.calib.run import run_calibrations
 from kvcal.data import load_eval_windows, load_text
@@ -173,6 +173,8 @@ def make_budget(dims, bits: float | None, memory: float | None, context: int | N
         tokens = context or seqlen
         if context is not None and context <= 0:
             raise KvcalError(f"--context must be positive, got {context}")
+        if batch != 1:
+            raise KvcalError(f"--batch applies to --memory (rows the memory holds), not to --bits; got --batch {batch}")
         return Budget(bits, tokens, {"bits": bits, **({"context": context} if context else {})})
     if context is None or context <= 0:
         raise KvcalError("--memory needs --context C, a positive number of tokens")
@@ -602,7 +604,7 @@ def run_search(loaded, plan: Plan, budget: Budget, candidates: list[Candidate], 
     if chosen is not None:
         source = Path(chosen["record"]).parent / "artifact.safetensors"
         target = out / f"{chosen['recipe'].replace('/', '-')}.safetensors"
-        shutil.copyfile(source, target)
+        write_atomic(target, lambda tmp: shutil.copyfile(source, tmp))  # never a half-copied artifact
         result["chosen"] = {**chosen, "artifact": str(target),
                             "command": eval_command(plan, target)}
     write_json(out / "search.json", result)

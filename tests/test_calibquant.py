@@ -310,7 +310,10 @@ def test_tail_protocol_runs_every_method(name):
     ({"tau1": 1.0}, "both tau1 and tau2"),
     ({"bits": 4, "tau1": 0.0, "tau2": 3.0}, "apply only with the score remap"),
     ({"tau_grid": "0,x"}, "tau_grid must be comma-separated numbers"),
-    ({"tau_grid": "-1,2"}, "tau_grid must hold numbers >= 0"),
+    ({"tau_grid": "-1,2"}, "tau_grid must hold finite numbers >= 0"),
+    ({"tau_grid": "0,inf"}, "tau_grid must hold finite numbers >= 0"),
+    ({"tau1": float("nan"), "tau2": 0.0}, "tau1 and tau2 must be finite numbers >= 0"),
+    ({"tau1": 1.0, "tau2": float("inf")}, "tau1 and tau2 must be finite numbers >= 0"),
     ({"k_range_scale": 1.5}, "k_range_scale must be in (0, 1]"),
     ({"group_tokens": -1}, "must be >= 0"),
 ])
@@ -318,6 +321,15 @@ def test_bad_config_is_one_line(config, needle):
     with pytest.raises(KvcalError) as err:
         build_method("calibquant", config)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_one_value_tau_grid_may_be_written_as_a_number():
+    """`--set tau_grid=2` (YAML reads a number) is the text "2", not a type error; a list is still refused."""
+    from kvcal.methods.registry import parse_sets
+
+    assert build_method("calibquant", parse_sets(["tau_grid=2"])).tau_grid == "2"
+    with pytest.raises(KvcalError, match="tau_grid' of method calibquant expects str"):
+        build_method("calibquant", parse_sets(["tau_grid=[1, 2]"]))
 
 
 def test_whole_block_codec_refuses_token_by_token_protocols(tiny):

@@ -137,6 +137,22 @@ BAD_INPUT = {  # argv (TMP: the test's folder, ART: a header-edited artifact) ->
     "report": (["report", "TMP/r.json"], "is not a kvcal eval record ('setting' missing"),
     "report_without_manifest": (["report", "--docs"], "pass --manifest FILE"),
     "empty_prompt": (["generate", "--prompt", "", "--model", "tiny-llama", "--method", "fp16"], "--prompt is empty"),
+    "generate_past_the_context": (["generate", "--prompt", "hi", "--model", "tiny-llama", "--method", "fp16",
+                                   "--max-new-tokens", "4200"], "--max-new-tokens 4200 exceed tiny-llama's context of "
+                                                                "4096 tokens: use --max-new-tokens 4094 or less"),
+    "out_and_out_dir": (["calibrate", "--method", "rtn", "--model", "tiny-llama", "--out", "TMP/a.safetensors",
+                         "--out-dir", "TMP/d"], "give --out (the artifact's path) or --out-dir"),
+    "eval_nsamples_without_eval": (["calibrate", "--method", "rtn", "--model", "tiny-llama", "--out",
+                                    "TMP/a.safetensors", "--eval-nsamples", "5"], "--eval-nsamples needs --eval"),
+    "eval_of_a_bulk_only_setting": (["calibrate", "--recipe", "calibquant-1bit", "--model", "tiny-llama", "--eval",
+                                     "--out", "TMP/c.safetensors"],
+                                    "--eval runs the gptq protocol: calibquant group_tokens=0 takes its ranges"),
+    "two_recipes_one_name": (["calibrate", "--model", "tiny-llama", "--recipe", "kivi-2bit", "--recipe", "kivi-2bit",
+                              "--out-dir", "TMP/d"], "would both write kivi-2bit.safetensors"),
+    "fp_window_twice": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--set", "fp_window=5",
+                         "--fp-window", "10"], "give the full-precision allowance once"),
+    "json_dir_records_of_one_name": (["eval", "ppl", "--artifact", "ART", "--artifact", "ART", "--json-dir",
+                                      "TMP/j"], "their --json-dir records would overwrite each other"),
     "backend_without_decode": (["eval", "ppl", "--method", "rtn", "--model", "tiny-llama", "--backend", "reference"],
                                "--backend applies to --mode decode only"),
     "bench_recipe": (["bench", "decode", "--recipe", "foo"], "recipe 'foo' not found"),  # before the CUDA check
@@ -276,3 +292,44 @@ def test_calibrate_eval_writes_records_that_report_compares(tmp_path):
     assert f"{kvq['ppl']:.4f}" in printed  # the record holds what the table printed
     report = kvcal("report", tmp_path / "rec" / "fp16.json", tmp_path / "rec" / "kvq.json").stdout
     assert f"{100 * (kvq['ppl'] / fp16['ppl'] - 1):+.1f}%" in report
+
+
+def test_a_runtime_set_on_an_artifact_names_its_setting(tmp_path):
+    """`--set` on an artifact's runtime field changes what is measured, so the record's setting says it (as a --set
+    on a recipe names the artifact): two such records never share a name in --json-dir."""
+    art = tmp_path / "rtn.safetensors"
+    assert kvcal("calibrate", "--method", "rtn", "--model", "tiny-llama", "--out", art).returncode == 0
+    data = Path(__file__).parent / "data" / "wikitext2"
+    for sets, name in (([], "rtn"), (["--set", "fp_window=8"], "rtn-fp_window8")):
+        result = kvcal("eval", "ppl", "--artifact", art, *sets, "--data-dir", data, "--nsamples", "1", "--seqlen",
+                       "64", "--json-dir", tmp_path / "j")
+        assert result.returncode == 0, result.stderr
+        assert json.loads((tmp_path / "j" / f"{name}.json").read_text())["setting"] == name
+
+
+def test_fewer_windows_than_asked_are_said(tmp_path):
+    """--nsamples above what the evaluation text holds evaluates what it holds, says so on stderr, and the record
+    and table count the windows that ran."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["alpha beta gamma delta river stone light sound"] * 50))
+    result = kvcal("eval", "ppl", "--model", "tiny-llama", "--method", "fp16", "--dataset", text, "--nsamples", "100",
+                   "--seqlen", "64", "--json", tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr
+    held = json.loads((tmp_path / "r.json").read_text())["nsamples"]
+    assert 0 < held < 100
+    assert (f"note: {text}'s evaluation text holds {held} windows of 64 tokens, fewer than the 100 asked: "
+            f"evaluating those {held}") in result.stderr
+
+
+def test_a_decode_tail_every_setting_cannot_run_is_refused_before_any_is_evaluated(tmp_path):
+    """The tail protocol in decode mode needs storages that compress the prompt in bulk: with a bulk CalibQuant
+    artifact first and an RTN one after it, the refusal names RTN's storages before CalibQuant is evaluated."""
+    data = Path(__file__).parent / "data" / "wikitext2"
+    cq, rtn = tmp_path / "cq.safetensors", tmp_path / "rtn.safetensors"
+    assert kvcal("calibrate", "--recipe", "calibquant-1bit", "--model", "tiny-llama", "--data-dir", data,
+                 "--nsamples", "2", "--seqlen", "64", "--out", cq).returncode == 0
+    assert kvcal("calibrate", "--method", "rtn", "--model", "tiny-llama", "--out", rtn).returncode == 0
+    result = kvcal("eval", "ppl", "--artifact", cq, "--artifact", rtn, "--data-dir", data, "--protocol", "tail",
+                   "--mode", "decode", "--seqlen", "128", "--prefix-len", "32", "--block-len", "64", "--nsamples", "1")
+    assert_one_line_error(result, "the tail protocol runs in decode mode only for storages that compress the prompt")
+    assert "ppl cq" not in result.stdout + result.stderr

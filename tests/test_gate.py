@@ -86,6 +86,9 @@ def test_gate_pass_fail_and_mismatch():
     assert gate(dict(RECORD, bits_per_element=3.5), RECORD, 1.0).code == FAIL
     assert gate(dict(RECORD, bits_per_element=3.5), RECORD, 1.0, max_bits_increase=0.1).code == PASS
     assert gate(dict(RECORD, ppl=float("nan")), RECORD, 1.0).code == FAIL
+    assert gate(dict(RECORD, ppl=None), RECORD, 1.0).code == FAIL  # a diverged run, as kvcal writes it to JSON
+    diverged = gate(RECORD, dict(RECORD, ppl=None), 1.0)  # nothing passes against a diverged baseline
+    assert diverged.code == MISMATCH and "baseline's perplexity is nan" in diverged.message
     mismatch = gate(dict(RECORD, protocol="prefill"), RECORD, 1.0)
     assert mismatch.code == MISMATCH and mismatch.message == ("not comparable: protocol is prefill here but gptq in the "
                                                               "baseline")

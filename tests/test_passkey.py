@@ -123,6 +123,8 @@ def test_cli_record_table_and_plot(tmp_path):
     (["--lengths", "100000"], "max_position_embeddings"),
     (["--lengths", "20"], "cannot hold"),
     (["--depths", "120"], "--depths"),
+    (["--lengths", "300"], "--lengths: each length once (the grid's rows), got [300, 300]"),  # 300 given twice
+    (["--depths", "50", "--depths", "50"], "--depths: each depth once"),
     (["--trials", "0"], "--trials"),
     (["--mode", "nope"], "unknown mode"),
     (["--method", "kvquant"], "needs an artifact"),

@@ -116,6 +116,8 @@ def test_a_memory_budget_in_bits_by_hand():
         search.make_budget(dims, None, 1.0, None, 1, 2048)
     with pytest.raises(KvcalError, match="give the budget"):
         search.make_budget(dims, 3.0, 1.0, 100, 1, 2048)
+    with pytest.raises(KvcalError, match="--batch applies to --memory"):  # a --bits budget holds no rows
+        search.make_budget(dims, 3.0, None, None, 0, 2048)
 
 
 def test_gpu_calibrations_are_left_out_on_a_cpu_unless_named():
@@ -136,6 +138,10 @@ def test_gpu_calibrations_are_left_out_on_a_cpu_unless_named():
     (["--bits", "3", "--time-budget", "soon"], "--time-budget must be a positive duration"),
     (["--memory", "1"], "--memory needs --context"),
     (["--bits", "3", "--protocol", "nope"], "unknown protocol 'nope'"),
+    # what fits but is left out on a CPU is said as such, not as "no recipe fits"
+    (["--bits", "1.7", "--device", "cpu"], "no recipe is searched at 1.700 bits per element on tiny-llama: "
+                                           "commvq-1bit fits but commvq calibrates for hours on a CPU"),
+    (["--bits", "3", "--plot", "front.txt"], "--plot front.txt: name a .png, .pdf, .svg file"),
 ])
 def test_bad_input_is_one_line(args, needle, text_file):
     assert_one_line_error(kvcal("search", "--model", "tiny-llama", "--dataset", text_file, *args), needle)

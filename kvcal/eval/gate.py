@@ -19,6 +19,12 @@ from kvcal.eval.report import read_record
 PASS, FAIL, MISMATCH = 0, 1, 2
 
 
+def _ppl(record: dict) -> float:
+    """A record's perplexity; null (how kvcal writes a non-finite one to JSON) reads as nan."""
+    value = record.get("ppl")
+    return math.nan if value is None else float(value)
+
+
 def _model(record: dict):
     model = record.get("model")
     return model.get("name") if isinstance(model, dict) else model
@@ -53,7 +59,10 @@ def gate(new: dict, baseline: dict, max_increase: float, max_bits_increase: floa
         if read(new) != read(baseline):
             return Verdict(MISMATCH, f"not comparable: {name} is {read(new)} here but {read(baseline)} in the "
                                      "baseline")
-    ppl, base = float(new["ppl"]), float(baseline["ppl"])
+    ppl, base = _ppl(new), _ppl(baseline)
+    if not math.isfinite(base):  # a diverged baseline (kvcal writes it as null): no limit to hold anything to
+        return Verdict(MISMATCH, f"not comparable: the baseline's perplexity is {base} (a diverged run); gate against "
+                                 "a baseline that measured a finite one")
     limit = base * (1 + max_increase / 100)
     if not math.isfinite(ppl) or ppl > limit:
         return Verdict(FAIL, f"gate: perplexity regressed: {ppl:.4f} > {limit:.4f} (baseline {base:.4f} "

@@ -98,8 +98,12 @@ def check_grid(lengths, depths, trials, max_new_tokens, mode, flags: str = "--")
         for n in lengths:
             if n < 2:
                 raise KvcalError(f"{flags}lengths must be at least 2 tokens, got {n}")
+        if len(set(lengths)) < len(lengths):
+            raise KvcalError(f"{flags}lengths: each length once (the grid's rows), got {list(lengths)}")
     if not depths:
         raise KvcalError(f"{flags}depths: give at least one depth")
+    if len(set(depths)) < len(depths):
+        raise KvcalError(f"{flags}depths: each depth once (the grid's columns), got {list(depths)}")
     for d in depths:
         if not 0 <= d <= 100:
             raise KvcalError(f"{flags}depths are percentages in [0, 100], got {d}")

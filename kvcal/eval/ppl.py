@@ -108,6 +108,23 @@ def simulated_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq
     return total
 
 
+def check_tail_decode(storages, prefix_len: int, fp_window: int) -> None:
+    """One-line refusal of a decode-mode tail protocol whose cache would not keep what the simulation keeps: the
+    storages must compress the prompt in bulk, with the prefix as their sinks and the allowance as their window."""
+    if storages.lossless:
+        return
+    policy = storages.policy
+    if not policy.bulk:
+        raise KvcalError("the tail protocol runs in decode mode only for storages that compress the prompt in bulk "
+                         "(calibquant with group_tokens=0); use --mode simulate")
+    if policy.sink != prefix_len:
+        raise KvcalError(f"the tail protocol's prefix of {prefix_len} tokens differs from the storages' {policy.sink} "
+                         f"full-precision sinks: pass --prefix-len {policy.sink} (or --set sink={prefix_len})")
+    if policy.residual != fp_window:
+        raise KvcalError(f"the tail protocol keeps the newest {fp_window} prefill tokens in full precision but the "
+                         f"method keeps {policy.residual}: pass --fp-window {policy.residual}")
+
+
 def decoded_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq", prompt_len: int = 0,
                 batch_size: int = 1, backend: str = "packed", progress=None, step_graphs: bool = True,
                 prefix_len: int = 0, fp_window: int = 0) -> NllSum:
@@ -118,17 +135,8 @@ def decoded_nll(loaded, storages, windows: torch.Tensor, protocol: str = "gptq",
     instead of replaying each layer's step from a CUDA graph (KvcalCache's option; the same logits). tail: the cache
     prefills S + P tokens and compresses [S, S + P) in bulk (the storages' policy must be bulk with S = prefix_len
     sinks), then decodes the tail."""
-    if protocol == "tail" and not storages.lossless:
-        policy = storages.policy
-        if not policy.bulk:
-            raise KvcalError("the tail protocol runs in decode mode only for storages that compress the prompt in bulk "
-                             "(calibquant with group_tokens=0); use --mode simulate")
-        if policy.sink != prefix_len:
-            raise KvcalError(f"the tail protocol's prefix of {prefix_len} tokens differs from the storages' {policy.sink} "
-                             f"full-precision sinks: pass --prefix-len {policy.sink} (or --set sink={prefix_len})")
-        if policy.residual != fp_window:
-            raise KvcalError(f"the tail protocol keeps the newest {fp_window} prefill tokens in full precision but the "
-                             f"method keeps {policy.residual}: pass --fp-window {policy.residual}")
+    if protocol == "tail":
+        check_tail_decode(storages, prefix_len, fp_window)
     start = first_target(protocol, prompt_len) - 1  # tokens prefilled; the first decoded step scores the next one
     total = NllSum()
     with torch.inference_mode():

@@ -11,6 +11,7 @@ from kvcal.determinism import deterministic_algorithms
 from kvcal.errors import KvcalError
 from kvcal.eval.ppl import (
     PROTOCOLS,
+    check_tail_decode,
     decoded_nll,
     effective_fp_window,
     fp_keys_per_query,
@@ -18,11 +19,11 @@ from kvcal.eval.ppl import (
     simulated_nll,
 )
 from kvcal.eval.simulate import tail_layout
-from kvcal.methods.registry import artifact_method, build_method, storages_for_artifact
+from kvcal.methods.registry import artifact_method, build_method, parse_sets, storages_for_artifact
 from kvcal.models import artifact_model, check_model_args, load_model
 from kvcal.models.dims import check_context
 from kvcal.progress import progress_bar
-from kvcal.recipes import resolve
+from kvcal.recipes import changed_keys, changed_suffix, resolve
 from kvcal.runtime.cache import backend_ran
 from kvcal.version import __version__, software_versions
 
@@ -81,6 +82,8 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         raise KvcalError("give either --artifact or --method/--recipe, not both")
     if fp_window is not None and fp_window < 0:
         raise KvcalError(f"--fp-window must be >= 0, got {fp_window}")
+    if fp_window is not None and "fp_window" in parse_sets(sets):
+        raise KvcalError("give the full-precision allowance once: --fp-window or --set fp_window, not both")
     artifacts = [load_artifact(path) for path in artifact_paths]
     if artifacts:
         model = model or artifact_model(artifacts[0].header["model"], artifact_paths[0])
@@ -104,13 +107,19 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     targets = []  # (method, storages, setting, artifact record)
     for path, art in zip(artifact_paths, artifacts):
         m, storages = storages_for_artifact(art, loaded, path, sets, fp_window)
-        targets.append((m, storages, protocol_setting(Path(path).stem, fp_window),
+        # a runtime --set names itself in the setting, as on a recipe (records of two settings never share a name)
+        changed = changed_suffix(artifact_method(art, sets), changed_keys(build_method(art.method, art.config),
+                                                                          artifact_method(art, sets)))
+        targets.append((m, storages, protocol_setting(Path(path).stem + changed, fp_window),
                         {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
     if not artifacts:
         method = method.for_model(loaded.dims)  # model-dependent defaults resolved (the record states them)
         method.check_model(loaded.dims)
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
         targets.append((method, method.build_storages({}, loaded.dims), protocol_setting(setting, fp_window), None))
+    if protocol == "tail" and mode == "decode":  # every setting's cache checked before the first is evaluated
+        for method, storages, _, _ in targets:
+            check_tail_decode(storages, prefix_len, effective_fp_window(method, protocol, fp_window))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     return [ppl_record(loaded, method, storages, setting + ("-compress-local" if compress_local else ""),
                        artifact_record, text, windows, dtype, protocol, prompt_len, batch_size, mode, backend, prefix_len,
@@ -134,8 +143,9 @@ def protocol_setting(setting: str, fp_window: int | None) -> str:
 
 def check_protocol(method, protocol: str, mode: str, prefix_len: int, block_len: int, fp_window: int | None) -> None:
     """One-line refusal, before any model loads, of a protocol this setting cannot run: the method's own (a bulk-only
-    storages outside `tail`), and under `tail` an allowance that leaves nothing of the block, or a decode-mode tail
-    whose cache would not keep what the simulation keeps."""
+    storages outside `tail`), and under `tail` an allowance that leaves nothing of the block. A decode-mode tail whose
+    cache would not keep what the simulation keeps needs the storages: check_tail_decode, once the model is loaded
+    and before any setting is evaluated."""
     method.check_protocol(protocol)
     if protocol != "tail" or not fp_window:
         return

@@ -37,6 +37,7 @@ Triton kernels).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,8 @@ def parse_grid(text: str) -> list[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise KvcalError(f"calibquant tau_grid must be comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 or v != v for v in values):
-        raise KvcalError(f"calibquant tau_grid must hold numbers >= 0, got {text!r}")
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise KvcalError(f"calibquant tau_grid must hold finite numbers >= 0, got {text!r}")
     return values
 
 
@@ -117,8 +118,8 @@ class CalibQuant(Method):
         if (self.tau1 is None) != (self.tau2 is None):
             raise KvcalError("calibquant takes both tau1 and tau2 (a fixed tau) or neither (the grid search)")
         if self.tau1 is not None:
-            if self.tau1 < 0 or self.tau2 < 0:
-                raise KvcalError(f"calibquant tau1 and tau2 must be >= 0, got {self.tau1}, {self.tau2}")
+            if not all(math.isfinite(t) and t >= 0 for t in (self.tau1, self.tau2)):
+                raise KvcalError(f"calibquant tau1 and tau2 must be finite numbers >= 0, got {self.tau1}, {self.tau2}")
             if not self.remap_on():
                 raise KvcalError("calibquant tau1/tau2 apply only with the score remap (calibration on)")
         parse_grid(self.tau_grid)

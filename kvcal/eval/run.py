@@ -108,8 +108,8 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
     for path, art in zip(artifact_paths, artifacts):
         m, storages = storages_for_artifact(art, loaded, path, sets, fp_window)
         # a runtime --set names itself in the setting, as on a recipe (records of two settings never share a name)
-        changed = changed_suffix(artifact_method(art, sets), changed_keys(build_method(art.method, art.config),
-                                                                          artifact_method(art, sets)))
+        runtime = artifact_method(art, sets)
+        changed = changed_suffix(runtime, changed_keys(build_method(art.method, art.config), runtime))
         targets.append((m, storages, protocol_setting(Path(path).stem + changed, fp_window),
                         {"path": str(path), "tensor_hash": art.header["tensor_hash"]}))
     if not artifacts:
@@ -118,8 +118,8 @@ def _evaluate_ppl(model, artifact_paths, method_name, recipe, sets, dataset, dat
         setting = tag if tag.startswith(method.name) else f"{method.name}-{tag}"
         targets.append((method, method.build_storages({}, loaded.dims), protocol_setting(setting, fp_window), None))
     if protocol == "tail" and mode == "decode":  # every setting's cache checked before the first is evaluated
-        for method, storages, _, _ in targets:
-            check_tail_decode(storages, prefix_len, effective_fp_window(method, protocol, fp_window))
+        for m, storages, _, _ in targets:
+            check_tail_decode(storages, prefix_len, effective_fp_window(m, protocol, fp_window))
     text, windows = load_eval_windows(loaded.tokenizer, dataset, data_dir, seqlen, nsamples)
     return [ppl_record(loaded, method, storages, setting + ("-compress-local" if compress_local else ""),
                        artifact_record, text, windows, dtype, protocol, prompt_len, batch_size, mode, backend, prefix_len,

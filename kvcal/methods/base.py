@@ -49,7 +49,7 @@ def _coerce(value, annotation, key: str, method: str):
         if option is str and isinstance(value, str):
             return value
     if str in options and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # YAML read a text field's value as a number (`--set tau_grid=2`): the text written
+        return str(value)  # `--set tau_grid=2`: YAML reads a number where the field holds text
     names = "/".join(getattr(o, "__name__", str(o)) for o in options)
     raise KvcalError(f"config key '{key}' of method {method} expects {names}, got {value!r}")
 

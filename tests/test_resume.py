@@ -115,6 +115,11 @@ def test_checkpoints_of_another_run_are_refused(loaded, text_file, tmp_path, mon
         with pytest.raises(KeyboardInterrupt):
             _calibrate(loaded, "kvquant", out, text_file)
     other = build_method("kvquant", {**all_methods()["kvquant"].test_config, "bits": 4})
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before the checkpoints were checked")
+
+    monkeypatch.setattr("kvcal.calib.run.cached_capture", no_capture)  # refused before the capture, not after it
     with pytest.raises(KvcalError, match="another calibration"):
         run_calibration(loaded, other, out, str(text_file), nsamples=3, seqlen=64, resume=True)
 

@@ -78,21 +78,27 @@ class Checkpoints:
         KvcalError if they belong to another run); without, a fresh folder (a KvcalError if one is there: its
         progress is never dropped silently)."""
         folder = Path(folder)
-        stamp = folder / "run.json"
         if folder.exists():
             if not resume:
                 raise stale(folder)
-            try:
-                saved = json.loads(stamp.read_text()).get("key")
-            except (OSError, ValueError, AttributeError):
-                saved = None
-            if saved != key:
-                raise KvcalError(f"{folder} holds checkpoints of another calibration (model, config, data or kvcal "
-                                 "version differ): remove the folder, or run without --resume elsewhere")
+            cls.check_key(folder, key)
         else:
             folder.mkdir(parents=True)
-            write_json(stamp, {"key": key, **description})
+            write_json(folder / "run.json", {"key": key, **description})
         return cls(folder, key, checkpoint_seconds())
+
+    @staticmethod
+    def check_key(folder: Path, key: str) -> None:
+        """A KvcalError if the checkpoints in `folder` (if any) belong to another run than `key`."""
+        if not Path(folder).exists():
+            return
+        try:
+            saved = json.loads((Path(folder) / "run.json").read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if saved != key:
+            raise KvcalError(f"{folder} holds checkpoints of another calibration (model, config, data or kvcal "
+                             "version differ): remove the folder, or run without --resume elsewhere")
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{name}.safetensors"

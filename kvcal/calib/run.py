@@ -110,12 +110,6 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
         check_context(loaded, seqlen, "--seqlen")
         text = load_text(dataset, "calib", data_dir)
         windows = calibration_windows(tokenize(loaded.tokenizer, text.text), nsamples, seqlen, seed)
-        needs = set().union(*(method.capture_needs() for method in learners))
-        # a method that only runs the model on the windows (CalibQuant's tau search) needs no capture
-        store = (cached_capture(loaded, windows, needs, budget_bytes, batch_size, capture_cache) if needs
-                 else CaptureStore(loaded.dims.num_layers))
-        store.windows = windows
-        store.objective = TailObjective(loaded)
         calibration = {
             **text.provenance,
             "nsamples": nsamples,
@@ -125,6 +119,16 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
             "tokenizer": type(loaded.tokenizer).__name__,
             "dtype": str(loaded.dtype).removeprefix("torch."),
         }
+        if resume:  # checkpoints of another calibration are refused before the capture, not after it
+            for method, out in jobs:
+                if method.learns:
+                    Checkpoints.check_key(checkpoint_folder(out), checkpoint_key(loaded, method, calibration, windows))
+        needs = set().union(*(method.capture_needs() for method in learners))
+        # a method that only runs the model on the windows (CalibQuant's tau search) needs no capture
+        store = (cached_capture(loaded, windows, needs, budget_bytes, batch_size, capture_cache) if needs
+                 else CaptureStore(loaded.dims.num_layers))
+        store.windows = windows
+        store.objective = TailObjective(loaded)
     artifacts = []
     try:
         for method, out in jobs:
@@ -154,12 +158,17 @@ def run_calibrations(loaded, jobs: list[tuple[object, str | Path]], dataset: str
     return artifacts
 
 
-def open_checkpoints(loaded, method, out, calibration: dict, windows, resume: bool) -> Checkpoints:
-    """The checkpoints of calibrating `method` into `out`: keyed by what the artifact depends on (the model, its dtype
+def checkpoint_key(loaded, method, calibration: dict, windows) -> str:
+    """What the checkpoints of calibrating `method` are keyed by: what the artifact depends on (the model, its dtype
     and device type, the method's config, the calibration data and windows, the kvcal version)."""
     parts = {"model": loaded.identity, "dtype": str(loaded.dtype), "device": loaded.device.type,
              "method": method.name, "config": method.config(), "calibration": calibration, "kvcal": __version__}
-    return Checkpoints.open(checkpoint_folder(out), run_key(parts, windows), resume,
+    return run_key(parts, windows)
+
+
+def open_checkpoints(loaded, method, out, calibration: dict, windows, resume: bool) -> Checkpoints:
+    """The checkpoints of calibrating `method` into `out` (checkpoint_key's)."""
+    return Checkpoints.open(checkpoint_folder(out), checkpoint_key(loaded, method, calibration, windows), resume,
                             {"artifact": str(out), "method": method.name})
 
 

@@ -90,3 +90,27 @@ def test_decode_bench_rows_and_table_from_known_timings(dims, monkeypatch):
     assert table[2:] == ["| 4096 | 1 | sdpa bf16 | 100.0 | 40 | 2 | 1.00 | | |",
                          "| 4096 | 1 | kivi-2bit | 25.0 | 40 | 2 | 4.00 | 300.0 (eager) | 12.00 |"]
     assert B.device_slug("NVIDIA H200 (141 GB)") == "h200-141-gb"
+
+
+@pytest.mark.parametrize("name, config", [("fp16", {}), ("kivi", {"bits": 2, "group_size": 4, "residual": 8})])
+def test_generate_bench_case_from_known_timings(name, config, monkeypatch):
+    """`kvcal bench generate`'s run_case on the CPU, its clock and CUDA memory counters replaced by known values:
+    tokens/s = batch x steps / seconds, the cache's bytes those of its buffers (fp16: K and V of every token, by hand)
+    and equal to what bits per element predicts, the peak beyond the weights."""
+    import kvcal.runtime.bench_generate as G
+    from kvcal.methods import build_method
+    from kvcal.models import load_model
+
+    loaded = load_model("tiny-llama", "bfloat16")
+    method = build_method(name, config)
+    ticks = iter([10.0, 12.0])  # the timed steps take 2 s
+    for fn, value in (("memory_allocated", 1000), ("max_memory_allocated", 5000), ("reset_peak_memory_stats", None),
+                      ("synchronize", None), ("empty_cache", None)):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a, value=value: value)
+    monkeypatch.setattr(G.time, "perf_counter", lambda: next(ticks))
+    r = G.run_case(loaded, name, method, method.build_storages({}, loaded.dims), 2, 64, 4, mode="eager-launch")
+    assert (r["tokens_per_s"], r["ms_per_step"], r["peak_bytes_beyond_weights"]) == (4.0, 500.0, 4000)
+    d = loaded.dims
+    fp16_bytes = 2 * 2 * d.num_layers * d.num_kv_heads * d.head_dim * (64 + 2 + 4) * 2  # rows, K/V, warm-up + steps
+    assert r["cache_vs_prediction"] == pytest.approx(1.0, abs=1e-12)
+    assert r["cache_bytes"] == fp16_bytes if name == "fp16" else r["cache_bytes"] < fp16_bytes

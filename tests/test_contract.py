@@ -85,7 +85,10 @@ def test_simulation_equals_decode_through_the_packed_cache(name, family, artifac
     assert decoded.tokens == simulated.tokens == 2 * 47
     assert decoded.nll == pytest.approx(simulated.nll, rel=1e-9)
     # prefill-decode: the 20-token prompt in full precision, then written to the packed cache at once (pre-RoPE keys
-    # rotated at the prefilled slots' offsets), the rest decoded into it
+    # rotated at the prefilled slots' offsets), the rest decoded into it; on three families that differ where that
+    # write could (standard RoPE, q/k norms, sliding-window layers with their own RoPE), to keep the suite's time
+    if family not in ("tiny-llama", "tiny-qwen3", "tiny-gemma3"):
+        return
     simulated = simulated_nll(loaded, storages, ids, protocol="prefill-decode", prompt_len=20)
     decoded = decoded_nll(loaded, storages, ids, protocol="prefill-decode", prompt_len=20, batch_size=2,
                           backend="packed")

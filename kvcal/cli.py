@@ -147,7 +147,7 @@ def calibrate_command(
         raise KvcalError("give --out (the artifact's path) or --out-dir (a folder of artifacts named after their "
                          "settings), not both")
     jobs = [resolve(method, r, sets) for r in recipes] if recipes else [resolve(method, None, sets)]
-    names = [f"{instance.name}-{tag}" for instance, tag, _ in jobs]
+    names = [f"{instance.name}-{tag}" for instance, tag, _ in jobs]  # the artifacts' file names under --out-dir
     for i, name in enumerate(names):
         if name in names[:i]:
             raise KvcalError(f"--recipe {recipes[names.index(name)]} and --recipe {recipes[i]} would both write "
@@ -201,7 +201,7 @@ def calibrate_command(
             check_text(calib["dataset"], "eval", data_dir)
     loaded = load_model(model, dtype, device, device_map=device_map, max_memory=caps)
     folder = out_dir or Path("artifacts") / loaded.name
-    targets = [(instance, out or folder / f"{instance.name}-{tag}.safetensors") for instance, tag, _ in jobs]
+    targets = [(instance, out or folder / f"{name}.safetensors") for (instance, _, _), name in zip(jobs, names)]
     started = time.perf_counter()
 
     def done(instance, target, artifact):

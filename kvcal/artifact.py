@@ -215,10 +215,13 @@ def load_artifact(path: str | Path) -> Artifact:
 def _header_problem(header: dict) -> str | None:
     """What is wrong with the structure of a header (the content hash covers the tensors only, so a hand-edited header
     must be checked field by field before anything reads it), or None."""
-    kinds = {"method": str, "config": dict, "model": dict, "bits": dict, "bits_per_element": (int, float)}
+    kinds = {"method": str, "config": dict, "model": dict, "bits": dict, "bits_per_element": (int, float),
+             "info": dict, "tensor_kinds": dict}
     for key, kind in kinds.items():
         if key in header and not isinstance(header[key], kind):
             return f"'{key}' is a {type(header[key]).__name__}"
+    if not all(isinstance(v, str) for v in header.get("tensor_kinds", {}).values()):
+        return "tensor_kinds has a kind that is not a string"
     model = header["model"]
     for key in MODEL_FIELDS:
         if key not in model:

@@ -94,7 +94,8 @@ def recipes_command(model: str = typer.Option("smollm2-135m", "--model", "-m", h
     table = Table("recipe", "method", f"bits/elem on {model}", "description")
     for row in describe_recipes(model_dims(model)):
         bits = "-" if row["bits_per_element"] is None else f"{row['bits_per_element']:.3f}"
-        note = f"(not on this model: {row['problem']}) " if row["problem"] else ""
+        note = ("" if not row["problem"] else f"(broken recipe: {row['problem']}) " if row["broken"] else
+                f"(not on this model: {row['problem']}) ")
         table.add_row(escape(row["name"]), row["method"], bits, escape(note + row["description"]))
     console.print(table)
 
@@ -324,7 +325,8 @@ def eval_passkey_command(
                                               "default 0 25 50 75 100)."),
     trials: int = typer.Option(5, help="Trials per length x depth cell (each its own seeded key)."),
     seed: int = typer.Option(0, help="Seed of the keys."),
-    max_new_tokens: int = typer.Option(8, help="decode mode: greedy tokens generated after the question."),
+    max_new_tokens: int | None = typer.Option(None, help="decode mode: greedy tokens generated after the question "
+                                              "(default 8)."),
     mode: str = typer.Option("decode", help="decode (prefill, then greedy decoding through kvcal's cache) or "
                              "simulate (the prefill-decode simulation; the answer teacher-forced, correct when "
                              "greedy would emit it)."),
@@ -434,6 +436,9 @@ def report_command(
         raise KvcalError("give JSON records, --docs, --check or --plot")
     if (docs or check or (plot is not None and not records)) and manifest is None:
         raise KvcalError("--docs, --check and --plot without records read a manifest: pass --manifest FILE")
+    if manifest is not None and not (docs or check or (plot is not None and not records)):
+        raise KvcalError("--manifest applies to --docs, --check and --plot without records (records given are "
+                         "tabulated or drawn as they are)")
     passkeys = [read_passkey_record(p) for p in records or []]
     if any(passkeys):
         if not all(passkeys):
@@ -717,6 +722,10 @@ def search_command(
         raise KvcalError(f"unknown protocol '{protocol}' (choose from {', '.join(PROTOCOLS)})")
     if fp_window is not None and fp_window < 0:
         raise KvcalError(f"--fp-window must be >= 0, got {fp_window}")
+    if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
+        raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
+    if seed < 0:
+        raise KvcalError(f"--seed must be >= 0, got {seed}")
     plan = Plan(model, dtype, device, dataset, data_dir, nsamples, seqlen, seed, eval_nsamples, protocol,
                 fp_window=fp_window, batch_size=batch_size, capture_budget_bytes=int(capture_budget_gb * (1 << 30)))
     if protocol == "prefill-decode":
@@ -749,8 +758,6 @@ def search_command(
                 setattr(grid, name, value)
     check_passkey(grid, min_passkey)
     seconds = parse_duration(time_budget)
-    if not math.isfinite(capture_budget_gb) or capture_budget_gb <= 0:
-        raise KvcalError(f"--capture-budget-gb must be a positive number, got {capture_budget_gb}")
     on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
     timing = None
     if speed or (speed is None and not on_cpu):

@@ -72,7 +72,12 @@ def _load_text(dataset: str, split: str, data_dir: str | None) -> Text:
     path = Path(dataset)
     if path.is_file():
         # A local file serves both splits: calibration windows are random, evaluation windows sequential.
-        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise KvcalError(f"dataset file {dataset} is not UTF-8 text (byte {exc.start})") from None
+        if "\x00" in text:
+            raise KvcalError(f"dataset file {dataset} is not text (it holds NUL bytes)")
         return Text(text, {"dataset": str(path), "split": "whole file", "sha256": _sha(text)})
     if path.is_dir():
         raise KvcalError(f"dataset {dataset} is a folder, not a text file (a folder of WikiText-2 files goes to "

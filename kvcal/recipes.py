@@ -52,15 +52,22 @@ def recipe_names() -> list[str]:
 
 def describe_recipes(dims, tokens: int = REFERENCE_TOKENS) -> list[dict]:
     """One row per recipe: name, method, bits per element on a model of `dims` at `tokens` tokens (None where the
-    setting does not fit the model or the recipe does not load, `problem` saying why) and its description."""
+    setting does not fit the model or the recipe does not load, `problem` saying why, `broken` when the recipe itself is
+    at fault) and its description."""
     rows = []
     for name in recipe_names():
-        row = {"name": name, "method": "-", "bits_per_element": None, "description": "", "problem": None}
+        row = {"name": name, "method": "-", "bits_per_element": None, "description": "", "problem": None,
+               "broken": False}
         try:
             recipe = load_recipe(name)
             row["method"] = recipe.method
             row["description"] = recipe.description
             method = build_method(recipe.method, recipe.config)
+        except KvcalError as exc:  # the recipe itself: unreadable, or a config its method refuses
+            row["problem"], row["broken"] = str(exc), True
+            rows.append(row)
+            continue
+        try:
             method.check_model(dims)
             row["bits_per_element"] = bits_per_element(method, dims, tokens).bits_per_element
         except KvcalError as exc:

@@ -75,6 +75,21 @@ def test_schema_version_mismatch(tmp_path, tiny):
         load_artifact(path)
 
 
+@pytest.mark.parametrize("edit, problem", [
+    ({"info": [1, 2]}, "'info' is a list"),
+    ({"tensor_kinds": [1]}, "'tensor_kinds' is a list"),
+    ({"tensor_kinds": {"layers.0.k.scale": 3}}, "tensor_kinds has a kind that is not a string"),
+])
+def test_a_hand_edited_header_is_refused_by_field(tmp_path, tiny, edit, problem):
+    """The tensor hash does not cover the header: `inspect` and `compare` read info and tensor_kinds, so load_artifact
+    checks their types."""
+    saved = load_artifact(save_artifact(tmp_path / "a.safetensors", make(tiny)))
+    path = tmp_path / "edited.safetensors"
+    save_file(saved.tensors, str(path), metadata={HEADER_KEY: json.dumps({**saved.header, **edit})})
+    with pytest.raises(KvcalError, match=f"malformed kvcal header \\({problem}\\)"):
+        load_artifact(path)
+
+
 def test_model_mismatch_names_the_field(tmp_path, tiny):
     path = save_artifact(tmp_path / "a.safetensors", make(tiny))
     other = load_model("tiny-qwen3")

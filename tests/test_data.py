@@ -59,6 +59,17 @@ def test_local_text_file(tmp_path):
     assert load_text(str(f), "eval").text == "hello world"
 
 
+def test_a_dataset_file_that_is_not_text_is_refused(tmp_path):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(KvcalError, match=f"dataset file {latin} is not UTF-8 text \\(byte 3\\)"):
+        load_text(str(latin), "eval")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"PK\x03\x04\x00\x00abc")
+    with pytest.raises(KvcalError, match="is not text \\(it holds NUL bytes\\)"):
+        load_text(str(binary), "calib")
+
+
 def test_windows():
     ids = torch.arange(100)
     assert torch.equal(eval_windows(ids, 30), torch.arange(90).view(3, 30))  # every full window, the tail dropped

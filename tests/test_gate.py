@@ -75,6 +75,7 @@ def test_tolerance_parsing_errors():
 
 RECORD = {"setting": "2bit", "method": "kivi", "ppl": 25.0, "bits_per_element": 3.4, "protocol": "gptq",
           "nsamples": 4, "seqlen": 256, "mode": "simulate", "prompt_len": 0, "model": {"name": "tiny-llama"},
+          "dtype": "float32", "fp_window": 0,
           "dataset": {"dataset": "wikitext2", "split": "wiki.test.raw", "sha256": "ab"}}
 
 
@@ -107,6 +108,8 @@ def test_gate_pass_fail_and_mismatch():
     ("mode", {"mode": "decode"}, "decode", "simulate"),
     ("seqlen", {"seqlen": 512}, "512", "256"),
     ("windows", {"nsamples": 8}, "8", "4"),
+    ("dtype", {"dtype": "bfloat16"}, "bfloat16", "float32"),
+    ("full-precision window", {"fp_window": 128}, "128", "0"),
 ])
 def test_gate_refuses_records_that_measured_something_else(field, change, here, there):
     """Each field that makes two records comparable, written out here rather than read from the gate's own list:
@@ -114,6 +117,15 @@ def test_gate_refuses_records_that_measured_something_else(field, change, here, 
     verdict = gate(dict(RECORD, ppl=20.0, **change), RECORD, 1.0)
     assert verdict.code == MISMATCH and verdict.message == (
         f"not comparable: {field} is {here} here but {there} in the baseline")
+
+
+def test_a_fp16_record_gates_every_full_precision_window():
+    """fp16 is the reference of every allowance: a record with a window gates against it; a baseline of perplexity 0
+    is refused, not divided by."""
+    fp16 = dict(RECORD, method="fp16", setting="fp16", ppl=24.0, bits_per_element=16.0, fp_window=None)
+    assert gate(dict(RECORD, fp_window=128), fp16, 10.0).code == PASS
+    zero = gate(RECORD, dict(RECORD, ppl=0.0), 1.0)
+    assert zero.code == MISMATCH and "baseline's perplexity is 0.0 (not a perplexity)" in zero.message
 
 
 def test_gate_command_exit_codes(tmp_path):

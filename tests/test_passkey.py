@@ -129,6 +129,7 @@ def test_cli_record_table_and_plot(tmp_path):
     (["--mode", "nope"], "unknown mode"),
     (["--method", "kvquant"], "needs an artifact"),
     (["--recipe", "evict-1bit", "--fp-window", "512"], "keeps"),
+    (["--mode", "simulate", "--max-new-tokens", "4"], "--max-new-tokens applies to --mode decode only"),
 ])
 def test_cli_bad_input(tmp_path, args, message):
     out = tmp_path / "pk.json"
@@ -138,6 +139,15 @@ def test_cli_bad_input(tmp_path, args, message):
     message_line = result.stderr.strip()
     assert message in message_line and "Traceback" not in message_line and "\n" not in message_line, message_line
     assert not out.exists()
+
+
+def test_generated_tokens_past_the_context_are_refused_by_their_flag(tmp_path):
+    """Without --lengths the default lengths are cut to the context less the generated tokens: when those leave no
+    prompt, the error names --max-new-tokens, not a length the user did not give."""
+    result = kvcal("eval", "passkey", "--model", "tiny-llama", "--trials", "1", "--max-new-tokens", "100000")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: --max-new-tokens 100000 leaves no prompt within tiny-llama's "
+                                            "context")
 
 
 def test_cli_records_the_full_precision_allowance(tmp_path):

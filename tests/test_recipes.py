@@ -50,6 +50,20 @@ def test_recipes_command_lists_every_recipe():
     assert other.returncode == 0 and "not on this model" in other.stdout
 
 
+def test_a_broken_recipe_is_listed_as_broken_not_as_unfit(tmp_path, monkeypatch):
+    """A recipe that does not load (bad YAML, a key its method does not have) is the recipe's fault: `broken`, while
+    one that loads but does not fit the model is not."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes/bad-yaml.yaml").write_text("method: kivi\nconfig: [unclosed\n")
+    (tmp_path / "recipes/bad-key.yaml").write_text("method: kivi\nconfig: {nonsense: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    rows = {r["name"]: r for r in describe_recipes(model_dims("tiny-llama"))}
+    assert rows["bad-yaml"]["broken"] and "not valid YAML" in rows["bad-yaml"]["problem"]
+    assert rows["bad-key"]["broken"] and "nonsense" in rows["bad-key"]["problem"]
+    unfit = [r for r in rows.values() if r["problem"] and not r["broken"]]
+    assert unfit and all(r["name"] not in ("bad-yaml", "bad-key") for r in unfit)
+
+
 def test_a_set_that_changes_the_config_changes_the_name():
     assert resolve(None, "xquant-svd-2bit", None)[1] == "svd-2bit"
     assert resolve(None, "xquant-svd-2bit", ["group_channels=32"])[1] == "svd-2bit-group_channels32"

@@ -9,7 +9,15 @@ from typer.testing import CliRunner
 
 from kvcal.cli import app
 from kvcal.errors import KvcalError
-from kvcal.eval.report import load_manifest, markdown_table, pareto_points, render_docs, write_docs
+from kvcal.eval.report import (
+    load_manifest,
+    markdown_table,
+    pareto_points,
+    read_passkey_record,
+    read_record,
+    render_docs,
+    write_docs,
+)
 
 
 def record(method, ppl, nsamples, protocol="gptq", seqlen=2048, model="smollm2-135m", fp_window=0, setting=None):
@@ -74,8 +82,7 @@ def test_plot_of_given_records_draws_one_front_per_allowance(tmp_path):
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(r))
     out = tmp_path / "chart.png"
-    result = CliRunner().invoke(app, ["report", "--plot", str(out), *map(str, paths),
-                                      "--manifest", str(tmp_path / "none.yaml")])
+    result = CliRunner().invoke(app, ["report", "--plot", str(out), *map(str, paths)])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(KvcalError, match="rtn-tail not of the fp16 record's") as err:
@@ -160,6 +167,65 @@ def test_manifest_errors_are_one_line(tmp_path, edit, message):
     with pytest.raises(KvcalError, match=message) as err:
         render_docs(load_manifest(manifest), tmp_path)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ("docs:\n- path: docs/page.md\n", "page 1: needs a 'path' and a 'blocks' list"),
+    ("docs:\n- path: docs/page.md\n  blocks:\n  - table: {rows: []}\n",
+     "block 1: needs a 'text' or a 'table' with 'columns' and 'rows' lists"),
+    ("docs:\n- path: docs/page.md\n  blocks:\n  - 3\n", "block 1: needs a 'text' or a 'table'"),
+])
+def test_a_manifest_missing_its_parts_is_a_one_line_error(tmp_path, manifest, message):
+    path = tmp_path / "tables.yaml"
+    path.write_text(manifest)
+    with pytest.raises(KvcalError, match=message) as err:
+        load_manifest(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"ppl": 0}, "perplexity 0: not above 0"),
+    ({"ppl": -5.0}, "perplexity -5.0: not above 0"),
+    ({"model": ["smollm2-135m"]}, "'model' is a JSON list"),
+    ({"dataset": 3}, "'dataset' is a JSON int"),
+])
+def test_records_with_impossible_values_are_refused(tmp_path, change, message):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({**record("kivi", 25.0, 4), **change}))
+    with pytest.raises(KvcalError, match=message):
+        read_record(path)
+
+
+def test_a_model_or_dataset_given_by_name_reads_as_that_name(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({**record("kivi", 25.0, 4), "model": "smollm2-135m", "dataset": "wikitext2"}))
+    got = read_record(path)
+    assert got["model"] == {"name": "smollm2-135m"} and got["dataset"] == {"dataset": "wikitext2"}
+    assert markdown_table([got]).count("| kivi-4 |") == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"lengths": []}, "without its lengths, depths and cells"),
+    ({"cells": [{"length": 64, "depth": 0}]}, "cells lack a length, depth or accuracy"),
+    ({"setting": None}, "without its setting, mode or model"),
+])
+def test_passkey_records_without_their_grid_are_refused(tmp_path, change, message):
+    good = {"kind": "passkey", "setting": "fp16", "mode": "simulate", "model": {"name": "tiny-llama"},
+            "lengths": [64], "depths": [0], "cells": [{"length": 64, "depth": 0, "accuracy": 1.0}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(good))
+    assert read_passkey_record(path) == good
+    path.write_text(json.dumps({**good, **change}))
+    with pytest.raises(KvcalError, match=message):
+        read_passkey_record(path)
+
+
+def test_manifest_without_docs_check_or_plot_is_refused(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record("kivi", 25.0, 4)))
+    result = CliRunner().invoke(app, ["report", str(path), "--manifest", str(tmp_path / "none.yaml")])
+    assert isinstance(result.exception, KvcalError)
+    assert str(result.exception).startswith("--manifest applies to --docs, --check and --plot")
 
 
 def test_plot_writes_a_png(tmp_path):

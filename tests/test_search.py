@@ -142,6 +142,8 @@ def test_gpu_calibrations_are_left_out_on_a_cpu_unless_named():
     (["--bits", "1.7", "--device", "cpu"], "no recipe is searched at 1.700 bits per element on tiny-llama: "
                                            "commvq-1bit fits but commvq calibrates for hours on a CPU"),
     (["--bits", "3", "--plot", "front.txt"], "--plot front.txt: name a .png, .pdf, .svg file"),
+    (["--bits", "3", "--capture-budget-gb", "nan"], "--capture-budget-gb must be a positive number, got nan"),
+    (["--bits", "3", "--seed", "-1"], "--seed must be >= 0, got -1"),
 ])
 def test_bad_input_is_one_line(args, needle, text_file):
     assert_one_line_error(kvcal("search", "--model", "tiny-llama", "--dataset", text_file, *args), needle)

@@ -4,8 +4,9 @@
 perplexity is at most PCT percent above the baseline's and the bits per element grew by at most B (default 0); it
 fails (exit 1) with one line naming the metric, the baseline, the new value and the limit (both on stdout). Two
 records are only comparable when they measured the same thing: the same model, dataset (and its hash), protocol (and
-its prompt length), mode, sequence length and number of windows; otherwise the gate refuses (exit 2, one error line on
-stderr) naming the field that differs.
+its prompt length), mode, sequence length, number of windows and dtype, and, unless one of them is fp16 (the reference
+of every allowance), the same full-precision window; otherwise the gate refuses (exit 2, one error line on stderr)
+naming the field that differs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from kvcal.errors import KvcalError
-from kvcal.eval.report import read_record
+from kvcal.eval.report import fp_window_of, read_record
 
 PASS, FAIL, MISMATCH = 0, 1, 2
 
@@ -41,6 +42,7 @@ MATCH_FIELDS = (
     ("mode", lambda r: r.get("mode")),
     ("seqlen", lambda r: r.get("seqlen")),
     ("windows", lambda r: r.get("nsamples")),
+    ("dtype", lambda r: r.get("dtype")),
 )
 
 
@@ -59,9 +61,13 @@ def gate(new: dict, baseline: dict, max_increase: float, max_bits_increase: floa
         if read(new) != read(baseline):
             return Verdict(MISMATCH, f"not comparable: {name} is {read(new)} here but {read(baseline)} in the "
                                      "baseline")
+    if "fp16" not in (new.get("method"), baseline.get("method")) and fp_window_of(new) != fp_window_of(baseline):
+        return Verdict(MISMATCH, f"not comparable: full-precision window is {fp_window_of(new)} here but "
+                                 f"{fp_window_of(baseline)} in the baseline")
     ppl, base = _ppl(new), _ppl(baseline)
-    if not math.isfinite(base):  # a diverged baseline (kvcal writes it as null): no limit to hold anything to
-        return Verdict(MISMATCH, f"not comparable: the baseline's perplexity is {base} (a diverged run); gate against "
+    if not math.isfinite(base) or base <= 0:  # a diverged baseline (kvcal writes it as null): no limit to hold to
+        why = "a diverged run" if not math.isfinite(base) else "not a perplexity"
+        return Verdict(MISMATCH, f"not comparable: the baseline's perplexity is {base} ({why}); gate against "
                                  "a baseline that measured a finite one")
     limit = base * (1 + max_increase / 100)
     if not math.isfinite(ppl) or ppl > limit:

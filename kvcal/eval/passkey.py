@@ -199,6 +199,9 @@ def passkey_record(loaded, method, storages, setting: str, artifact_record, dtyp
 def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, lengths, depths, trials, seed, mode,
                              max_new_tokens, backend, dtype, device, device_map=None, max_memory=None,
                              fp_window: int | None = None) -> dict:
+    if max_new_tokens is not None and mode != "decode":
+        raise KvcalError("--max-new-tokens applies to --mode decode only (the simulation teacher-forces the answer)")
+    max_new_tokens = 8 if max_new_tokens is None else max_new_tokens
     check_grid(lengths or DEFAULT_LENGTHS, depths, trials, max_new_tokens, mode)
     backend_ran(backend, "cpu")
     if backend != "packed" and mode != "decode":
@@ -230,6 +233,9 @@ def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, le
         artifact_record = None
     if not lengths:  # the defaults, the longest cut to what the model's positions hold with the generated tokens
         limit = getattr(loaded.model.config, "max_position_embeddings", None) or DEFAULT_LENGTHS[-1]
+        if limit - max_new_tokens < 2:
+            raise KvcalError(f"--max-new-tokens {max_new_tokens} leaves no prompt within {loaded.name}'s context "
+                             f"({limit} positions)")
         lengths = sorted({min(n, limit - max_new_tokens) for n in DEFAULT_LENGTHS})
     return passkey_record(loaded, method, storages, setting, artifact_record, dtype, lengths, depths, trials, seed, mode,
                           max_new_tokens, backend, fp_window)

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from kvcal.accounting import bits_per_element
+from kvcal.artifact import write_atomic
 from kvcal.errors import KvcalError
 from kvcal.methods.registry import build_method
 from kvcal.models import ModelDims
@@ -36,6 +37,14 @@ def read_record(path) -> dict:
             continue
         if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
             raise KvcalError(f"report: {path} is not a kvcal eval record ('{key}' missing or of the wrong type)")
+    if not record["ppl"] > 0 and not math.isnan(record["ppl"]):
+        raise KvcalError(f"report: {path} is not a kvcal eval record (perplexity {record['ppl']}: not above 0)")
+    for key, inner in (("model", "name"), ("dataset", "dataset")):  # a name alone reads as {inner: name}
+        value = record.get(key)
+        if isinstance(value, str):
+            record[key] = {inner: value}
+        elif value is not None and not isinstance(value, dict):
+            raise KvcalError(f"report: {path} is not a kvcal eval record ('{key}' is a JSON {type(value).__name__})")
     return record
 
 
@@ -278,6 +287,19 @@ def load_manifest(path: Path) -> dict:
         raise KvcalError(f"report: {path} is not YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("docs"), list):
         raise KvcalError(f"report: {path} has no 'docs' list")
+    for i, page in enumerate(manifest["docs"]):
+        where = f"report: {path} page {i + 1}"
+        if not isinstance(page, dict) or not isinstance(page.get("path"), str) or not isinstance(page.get("blocks"),
+                                                                                                   list):
+            raise KvcalError(f"{where}: needs a 'path' and a 'blocks' list")
+        for j, block in enumerate(page["blocks"]):
+            table = block.get("table") if isinstance(block, dict) else None
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                continue
+            if not (isinstance(table, dict) and isinstance(table.get("columns"), list)
+                    and isinstance(table.get("rows"), list)):
+                raise KvcalError(f"{where} ({page['path']}) block {j + 1}: needs a 'text' or a 'table' with "
+                                 "'columns' and 'rows' lists")
     return manifest
 
 
@@ -309,14 +331,12 @@ def write_docs(manifest_path: Path, check: bool = False) -> list[str]:
     """Write (or, with `check`, compare) every generated page; returns the pages that differed."""
     manifest_path = Path(manifest_path)
     root = manifest_path.resolve().parent.parent
-    differ = []
-    for out, text in render_docs(load_manifest(manifest_path), root).items():
-        target = root / out
-        old = target.read_text(encoding="utf-8") if target.is_file() else None
-        if old != text:
-            differ.append(out)
-            if not check:
-                target.write_text(text, encoding="utf-8")
+    pages = render_docs(load_manifest(manifest_path), root)
+    differ = [out for out, text in pages.items()
+              if ((root / out).read_text(encoding="utf-8") if (root / out).is_file() else None) != text]
+    if not check:  # every page is rendered before the first is written, and each is written whole (atomically)
+        for out in differ:
+            write_atomic(root / out, lambda tmp, text=pages[out]: Path(tmp).write_text(text, encoding="utf-8"))
     return differ
 
 
@@ -450,8 +470,13 @@ def read_passkey_record(path) -> dict | None:
         raise KvcalError(f"report: cannot read {path} ({type(exc).__name__})") from None
     if not isinstance(record, dict) or record.get("kind") != "passkey":
         return None
-    if not all(isinstance(record.get(k), list) for k in ("lengths", "depths", "cells")):
+    if not all(isinstance(record.get(k), list) and record.get(k) for k in ("lengths", "depths", "cells")):
         raise KvcalError(f"report: {path} is a passkey record without its lengths, depths and cells")
+    if not all(isinstance(c, dict) and {"length", "depth", "accuracy"} <= c.keys() for c in record["cells"]):
+        raise KvcalError(f"report: {path} is a passkey record whose cells lack a length, depth or accuracy")
+    if not (isinstance(record.get("setting"), str) and isinstance(record.get("mode"), str)
+            and isinstance(record.get("model"), dict)):
+        raise KvcalError(f"report: {path} is a passkey record without its setting, mode or model")
     return record
 
 

@@ -49,6 +49,18 @@ def test_unknown_model(tmp_path):
     assert_one_line_error(kvcal("eval", "ppl", "--model", "gpt-9", "--method", "fp16"), "unknown model 'gpt-9'")
 
 
+def test_a_model_path_says_what_is_wrong_with_the_path(tmp_path):
+    """A path is not an unknown name: a missing file and a file that is not a .gguf each say so."""
+    from kvcal.errors import KvcalError
+    from kvcal.models import check_model_args
+
+    with pytest.raises(KvcalError, match=f"^model path {tmp_path / 'm.gguf'} does not exist"):
+        check_model_args(str(tmp_path / "m.gguf"), "float32", "cpu")
+    (tmp_path / "m.safetensors").write_bytes(b"x")
+    with pytest.raises(KvcalError, match="is not a .gguf file"):
+        check_model_args(str(tmp_path / "m.safetensors"), "float32", "cpu")
+
+
 def test_missing_data(tmp_path):
     result = kvcal("eval", "ppl", "--model", "tiny-llama", "--method", "fp16", "--data-dir", tmp_path)
     assert_one_line_error(result, "wiki.test.raw")

@@ -452,12 +452,17 @@ def draw_pareto(reference: dict, points: list[dict], title: str, out: Path,
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)
+    save_figure(fig, out)
     plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The passkey grid: one heatmap per `kvcal eval passkey` record (rows: context length, columns: needle depth).
+
+
+def save_figure(fig, out, **options) -> None:
+    """A chart written whole or not at all (write_atomic): the format from `out`'s extension."""
+    write_atomic(out, lambda tmp: fig.savefig(tmp, format=Path(out).suffix.lstrip(".").lower(), **options))
 
 
 def read_passkey_record(path) -> dict | None:
@@ -521,5 +526,5 @@ def plot_passkey(records: list[dict], out: Path) -> None:
     fig.colorbar(image, ax=flat, label="accuracy", shrink=0.6)
     name = records[0]["model"].get("name", "")
     fig.suptitle(f"passkey retrieval, {name}", fontsize=10)
-    fig.savefig(out, bbox_inches="tight")
+    save_figure(fig, out, bbox_inches="tight")
     plt.close(fig)

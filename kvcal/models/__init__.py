@@ -96,6 +96,12 @@ def check_model_args(name: str, dtype: str, device: str) -> tuple[torch.dtype, s
         check_gguf_servable(inspect_gguf(path), path)  # the header only: well under a second
     elif path.is_dir():
         check_local_config(path)
+    elif path.is_file():
+        raise KvcalError(f"model file {name} is not a .gguf file (a local model is a .gguf file or a Hugging Face "
+                         "model directory)")
+    elif "/" in name or os.sep in name or name.startswith(("~", ".")) or path.suffix.lower() == ".gguf":
+        raise KvcalError(f"model path {name} does not exist (--model takes a name from `kvcal models`, a local .gguf "
+                         "file or a local Hugging Face model directory)")
     else:
         known = ", ".join(ALIASES)
         raise KvcalError(f"unknown model '{name}': use one of {known}, a local .gguf file or a local Hugging Face "

@@ -59,16 +59,25 @@ def test_quantizer_by_hand():
 
 def test_value_range_ablations_and_groups():
     dims = type("D", (), {"num_layers": 1, "num_heads": 1})
-    v = torch.tensor([[0.0, 4.0], [1.0, 2.0]], dtype=torch.float64)[None, None]
-    # per token (KIVI-style): token 0 in [0, 4], token 1 in [1, 2]: 1 bit, c = 1 -> exact at the extremes
+    # 3 tokens x 3 channels, 1 bit, c = 1: each value goes to the nearer end of its range (0.5 of the step rounds
+    # half to even, to the lower end), so per-token, per-channel and global ranges give three different answers
+    v = torch.tensor([[0.0, 4.0, 1.0], [1.0, 2.0, 3.0], [2.0, 0.0, 4.0]], dtype=torch.float64)[None, None]
+    # per token (KIVI-style): [0, 4], [1, 3], [0, 4]
     _, rec = codec(dims, bits=1, calibration=False, v_ranges="token", v_range_scale=1.0)[0].reconstruct(v, v)
-    assert rec[0, 0].tolist() == [[0.0, 4.0], [1.0, 2.0]]
-    # global: one range [0, 4] over the block: 1 -> 0 (1/4 rounds to 0), 2 -> 4 (half to even: 0.5 -> 0 -> 0)
+    assert rec[0, 0].tolist() == [[0.0, 4.0, 0.0], [1.0, 1.0, 3.0], [0.0, 0.0, 4.0]]
+    # per channel: [0, 2], [0, 4], [1, 4] (3 is 2/3 of the way up: to 4)
+    _, rec = codec(dims, bits=1, calibration=False, v_ranges="channel", v_range_scale=1.0)[0].reconstruct(v, v)
+    assert rec[0, 0].tolist() == [[0.0, 4.0, 1.0], [0.0, 0.0, 4.0], [2.0, 0.0, 4.0]]
+    # global: one range [0, 4] over the block
     _, rec = codec(dims, bits=1, calibration=False, v_ranges="global", v_range_scale=1.0)[0].reconstruct(v, v)
-    assert rec[0, 0].tolist() == [[0.0, 4.0], [0.0, 0.0]]
-    # group_tokens 1: every token its own range: channel-wise reconstruction is then exact
-    rec, _ = codec(dims, bits=1, calibration=False, group_tokens=1, k_range_scale=1.0)[0].reconstruct(v, v)
-    assert rec[0, 0].tolist() == v[0, 0].tolist()
+    assert rec[0, 0].tolist() == [[0.0, 4.0, 0.0], [0.0, 0.0, 4.0], [0.0, 0.0, 4.0]]
+    # key groups along the tokens: with groups of 2 tokens every channel's range in each group is its two values
+    # (exact); one group of 4: channel 0 in [0, 3], channel 1 in [0, 6]
+    k = torch.tensor([[0.0, 4.0], [1.0, 2.0], [3.0, 0.0], [2.0, 6.0]], dtype=torch.float64)[None, None]
+    rec, _ = codec(dims, bits=1, calibration=False, group_tokens=2, k_range_scale=1.0)[0].reconstruct(k, k)
+    assert rec[0, 0].tolist() == k[0, 0].tolist()
+    rec, _ = codec(dims, bits=1, calibration=False, group_tokens=4, k_range_scale=1.0)[0].reconstruct(k, k)
+    assert rec[0, 0].tolist() == [[0.0, 6.0], [0.0, 0.0], [3.0, 0.0], [3.0, 6.0]]
 
 
 def test_degenerate_channel_guard():

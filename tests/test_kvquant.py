@@ -158,6 +158,32 @@ def test_value_datatype_solves_the_weighted_kmeans_problem(tiny_store):
     assert weighted_cost(xn, weights["none"], tables["none"]) < 0.995 * weighted_cost(xn, weights["none"], tables["fisher"])
 
 
+def test_value_kmeans_weights_are_fisher_times_the_squared_token_scale(tiny_store, monkeypatch):
+    """The weights the value k-means receives are F * s^2 with s each token's own half-range (recomputed in numpy by
+    reference_value_problem): on the tiny store the F and F * s^2 tables nearly coincide, so only the weights
+    themselves tell a value path that drops (or takes the keys') scale."""
+    import numpy as np
+
+    from kvcal.methods.kvquant import calibrate as kvq
+
+    loaded, store = tiny_store
+    xn, weights = reference_value_problem(store)
+    fed = []
+
+    def recording(values, w, bits, **options):
+        fed.append((values.double().flatten().numpy(), None if w is None else w.double().flatten().numpy()))
+        return datatype_tables(values, w, bits, **options)
+
+    datatype_tables = kvq.datatype_tables
+    monkeypatch.setattr(kvq, "datatype_tables", recording)
+    build_method("kvquant", {"bits": 2, "outliers": 0.0, "qnorm": False}).calibrate(loaded, store)
+    value_calls = [w for values, w in fed if values.size == xn.size and np.allclose(np.sort(values), np.sort(xn),
+                                                                                    atol=1e-5)]
+    assert len(value_calls) == 1
+    assert np.allclose(np.sort(value_calls[0]), np.sort(weights["fisher_scale"]), rtol=1e-4, atol=0)
+    assert not np.allclose(np.sort(weights["fisher"]), np.sort(weights["fisher_scale"]), rtol=0.1, atol=0)
+
+
 def test_per_head_value_datatype_solves_the_per_head_problem(tiny_store):
     """value_scope=head normalizes each (token, head) vector by its own range: its table solves that
     problem as well as sklearn does, and clearly better than the per-token table does."""

@@ -62,15 +62,16 @@ def loop_minmax(x, bits):
     return torch.clamp(torch.round((x - lo) / scale), 0, 2**bits - 1) * scale + lo
 
 
-def test_groups_along_any_axis_match_a_loop():
-    x = torch.randn(2, 3, 8, 6)
-    out = fake_quant_groups(x, 3, dim=2, group=4)
-    for b in range(2):
-        for h in range(3):
-            for g in range(2):
-                for d in range(6):
-                    seg = x[b, h, 4 * g : 4 * g + 4, d]
-                    torch.testing.assert_close(out[b, h, 4 * g : 4 * g + 4, d], loop_minmax(seg, 3))
+@pytest.mark.parametrize("dim", [1, 2, -1])
+def test_groups_along_any_axis_match_a_loop(dim):
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(dim % 4))
+    out = fake_quant_groups(x, 3, dim=dim, group=4)  # 4 values at 3 bits: the middle two are rounded
+    moved_x, moved_out = x.movedim(dim, -1), out.movedim(dim, -1)  # the grouped axis last, for the loop
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in moved_x.shape[:-1]]).tolist():
+        for g in range(moved_x.shape[-1] // 4):
+            seg = moved_x[tuple(index)][4 * g : 4 * g + 4]
+            torch.testing.assert_close(moved_out[tuple(index)][4 * g : 4 * g + 4], loop_minmax(seg, 3))
+    assert not torch.allclose(out, x, atol=1e-3)  # what the comparison holds is not the identity
 
 
 def test_kivi_keys_per_channel_values_per_token():

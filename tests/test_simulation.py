@@ -64,7 +64,11 @@ def test_sinks_window_policy_matches_decoding(tiny):
     windowed = RtnStorage(2, tiny.dims.head_dim)
     windowed.policy = FlushPolicy(sink=3, residual=5, block=1)  # the storage declares it; cache and simulation follow
     codec = Storages([windowed] * tiny.dims.num_layers)
-    assert simulated_nll(tiny, codec, ids).nll == pytest.approx(decode_nll(tiny, codec, ids, "gptq", 0), rel=2e-6)
+    simulated = simulated_nll(tiny, codec, ids).nll
+    assert simulated == pytest.approx(decode_nll(tiny, codec, ids, "gptq", 0), rel=2e-6)
+    # the policy is honoured: plain RTN (every token quantized) lands 100x the tolerance away from it
+    plain = simulated_nll(tiny, Storages([RtnStorage(2, tiny.dims.head_dim)] * tiny.dims.num_layers), ids).nll
+    assert abs(simulated - plain) > 100 * 2e-6 * abs(plain)
 
 
 def test_fp16_simulation_is_the_plain_model(tiny):

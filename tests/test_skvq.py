@@ -272,11 +272,19 @@ def test_calibrate_writes_layouts_and_searched_clips(tiny, tiny_store):
             offsets = tensors[p + "group_offsets"]
             assert offsets.dtype == torch.int32 and offsets.numel() == groups + 1
             assert offsets[0] == 0 and offsets[-1] == channels and (offsets.diff() > 0).all()
+            # the layout is the one of this layer's and kind's captured rows, the sink positions left out (K and V
+            # of a layer, and the layers, differ on this store, so a swapped or misread input changes it)
+            rows = tiny_store.layer(i)[kind][tiny_store.token_positions >= 2]
+            layout = channel_layout(rows, channels, 6, groups, True, method.seed)
+            assert tensors[p + "perm"].tolist() == layout.perm.tolist()
+            assert tensors[p + "group_offsets"].tolist() == layout.offsets.tolist()
             # per-layer mode: one ratio for all groups, the first minimum of the stored curve
             curve = tensors[p + "clip_loss"]
             best = CLIP_GRID[int(torch.argmin(curve))]
             assert tensors[p + "clip"].tolist() == pytest.approx([best] * groups)
     assert info["clip_search"]["queries_per_window"] == 16 and info["clip_search"]["windows"] == 2
+    perms = [tensors[f"layers.{i}.{kind}.perm"].tolist() for i in range(tiny.dims.num_layers) for kind in "kv"]
+    assert len({tuple(perm) for perm in perms}) == len(perms)  # what makes the layout check above discriminate
     again, _ = method.calibrate(tiny, tiny_store)  # seeded: bit-identical
     assert all(torch.equal(again[name], t) for name, t in tensors.items())
 

@@ -325,8 +325,8 @@ def eval_passkey_command(
                                               "default 0 25 50 75 100)."),
     trials: int = typer.Option(5, help="Trials per length x depth cell (each its own seeded key)."),
     seed: int = typer.Option(0, help="Seed of the keys."),
-    max_new_tokens: int | None = typer.Option(None, help="decode mode: greedy tokens generated after the question "
-                                              "(default 8)."),
+    max_new_tokens: int = typer.Option(8, help="Greedy tokens generated after the question in decode mode; in "
+                                       "both modes the positions kept free past the prompt."),
     mode: str = typer.Option("decode", help="decode (prefill, then greedy decoding through kvcal's cache) or "
                              "simulate (the prefill-decode simulation; the answer teacher-forced, correct when "
                              "greedy would emit it)."),

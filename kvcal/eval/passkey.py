@@ -199,9 +199,6 @@ def passkey_record(loaded, method, storages, setting: str, artifact_record, dtyp
 def evaluate_passkey_command(model, artifact_path, method_name, recipe, sets, lengths, depths, trials, seed, mode,
                              max_new_tokens, backend, dtype, device, device_map=None, max_memory=None,
                              fp_window: int | None = None) -> dict:
-    if max_new_tokens is not None and mode != "decode":
-        raise KvcalError("--max-new-tokens applies to --mode decode only (the simulation teacher-forces the answer)")
-    max_new_tokens = 8 if max_new_tokens is None else max_new_tokens
     check_grid(lengths or DEFAULT_LENGTHS, depths, trials, max_new_tokens, mode)
     backend_ran(backend, "cpu")
     if backend != "packed" and mode != "decode":

@@ -210,6 +210,9 @@ def fit_passkey_grid(loaded, grid: PasskeyGrid, seqlen: int) -> PasskeyGrid:
     if loaded.tokenizer is None:
         raise KvcalError(f"--passkey: {loaded.name} has no tokenizer")
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if not grid.lengths and limit and limit - grid.max_new_tokens < 2:
+        raise KvcalError(f"--passkey-max-new-tokens {grid.max_new_tokens} leaves no prompt within {loaded.name}'s "
+                         f"context ({limit} positions)")
     lengths = grid.lengths or [min(seqlen, limit - grid.max_new_tokens) if limit else seqlen]
     for n in lengths:
         if limit and n + grid.max_new_tokens > limit:

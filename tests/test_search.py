@@ -149,6 +149,15 @@ def test_bad_input_is_one_line(args, needle, text_file):
     assert_one_line_error(kvcal("search", "--model", "tiny-llama", "--dataset", text_file, *args), needle)
 
 
+def test_generated_tokens_past_the_context_are_refused_by_their_flag(tiny):
+    """Without --passkey-lengths the grid's length is the context less the generated tokens: when those leave no
+    prompt, the error names --passkey-max-new-tokens, not a length the user did not give."""
+    grid = search.PasskeyGrid(max_new_tokens=100000)
+    with pytest.raises(KvcalError, match="^--passkey-max-new-tokens 100000 leaves no prompt within tiny-llama's"):
+        search.fit_passkey_grid(tiny, grid, 64)
+    assert search.fit_passkey_grid(tiny, search.PasskeyGrid(), 512).lengths == [512]
+
+
 def test_an_unwritable_out_is_one_line(text_file, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -26,14 +26,9 @@ def _ppl(record: dict) -> float:
     return math.nan if value is None else float(value)
 
 
-def _model(record: dict):
-    model = record.get("model")
-    return model.get("name") if isinstance(model, dict) else model
-
-
 # (field shown in the message, how it is read from a record)
 MATCH_FIELDS = (
-    ("model", _model),
+    ("model", lambda r: (r.get("model") or {}).get("name")),  # read_record reads a name alone as {"name": ...}
     ("dataset", lambda r: (r.get("dataset") or {}).get("dataset")),
     ("dataset split", lambda r: (r.get("dataset") or {}).get("split")),
     ("dataset sha256", lambda r: (r.get("dataset") or {}).get("sha256")),

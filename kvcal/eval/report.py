@@ -404,6 +404,11 @@ def plot_pareto(manifest_path: Path, out: Path) -> None:
     draw_pareto(reference, points, manifest["plot"].get("title", ""), out)
 
 
+def save_figure(fig, out, **options) -> None:
+    """A chart written whole or not at all (write_atomic): the format from `out`'s extension."""
+    write_atomic(out, lambda tmp: fig.savefig(tmp, format=Path(out).suffix.lstrip(".").lower(), **options))
+
+
 def draw_pareto(reference: dict, points: list[dict], title: str, out: Path,
                 xlabel: str = "bits per element (everything counted, 4096 tokens)") -> None:
     """Perplexity increase over fp16 (symlog %) against bits per element, one colour per method and one marker per
@@ -458,11 +463,6 @@ def draw_pareto(reference: dict, points: list[dict], title: str, out: Path,
 
 # ---------------------------------------------------------------------------------------------------------------
 # The passkey grid: one heatmap per `kvcal eval passkey` record (rows: context length, columns: needle depth).
-
-
-def save_figure(fig, out, **options) -> None:
-    """A chart written whole or not at all (write_atomic): the format from `out`'s extension."""
-    write_atomic(out, lambda tmp: fig.savefig(tmp, format=Path(out).suffix.lstrip(".").lower(), **options))
 
 
 def read_passkey_record(path) -> dict | None:
